@@ -1,0 +1,69 @@
+"""The ``pipeplan`` command: a thin click group, one module per command.
+
+Commands are imported lazily so ``pipeplan --help`` never imports torch. Any
+``PipeplanError`` (bad input, infeasible plan, failed run) is printed as one line on
+stderr with exit code 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+from pipeplan import __version__
+from pipeplan.errors import PipeplanError
+
+__all__ = ["main", "cli"]
+
+# command name -> "module:attribute" of its click.Command
+COMMANDS = {
+    "profile": "pipeplan.cli.profile:profile",
+    "partition": "pipeplan.cli.partition:partition",
+    "run": "pipeplan.cli.run:run",
+    "simulate": "pipeplan.cli.simulate:simulate",
+    "report": "pipeplan.cli.report:report",
+    "demo": "pipeplan.cli.demo:demo",
+}
+
+
+def fail(message: str) -> "NoReturn":  # noqa: F821 - typing only
+    """Print ``error: message`` on one line to stderr and exit 2."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(2)
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attribute = target.split(":")
+        return getattr(importlib.import_module(module_name), attribute)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PipeplanError as exc:
+            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="pipeplan")
+def cli() -> None:
+    """Plan and run pipeline-parallel training (PipeDream 1F1B-RR and friends).
+
+    \b
+    pipeplan profile model.py -o profile.json
+    pipeplan partition profile.json --topology cluster.yaml -o plan.json
+    torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py
+    """
+
+
+def main() -> None:
+    cli(prog_name="pipeplan")

@@ -1,0 +1,155 @@
+"""The plan contract: stages, replicas, ranks, schedule and predicted figures.
+
+``stages`` is indexed by stage (0 = input stage); stage s runs layers
+``layer_start <= i < layer_end`` of the profile (a contiguous range of the topological
+order; ``layers`` lists them) on ``replicas`` devices whose global ranks are ``ranks``
+(replica j of stage s is ``ranks[j]``). Times are milliseconds per minibatch, memory
+in bytes per device. Stored as JSON with ``"schema": "pipeplan.plan/1"``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeplan.errors import InputError
+from pipeplan.jsonio import read_json, write_json_atomic
+from pipeplan.topology import Topology
+
+__all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
+
+PLAN_SCHEMA = "pipeplan.plan/1"
+SCHEDULES = ("1f1b-rr", "1f1b-flush", "gpipe")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    layer_start: int  # first layer (inclusive)
+    layer_end: int  # one past the last layer
+    replicas: int
+    ranks: tuple[int, ...]  # global ranks; replica j runs on ranks[j]
+    compute_ms: float  # forward+backward of the stage's layers, one minibatch, one device
+    allreduce_ms: float  # gradient all-reduce among the replicas, per minibatch
+    communication_ms: float  # activations out + gradients back over the outgoing cut
+    time_per_minibatch_ms: float  # the stage's share of the pipeline period
+    memory_bytes: int  # predicted peak per device
+    weight_versions: int  # stashed weight versions kept (1 = no stashing)
+    in_flight: int  # minibatches whose activations a replica holds at once
+    layers: tuple[int, ...] = ()  # the layer set (for a DAG); defaults to the range
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            object.__setattr__(self, "layers", tuple(range(self.layer_start, self.layer_end)))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    time_per_minibatch_ms: float  # pipeline period: one minibatch leaves every this many ms
+    samples_per_s: float
+    speedup_vs_data_parallel: float
+    speedup_vs_single_device: float
+    data_parallel_ms: float  # time per minibatch of pure data parallelism on all devices
+    single_device_ms: float  # forward+backward of the whole model on one device
+
+
+@dataclass(frozen=True)
+class Plan:
+    profile_fingerprint: str
+    model: str  # the profile's model (informational; `run --model` names the file)
+    batch_size: int  # samples per minibatch (as profiled)
+    dtype: str
+    topology: Topology
+    schedule: str  # one of SCHEDULES
+    cost_model: str  # "pipeplan" | "pipedream"
+    optimizer: str  # "sgd" | "momentum" | "adam"
+    world_size: int
+    in_flight: int  # NOAM = ceil(world_size / replicas of the input stage)
+    stages: tuple[StagePlan, ...]
+    predicted: Predicted
+    bottleneck_stage: int
+    microbatches: int = 1  # micro-batches per minibatch for 1f1b-flush / gpipe
+    schema: str = field(default=PLAN_SCHEMA)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def stage_of_rank(self, rank: int) -> tuple[int, int]:
+        """(stage index, replica index) that global ``rank`` runs."""
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage.index, stage.ranks.index(rank)
+        raise InputError(f"rank {rank} runs no stage of this plan (world size {self.world_size})")
+
+    @property
+    def used_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(r for stage in self.stages for r in stage.ranks))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["topology"] = self.topology.to_dict()
+        return {"schema": out.pop("schema"), **out}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], where: str = "plan") -> "Plan":
+        try:
+            stages = tuple(
+                StagePlan(**{**s, "ranks": tuple(s["ranks"]), "layers": tuple(s.get("layers", ()))})
+                for s in obj["stages"]
+            )
+            rest = {
+                k: v
+                for k, v in obj.items()
+                if k not in ("schema", "stages", "topology", "predicted")
+            }
+            return cls(
+                topology=Topology.from_dict(obj["topology"]),
+                stages=stages,
+                predicted=Predicted(**obj["predicted"]),
+                **rest,
+            )
+        except KeyError as exc:
+            raise InputError(f"{where}: missing key {exc.args[0]!r}") from exc
+        except TypeError as exc:
+            raise InputError(f"{where}: {exc}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+        return cls.from_dict(read_json(path, PLAN_SCHEMA), where=str(path))
+
+
+def validate(plan: Plan) -> None:
+    """Raise ``InputError`` naming the first inconsistent value."""
+    if plan.schedule not in SCHEDULES:
+        raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if plan.world_size != plan.topology.world_size:
+        raise InputError(
+            f"plan world_size {plan.world_size} != topology world size {plan.topology.world_size}"
+        )
+    if not plan.stages:
+        raise InputError("plan has no stages")
+    expected_start = 0
+    seen: set[int] = set()
+    for position, stage in enumerate(plan.stages):
+        if stage.index != position:
+            raise InputError(f"plan stage at position {position} has index {stage.index}")
+        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+            raise InputError(
+                f"plan stage {stage.index} covers layers [{stage.layer_start}, {stage.layer_end}), "
+                f"expected to start at {expected_start}"
+            )
+        expected_start = stage.layer_end
+        if stage.replicas != len(stage.ranks) or stage.replicas < 1:
+            raise InputError(
+                f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
+            )
+        for rank in stage.ranks:
+            if not 0 <= rank < plan.world_size or rank in seen:
+                raise InputError(f"plan stage {stage.index}: rank {rank} is out of range or reused")
+            seen.add(rank)
+    if plan.microbatches < 1:
+        raise InputError(f"plan microbatches must be >= 1 (got {plan.microbatches})")
