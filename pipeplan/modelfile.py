@@ -1,0 +1,157 @@
+"""The model file contract: a plain Python file the user writes.
+
+Required names::
+
+    def build_model() -> torch.nn.Module
+    def sample_batch(batch_size: int) -> tuple[inputs, targets]   # inputs: Tensor or tuple of Tensors
+
+Optional names::
+
+    def loss_fn(output, target) -> Tensor        # default: cross-entropy for integer targets, else MSE
+    def data_loader(batch_size, replica, replicas) -> Iterator[tuple[inputs, targets]]
+
+Every failure (missing file, import error, missing name, a name that is not callable)
+raises ``InputError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pipeplan.errors import InputError
+
+__all__ = ["ModelFile", "load_model_file", "default_loss", "bundled_model_path"]
+
+
+def default_loss(output: Any, target: Any) -> Any:
+    """Cross-entropy for integer targets (class ids), mean squared error otherwise."""
+    import torch.nn.functional as F
+
+    if not target.is_floating_point():
+        if output.dim() > 2:  # (batch, seq, classes) -> (batch*seq, classes)
+            return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        return F.cross_entropy(output, target)
+    return F.mse_loss(output, target)
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    path: str
+    build_model: Callable[[], Any]
+    sample_batch: Callable[[int], Any]
+    loss_fn: Callable[[Any, Any], Any]
+    data_loader: Callable[[int, int, int], Iterator[Any]] | None
+
+    def batch(self, batch_size: int, seed: int) -> tuple[tuple[Any, ...], Any]:
+        """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as a tuple.
+
+        The global RNG state is restored afterwards, so drawing a batch never perturbs
+        anything else (model init, dropout).
+        """
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                inputs, targets = self.sample_batch(batch_size)
+            except Exception as exc:  # the user's code: report it in one line
+                raise InputError(f"{self.path}: sample_batch({batch_size}) raised {_one_line(exc)}") from exc
+        return as_tuple(inputs, self.path), targets
+
+    def build(self) -> Any:
+        import torch
+
+        try:
+            model = self.build_model()
+        except Exception as exc:
+            raise InputError(f"{self.path}: build_model() raised {_one_line(exc)}") from exc
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(
+                f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
+            )
+        return model
+
+
+def as_tuple(inputs: Any, where: str) -> tuple[Any, ...]:
+    import torch
+
+    values = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    for position, value in enumerate(values):
+        if not isinstance(value, torch.Tensor):
+            raise InputError(
+                f"{where}: sample_batch input {position} is {type(value).__name__}, expected a Tensor"
+            )
+    return tuple(values)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Import the user's model file and check its names."""
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"model file {str(path)!r} does not exist")
+    module_name = f"pipeplan_user_model_{abs(hash(str(file.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise InputError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses / pickling inside the file need it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        line = _user_line(exc, file)
+        raise InputError(f"{path}{line}: cannot import: {_one_line(exc)}") from exc
+    names: dict[str, Any] = {}
+    for name, required in (
+        ("build_model", True),
+        ("sample_batch", True),
+        ("loss_fn", False),
+        ("data_loader", False),
+    ):
+        value = getattr(module, name, None)
+        if value is None:
+            if required:
+                raise InputError(f"{path}: defines no {name}() (required by the model file contract)")
+            continue
+        if not callable(value):
+            raise InputError(f"{path}: {name} is {type(value).__name__}, expected a function")
+        names[name] = value
+    return ModelFile(
+        path=str(path),
+        build_model=names["build_model"],
+        sample_batch=names["sample_batch"],
+        loss_fn=names.get("loss_fn", default_loss),
+        data_loader=names.get("data_loader"),
+    )
+
+
+def _user_line(exc: BaseException, file: Path) -> str:
+    """':<line>' of the deepest frame inside the user's file, or '' when none."""
+    line = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve() == file.resolve():
+            line = f":{frame.lineno}"
+    if not line and isinstance(exc, SyntaxError) and exc.lineno:
+        line = f":{exc.lineno}"
+    return line
+
+
+def bundled_model_path(name: str) -> str:
+    """Path of a bundled example model (``mlp``, ``vgg``, ``resnet``, ``gpt``) in pipeplan.configs.models."""
+    from importlib import resources
+
+    candidate = resources.files("pipeplan.configs.models") / f"{name}.py"
+    if not candidate.is_file():
+        raise InputError(f"no bundled model named {name!r}")
+    return str(candidate)
