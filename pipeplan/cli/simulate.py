@@ -1,0 +1,134 @@
+"""``pipeplan simulate``: predicted timeline, bubbles and memory of a plan per schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+__all__ = ["simulate"]
+
+GIB = 2**30
+
+
+@click.command(
+    "simulate",
+    epilog="""\b
+Examples:
+  pipeplan simulate plan.json --profile profile.json
+  pipeplan simulate plan.json --profile profile.json --timeline timeline.svg
+  pipeplan simulate plan.json --profile profile.json --timeline trace.json   # Perfetto
+  pipeplan simulate plan.json --profile profile.json -s 1f1b-rr -s gpipe -m 8
+""",
+)
+@click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="Profile the plan was made from (per-layer times and bytes). Without it "
+                   "the plan's per-stage figures are used (forward:backward = 1:2).")
+@click.option("--schedule", "-s", "schedules", multiple=True,
+              type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe", "all"]),
+              help="Schedule(s) to simulate side by side (repeatable; default: the plan's).")
+@click.option("--microbatches", "-m", type=int, default=None,
+              help="Micro-batches per minibatch for 1f1b-flush/gpipe (default: the plan's "
+                   "when it uses one of them, else twice the stage count).")
+@click.option("--steady", type=click.IntRange(1, 1000), default=8, show_default=True,
+              help="Minibatches per replica in the steady-state window.")
+@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the timeline: .svg/.png image or .json Chrome trace. With several "
+                   "schedules, one file each: NAME-<schedule>.EXT.")
+def simulate(
+    plan_path: str,
+    profile_path: str | None,
+    schedules: tuple[str, ...],
+    microbatches: int | None,
+    steady: int,
+    timeline_path: str | None,
+) -> None:
+    """Simulate PLAN.json: per stage busy, idle, bubble % and memory, per schedule."""
+    from rich.console import Console
+
+    from pipeplan.errors import InputError
+    from pipeplan.plan import SCHEDULES, Plan
+    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.planner.timeline import TIMELINE_SUFFIXES, write_timeline
+    from pipeplan.profile import Profile
+
+    console = Console()
+    plan = Plan.load(plan_path)
+    profile = Profile.load(profile_path) if profile_path else None
+    if profile is None:
+        console.print("[yellow]no --profile: costs from the plan's per-stage figures "
+                      "(forward:backward = 1:2), memory from the plan[/]")
+    names = list(SCHEDULES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
+    if microbatches is not None and microbatches < 1:
+        raise InputError(f"--microbatches must be >= 1 (got {microbatches})")
+    if timeline_path and Path(timeline_path).suffix.lower() not in TIMELINE_SUFFIXES:
+        raise InputError(
+            f"--timeline {timeline_path}: expected a {', '.join(TIMELINE_SUFFIXES)} file"
+        )
+    results = []
+    for name in names:
+        micro = microbatches
+        if micro is None and name != "1f1b-rr":
+            micro = plan.microbatches if plan.schedule == name and plan.microbatches > 1 else 2 * len(plan.stages)
+        result = simulate_plan(plan, profile, name, micro, steady, record=bool(timeline_path))
+        results.append(result)
+        console.print(_stage_table(plan, result))
+        if timeline_path:
+            target = Path(timeline_path)
+            if len(names) > 1:
+                target = target.with_name(f"{target.stem}-{name}{target.suffix}")
+            write_timeline(
+                target,
+                result.events(),
+                metadata={"source": "simulator", "schedule": name, "plan": str(plan_path),
+                          "microbatches": result.microbatches,
+                          "time_per_minibatch_ms": result.time_per_minibatch_ms},
+                title=f"{name}: {result.time_per_minibatch_ms:.2f} ms/minibatch (simulated)",
+            )
+            console.print(f"timeline written to {target}")
+    console.print(_summary_table(plan, results))
+
+
+def _stage_table(plan: "Plan", result: "SimResult") -> "Table":  # noqa: F821
+    from rich.table import Table
+
+    micro = f", {result.microbatches} micro-batches" if result.schedule != "1f1b-rr" else ""
+    table = Table(
+        title=f"{result.schedule}{micro}: {result.time_per_minibatch_ms:.3f} ms/minibatch, "
+        f"{result.samples_per_s:.1f} samples/s (simulated)",
+        caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches",
+    )
+    # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
+    for header in ("stage", "repl", "layers", "busy ms", "idle ms", "bubble %", "link ms",
+                   "memory GiB", "in flight"):
+        table.add_column(header, justify="right")
+    limit = result.memory_limit_bytes
+    for stage, sim in zip(plan.stages, result.stages):
+        memory = f"{sim.memory_bytes / GIB:.3f}"
+        if sim.memory_bytes > limit:
+            memory = f"[red]{memory} > {limit / GIB:.1f}[/]"
+        table.add_row(str(sim.stage), str(sim.replicas), f"{stage.layer_start}-{stage.layer_end - 1}",
+                      f"{sim.busy_ms:.3f}", f"{sim.idle_ms:.3f}", f"{100 * sim.bubble_fraction:.1f}",
+                      f"{sim.comm_ms:.3f}", memory, f"{sim.in_flight:g}")
+    return table
+
+
+def _summary_table(plan: "Plan", results: list) -> "Table":  # noqa: F821
+    from rich.table import Table
+
+    table = Table(title=f"schedules for {len(plan.stages)} stages on {plan.world_size} devices "
+                        f"(plan predicts {plan.predicted.time_per_minibatch_ms:.3f} ms/minibatch "
+                        f"with {plan.schedule})")
+    for header in ("schedule", "micro", "ms/minibatch", "samples/s", "x plan",
+                   "max bubble %", "peak GiB", "fits"):
+        table.add_column(header, justify="right")
+    best = min(r.time_per_minibatch_ms for r in results)
+    for r in results:
+        ratio = r.time_per_minibatch_ms / plan.predicted.time_per_minibatch_ms
+        mark = "[bold green]" if r.time_per_minibatch_ms == best else ""
+        table.add_row(f"{mark}{r.schedule}", str(r.microbatches), f"{r.time_per_minibatch_ms:.3f}",
+                      f"{r.samples_per_s:.1f}", f"{ratio:.3f}",
+                      f"{100 * max(s.bubble_fraction for s in r.stages):.1f}",
+                      f"{r.peak_memory_bytes / GIB:.3f}", "yes" if r.fits_memory else "[red]no[/]")
+    return table

@@ -1,0 +1,92 @@
+"""Predicted vs measured: the metrics reader, the comparison, the report CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from pipeplan.cli import cli
+from pipeplan.errors import InputError
+from pipeplan.planner.report import Comparison, compare, load_report
+
+METRICS = {
+    "schema": "pipeplan.metrics/1",
+    "plan": {
+        "schedule": "1f1b-rr",
+        "predicted": {"time_per_minibatch_ms": 10.0},
+        "stages": [
+            {"index": 0, "compute_ms": 18.0, "time_per_minibatch_ms": 9.0},
+            {"index": 1, "compute_ms": 10.0, "time_per_minibatch_ms": 10.0},
+        ],
+    },
+    "losses": [2.5, 2.0, 1.5],
+    "samples_per_s": 2900.0,
+    "time_per_minibatch_ms": 11.0,
+    "predicted_time_per_minibatch_ms": 10.0,
+    "stages": [
+        {"stage": 1, "replica": 0, "rank": 2, "time_per_minibatch_ms": 13.0, "compute_ms": 12.5,
+         "wait_ms": 0.5, "predicted_time_per_minibatch_ms": 10.0, "predicted_compute_ms": 10.0},
+        {"stage": 0, "replica": 1, "rank": 1, "time_per_minibatch_ms": 9.5, "compute_ms": 17.0,
+         "wait_ms": 1.0},
+        {"stage": 0, "replica": 0, "rank": 0, "time_per_minibatch_ms": 9.2, "compute_ms": 17.5,
+         "wait_ms": 1.0, "extra_key": "ignored"},
+    ],
+}
+
+
+def test_comparison_ratio_and_flag() -> None:
+    assert Comparison(10.0, 12.0).ratio == pytest.approx(1.2)
+    assert not Comparison(10.0, 12.0).off
+    assert Comparison(10.0, 12.01).off and Comparison(10.0, 7.9).off
+    assert Comparison(None, 5.0).ratio is None and not Comparison(0.0, 5.0).off
+
+
+def test_compare_fills_predictions_from_the_plan() -> None:
+    report = compare(METRICS)
+    assert report.time_per_minibatch.ratio == pytest.approx(1.1)
+    assert [(s.stage, s.replica) for s in report.stages] == [(0, 0), (0, 1), (1, 0)]
+    first = report.stages[0]
+    assert (first.time_per_minibatch.predicted_ms, first.compute.predicted_ms) == (9.0, 18.0)
+    assert [s.stage for s in report.flagged] == [1]  # 13 / 10 = 1.3 > 1.2
+    assert report.losses == (2.5, 2.0, 1.5) and report.schedule == "1f1b-rr"
+
+
+def test_compare_rejects_bad_values() -> None:
+    bad = {**METRICS, "stages": [{"stage": 0, "time_per_minibatch_ms": "fast"}]}
+    with pytest.raises(InputError, match=r"stages\[0\]: time_per_minibatch_ms = 'fast'"):
+        compare(bad)
+    with pytest.raises(InputError, match=r"stages\[0\] has no 'stage'"):
+        compare({**METRICS, "stages": [{}]})
+
+
+def test_load_rejects_other_schema(tmp_path) -> None:
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"schema": "pipeplan.plan/1"}))
+    with pytest.raises(InputError, match="expected 'pipeplan.metrics/1'"):
+        load_report(path)
+
+
+def test_report_cli(tmp_path) -> None:
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(METRICS))
+    runner = CliRunner()
+    out = runner.invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "1.10" in out.output and "1.30" in out.output
+    assert "1 stage replica(s) off by more than 20%" in out.output
+    assert "stage 1 replica 0 (1.30x)" in out.output
+    strict = runner.invoke(cli, ["report", str(path), "--strict"])
+    assert strict.exit_code == 1
+    fine = {**METRICS, "stages": METRICS["stages"][1:]}
+    path.write_text(json.dumps(fine))
+    out = runner.invoke(cli, ["report", str(path), "--strict"], catch_exceptions=False)
+    assert out.exit_code == 0 and "every stage within 20%" in out.output
+
+
+def test_report_cli_error_is_one_line(tmp_path) -> None:
+    path = tmp_path / "metrics.json"
+    path.write_text("[1, 2]")
+    out = CliRunner().invoke(cli, ["report", str(path)])
+    assert out.exit_code == 2 and out.output.startswith("error: ") and "list" in out.output

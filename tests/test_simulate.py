@@ -1,0 +1,332 @@
+"""The simulator: bubble law, agreement with the pipeline DP, links, all-reduce, memory."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from pipeplan.errors import InputError
+from pipeplan.plan import Plan, Predicted, StagePlan
+from pipeplan.planner.simulate import (
+    MAX_UNITS,
+    OPTIMIZER_STATES,
+    allreduce_ms,
+    default_minibatches,
+    simulate_plan,
+    stage_costs,
+)
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.schedule import noam, weight_versions
+from pipeplan.topology import DeviceSpec, Level, Topology
+
+GB = 1e9
+
+
+def make_profile(
+    forward: list[float],
+    backward: list[float] | None = None,
+    output_bytes: int = 0,
+    param_bytes: int = 0,
+    saved_bytes: int = 0,
+    inputs: list[tuple[int, ...]] | None = None,
+) -> Profile:
+    """A chain (or the DAG ``inputs``) of layers with the given times (ms) and bytes."""
+    backward = backward or [2 * f for f in forward]
+    layers = tuple(
+        LayerProfile(
+            index=i,
+            name=f"layer{i}",
+            type="Linear",
+            inputs=inputs[i] if inputs else ((i - 1,) if i else ()),
+            forward_ms=f,
+            backward_ms=b,
+            output_bytes=output_bytes,
+            param_bytes=param_bytes,
+            saved_bytes=saved_bytes,
+        )
+        for i, (f, b) in enumerate(zip(forward, backward))
+    )
+    return Profile("model.py", "fingerprint", DeviceInfo("cpu", "test"), 32, "float32", layers)
+
+
+def make_topology(
+    per_server: int = 8,
+    servers: int = 2,
+    inside_bytes_per_s: float = 100 * GB,
+    between_bytes_per_s: float = 1 * GB,
+    latency_ms: float = 0.0,
+    memory_bytes: int = 16 * 2**30,
+) -> Topology:
+    return Topology(
+        "test",
+        DeviceSpec("test-device", memory_bytes),
+        (
+            Level("server", per_server, inside_bytes_per_s, latency_ms),
+            Level("cluster", servers, between_bytes_per_s, latency_ms),
+        ),
+    )
+
+
+def make_plan(
+    profile: Profile,
+    topology: Topology,
+    bounds: list[int],
+    replicas: list[int],
+    schedule: str = "1f1b-rr",
+    microbatches: int = 1,
+    ranks: list[tuple[int, ...]] | None = None,
+    optimizer: str = "sgd",
+) -> Plan:
+    """A plan by hand, with the DP's figure: period = max_s compute_s / n_s (no comm)."""
+    stages = []
+    next_rank = 0
+    for s, n in enumerate(replicas):
+        start, end = bounds[s], bounds[s + 1]
+        compute = sum(layer.compute_ms for layer in profile.layers[start:end])
+        stage_ranks = ranks[s] if ranks else tuple(range(next_rank, next_rank + n))
+        next_rank += n
+        stages.append(
+            StagePlan(s, start, end, n, stage_ranks, compute, 0.0, 0.0, compute / n, 0, 1, 1)
+        )
+    period = max(stage.time_per_minibatch_ms for stage in stages)
+    predicted = Predicted(period, profile.batch_size * 1e3 / period, 1.0, 1.0, period, period)
+    return Plan(
+        profile.fingerprint, profile.model, profile.batch_size, profile.dtype, topology,
+        schedule, "pipeplan", optimizer, topology.world_size, noam(replicas), tuple(stages),
+        predicted, 0, microbatches,
+    )
+
+
+# --------------------------------------------------------------------------- bubble law
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("micro", [1, 4, 8])
+def test_bubble_law(schedule: str, stages: int, micro: int) -> None:
+    profile = make_profile([1.0] * stages, [3.0] * stages)  # 4 ms per stage, no comm
+    plan = make_plan(profile, make_topology(), list(range(stages + 1)), [1] * stages, schedule, micro)
+    result = simulate_plan(plan, profile)
+    assert result.time_per_minibatch_ms == pytest.approx((micro + stages - 1) / micro * 4.0)
+    for stage in result.stages:
+        assert stage.busy_ms == pytest.approx(4.0)
+        assert stage.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_1f1b_rr_has_no_bubble_on_balanced_straight_pipeline() -> None:
+    profile = make_profile([1.0] * 4, [3.0] * 4)
+    result = simulate_plan(make_plan(profile, make_topology(), [0, 1, 2, 3, 4], [1] * 4), profile)
+    assert result.time_per_minibatch_ms == pytest.approx(4.0)
+    assert [s.bubble_fraction for s in result.stages] == pytest.approx([0.0] * 4, abs=1e-9)
+
+
+# --------------------------------------------------------------------------- vs the DP
+
+
+@pytest.mark.parametrize(
+    "forward, bounds, replicas",
+    [
+        ([1.0, 2.0, 1.5, 0.5, 1.0], [0, 2, 3, 5], [1, 1, 1]),  # straight, unbalanced
+        ([1.0] * 15 + [0.1], [0, 15, 16], [7, 1]),  # PipeDream's "15-1" shape
+        ([1.0] * 4 + [0.1, 1.0, 1.0], [0, 4, 5, 7], [2, 1, 2]),  # replicated at both ends
+        ([1.0] * 6 + [0.5, 0.5], [0, 6, 8], [3, 1]),
+    ],
+)
+def test_1f1b_rr_steady_state_agrees_with_dp(forward, bounds, replicas) -> None:
+    profile = make_profile(forward, output_bytes=1_000_000)  # 0.01 ms per message inside a server
+    plan = make_plan(profile, make_topology(), bounds, replicas)
+    result = simulate_plan(plan, profile)
+    predicted = plan.predicted.time_per_minibatch_ms
+    assert result.time_per_minibatch_ms == pytest.approx(predicted, rel=0.03)
+    assert result.time_per_minibatch_ms >= predicted * (1 - 1e-9)  # never beats the bound
+
+
+def test_lock_step_allreduce_costs_a_balanced_replicated_pipeline() -> None:
+    # Replicas 0 and 1 of stage 0 all-reduce minibatches 2j and 2j+1 together, and the
+    # single stage-1 worker returns 2j+1 one period (6 ms) after 2j: each replica idles
+    # 6 ms per 12 ms cycle, so the period is 18 / 2 = 9 ms, not the DP's 6 ms.
+    profile = make_profile([1.0] * 8)
+    plan = make_plan(profile, make_topology(), [0, 4, 6, 8], [2, 1, 1])
+    assert plan.predicted.time_per_minibatch_ms == pytest.approx(6.0)
+    assert simulate_plan(plan, profile).time_per_minibatch_ms == pytest.approx(9.0)
+
+
+# --------------------------------------------------------------------------- links
+
+
+def test_communication_bound_pipeline_runs_at_link_speed() -> None:
+    # 0.5 GB over 1 GB/s between servers: 500 ms each way, each direction on its own
+    # link, far above the 3 ms of compute per stage. With 2 minibatches in flight the
+    # period is half the round trip: (F0 1 + send 500 + 2 + F1 1 + B1 2 + send 500 + 2
+    # + B0 2) / 2 = 505 ms.
+    profile = make_profile([1.0, 1.0], output_bytes=500_000_000)
+    topology = make_topology(per_server=1, servers=2, latency_ms=2.0)
+    plan = make_plan(profile, topology, [0, 1, 2], [1, 1])
+    result = simulate_plan(plan, profile, record=True)
+    assert result.time_per_minibatch_ms == pytest.approx(505.0, rel=1e-9)
+    assert result.stages[0].comm_ms == pytest.approx(500.0, rel=0.01)
+    assert result.stages[0].bubble_fraction == pytest.approx(1 - 3.0 / 505.0)
+    sends = [e for e in result.events() if e.category == "send"]
+    assert sends and all(e.duration_ms == pytest.approx(502.0) for e in sends)
+    assert {(e.rank, e.name.split()[1][0]) for e in sends} == {(0, "F"), (1, "B")}
+    # gpipe streams 8 micro-batch messages of 62.5 ms back to back each way: the first
+    # forward, 500 ms of link + 2 ms latency, the last forward and backward on stage 1,
+    # 500 + 2 ms back, the last backward on stage 0.
+    flush = simulate_plan(plan, profile, schedule="gpipe", microbatches=8)
+    expected = 1 / 8 + 502 + 1 / 8 + 2 / 8 + 502 + 2 / 8
+    assert flush.time_per_minibatch_ms == pytest.approx(expected, rel=1e-9)
+
+
+def test_latency_lengthens_the_1f1b_loop() -> None:
+    profile = make_profile([1.0, 1.0])
+    topology = make_topology(per_server=1, servers=2, latency_ms=0.25)
+    plan = make_plan(profile, topology, [0, 1, 2], [1, 1])
+    # 2 minibatches in flight share one loop F0 -> F1 -> B1 -> B0 of 6 ms compute plus
+    # two 0.25 ms latencies: (6 + 0.5) / 2, above the DP's latency-free 3 ms
+    assert plan.predicted.time_per_minibatch_ms == pytest.approx(3.0)
+    assert simulate_plan(plan, profile).time_per_minibatch_ms == pytest.approx(3.25)
+
+
+def test_allreduce_ring_formula_and_data_parallel_period() -> None:
+    topology = make_topology(per_server=2, servers=2, latency_ms=0.5)
+    # ranks 0..3 span both servers: 2 (4-1)/4 * 1e9 B / 1e9 B/s = 1500 ms + 2*3*0.5 ms
+    assert allreduce_ms(topology, [0, 1, 2, 3], 1e9) == pytest.approx(1503.0)
+    assert allreduce_ms(topology, [0, 1], 1e9) == pytest.approx(1e9 * 1e3 / (100 * GB) + 1.0)
+    assert allreduce_ms(topology, [2], 1e9) == 0.0
+    profile = make_profile([1.0, 1.0], param_bytes=250_000_000)  # 0.5 GB of parameters
+    plan = make_plan(profile, topology, [0, 2], [4])
+    result = simulate_plan(plan, profile)
+    reduce = allreduce_ms(topology, [0, 1, 2, 3], 5e8)
+    assert result.time_per_minibatch_ms == pytest.approx((6.0 + reduce) / 4)
+
+
+# --------------------------------------------------------------------------- costs, memory
+
+
+def test_stage_costs_send_skip_connections_once_per_consumer_stage() -> None:
+    # 0 -> 1 -> 2 -> 3, plus skips 0 -> 2 and 0 -> 3; stages {0}, {1}, {2, 3}
+    inputs = [(), (0,), (1, 0), (2, 0)]
+    profile = make_profile([1.0, 2.0, 3.0, 4.0], output_bytes=100, param_bytes=10, inputs=inputs)
+    plan = make_plan(profile, make_topology(), [0, 1, 2, 4], [1, 1, 1])
+    costs = stage_costs(plan, profile)
+    assert costs[0].sends == ((1, 100), (2, 100))  # layer 0 once to stage 2, not twice
+    assert costs[1].sends == ((2, 100),)
+    assert costs[2].sends == ()
+    assert [c.forward_ms for c in costs] == [1.0, 2.0, 7.0]
+    assert [c.param_bytes for c in costs] == [10, 10, 20]
+    result = simulate_plan(plan, profile, record=True)
+    names = sorted(e.name for e in result.events() if e.category == "send" and e.minibatch == 0)
+    assert names == ["send B0 ->r0", "send B0 ->r0", "send B0 ->r1", "send F0 ->r1", "send F0 ->r2", "send F0 ->r2"]
+
+
+def test_memory_counts_versions_optimizer_and_activations() -> None:
+    profile = make_profile([1.0] * 4, param_bytes=1000, saved_bytes=100)
+    plan = make_plan(profile, make_topology(), [0, 1, 2, 3, 4], [1] * 4, optimizer="adam")
+    rr = simulate_plan(plan, profile)
+    flush = simulate_plan(plan, profile, schedule="1f1b-flush", microbatches=4)
+    for s in range(4):
+        versions = weight_versions("1f1b-rr", (1,) * 4, s)
+        extra = 1 + OPTIMIZER_STATES["adam"]
+        assert rr.stages[s].memory_bytes == 1000 * (versions + extra) + 100 * (4 - s)
+        assert flush.stages[s].memory_bytes == math.ceil(1000 * (1 + extra) + 100 * (4 - s) / 4)
+    assert rr.peak_memory_bytes > flush.peak_memory_bytes
+    tight = replace(plan, topology=make_topology(memory_bytes=flush.peak_memory_bytes))
+    assert simulate_plan(tight, profile, schedule="1f1b-flush", microbatches=4).fits_memory
+    assert not simulate_plan(tight, profile).fits_memory
+
+
+def test_without_profile_uses_plan_figures() -> None:
+    profile = make_profile([1.0, 2.0, 1.0])
+    plan = make_plan(profile, make_topology(), [0, 1, 3], [1, 1])
+    result = simulate_plan(plan, None)
+    assert result.time_per_minibatch_ms == pytest.approx(plan.predicted.time_per_minibatch_ms)
+    assert [s.memory_bytes for s in result.stages] == [s.memory_bytes for s in plan.stages]
+
+
+def test_rejects_a_profile_of_another_model() -> None:
+    profile = make_profile([1.0, 1.0])
+    plan = make_plan(profile, make_topology(), [0, 1, 2], [1, 1])
+    other = replace(profile, fingerprint="another")
+    with pytest.raises(InputError, match="plan was made for profile fingerprint"):
+        simulate_plan(plan, other)
+
+
+def test_rejects_simulations_too_large() -> None:
+    profile = make_profile([1.0, 1.0, 1.0])
+    topology = make_topology(per_server=16, servers=64)
+    plan = make_plan(profile, topology, [0, 1, 2, 3], [509, 503, 1])  # lcm 256,027
+    with pytest.raises(InputError, match=f"> {MAX_UNITS} tasks.*lcm of the replica counts is 256027"):
+        simulate_plan(plan, profile)
+
+
+def test_default_minibatches_cover_warmup_window_and_drain() -> None:
+    assert default_minibatches("1f1b-rr", (1, 1, 1, 1), 8) == (16, 4, 8)
+    total, warm, window = default_minibatches("1f1b-rr", (2, 3), 8)
+    assert warm % 6 == 0 and window % 6 == 0 and window >= 24 and total == 2 * warm + window
+    assert default_minibatches("gpipe", (2, 3), 5) == (7, 1, 5)
+
+
+def test_events_cover_every_task() -> None:
+    profile = make_profile([1.0, 1.0, 1.0], param_bytes=1000)
+    plan = make_plan(profile, make_topology(), [0, 1, 3], [2, 1])
+    result = simulate_plan(plan, profile, record=True)
+    events = result.events()
+    n = result.minibatches
+    assert sum(e.category == "forward" for e in events) == 2 * n
+    assert sum(e.category == "backward" for e in events) == 2 * n
+    assert sum(e.category == "allreduce" for e in events) == n  # stage 0 only (2 replicas)
+    assert {e.rank for e in events if e.stage == 0} == {0, 1}
+    assert max(e.end_ms for e in events) == pytest.approx(result.makespan_ms)
+    for rank in {e.rank for e in events}:
+        compute = sorted((e.start_ms, e.end_ms) for e in events if e.rank == rank and e.tid == 0)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(compute, compute[1:]))  # no overlap
+
+
+# --------------------------------------------------------------------------- real planner
+
+partition_module = pytest.importorskip("pipeplan.planner.partition")
+
+
+def test_simulation_agrees_with_planner_on_straight_pipeline() -> None:
+    profile = make_profile([1.0, 2.0, 1.5, 0.5, 1.0, 3.0, 0.7, 1.2], output_bytes=100_000,
+                           param_bytes=1000, saved_bytes=1000)
+    options = partition_module.PartitionOptions(straight=True)
+    plan = partition_module.partition(profile, make_topology(per_server=4, servers=1), options)
+    assert [s.replicas for s in plan.stages] == [1, 1, 1, 1]
+    result = simulate_plan(plan, profile)
+    assert result.time_per_minibatch_ms == pytest.approx(plan.predicted.time_per_minibatch_ms, rel=0.03)
+
+
+def test_simulation_agrees_with_planner_on_replicated_pipeline() -> None:
+    # compute-heavy layers with few parameters, then two light layers with many:
+    # the planner replicates the first stage ("7-1"), like PipeDream's VGG plans.
+    profile = make_profile([2.0] * 6 + [0.2] * 2, output_bytes=1_000_000)
+    layers = tuple(replace(layer, param_bytes=10_000 if layer.index < 6 else 400_000_000)
+                   for layer in profile.layers)
+    profile = replace(profile, layers=layers)
+    topology = make_topology(per_server=8, servers=1, inside_bytes_per_s=10 * GB)
+    plan = partition_module.partition(profile, topology, partition_module.PartitionOptions())
+    assert [s.replicas for s in plan.stages] == [7, 1]
+    result = simulate_plan(plan, profile)
+    assert result.time_per_minibatch_ms == pytest.approx(plan.predicted.time_per_minibatch_ms, rel=0.03)
+
+
+def test_choose_schedule_prefers_throughput_within_memory() -> None:
+    from pipeplan.planner.simulate import choose_schedule
+
+    profile = make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000)
+    options = partition_module.PartitionOptions(microbatches=4, straight=True)
+    name, reason = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
+    # balanced straight pipeline: 1F1B-RR has no bubble, flush schedules (4+4-1)/4
+    assert name == "1f1b-rr"
+    assert reason.startswith("1f1b-rr simulates 6.000 ms/minibatch")
+    assert "1f1b-flush 10.500 ms" in reason and "gpipe 10.500 ms" in reason
+    # activations dominate (1 GiB per layer): 1F1B-RR keeps 4 minibatches on stage 0,
+    # the flush schedules one; with 3 GiB per device no 1F1B-RR plan fits
+    heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
+    tight = make_topology(per_server=4, servers=1, memory_bytes=3 << 30)
+    name, reason = choose_schedule(heavy, tight, options)
+    assert name in ("1f1b-flush", "gpipe")
+    assert "10.500 ms" in reason and "refused 1f1b-rr:" in reason
