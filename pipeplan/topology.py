@@ -5,15 +5,35 @@
 k-1. ``world_size`` is the product of the counts. Global rank r sits in unit
 ``r // prod(counts[:k+1])`` of level k (ranks are numbered innermost-first).
 Read from YAML (``load``); embedded in plan.json as a dict (``to_dict``/``from_dict``).
+
+A topology file lists the levels innermost first, any number of them::
+
+    name: cluster-a            # 4 servers x 4 GPUs
+    device: {name: V100-16GB, memory: 16 GiB}          # kind: cuda (default) | cpu
+    levels:
+      - {name: server,  count: 4, bandwidth: 10 GB/s}   # latency: 5 us (optional)
+      - {name: cluster, count: 4, bandwidth: 10 Gbit/s}
+
+Units are parsed strictly by ``pipeplan.units``; a bad value raises ``InputError``
+naming the file, the line and the key. Presets live in ``pipeplan.configs.topologies``
+(``preset(name)``); ``resolve(arg)`` takes a path or a preset name.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable
 
-__all__ = ["Level", "DeviceSpec", "Topology"]
+import yaml
+
+from pipeplan.errors import InputError
+from pipeplan.units import parse_bandwidth, parse_bytes, parse_duration_ms
+
+__all__ = ["Level", "DeviceSpec", "Topology", "load_topology", "preset", "preset_names", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,15 @@ class Topology:
         }
 
     @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "Topology":
+        """Read a topology YAML file (see the module docstring)."""
+        return load_topology(path)
+
+    def units_of_level(self, k: int) -> int:
+        """Devices in one unit of level ``k`` (level -1 is one device)."""
+        return math.prod(level.count for level in self.levels[: k + 1])
+
+    @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "Topology":
         return cls(
             name=obj["name"],
@@ -78,3 +107,151 @@ class Topology:
             if rank_a // span == rank_b // span:
                 return k
         raise ValueError(f"ranks {rank_a} and {rank_b} outside world of {self.world_size}")
+
+
+def _where(source: str, node: yaml.Node) -> str:
+    return f"{source}:{node.start_mark.line + 1}"
+
+
+def _mapping(source: str, node: yaml.Node, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """Keys of a YAML mapping node -> (key node, value node); InputError if not a mapping."""
+    if not isinstance(node, yaml.MappingNode):
+        raise InputError(f"{_where(source, node)}: {what} must be a mapping")
+    out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+    for key_node, value_node in node.value:
+        out[str(key_node.value)] = (key_node, value_node)
+    return out
+
+
+def _field(
+    source: str,
+    parent: yaml.Node,
+    items: dict[str, tuple[yaml.Node, yaml.Node]],
+    key: str,
+    path: str,
+    parse: Callable[[Any], Any],
+    default: Any = None,
+) -> Any:
+    """Parse ``items[key]`` with ``parse``; InputError naming the line and ``path.key``."""
+    if key not in items:
+        if default is not None:
+            return default
+        raise InputError(f"{_where(source, parent)}: missing key '{path}{key}'")
+    _, value_node = items[key]
+    if not isinstance(value_node, yaml.ScalarNode):
+        raise InputError(f"{_where(source, value_node)}: '{path}{key}' must be a single value")
+    try:
+        return parse(value_node.value)
+    except ValueError as exc:
+        raise InputError(f"{_where(source, value_node)}: '{path}{key}': {exc}") from exc
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive integer (got {text!r})") from None
+    if value <= 0:
+        raise ValueError(f"must be a positive integer (got {value})")
+    return value
+
+
+def _positive(parse: Callable[[str], float]) -> Callable[[str], float]:
+    def check(text: str) -> float:
+        value = parse(text)
+        if value <= 0:
+            raise ValueError(f"must be positive (got {text!r})")
+        return value
+
+    return check
+
+
+def _non_negative_ms(text: str) -> float:
+    value = parse_duration_ms(text)
+    if value < 0:
+        raise ValueError(f"must not be negative (got {text!r})")
+    return value
+
+
+def _kind(text: str) -> str:
+    if text not in ("cuda", "cpu"):
+        raise ValueError(f"must be 'cuda' or 'cpu' (got {text!r})")
+    return text
+
+
+def parse_topology(text: str, source: str = "<topology>") -> Topology:
+    """Build a ``Topology`` from YAML ``text``; ``source`` names it in errors."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{source}{line}: not valid YAML ({problem})") from exc
+    if root is None:
+        raise InputError(f"{source}: empty topology file")
+    top = _mapping(source, root, "the topology")
+    name = _field(source, root, top, "name", "", str)
+    if "device" not in top:
+        raise InputError(f"{_where(source, root)}: missing key 'device'")
+    device_node = top["device"][1]
+    dev = _mapping(source, device_node, "'device'")
+    device = DeviceSpec(
+        name=_field(source, device_node, dev, "name", "device.", str),
+        memory_bytes=_field(source, device_node, dev, "memory", "device.", _positive(parse_bytes)),
+        kind=_field(source, device_node, dev, "kind", "device.", _kind, default="cuda"),
+    )
+    if "levels" not in top:
+        raise InputError(f"{_where(source, root)}: missing key 'levels'")
+    levels_node = top["levels"][1]
+    if not isinstance(levels_node, yaml.SequenceNode) or not levels_node.value:
+        raise InputError(f"{_where(source, levels_node)}: 'levels' must be a non-empty list")
+    levels = []
+    for k, level_node in enumerate(levels_node.value):
+        path = f"levels[{k}]."
+        items = _mapping(source, level_node, f"'levels[{k}]'")
+        levels.append(
+            Level(
+                name=_field(source, level_node, items, "name", path, str),
+                count=_field(source, level_node, items, "count", path, _positive_int),
+                bandwidth_bytes_per_s=_field(
+                    source, level_node, items, "bandwidth", path, _positive(parse_bandwidth)
+                ),
+                latency_ms=_field(source, level_node, items, "latency", path, _non_negative_ms, 0.0),
+            )
+        )
+    return Topology(name=name, device=device, levels=tuple(levels))
+
+
+def load_topology(path: str | os.PathLike[str]) -> Topology:
+    """Read a topology YAML file; ``InputError`` (one line, with the line number) if bad."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read topology {path}: {exc.strerror or exc}") from exc
+    return parse_topology(text, source=str(path))
+
+
+def preset_names() -> list[str]:
+    """Names of the bundled topology presets (``configs/topologies/*.yaml``)."""
+    folder = resources.files("pipeplan.configs.topologies")
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset(name: str) -> Topology:
+    """The bundled topology preset ``name`` (e.g. ``"cluster-a"``, ``"local-cpu"``)."""
+    resource = resources.files("pipeplan.configs.topologies") / f"{name}.yaml"
+    if not resource.is_file():
+        raise InputError(
+            f"no topology preset {name!r} (presets: {', '.join(preset_names())})"
+        )
+    return parse_topology(resource.read_text(), source=f"preset {name}")
+
+
+def resolve(arg: str) -> Topology:
+    """A topology from a file path or, if no such file exists, a preset name."""
+    if os.path.exists(arg):
+        return load_topology(arg)
+    if arg.endswith((".yaml", ".yml")) or os.sep in arg:
+        raise InputError(f"topology file {arg} does not exist (presets: {', '.join(preset_names())})")
+    return preset(arg)

@@ -1,0 +1,112 @@
+"""``pipeplan partition``: profile + topology -> plan.json, with a table of the stages."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["partition"]
+
+
+def _load_profile(path: str, batch_size: int):
+    from pathlib import Path
+
+    from pipeplan.errors import InputError
+    from pipeplan.planner.pipedream_import import is_pipedream_graph, parse_pipedream_graph
+    from pipeplan.profile import Profile
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if is_pipedream_graph(text):
+        return parse_pipedream_graph(text, source=path, batch_size=batch_size)
+    return Profile.load(path)
+
+
+def _print_plan(plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeplan.units import format_bytes, format_ms
+
+    table = Table(title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
+                        f"{plan.schedule}, {plan.cost_model} cost model)")
+    for column in ("stage", "layers", "replicas", "ranks", "compute", "comm", "all-reduce", "time/minibatch", "memory"):
+        table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
+    for stage in plan.stages:
+        ranks = stage.ranks if len(stage.ranks) <= 6 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
+        ranks_text = ",".join(map(str, ranks)) if isinstance(ranks, tuple) else ranks
+        mark = " *" if stage.index == plan.bottleneck_stage else ""
+        table.add_row(
+            f"{stage.index}{mark}", f"{stage.layer_start}-{stage.layer_end - 1}", str(stage.replicas), ranks_text,
+            format_ms(stage.compute_ms), format_ms(stage.communication_ms), format_ms(stage.allreduce_ms),
+            format_ms(stage.time_per_minibatch_ms), format_bytes(stage.memory_bytes),
+        )
+    console = Console()
+    console.print(table)
+    p = plan.predicted
+    console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
+    console.print(
+        f"pipeline {format_ms(p.time_per_minibatch_ms)}/minibatch ({p.samples_per_s:.1f} samples/s) | "
+        f"data parallel {format_ms(p.data_parallel_ms)} ({p.speedup_vs_data_parallel:.2f}x faster) | "
+        f"one device {format_ms(p.single_device_ms)} ({p.speedup_vs_single_device:.2f}x faster)"
+    )
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
+@click.option("--topology", "topology_arg", required=True, help="Topology YAML file or preset name (cluster-a, cluster-b, dgx-h100-pod, local-cpu).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write plan.json.")
+@click.option("--schedule", type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe", "auto"]), default="1f1b-rr", show_default=True)
+@click.option("--cost-model", type=click.Choice(["pipeplan", "pipedream"]), default="pipeplan", show_default=True)
+@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
+@click.option("--straight", is_flag=True, help="No replication: one device per stage.")
+@click.option("--max-stages", type=int, default=None, help="At most this many pipeline stages.")
+@click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")
+@click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (1f1b-flush, gpipe).")
+@click.option("--memory-check/--no-memory-check", default=True, show_default=True, help="Drop stages that do not fit device memory.")
+@click.option("--activation-compression", type=float, default=None, help="PipeDream mode: count activation transfers, divided by this ratio.")
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).")
+def partition(
+    profile_path: str, topology_arg: str, output: str, schedule: str, cost_model: str, optimizer: str,
+    straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
+    memory_check: bool, activation_compression: float | None, batch_size: int,
+) -> None:
+    """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
+
+    PROFILE is a pipeplan profile.json or a PipeDream graph.txt (detected by content).
+
+    \b
+    pipeplan partition profile.json --topology cluster.yaml -o plan.json
+    pipeplan partition profile.json --topology local-cpu --schedule 1f1b-flush --microbatches 4
+    pipeplan partition vgg16/graph.txt --topology cluster-a --cost-model pipedream
+    """
+    from pipeplan.errors import InputError
+    from pipeplan.planner.partition import PartitionOptions
+    from pipeplan.planner.partition import partition as run_partition
+    from pipeplan.topology import resolve
+
+    if batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1 (got {batch_size})")
+    profile = _load_profile(profile_path, batch_size)
+    topology = resolve(topology_arg)
+    options = PartitionOptions(
+        schedule="1f1b-rr" if schedule == "auto" else schedule, cost_model=cost_model, optimizer=optimizer,
+        straight=straight, max_stages=max_stages, use_fewer_devices=use_fewer_devices,
+        microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
+    )
+    if schedule == "auto":
+        try:
+            from pipeplan.planner.simulate import choose_schedule
+        except ImportError as exc:
+            raise InputError(f"--schedule auto needs pipeplan.planner.simulate.choose_schedule ({exc})") from exc
+        chosen = choose_schedule(profile, topology, options)
+        name = chosen[0] if isinstance(chosen, tuple) else chosen
+        click.echo(f"schedule auto -> {name}" + (f" ({chosen[1]})" if isinstance(chosen, tuple) else ""))
+        from dataclasses import replace
+
+        options = replace(options, schedule=name)
+    plan = run_partition(profile, topology, options)
+    plan.save(output)
+    _print_plan(plan)
+    click.echo(f"wrote {output}")

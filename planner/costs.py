@@ -1,0 +1,106 @@
+"""Cost model of a layer range: prefix sums, cut bytes of a DAG, all-reduce and transfer.
+
+Two cost models share these arrays:
+
+- ``pipeplan`` (default): a stage replicated on m units overlaps compute with its ring
+  all-reduce, ``T = max(U / m, 2(m-1)/m * P / B)``; a cut costs ``2 a / B`` (activations
+  forward, gradients back), always counted; latency (ms per message) is added when the
+  topology gives one.
+- ``pipedream``: PipeDream's optimizer (``planner.pipedream_dp``), all-reduce
+  ``4(m-1) P / (B m)`` added to compute, transfers only with a compression ratio.
+
+Layer ranges are half-open ``[i, j)`` in the profile's topological order; times are
+milliseconds per minibatch, sizes bytes, bandwidths bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeplan.profile import Profile
+
+__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "ring_allreduce_ms", "transfer_ms"]
+
+COST_MODELS = ("pipeplan", "pipedream")
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """Prefix sums over the layers (index i holds the sum of layers < i; length N + 1).
+
+    ``cut_bytes[s]`` is every activation byte crossing the cut before layer ``s`` (outputs
+    of layers < s read by a layer >= s, each tensor counted once); ``frontier_bytes[s]``
+    adds layer s-1's own output when nothing after reads it (PipeDream's antichain size).
+    """
+
+    compute_ms: np.ndarray  # float64, prefix of forward+backward ms
+    param_bytes: np.ndarray  # float64, prefix of parameter bytes
+    saved_bytes: np.ndarray  # float64, prefix of bytes saved for backward
+    output_bytes: np.ndarray  # float64, prefix of layer outputs (PipeDream's stash size)
+    cut_bytes: np.ndarray  # float64, length N + 1; cut_bytes[0] = cut_bytes[N] = 0
+    frontier_bytes: np.ndarray  # float64, length N + 1
+
+    @property
+    def layers(self) -> int:
+        return len(self.compute_ms) - 1
+
+    def compute(self, i: int, j: int) -> float:
+        return float(self.compute_ms[j] - self.compute_ms[i])
+
+    def params(self, i: int, j: int) -> float:
+        return float(self.param_bytes[j] - self.param_bytes[i])
+
+    def saved(self, i: int, j: int) -> float:
+        return float(self.saved_bytes[j] - self.saved_bytes[i])
+
+
+def _prefix(values: list[float]) -> np.ndarray:
+    out = np.zeros(len(values) + 1)
+    np.cumsum(np.asarray(values, dtype=np.float64), out=out[1:])
+    return out
+
+
+def layer_arrays(profile: Profile) -> LayerArrays:
+    """Prefix sums and cut sizes of ``profile``. O(N + edges)."""
+    layers = profile.layers
+    n = len(layers)
+    last_reader = [-1] * n  # the last layer reading each layer's output
+    for layer in layers:
+        for producer in layer.inputs:
+            last_reader[producer] = max(last_reader[producer], layer.index)
+    # output of p crosses every cut s with p < s <= last_reader[p]
+    delta = np.zeros(n + 2)
+    for p, reader in enumerate(last_reader):
+        if reader > p:
+            delta[p + 1] += layers[p].output_bytes
+            delta[reader + 1] -= layers[p].output_bytes
+    cut = np.cumsum(delta)[: n + 1]
+    cut[0] = 0.0
+    frontier = cut.copy()
+    for s in range(1, n + 1):
+        if last_reader[s - 1] < s:  # layer s-1 feeds nothing after the cut
+            frontier[s] += layers[s - 1].output_bytes
+    return LayerArrays(
+        compute_ms=_prefix([layer.compute_ms for layer in layers]),
+        param_bytes=_prefix([layer.param_bytes for layer in layers]),
+        saved_bytes=_prefix([layer.saved_bytes for layer in layers]),
+        output_bytes=_prefix([layer.output_bytes for layer in layers]),
+        cut_bytes=cut,
+        frontier_bytes=frontier,
+    )
+
+
+def ring_allreduce_ms(param_bytes, replicas, bandwidth_bytes_per_s: float, latency_ms: float = 0.0):
+    """Ring all-reduce of ``param_bytes`` among ``replicas``: 2(m-1)/m * P / B (+ 2(m-1) latencies).
+
+    Works elementwise on numpy arrays. 0 for one replica.
+    """
+    m = np.asarray(replicas, dtype=np.float64)
+    return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
+
+
+def transfer_ms(cut_bytes, bandwidth_bytes_per_s: float, latency_ms: float = 0.0):
+    """Activations forward plus gradients back over one cut: 2 a / B (+ 2 latencies) in ms."""
+    return 2.0 * cut_bytes / bandwidth_bytes_per_s * 1e3 + np.where(cut_bytes > 0, 2.0 * latency_ms, 0.0)

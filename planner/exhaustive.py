@@ -1,0 +1,80 @@
+"""Brute-force reference for the DP: every partition, replication and placement.
+
+Enumerates every hierarchical plan (at each level: consecutive stages, each on a number of
+units of the level below, each unit running its own inner pipeline), flattens it
+(``planner.placement``), prices it with ``partition.stage_figures`` and the exact memory
+of ``planner.memory`` on the flattened replicas, and keeps the fastest that fits.
+Exponential: for tests on <= 8 layers and <= 8 devices only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Iterator
+
+from pipeplan.profile import Profile
+from pipeplan.topology import Topology
+from pipeplan.planner.costs import LayerArrays, layer_arrays
+from pipeplan.planner.dp import StageNode
+from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.partition import PartitionOptions, stage_figures
+from pipeplan.planner.placement import flatten
+
+__all__ = ["pipelines", "evaluate", "exhaustive_best"]
+
+
+def _compositions(start: int, end: int, units: int, straight: bool, fewer: bool) -> Iterator[list[tuple[int, int, int]]]:
+    """Every split of [start, end) into consecutive stages with unit counts summing to ``units``."""
+    if start == end:
+        if units == 0 or fewer:
+            yield []
+        return
+    for stop in range(start + 1, end + 1):
+        for count in range(1, units + 1):
+            if straight and count > 1:
+                break
+            for rest in _compositions(stop, end, units - count, straight, fewer):
+                yield [(start, stop, count)] + rest
+
+
+def pipelines(level: int, start: int, end: int, units: int, topology: Topology, options: PartitionOptions) -> Iterator[tuple[StageNode, ...]]:
+    """Every pipeline of layers [start, end) on ``units`` units of level ``level`` (1-based)."""
+    fewer = options.use_fewer_devices
+    for stages in _compositions(start, end, units, options.straight, fewer):
+        inner_units = topology.levels[level - 2].count if level >= 2 else 0
+        inner_choices = [
+            list(pipelines(level - 1, s, e, inner_units, topology, options)) if level >= 2 else [()]
+            for s, e, _ in stages
+        ]
+        for inner in itertools.product(*inner_choices):
+            yield tuple(StageNode(level, s, e, c, kids) for (s, e, c), kids in zip(stages, inner))
+
+
+def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> float:
+    """Time per minibatch (ms) of ``tree``, or inf when a stage does not fit in memory."""
+    flat = flatten(tree, topology)
+    if options.max_stages is not None and len(flat) > options.max_stages:
+        return math.inf
+    replicas = [stage.replicas for stage in flat]
+    if options.memory_check:
+        for q, stage in enumerate(flat):
+            memory, _, _ = plan_stage_memory(
+                options.schedule, replicas, q, arrays.params(stage.start, stage.end),
+                arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
+            )
+            if memory > topology.device.memory_bytes:
+                return math.inf
+    return max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
+
+
+def exhaustive_best(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...] | None]:
+    """(best time in ms, its tree) over every plan; (inf, None) when none fits."""
+    arrays = layer_arrays(profile)
+    top = len(topology.levels)
+    best, best_tree = math.inf, None
+    for tree in pipelines(top, 0, arrays.layers, topology.levels[-1].count, topology, options):
+        value = evaluate(tree, arrays, topology, options)
+        if value < best:
+            best, best_tree = value, tree
+    return best, best_tree

@@ -1,0 +1,74 @@
+"""Per-device memory of a pipeline stage, and the in-flight counts the DP charges.
+
+A replica of a stage keeps (bytes per device)::
+
+    params * (weight_versions + 1 gradient + optimizer_states) + saved * activations_in_flight
+
+``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam. The counts come from
+``pipeplan.schedule`` (shared with the runtime and the simulator): with 1F1B-RR a
+replica of stage s stashes ``W_s + 1`` weight versions and as many minibatches of
+activations, where ``W_s + 1 = ceil(after_s / n_s)`` with ``after_s`` the devices of
+stage s and every later stage and ``n_s`` its replicas; 1F1B-flush and GPipe keep one
+weight version and at most one minibatch of activations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from pipeplan.errors import InputError
+from pipeplan.schedule import activations_in_flight, weight_versions
+
+__all__ = [
+    "OPTIMIZER_STATES",
+    "optimizer_states",
+    "stage_memory_bytes",
+    "in_flight_after",
+    "plan_stage_memory",
+]
+
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+
+
+def optimizer_states(optimizer: str) -> int:
+    """Parameter-sized optimizer buffers of ``optimizer`` (sgd 0, momentum 1, adam 2)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise InputError(f"unknown optimizer {optimizer!r} (expected one of {', '.join(OPTIMIZER_STATES)})")
+    return OPTIMIZER_STATES[optimizer]
+
+
+def stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer: str):
+    """Bytes one replica keeps; elementwise on numpy arrays.
+
+    >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")
+    630
+    """
+    return param_bytes * (versions + 1 + optimizer_states(optimizer)) + saved_bytes * in_flight
+
+
+def in_flight_after(devices_from_stage: int, replicas: int) -> int:
+    """1F1B-RR minibatches in flight at a stage: ceil(devices of it and later stages / replicas).
+
+    Equals ``pipeplan.schedule.weight_versions("1f1b-rr", ...)`` for every stage:
+
+    >>> [in_flight_after(after, 1) for after in (4, 3, 2, 1)]
+    [4, 3, 2, 1]
+    """
+    return math.ceil(devices_from_stage / replicas)
+
+
+def plan_stage_memory(
+    schedule: str,
+    stage_replicas: Sequence[int],
+    stage: int,
+    param_bytes: float,
+    saved_bytes: float,
+    optimizer: str,
+    microbatches: int = 1,
+) -> tuple[int, int, float]:
+    """(memory bytes, weight versions, activations in flight) of one replica of ``stage``."""
+    versions = weight_versions(schedule, stage_replicas, stage)
+    in_flight = activations_in_flight(schedule, stage_replicas, stage, microbatches)
+    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer)
+    return int(math.ceil(memory)), versions, in_flight
