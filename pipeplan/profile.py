@@ -61,6 +61,11 @@ class Profile:
     warmup: int = 0
     repeats: int = 0
     source: str = "pipeplan"  # "pipeplan" | "pipedream" (imported graph.txt)
+    # distinct storages autograd saves in one whole-model forward + loss, parameters
+    # excluded (0 when not measured); the sum of layers' saved_bytes counts a tensor
+    # saved by two layers (a ReLU output and the next Linear's input) twice
+    step_saved_bytes: int = 0
+    loss_ms: float = 0.0  # loss forward+backward on the model output: in step_ms, in no layer
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:

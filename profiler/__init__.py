@@ -1,0 +1,11 @@
+"""``pipeplan.profiler``: measure a model layer by layer (times, bytes) into a ``Profile``.
+
+Modules: ``timing`` (CUDA-event / perf_counter timers, median and IQR), ``memory``
+(output, parameter and saved-for-backward bytes), ``measure`` (the layer-by-layer
+training pass and the whole step), ``device`` (device, dtype, device name),
+``profile_model`` (model file -> ``Profile``), ``report`` (the rich table and summary).
+"""
+
+from pipeplan.profiler.profile_model import BUNDLED_MODELS, profile_model, resolve_model_path
+
+__all__ = ["BUNDLED_MODELS", "profile_model", "resolve_model_path"]

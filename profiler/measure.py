@@ -1,0 +1,272 @@
+"""Per-layer and whole-step measurements: times (median, spread) and byte counts.
+
+``measure_stages`` runs a training step layer by layer, the way a pipeline runs its
+stages: forward through the layers in order, each layer fed *detached* copies of the
+values it reads (those from earlier layers require grad when they are differentiable,
+model inputs do not); then the loss; then backward through the layers in reverse, each
+with ``torch.autograd.backward(outputs, grads)`` where ``grads`` are the gradients its
+consumers (or the loss) accumulated on those detached values. Every layer's forward and
+backward is timed on its own. Running the layers in one pass, rather than each in
+isolation, keeps caches and allocator state as in a real step, so the sum of the layers
+stays close to the whole step. The first pass is untimed and counts bytes; the next
+``warmup`` passes are discarded; the last ``repeats`` passes give the median and spread.
+
+Each pass also times the whole model's forward + loss + backward (``time_step``), so a
+profile can report how close the sum of the layers comes to the real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from pipeplan.errors import InputError
+from pipeplan.profile import LayerProfile
+from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
+from pipeplan.profiler.timing import Stats, Timer, robust_stats
+
+__all__ = [
+    "Progress",
+    "LayerMeasurement",
+    "PassSample",
+    "Measurements",
+    "run_pass",
+    "time_step",
+    "step_saved_bytes",
+    "measure_stages",
+    "measure_layers",
+    "disable_inplace",
+]
+
+# progress(done, total, label): called after each measured pass (or unit of work).
+Progress = Callable[[int, int, str], None]
+
+@dataclass(frozen=True)
+class LayerMeasurement:
+    forward: Stats  # ms
+    backward: Stats  # ms (zero when no output of the layer needs a gradient)
+    output_bytes: int
+    param_bytes: int
+    saved_bytes: int
+
+
+@dataclass
+class PassSample:
+    """One layer-by-layer training step: per-layer times (ms) and, when counted, bytes."""
+
+    forward_ms: list[float]
+    backward_ms: list[float]
+    loss_ms: float = 0.0
+    output_bytes: list[int] = field(default_factory=list)
+    saved_bytes: list[int] = field(default_factory=list)
+
+
+def disable_inplace(model: Any) -> int:
+    """Turn off ``inplace=True`` on the model's modules (ReLU, Dropout, ...); return how many.
+
+    A layer's input is a detached tensor that requires grad, as it is on a pipeline
+    stage's boundary; autograd forbids modifying such a tensor in place.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "inplace", False) is True:
+            module.inplace = False
+            changed += 1
+    return changed
+
+
+def _detached(value: Any) -> Any:
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.requires_grad)
+
+
+def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        outputs = stage.module(*args)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise InputError(
+            f"layer {stage.index} raised when run on its own: {type(exc).__name__}: "
+            f"{text[0] if text else ''}"
+        ) from exc
+    if len(outputs) != len(stage.output_names):
+        raise RuntimeError(
+            f"layer {stage.index} returned {len(outputs)} values for output names {stage.output_names}"
+        )
+    return tuple(outputs)
+
+
+def run_pass(
+    stages: Sequence[Any],
+    inputs: Sequence[Any],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
+    count_bytes: bool = False,
+) -> PassSample:
+    """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed)."""
+    import torch
+
+    from pipeplan.graph import MODEL_OUTPUT
+
+    sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
+    values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
+    produced: list[tuple[Any, ...]] = []
+    with torch.enable_grad():
+        for position, stage in enumerate(stages):
+            args = tuple(values[name] for name in stage.input_names)
+            if count_bytes:
+                with count_saved(exclude=stage.module.parameters()) as counter:
+                    outputs = _run(stage, args)
+                sample.saved_bytes.append(counter.saved_bytes)
+                sample.output_bytes.append(output_bytes(outputs))
+            else:
+                timer.start()
+                outputs = _run(stage, args)
+                sample.forward_ms[position] = timer.stop()
+            produced.append(outputs)
+            values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
+        result = values[MODEL_OUTPUT]
+        timer.start()
+        loss = loss_fn(result, targets)
+        if result.requires_grad:
+            loss.backward()
+        sample.loss_ms = timer.stop()
+        for position in reversed(range(len(stages))):
+            stage = stages[position]
+            pairs = [
+                (output, values[name].grad)
+                for name, output in zip(stage.output_names, produced[position])
+                if isinstance(output, torch.Tensor) and output.requires_grad and values[name].grad is not None
+            ]
+            produced[position] = ()
+            for name in stage.output_names:  # free the gradients as soon as they are used,
+                values[name] = None  # as a whole-model backward would
+            if pairs:
+                timer.start()
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                sample.backward_ms[position] = timer.stop()
+            del pairs
+    return sample
+
+
+def _clear_grads(model: Any) -> None:
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
+def time_step(
+    model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any], timer: Timer
+) -> float:
+    """One whole-model forward + loss + backward, in ms."""
+    import torch
+
+    _clear_grads(model)
+    with torch.enable_grad():
+        timer.start()
+        loss_fn(model(*inputs), targets).backward()
+        return timer.stop()
+
+
+def step_saved_bytes(
+    model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any]
+) -> int:
+    """Distinct storages autograd saves in one whole forward + loss (parameters excluded)."""
+    import torch
+
+    with torch.enable_grad(), count_saved(exclude=model.parameters()) as counter:
+        loss = loss_fn(model(*inputs), targets)
+    del loss
+    return counter.saved_bytes
+
+
+@dataclass(frozen=True)
+class Measurements:
+    layers: list[LayerMeasurement]  # by layer index
+    loss: Stats  # ms
+    step: Stats  # whole-model forward + loss + backward, ms
+    step_saved_bytes: int
+
+
+def measure_stages(
+    stages: Sequence[Any],
+    model: Any,
+    inputs: Sequence[Any],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None = None,
+) -> Measurements:
+    """Per-layer measurements and the whole step, over ``repeats`` passes after ``warmup``.
+
+    Each pass runs the step layer by layer and then the whole model, so a change in the
+    machine's load affects both alike and their ratio stays meaningful.
+    """
+    total = 1 + warmup + repeats
+    _clear_grads(model)
+    counted = run_pass(stages, inputs, targets, loss_fn, timer, count_bytes=True)
+    whole_saved = step_saved_bytes(model, inputs, targets, loss_fn)
+    if progress is not None:
+        progress(1, total, "counting bytes")
+    samples: list[PassSample] = []
+    steps: list[float] = []
+    for iteration in range(warmup + repeats):
+        _clear_grads(model)
+        sample = run_pass(stages, inputs, targets, loss_fn, timer)
+        step = time_step(model, inputs, targets, loss_fn, timer)
+        if iteration >= warmup:
+            samples.append(sample)
+            steps.append(step)
+        if progress is not None:
+            progress(2 + iteration, total, "warm-up" if iteration < warmup else "measuring")
+    _clear_grads(model)
+    layers = [
+        LayerMeasurement(
+            forward=robust_stats([s.forward_ms[position] for s in samples]),
+            backward=robust_stats([s.backward_ms[position] for s in samples]),
+            output_bytes=counted.output_bytes[position],
+            param_bytes=param_bytes(stage.module.parameters()),
+            saved_bytes=counted.saved_bytes[position],
+        )
+        for position, stage in enumerate(stages)
+    ]
+    return Measurements(layers, robust_stats([s.loss_ms for s in samples]), robust_stats(steps), whole_saved)
+
+
+def measure_layers(
+    graph: Any,
+    inputs: Sequence[Any],
+    targets: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None = None,
+) -> tuple[list[LayerProfile], Measurements]:
+    """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.graph.LayerGraph``), and all measurements."""
+    measured = measure_stages(
+        graph.layer_modules(), graph.model, inputs, targets, loss_fn, timer, warmup, repeats, progress
+    )
+    layers = [
+        LayerProfile(
+            index=node.index,
+            name=node.name,
+            type=node.type,
+            inputs=tuple(node.inputs),
+            forward_ms=layer.forward.median,
+            backward_ms=layer.backward.median,
+            output_bytes=layer.output_bytes,
+            param_bytes=layer.param_bytes,
+            saved_bytes=layer.saved_bytes,
+            forward_ms_spread=layer.forward.spread,
+            backward_ms_spread=layer.backward.spread,
+            model_inputs=tuple(node.model_inputs),
+        )
+        for node, layer in zip(graph.layers, measured.layers)
+    ]
+    return layers, measured

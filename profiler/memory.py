@@ -1,0 +1,115 @@
+"""Byte counts of a layer: outputs, parameters, and what autograd saves for backward.
+
+``saved_bytes`` is measured, not estimated: during one forward pass,
+``torch.autograd.graph.saved_tensors_hooks`` sees every tensor autograd packs for the
+backward pass. We count each underlying storage once (deduplicated by the data pointer
+of ``untyped_storage()``, at its full size, since a saved view keeps its whole storage
+alive) and leave out the storages of parameters, which exist once per device whatever
+the number of minibatches in flight. A saved layer *input* does count: autograd keeps
+it alive until the backward pass, once per minibatch in flight.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+__all__ = [
+    "tensors_in",
+    "tensor_bytes",
+    "output_bytes",
+    "param_bytes",
+    "storage_key",
+    "SavedTensorCounter",
+    "count_saved",
+]
+
+
+def tensors_in(value: Any) -> list[Any]:
+    """Every tensor in ``value`` (a tensor, or nested tuples / lists / dicts of them)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in tensors_in(item)]
+    if isinstance(value, dict):
+        return [tensor for item in value.values() for tensor in tensors_in(item)]
+    return []
+
+
+def tensor_bytes(tensor: Any) -> int:
+    """Bytes of a tensor's elements: ``numel * element_size`` (what a transfer sends)."""
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def output_bytes(outputs: Any) -> int:
+    """Bytes of every tensor in ``outputs``, each distinct tensor object counted once."""
+    seen: dict[int, int] = {}
+    for tensor in tensors_in(outputs):
+        seen[id(tensor)] = tensor_bytes(tensor)
+    return sum(seen.values())
+
+
+def param_bytes(parameters: Iterable[Any]) -> int:
+    """Bytes of the distinct parameters (a parameter listed twice counts once)."""
+    seen: dict[int, int] = {}
+    for parameter in parameters:
+        seen[storage_key(parameter)] = tensor_bytes(parameter)
+    return sum(seen.values())
+
+
+def storage_key(tensor: Any) -> int:
+    """Identity of the memory behind ``tensor``: its untyped storage's data pointer."""
+    try:
+        pointer = int(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+        return id(tensor)
+    return pointer if pointer else id(tensor)
+
+
+def _storage_nbytes(tensor: Any) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor_bytes(tensor)
+
+
+class SavedTensorCounter:
+    """Collects the distinct storages autograd packs for backward (parameters excluded)."""
+
+    def __init__(self, exclude: Iterable[Any] = ()) -> None:
+        self._excluded = {storage_key(tensor) for tensor in exclude}
+        self.storages: dict[int, int] = {}  # storage key -> bytes
+
+    def pack(self, tensor: Any) -> Any:
+        key = storage_key(tensor)
+        if key not in self._excluded:
+            self.storages[key] = _storage_nbytes(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: Any) -> Any:
+        return tensor
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@contextmanager
+def count_saved(exclude: Iterable[Any] = ()) -> Iterator[SavedTensorCounter]:
+    """Within the block, record what autograd saves; ``exclude`` (parameters) is not counted.
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(4, 8)
+    >>> with count_saved(exclude=layer.parameters()) as counter:
+    ...     _ = layer(torch.randn(2, 4, requires_grad=True))
+    >>> counter.saved_bytes  # the (2, 4) float32 input: 2 * 4 * 4 bytes
+    32
+    """
+    import torch
+
+    counter = SavedTensorCounter(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        yield counter

@@ -1,0 +1,163 @@
+"""``profile_model``: load a model file, measure it layer by layer, return a ``Profile``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeplan.errors import InputError
+from pipeplan.modelfile import ModelFile, bundled_model_path, load_model_file
+from pipeplan.profile import Profile
+from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
+from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers
+from pipeplan.profiler.memory import output_bytes
+from pipeplan.profiler.timing import make_timer
+
+__all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
+
+BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")
+
+
+def resolve_model_path(model: str | os.PathLike[str]) -> str:
+    """A model file path, or the path of the bundled model named ``model`` (mlp, vgg, resnet, gpt)."""
+    text = str(model)
+    if Path(text).is_file():
+        return text
+    if text in BUNDLED_MODELS:
+        return bundled_model_path(text)
+    raise InputError(
+        f"model file {text!r} does not exist (nor is it a bundled model: {', '.join(BUNDLED_MODELS)})"
+    )
+
+
+def prepare_batch(
+    inputs: Sequence[Any], targets: Any, device: Any, dtype: Any
+) -> tuple[tuple[Any, ...], Any]:
+    """Move the batch to ``device``; floating-point tensors are cast to ``dtype``.
+
+    Targets that are not a tensor are left as they are, for the model file's ``loss_fn``.
+    """
+    import torch
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_floating_point():
+            return value.to(device=device, dtype=dtype)
+        return value.to(device=device)
+
+    return tuple(move(tensor) for tensor in inputs), move(targets)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def check_model_runs(
+    model_file: ModelFile, model: Any, inputs: tuple[Any, ...], targets: Any, batch_size: int
+) -> None:
+    """One forward + loss + backward; ``InputError`` (one line) when the user's code raises."""
+    import torch
+
+    try:
+        output = model(*inputs)
+    except Exception as exc:
+        raise InputError(
+            f"{model_file.path}: the model raised on sample_batch({batch_size}): {_one_line(exc)}"
+        ) from exc
+    if not isinstance(output, torch.Tensor):
+        raise InputError(
+            f"{model_file.path}: the model returned {type(output).__name__}, expected one Tensor"
+        )
+    try:
+        loss = model_file.loss_fn(output, targets)
+    except Exception as exc:
+        raise InputError(f"{model_file.path}: loss_fn raised on the model output: {_one_line(exc)}") from exc
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise InputError(f"{model_file.path}: loss_fn returned {shape}, expected a scalar Tensor")
+    try:
+        loss.backward()
+    except Exception as exc:
+        raise InputError(f"{model_file.path}: backward through the loss raised {_one_line(exc)}") from exc
+    model.zero_grad(set_to_none=True)
+
+
+def profile_model(
+    model: str | os.PathLike[str],
+    batch_size: int = 32,
+    device: str | None = None,
+    dtype: str = "float32",
+    warmup: int = 3,
+    repeats: int = 10,
+    progress: Progress | None = None,
+    threads: int | None = None,
+) -> Profile:
+    """Measure every layer of the model file ``model`` (a path or a bundled model's name).
+
+    Times are the median (and interquartile range) over ``repeats`` passes after ``warmup``
+    passes, in ms for one minibatch of ``batch_size`` samples; ``step_ms`` is the whole
+    model's forward + loss + backward, timed in the same passes. ``progress(done, total,
+    label)`` is called after each pass (total = 1 + warmup + repeats). ``threads``
+    sets torch's intra-op CPU threads for the measurement (restored afterwards).
+    """
+    import torch
+
+    if threads is not None and threads <= 0:
+        raise InputError(f"--threads must be positive (got {threads})")
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(model, batch_size, device, dtype, warmup, repeats, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _profile(
+    model: str | os.PathLike[str],
+    batch_size: int,
+    device: str | None,
+    dtype: str,
+    warmup: int,
+    repeats: int,
+    progress: Progress | None,
+) -> Profile:
+    """``profile_model`` without the thread setting."""
+    if batch_size <= 0:
+        raise InputError(f"--batch-size must be positive (got {batch_size})")
+    if warmup < 0 or repeats <= 0:
+        raise InputError(f"--warmup must be >= 0 and --repeats > 0 (got {warmup} and {repeats})")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype)
+    model_file = load_model_file(resolve_model_path(model))
+    network = model_file.build().to(device=torch_device, dtype=torch_dtype).train()
+    raw_inputs, raw_targets = model_file.batch(batch_size, seed=0)
+    inputs, targets = prepare_batch(raw_inputs, raw_targets, torch_device, torch_dtype)
+    check_model_runs(model_file, network, inputs, targets, batch_size)
+
+    from pipeplan.graph import build_layer_graph
+
+    disable_inplace(network)
+    graph = build_layer_graph(network, inputs)
+    timer = make_timer(torch_device)
+    layers, measured = measure_layers(
+        graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
+    )
+    return Profile(
+        model=str(model),
+        fingerprint=graph.fingerprint,
+        device=device_info(torch_device),
+        batch_size=batch_size,
+        dtype=dtype,
+        layers=tuple(layers),
+        step_ms=measured.step.median,
+        step_ms_spread=measured.step.spread,
+        input_bytes=output_bytes(inputs),
+        warmup=warmup,
+        repeats=repeats,
+        step_saved_bytes=measured.step_saved_bytes,
+        loss_ms=measured.loss.median,
+    )

@@ -1,0 +1,74 @@
+"""Human-readable views of a ``Profile``: byte units, the rich table, the summary lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeplan.profile import Profile
+
+__all__ = ["format_bytes", "format_ms", "profile_table", "summary_lines"]
+
+
+def format_bytes(count: int) -> str:
+    """Bytes with a binary unit.
+
+    >>> format_bytes(512), format_bytes(1536), format_bytes(16793600)
+    ('512 B', '1.50 KiB', '16.02 MiB')
+    """
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_ms(median: float, spread: float) -> str:
+    """``"1.234±0.010"``: median ± interquartile range, in ms (the unit is in the header)."""
+    return f"{median:.3f}±{spread:.3f}"
+
+
+def profile_table(profile: Profile) -> Any:
+    """A ``rich.table.Table``: one row per layer, times in ms, sizes in binary units."""
+    from rich import box
+    from rich.table import Table
+
+    title = (
+        f"{profile.model}: batch {profile.batch_size}, {profile.dtype}, "
+        f"{profile.device.type} ({profile.device.name}), median±IQR of {profile.repeats} runs"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for header in ("#", "name", "type", "inputs"):
+        table.add_column(header, no_wrap=True, overflow="ellipsis")
+    for header in ("fwd ms", "bwd ms", "output", "params", "saved"):
+        table.add_column(header, justify="right", no_wrap=True)
+    for layer in profile.layers:
+        sources = [str(i) for i in layer.inputs] + [f"input:{k}" for k in layer.model_inputs]
+        table.add_row(
+            str(layer.index),
+            layer.name,
+            layer.type,
+            ",".join(sources) or "-",
+            format_ms(layer.forward_ms, layer.forward_ms_spread),
+            format_ms(layer.backward_ms, layer.backward_ms_spread),
+            format_bytes(layer.output_bytes),
+            format_bytes(layer.param_bytes),
+            format_bytes(layer.saved_bytes),
+        )
+    return table
+
+
+def summary_lines(profile: Profile) -> list[str]:
+    """The layers-vs-step comparison and the totals, each number with its unit."""
+    forward = sum(layer.forward_ms for layer in profile.layers)
+    backward = sum(layer.backward_ms for layer in profile.layers)
+    saved = sum(layer.saved_bytes for layer in profile.layers)
+    params = sum(layer.param_bytes for layer in profile.layers)
+    return [
+        f"sum of layers: {profile.sum_layers_ms:.3f} ms (forward {forward:.3f} ms + backward "
+        f"{backward:.3f} ms), measured step: {profile.step_ms:.3f} ± {profile.step_ms_spread:.3f} ms "
+        f"(loss {profile.loss_ms:.3f} ms of it), ratio: {profile.layers_vs_step_ratio:.3f}",
+        f"saved for backward: sum of layers {format_bytes(saved)}, whole model "
+        f"{format_bytes(profile.step_saved_bytes)}; parameters: sum of layers {format_bytes(params)}; "
+        f"input: {format_bytes(profile.input_bytes)}",
+    ]

@@ -1,0 +1,98 @@
+"""The profile.json contract: round trip, validation, schema, and the optional fields."""
+
+from __future__ import annotations
+
+import json
+import re
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeplan.errors import InputError
+from pipeplan.profile import PROFILE_SCHEMA, DeviceInfo, LayerProfile, Profile
+
+
+def make_profile(**overrides) -> Profile:
+    layers = (
+        LayerProfile(0, "embed", "Embedding", (), 0.5, 1.0, 4096, 1024, 64,
+                     forward_ms_spread=0.01, backward_ms_spread=0.02, model_inputs=(0,)),
+        LayerProfile(1, "fc", "Linear", (0,), 1.5, 3.0, 512, 2048, 4096),
+        LayerProfile(2, "head", "Linear", (0, 1), 0.25, 0.5, 40, 1024, 512),
+    )
+    fields = dict(
+        model="model.py", fingerprint="sha256:abc", device=DeviceInfo("cpu", "Test CPU"), batch_size=32,
+        dtype="float32", layers=layers, step_ms=7.5, step_ms_spread=0.1, input_bytes=256, warmup=3,
+        repeats=10, step_saved_bytes=4000, loss_ms=0.2,
+    )
+    fields.update(overrides)
+    return Profile(**fields)
+
+
+def test_round_trip_through_json_file(tmp_path: Path) -> None:
+    profile = make_profile()
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    raw = json.loads(path.read_text())
+    assert next(iter(raw)) == "schema" and raw["schema"] == PROFILE_SCHEMA
+    assert raw["device"] == {"type": "cpu", "name": "Test CPU"}
+    assert raw["layers"][2]["inputs"] == [0, 1] and raw["layers"][0]["model_inputs"] == [0]
+    assert list(tmp_path.iterdir()) == [path]  # the atomic write leaves no temp file
+
+
+def test_derived_figures() -> None:
+    profile = make_profile()
+    assert profile.sum_layers_ms == pytest.approx(0.5 + 1.0 + 1.5 + 3.0 + 0.25 + 0.5)
+    assert profile.layers_vs_step_ratio == pytest.approx(6.75 / 7.5)
+    assert not profile.is_chain  # layer 2 reads layer 0
+    assert math.isnan(make_profile(step_ms=0.0).layers_vs_step_ratio)
+
+
+def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
+    raw = make_profile().to_dict()
+    for key in ("step_saved_bytes", "loss_ms", "step_ms_spread", "input_bytes"):
+        raw.pop(key)
+    for layer in raw["layers"]:
+        layer.pop("model_inputs")
+        layer.pop("forward_ms_spread")
+    profile = Profile.from_dict(raw)
+    assert profile.loss_ms == 0.0 and profile.step_saved_bytes == 0 and profile.layers[0].model_inputs == ()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda raw: raw.update(schema="pipeplan.profile/0"), "schema is 'pipeplan.profile/0'"),
+        (lambda raw: raw.pop("fingerprint"), "missing 1 required positional argument: 'fingerprint'"),
+        (lambda raw: raw["layers"][1].update(index=5), "layer at position 1 has index 5"),
+        (lambda raw: raw["layers"][1].update(inputs=[1]), "has input 1, which is not an earlier layer"),
+        (lambda raw: raw["layers"][0].update(saved_bytes=-1), "saved_bytes = -1"),
+        (lambda raw: raw["layers"][0].update(forward_ms=float("nan")), "forward_ms = nan"),
+        (lambda raw: raw.update(batch_size=0), "batch_size must be positive (got 0)"),
+        (lambda raw: raw.update(layers=[]), "profile has no layers"),
+        (lambda raw: raw["layers"][0].update(colour="red"), "unexpected keyword argument 'colour'"),
+    ],
+)
+def test_invalid_profiles_are_input_errors(tmp_path: Path, change, message: str) -> None:
+    raw = make_profile().to_dict()
+    change(raw)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InputError, match=re.escape(message)):
+        Profile.load(path)
+
+
+def test_not_json_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputError, match="is not valid JSON"):
+        Profile.load(bad)
+    with pytest.raises(InputError, match="cannot read"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_replace_keeps_validation() -> None:
+    with pytest.raises(InputError, match="param_bytes"):
+        replace(make_profile(), layers=(replace(make_profile().layers[0], param_bytes=-5),))

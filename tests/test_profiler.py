@@ -1,0 +1,204 @@
+"""The profiler's measurements: exact byte counts, the skip edge, the layers-vs-step ratio."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeplan.errors import InputError
+from pipeplan.graph import build_layer_graph
+from pipeplan.profiler.measure import disable_inplace, measure_layers, measure_stages
+from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
+from pipeplan.profiler.profile_model import profile_model, resolve_model_path
+from pipeplan.profiler.report import format_bytes, summary_lines
+from pipeplan.profiler.timing import CpuTimer, robust_stats
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+LINEAR_OUT = 32 * 4096 * 4  # (32, 4096) float32
+LINEAR_PARAMS = (1024 * 4096 + 4096) * 4  # weight + bias, float32
+LINEAR_IN = 32 * 1024 * 4  # (32, 1024) float32: what Linear saves for the weight gradient
+
+
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, target)
+
+
+def measure(model: nn.Module, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss=cross_entropy):
+    graph = build_layer_graph(model, inputs)
+    return graph, measure_layers(graph, inputs, targets, loss, CpuTimer(), warmup=0, repeats=2)
+
+
+def test_linear_1024_4096_bytes_are_exact() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 4096), nn.ReLU())
+    x, y = torch.randn(32, 1024), torch.randint(0, 4096, (32,))
+    _, (layers, measured) = measure(model, (x,), y)
+    first, linear, relu = layers
+    assert (linear.output_bytes, linear.param_bytes, linear.saved_bytes) == (
+        LINEAR_OUT,
+        LINEAR_PARAMS,
+        LINEAR_IN,
+    )
+    # the first layer reads the model input (no grad) and still saves it for its weight gradient
+    assert (first.saved_bytes, first.param_bytes) == (LINEAR_IN, (1024 * 1024 + 1024) * 4)
+    assert first.model_inputs == (0,) and linear.inputs == (0,)
+    # ReLU saves its own (32, 4096) result
+    assert (relu.output_bytes, relu.param_bytes, relu.saved_bytes) == (LINEAR_OUT, 0, LINEAR_OUT)
+    for layer in layers:
+        assert layer.forward_ms > 0 and layer.backward_ms > 0
+    assert measured.loss.median > 0 and measured.step.median > 0
+
+
+def test_saved_bytes_match_what_autograd_packs() -> None:
+    """Independent check: the storages autograd packs for Linear are the input and the weight."""
+    layer = nn.Linear(1024, 4096)
+    x = torch.randn(32, 1024, requires_grad=True)
+    packed: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        layer(x)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in packed}
+    assert storages == {
+        x.untyped_storage().data_ptr(): LINEAR_IN,
+        layer.weight.untyped_storage().data_ptr(): 1024 * 4096 * 4,
+    }
+    with count_saved(exclude=layer.parameters()) as counter:
+        layer(x)
+    assert counter.saved_bytes == LINEAR_IN  # the parameter storage is left out
+
+
+def test_bfloat16_halves_the_bytes() -> None:
+    model = nn.Sequential(nn.Linear(1024, 4096)).to(torch.bfloat16)
+    x = torch.randn(32, 1024, dtype=torch.bfloat16)
+    _, (layers, _) = measure(model, (x,), torch.randn(32, 4096, dtype=torch.bfloat16), nn.functional.mse_loss)
+    assert (layers[0].output_bytes, layers[0].param_bytes, layers[0].saved_bytes) == (
+        LINEAR_OUT // 2,
+        LINEAR_PARAMS // 2,
+        LINEAR_IN // 2,
+    )
+
+
+def test_tied_parameter_counts_in_each_user_and_once_per_layer() -> None:
+    embedding = nn.Embedding(100, 16)
+    assert param_bytes([embedding.weight, embedding.weight]) == 100 * 16 * 4
+    assert output_bytes((torch.zeros(3, 4), [torch.zeros(2, dtype=torch.int64)])) == 3 * 4 * 4 + 2 * 8
+
+
+def test_residual_profile_has_the_skip_edge() -> None:
+    profile = profile_model(FIXTURES / "residual.py", batch_size=8, device="cpu", warmup=0, repeats=2)
+    assert [layer.name for layer in profile.layers] == ["fc1", "fc2", "act", "fc3"]
+    # `act(fc2(h)) + h` joins act's layer: it reads fc2 (layer 1) and, over a skip, fc1 (layer 0)
+    assert [layer.inputs for layer in profile.layers] == [(), (0,), (0, 1), (2,)]
+    assert not profile.is_chain
+    # the add's output (8, 64) float32 is act's output; fc1's output feeds two layers, counted once
+    assert profile.layers[2].output_bytes == profile.layers[0].output_bytes == 8 * 64 * 4
+    # ReLU saves its (8, 64) result; the folded add saves nothing
+    assert profile.layers[2].saved_bytes == 8 * 64 * 4
+
+
+def test_bundled_resnet_skip_edges_jump_over_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPEPLAN_RESNET_BLOCKS", "1,1")
+    monkeypatch.setenv("PIPEPLAN_RESNET_WIDTH", "4")
+    monkeypatch.setenv("PIPEPLAN_IMAGE_SIZE", "8")
+    profile = profile_model("resnet", batch_size=2, device="cpu", warmup=0, repeats=1)
+    assert not profile.is_chain
+    by_name = {layer.name: layer for layer in profile.layers}
+    block_add = by_name["stages.0.0.bn2"]  # bn2(conv2(...)) + identity joins bn2's layer
+    assert by_name["stages.0.0.shortcut"].index in block_add.inputs
+    skips = [(p, layer.index) for layer in profile.layers for p in layer.inputs if p < layer.index - 1]
+    assert skips, "expected an edge that skips over at least one layer"
+
+
+def test_sum_of_layers_is_close_to_the_measured_step_on_cpu() -> None:
+    threads = torch.get_num_threads()
+    profile = profile_model("mlp", batch_size=32, device="cpu", warmup=3, repeats=10, threads=1)
+    assert torch.get_num_threads() == threads  # restored
+    assert profile.step_ms > 0 and profile.loss_ms > 0
+    assert 0.5 <= profile.layers_vs_step_ratio <= 2.0, summary_lines(profile)[0]
+    line = summary_lines(profile)[0]
+    assert f"ratio: {profile.layers_vs_step_ratio:.3f}" in line and "measured step:" in line
+    # the sum of per-layer saved bytes counts a ReLU output twice (ReLU and the next Linear save it)
+    assert sum(layer.saved_bytes for layer in profile.layers) >= profile.step_saved_bytes > 0
+
+
+def test_two_inputs_inplace_relu_and_regression_targets() -> None:
+    profile = profile_model(FIXTURES / "two_inputs.py", batch_size=4, device="cpu", warmup=0, repeats=1)
+    assert [layer.name for layer in profile.layers] == ["a", "b", "act", "head"]
+    assert profile.layers[0].model_inputs == (0,) and profile.layers[1].model_inputs == (1,)
+    assert profile.input_bytes == 4 * 16 * 4 + 4 * 8 * 4
+
+
+def test_disable_inplace_counts_the_modules() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Dropout(0.1, inplace=True))
+    assert disable_inplace(model) == 2
+    assert not model[1].inplace and disable_inplace(model) == 0
+
+
+def test_measure_stages_rejects_a_layer_that_raises() -> None:
+    class Boom(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("boom")
+
+    class FakeStage:
+        index, input_names, output_names, module = 0, ("input:0",), ("output",), Boom()
+
+    with pytest.raises(InputError, match="layer 0 raised when run on its own: ValueError: boom"):
+        measure_stages(
+            [FakeStage()], nn.Linear(1, 1), (torch.zeros(1),), None, cross_entropy, CpuTimer(), 0, 1
+        )
+
+
+def test_robust_stats_median_and_iqr() -> None:
+    stats = robust_stats([4.0, 1.0, 3.0, 2.0, 100.0])
+    assert (stats.median, stats.spread) == (3.0, 2.0)
+    with pytest.raises(ValueError):
+        robust_stats([])
+
+
+def test_format_bytes_units() -> None:
+    assert [format_bytes(n) for n in (0, 1023, 1024, 1572864, 3 * 2**30)] == [
+        "0 B",
+        "1023 B",
+        "1.00 KiB",
+        "1.50 MiB",
+        "3.00 GiB",
+    ]
+
+
+def test_resolve_model_path_bundled_and_unknown() -> None:
+    assert resolve_model_path("gpt").endswith("gpt.py")
+    with pytest.raises(InputError, match="nor is it a bundled model"):
+        resolve_model_path("no-such-model")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 0}, "--batch-size must be positive"),
+        ({"repeats": 0}, "--repeats > 0"),
+        ({"dtype": "float16"}, "unsupported dtype 'float16'"),
+        ({"device": "tpu"}, "device 'tpu'"),
+        ({"threads": 0}, "--threads must be positive"),
+    ],
+)
+def test_profile_model_rejects_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        profile_model("mlp", **{"device": "cpu", **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_without_cuda_is_an_input_error() -> None:
+    with pytest.raises(InputError, match="CUDA is not available"):
+        profile_model("mlp", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_profile_on_cuda_uses_cuda_events() -> None:
+    profile = profile_model("gpt", batch_size=8, device="cuda", dtype="bfloat16", warmup=2, repeats=5)
+    assert profile.device.type == "cuda" and profile.device.name == torch.cuda.get_device_name()
+    assert all(layer.forward_ms > 0 for layer in profile.layers)
+    assert 0.3 <= profile.layers_vs_step_ratio <= 3.0
+    assert profile.layers[0].output_bytes == 8 * 64 * 128 * 2  # (batch, seq, dim) bfloat16
