@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from pipeplan.errors import InputError
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
-from pipeplan.profiler.timing import Stats, Timer, robust_stats
+from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
     "Progress",
@@ -150,6 +150,9 @@ def run_pass(
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 sample.backward_ms[position] = timer.stop()
             del pairs
+    sample.forward_ms = [read(t) for t in sample.forward_ms]
+    sample.backward_ms = [read(t) for t in sample.backward_ms]
+    sample.loss_ms = read(sample.loss_ms)
     return sample
 
 
@@ -168,7 +171,7 @@ def time_step(
     with torch.enable_grad():
         timer.start()
         loss_fn(model(*inputs), targets).backward()
-        return timer.stop()
+        return read(timer.stop())
 
 
 def step_saved_bytes(

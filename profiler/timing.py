@@ -1,8 +1,10 @@
 """Timers and robust statistics for the profiler.
 
-On a GPU a timer records CUDA events around the work and synchronises on the end event,
-so it measures device time, not launch time; on the CPU it reads ``time.perf_counter``
-(the work is synchronous, so no synchronisation is needed). Times are milliseconds.
+On a GPU a timer records a pair of CUDA events around the work and does *not* wait:
+``stop`` returns a pending reading, resolved by ``read`` once the pass is over. The host
+thus keeps queueing kernels ahead of the device, as in a real training step, and each
+reading is device time, not launch latency plus a synchronisation per layer. On the CPU
+a timer reads ``time.perf_counter`` (the work is synchronous). Times are milliseconds.
 """
 
 from __future__ import annotations
@@ -12,14 +14,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-__all__ = ["Timer", "CpuTimer", "CudaTimer", "make_timer", "Stats", "robust_stats"]
+__all__ = ["Timer", "CpuTimer", "CudaTimer", "PendingMs", "read", "make_timer", "Stats", "robust_stats"]
+
+
+class PendingMs:
+    """Elapsed time between two recorded CUDA events, read after they complete."""
+
+    def __init__(self, begin: Any, end: Any) -> None:
+        self._begin, self._end = begin, end
+
+    def value(self) -> float:
+        self._end.synchronize()
+        return float(self._begin.elapsed_time(self._end))
+
+
+def read(reading: "float | PendingMs") -> float:
+    """Milliseconds of a timer reading (waits for the device when it is pending)."""
+    return reading.value() if isinstance(reading, PendingMs) else float(reading)
 
 
 class Timer(Protocol):
     def start(self) -> None: ...
 
-    def stop(self) -> float:
-        """Milliseconds since ``start()``, after the device finished the work."""
+    def stop(self) -> "float | PendingMs":
+        """Milliseconds since ``start()`` (pass the result to ``read``)."""
         ...
 
 
@@ -37,26 +55,24 @@ class CpuTimer:
 
 
 class CudaTimer:
-    """CUDA-event timer on the current stream of ``device``, in ms (synchronises on stop)."""
+    """CUDA-event timer on the current stream of ``device``; ``stop`` does not synchronise."""
 
     def __init__(self, device: Any) -> None:
+        self._device = device
+        self._begin: Any = None
+
+    def _event(self) -> Any:
         import torch
 
-        self._device = device
-        self._begin = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return event
 
     def start(self) -> None:
-        import torch
+        self._begin = self._event()
 
-        self._begin.record(torch.cuda.current_stream(self._device))
-
-    def stop(self) -> float:
-        import torch
-
-        self._end.record(torch.cuda.current_stream(self._device))
-        self._end.synchronize()
-        return float(self._begin.elapsed_time(self._end))
+    def stop(self) -> PendingMs:
+        return PendingMs(self._begin, self._event())
 
 
 def make_timer(device: Any) -> Timer:
