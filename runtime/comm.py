@@ -1,0 +1,265 @@
+"""Point-to-point transfers between stages: non-blocking, tagged, bounded waits.
+
+A message is identified by ``(value, unit, direction)``: ``value`` the index of a
+value name that crosses a cut (every rank numbers them the same way), ``unit`` the work
+unit ``minibatch * microbatches + microbatch``, ``direction`` ``FORWARD`` (an
+activation) or ``BACKWARD`` (its gradient). On gloo the three are packed into the
+message tag, so receives may be posted long before they are needed, in any order. On
+NCCL tags are ignored: receives are posted when they are waited on, in schedule order,
+which both sides of every pair follow.
+
+Shape handshake: the first activation on each (peer, value) channel is preceded by a
+small header (rank, dtype, shape); afterwards the receiver pre-allocates buffers from
+the cached header. Gradients need no header: their producer knows the activation.
+
+Every wait is bounded (``timeout_s``); a failure or timeout raises ``RuntimeFailure``
+naming this rank, the peer rank and the message.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from pipeplan.errors import RuntimeFailure
+
+__all__ = [
+    "FORWARD", "BACKWARD", "TensorSpec", "PendingRecv", "P2P", "PeerFailure", "message_tag",
+    "short_reason",
+]
+
+FORWARD = 0
+BACKWARD = 1
+_HEADER_LEN = 16  # int64: [ndim, dtype code, dim0, dim1, ...]
+_MAX_TAG = 2**31 - 1
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+
+
+def short_reason(exc: BaseException) -> str:
+    """The first line of a (gloo/NCCL) error without source locations and boilerplate.
+
+    >>> short_reason(RuntimeError("[/x/gloo/pair.cc:553] Connection closed by peer [1.2.3.4]:5. "
+    ...                           "This is typically caused by a remote worker crashing."))
+    'Connection closed by peer [1.2.3.4]:5'
+    """
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text.split(". This is typically")[0].strip()[:200]
+
+
+class PeerFailure(RuntimeFailure):
+    """A transfer with ``peer`` failed or timed out (the peer probably died)."""
+
+    def __init__(self, message: str, peer: int) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def encode(self, device: str) -> torch.Tensor:
+        if len(self.shape) > _HEADER_LEN - 2:
+            raise RuntimeFailure(f"cannot send a tensor of {len(self.shape)} dims (max {_HEADER_LEN - 2})")
+        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
+        header[0] = len(self.shape)
+        header[1] = _DTYPES.index(self.dtype)
+        header[2 : 2 + len(self.shape)] = torch.tensor(self.shape, dtype=torch.int64)
+        return header.to(device)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor) -> "TensorSpec":
+        values = header.cpu().tolist()
+        ndim = int(values[0])
+        return cls(tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[int(values[1])])
+
+
+def message_tag(value: int, values: int, unit: int, direction: int, header: bool = False) -> int:
+    """The gloo tag of one message: unique per (value, unit, direction, header?).
+
+    >>> message_tag(1, 3, 0, FORWARD), message_tag(1, 3, 0, BACKWARD), message_tag(0, 3, 1, FORWARD)
+    (4, 6, 12)
+    """
+    tag = ((unit * values + value) * 2 + direction) * 2 + int(header)
+    if tag > _MAX_TAG:
+        raise RuntimeFailure(f"message tag {tag} overflows (unit {unit}, {values} values)")
+    return tag
+
+
+@dataclass
+class PendingRecv:
+    """A receive posted (or deferred until its header arrives / until its wait on NCCL)."""
+
+    peer: int
+    value: int
+    unit: int
+    direction: int
+    label: str  # for errors and traces: "recv F3 <-r1"
+    spec: TensorSpec | None
+    buffer: torch.Tensor | None = None
+    work: Any = None
+    posted_ms: float = field(default_factory=lambda: time.perf_counter() * 1000.0)
+
+
+@dataclass
+class _PendingSend:
+    work: Any
+    tensor: torch.Tensor
+    peer: int
+    label: str
+    start_ms: float
+
+
+class P2P:
+    """Tagged non-blocking sends/receives of one rank; see the module docstring.
+
+    ``on_send_done(label, peer, start_ms, end_ms)`` is called when a send is seen complete
+    (for traces). Times are ``time.perf_counter()`` in milliseconds.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        values: int,
+        device: str,
+        timeout_s: float,
+        tagged: bool,
+        on_send_done: Callable[[str, int, float, float], None] | None = None,
+    ) -> None:
+        self.rank = rank
+        self.values = max(1, values)
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.tagged = tagged
+        self._on_send_done = on_send_done
+        self._sent_header: set[tuple[int, int]] = set()  # (peer, value)
+        self._specs: dict[tuple[int, int], TensorSpec] = {}  # (peer, value) -> header
+        self._header_work: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._sends: list[_PendingSend] = []
+        self.wait_ms = 0.0  # total time blocked in waits
+
+    # ------------------------------------------------------------------ sending
+    def send(self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str) -> None:
+        """Start sending ``tensor``; the first activation on a channel carries a header."""
+        tensor = tensor.detach().contiguous()
+        start = time.perf_counter() * 1000.0
+        if direction == FORWARD and (peer, value) not in self._sent_header:
+            header = TensorSpec.of(tensor).encode(self.device)
+            work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
+            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start))
+            self._sent_header.add((peer, value))
+        tag = message_tag(value, self.values, unit, direction)
+        self._sends.append(_PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start))
+        self.reap()
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> Any:
+        try:
+            return dist.isend(tensor, peer, tag=tag if self.tagged else 0)
+        except Exception as exc:
+            raise self._failure(f"sending {label}", peer, exc) from exc
+
+    def reap(self) -> None:
+        """Forget sends that completed (reporting their end time)."""
+        now = time.perf_counter() * 1000.0
+        still: list[_PendingSend] = []
+        for send in self._sends:
+            if send.work.is_completed():
+                self._wait(send.work, f"sending {send.label}", send.peer)  # raises its error
+                if self._on_send_done is not None:
+                    self._on_send_done(send.label, send.peer, send.start_ms, now)
+            else:
+                still.append(send)
+        self._sends = still
+
+    def finish(self) -> None:
+        """Wait (bounded) until every send completed (each work is waited on once)."""
+        for send in self._sends:
+            self._wait(send.work, f"sending {send.label}", send.peer)
+            if self._on_send_done is not None:
+                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
+        self._sends = []
+
+    # ---------------------------------------------------------------- receiving
+    def post(self, peer: int, value: int, unit: int, direction: int, label: str,
+             spec: TensorSpec | None = None) -> PendingRecv:
+        """Post a receive now where possible (gloo, header known); ``wait`` completes it."""
+        pending = PendingRecv(peer, value, unit, direction, label, spec)
+        if self.tagged:
+            self._advance(pending, block=False)
+        return pending
+
+    def wait(self, pending: PendingRecv) -> torch.Tensor:
+        """The received tensor; blocks at most ``timeout_s`` per message."""
+        start = time.perf_counter()
+        self._advance(pending, block=True)
+        self._wait(pending.work, f"receiving {pending.label}", pending.peer)
+        self.wait_ms += (time.perf_counter() - start) * 1000.0
+        assert pending.buffer is not None
+        return pending.buffer
+
+    def _advance(self, pending: PendingRecv, block: bool) -> None:
+        if pending.work is not None:
+            return
+        if pending.spec is None:
+            pending.spec = self._header(pending, block)
+            if pending.spec is None:
+                return
+        pending.buffer = torch.empty(pending.spec.shape, dtype=pending.spec.dtype, device=self.device)
+        tag = message_tag(pending.value, self.values, pending.unit, pending.direction)
+        try:
+            pending.work = dist.irecv(pending.buffer, pending.peer, tag=tag if self.tagged else 0)
+        except Exception as exc:
+            raise self._failure(f"receiving {pending.label}", pending.peer, exc) from exc
+
+    def _header(self, pending: PendingRecv, block: bool) -> TensorSpec | None:
+        channel = (pending.peer, pending.value)
+        if channel in self._specs:
+            return self._specs[channel]
+        if channel not in self._header_work:
+            buffer = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            tag = message_tag(pending.value, self.values, 0, FORWARD, True)
+            try:
+                work = dist.irecv(buffer, pending.peer, tag=tag if self.tagged else 0)
+            except Exception as exc:
+                raise self._failure(f"receiving {pending.label} (header)", pending.peer, exc) from exc
+            self._header_work[channel] = (work, buffer)
+        work, buffer = self._header_work[channel]
+        if not block and not work.is_completed():
+            return None
+        self._wait(work, f"receiving {pending.label} (header)", pending.peer)
+        self._specs[channel] = TensorSpec.decode(buffer)
+        del self._header_work[channel]
+        return self._specs[channel]
+
+    # ------------------------------------------------------------------- errors
+    def _wait(self, work: Any, what: str, peer: int) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except Exception as exc:
+            raise self._failure(what, peer, exc) from exc
+
+    def _failure(self, what: str, peer: int, exc: BaseException) -> PeerFailure:
+        reason = short_reason(exc)
+        if "Timed out" in reason or "timeout" in reason.lower():
+            cause = f"no answer within {self.timeout_s:.0f} s"
+        else:
+            cause = f"connection lost ({reason})"
+        return PeerFailure(
+            f"rank {self.rank}: {what} failed: {cause}; rank {peer} failed or died", peer
+        )

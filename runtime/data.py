@@ -1,0 +1,92 @@
+"""Minibatches for the stages that read data (the input stage, the loss stage, and any
+stage that reads a model input directly).
+
+Every such stage draws minibatch k itself, so no model input or target is ever sent:
+
+- with ``data_loader(batch_size, replica, replicas)`` in model.py, minibatch k is item
+  ``k // n0`` of loader ``k % n0`` (``n0`` = replicas of the input stage, the PipeDream
+  sharding), each rank opening its own iterators and skipping the items of other
+  replicas' minibatches, so every stage sees identical data for minibatch k;
+- otherwise it is ``sample_batch(batch_size)`` under ``torch.manual_seed(seed + k)``, so
+  runs are reproducible.
+
+A minibatch is split into ``microbatches`` equal chunks along dim 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from pipeplan.errors import InputError
+from pipeplan.modelfile import ModelFile, as_tuple
+
+__all__ = ["BatchSource"]
+
+
+@dataclass
+class BatchSource:
+    model_file: ModelFile
+    batch_size: int  # samples per minibatch
+    microbatches: int
+    seed: int
+    loader_replicas: int  # n0: replicas of the input stage (data_loader sharding)
+    device: str = "cpu"
+    _loaders: dict[int, tuple[Iterator[Any], int]] = field(default_factory=dict)
+    _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.batch_size % self.microbatches:
+            raise InputError(
+                f"batch size {self.batch_size} is not divisible into {self.microbatches} micro-batches"
+            )
+
+    def microbatch(self, minibatch: int, microbatch: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """(inputs, targets) of one micro-batch, on this rank's device."""
+        inputs, targets = self._minibatch(minibatch)
+        m = self.microbatches
+        if m == 1:
+            return inputs, targets
+        chunk = tuple(t.tensor_split(m, dim=0)[microbatch] for t in inputs)
+        return chunk, targets.tensor_split(m, dim=0)[microbatch]
+
+    def _minibatch(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        if k not in self._cache:
+            inputs, targets = self._draw(k)
+            for old in [key for key in self._cache if key < k - 1]:
+                del self._cache[old]
+            for position, t in enumerate((*inputs, targets)):
+                if t.shape[0] != self.batch_size:
+                    raise InputError(
+                        f"{self.model_file.path}: minibatch {k} tensor {position} has "
+                        f"{t.shape[0]} samples, expected the plan's batch size {self.batch_size}"
+                    )
+            self._cache[k] = (
+                tuple(t.to(self.device) for t in inputs),
+                targets.to(self.device),
+            )
+        return self._cache[k]
+
+    def _draw(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+        if self.model_file.data_loader is None:
+            return self.model_file.batch(self.batch_size, seed=self.seed + k)
+        replica, position = k % self.loader_replicas, k // self.loader_replicas
+        iterator, next_position = self._loaders.get(replica, (None, 0))
+        if iterator is None or position < next_position:
+            iterator = iter(self.model_file.data_loader(self.batch_size, replica, self.loader_replicas))
+            next_position = 0
+        item = None
+        while next_position <= position:
+            try:
+                item = next(iterator)
+            except StopIteration as exc:
+                raise InputError(
+                    f"{self.model_file.path}: data_loader(replica={replica}) ended after "
+                    f"{next_position} minibatches; the run needs {position + 1}"
+                ) from exc
+            next_position += 1
+        self._loaders[replica] = (iterator, next_position)
+        inputs, targets = item  # type: ignore[misc]
+        return as_tuple(inputs, self.model_file.path), targets

@@ -1,0 +1,150 @@
+"""Measurements of every rank, merged on rank 0 into metrics.json and the Chrome trace.
+
+Format: ``docs/metrics.md`` (schema ``pipeplan.metrics/1``). Per (stage, replica):
+``compute_ms`` (forward + backward + optimizer per minibatch handled), ``wait_ms``
+(blocked on receives and all-reduces per minibatch handled), ``time_per_minibatch_ms``
+(busy time, compute + all-reduce, per minibatch handled, divided by the stage's replicas:
+the stage's share of the period, comparable with ``StagePlan.time_per_minibatch_ms``),
+each beside the plan's prediction. The
+pipeline's ``time_per_minibatch_ms`` is the steady-state spacing of minibatch
+completions on the input stage (the first ``noam`` minibatches are warm-up).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from pipeplan.jsonio import write_json_atomic
+from pipeplan.schedule import noam
+
+__all__ = ["RankReport", "rank_report", "gather_reports", "write_outputs", "steady_period_ms"]
+
+
+@dataclass
+class RankReport:
+    rank: int
+    stage: int
+    replica: int
+    minibatches: int  # distinct minibatches this worker handled
+    totals_ms: dict[str, float]
+    wall_ms: float
+    losses: dict[int, float]  # global minibatch -> loss (loss stage only)
+    done_ms: dict[int, float]  # global minibatch -> time its S finished here (from t0)
+    peak_versions: int
+    events: list[Any] = field(default_factory=list)
+
+
+def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: float, stash: Any) -> RankReport:
+    handled = {a.minibatch for a in executor.actions if a.kind == "F"}
+    done = dict(executor.done_ms)
+    return RankReport(
+        rank=rank,
+        stage=spec.stage_index,
+        replica=spec.replica,
+        minibatches=len(handled),
+        totals_ms=dict(recorder.totals_ms),
+        wall_ms=wall_ms,
+        losses=dict(executor.losses),
+        done_ms=done,
+        peak_versions=stash.peak_versions if stash is not None else 1,
+        events=list(recorder.events),
+    )
+
+
+def gather_reports(report: RankReport, rank: int) -> list[RankReport]:
+    """Every rank's report on rank 0 (``[]`` elsewhere); collective."""
+    out: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    dist.gather_object(report, out if rank == 0 else None, dst=0)
+    return [r for r in out if r is not None] if rank == 0 else []
+
+
+def steady_period_ms(done_ms: list[float], warmup: int) -> float:
+    """Mean spacing of completion times after ``warmup`` of them (all of them if too few).
+
+    >>> steady_period_ms([10.0, 30.0, 40.0, 50.0, 60.0], 1)
+    10.0
+    """
+    times = sorted(done_ms)
+    if len(times) < 2:
+        return times[0] if times else float("nan")
+    start = min(warmup, len(times) - 2)
+    return (times[-1] - times[start]) / (len(times) - 1 - start)
+
+
+def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankReport], period: int,
+                  offset: int) -> dict[str, Any]:
+    """Build the metrics summary (and write --metrics / --trace files); returns it."""
+    plan = config.plan
+    losses_by_minibatch: dict[int, float] = {}
+    for r in reports:
+        losses_by_minibatch.update(r.losses)
+    ordered = sorted(losses_by_minibatch)
+    step_losses = []
+    for first in range(offset, offset + len(ordered), period):
+        chunk = [losses_by_minibatch[k] for k in range(first, first + period) if k in losses_by_minibatch]
+        if chunk:
+            step_losses.append(sum(chunk) / len(chunk))
+    input_done = [t for r in reports if r.stage == 0 for t in r.done_ms.values()]
+    warmup = noam(spec.replicas) if config.schedule == "1f1b-rr" else 1
+    period_ms = steady_period_ms(input_done, warmup)
+    wall_ms = max(r.wall_ms for r in reports)
+    minibatches = len(losses_by_minibatch)
+    stages = []
+    for r in sorted(reports, key=lambda r: r.rank):
+        if r.stage < 0:
+            continue
+        handled = max(r.minibatches, 1)
+        replicas = len(spec.ranks[r.stage])
+        compute = sum(r.totals_ms.get(c, 0.0) for c in ("forward", "backward", "step"))
+        wait = sum(r.totals_ms.get(c, 0.0) for c in ("recv", "allreduce"))
+        predicted = plan.stages[r.stage]
+        stages.append({
+            "stage": r.stage,
+            "replica": r.replica,
+            "rank": r.rank,
+            "time_per_minibatch_ms": (compute + r.totals_ms.get("allreduce", 0.0)) / handled / replicas,
+            "compute_ms": compute / handled,
+            "wait_ms": wait / handled,
+            "forward_ms": r.totals_ms.get("forward", 0.0) / handled,
+            "backward_ms": r.totals_ms.get("backward", 0.0) / handled,
+            "allreduce_ms": r.totals_ms.get("allreduce", 0.0) / handled,
+            "minibatches": r.minibatches,
+            "weight_versions_used": r.peak_versions,
+            "predicted_time_per_minibatch_ms": predicted.time_per_minibatch_ms,
+            "predicted_compute_ms": predicted.compute_ms,
+            "predicted_weight_versions": predicted.weight_versions,
+        })
+    summary = {
+        "schema": "pipeplan.metrics/1",
+        "plan": plan.to_dict(),
+        "schedule": config.schedule,
+        "microbatches": config.microbatches,
+        "steps": len(step_losses),
+        "first_step": offset // period,
+        "minibatches_per_step": period,
+        "losses": step_losses,
+        "minibatch_losses": [losses_by_minibatch[k] for k in ordered],
+        "samples_per_s": plan.batch_size * 1000.0 / period_ms if period_ms > 0 else float("nan"),
+        "wall_samples_per_s": minibatches * plan.batch_size * 1000.0 / wall_ms if wall_ms > 0 else 0.0,
+        "wall_ms": wall_ms,
+        "time_per_minibatch_ms": period_ms,
+        "predicted_time_per_minibatch_ms": plan.predicted.time_per_minibatch_ms,
+        "predicted_samples_per_s": plan.predicted.samples_per_s,
+        "stages": stages,
+    }
+    summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+    if config.metrics_path:
+        write_json_atomic(config.metrics_path, summary)
+    if config.trace_path:
+        from pipeplan.trace import merge_events, write_chrome_trace
+
+        events = merge_events(*(r.events for r in reports))
+        names = {r.rank: f"rank {r.rank} (stage {r.stage}, replica {r.replica})" for r in reports if r.stage >= 0}
+        write_chrome_trace(config.trace_path, events,
+                           {"source": "runtime", "schedule": config.schedule,
+                            "microbatches": config.microbatches}, names)
+    return summary

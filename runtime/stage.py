@@ -1,0 +1,127 @@
+"""This rank's stage: the plan's layer ranges turned into one ``StageModule``.
+
+Every rank builds the whole model from model.py under the same seed (so every stage,
+and every copy of a tied parameter, starts from identical weights), cuts it into the
+layer graph (``pipeplan.graph``: a slice for an ``nn.Sequential``, a ``torch.fx`` split
+otherwise), checks the graph's fingerprint against the plan, splits it by the plan's
+stages and keeps its own stage's module; every value that crosses a cut, skips over
+several stages included, becomes a message (``value_ids``).
+
+A parameter held by several stages (a tied embedding and head) is *tied*: the stages
+holding it sum its gradient each step, replica by replica (``tie_groups``), so their
+copies stay identical. Tied stages must have equal replica counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from pipeplan.errors import InputError
+from pipeplan.graph import MODEL_OUTPUT, StageModule, build_layer_graph
+from pipeplan.modelfile import ModelFile
+from pipeplan.plan import Plan
+
+__all__ = ["PipelineSpec", "build_pipeline", "stage_of_layers"]
+
+
+@dataclass
+class PipelineSpec:
+    """What every rank knows about the pipeline, plus this rank's own stage."""
+
+    stage: StageModule | None  # None on a rank the plan leaves idle
+    stage_index: int  # -1 when idle
+    replica: int
+    ranks: tuple[tuple[int, ...], ...]  # ranks[s][j]: global rank of replica j of stage s
+    value_ids: dict[str, int]  # every value crossing a cut -> message id (same on all ranks)
+    tie_groups: dict[tuple[int, ...], tuple[str, ...]]  # stages -> tied qualified names
+    fingerprint: str
+
+    @property
+    def stages(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(len(r) for r in self.ranks)
+
+    def rank_of(self, stage: int, unit: int) -> int:
+        """The rank running work unit ``unit`` on ``stage`` (round-robin over replicas)."""
+        ranks = self.ranks[stage]
+        return ranks[unit % len(ranks)]
+
+
+def stage_of_layers(plan: Plan, layers: int) -> list[int]:
+    """Stage id of each of the model's ``layers`` layers; ``InputError`` on a mismatch."""
+    owner = [-1] * layers
+    for stage in plan.stages:
+        for layer in stage.layers:
+            if not 0 <= layer < layers:
+                raise InputError(
+                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
+                )
+            owner[layer] = stage.index
+    missing = [i for i, s in enumerate(owner) if s < 0]
+    if missing:
+        raise InputError(f"plan assigns no stage to layers {missing[:5]} (model has {layers} layers)")
+    return owner
+
+
+def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int) -> PipelineSpec:
+    """Build this rank's stage (module on CPU; the caller moves it to its device)."""
+    torch.manual_seed(seed)
+    model = model_file.build()
+    sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
+    graph = build_layer_graph(model, sample_inputs)
+    if graph.fingerprint != plan.profile_fingerprint:
+        raise InputError(
+            f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
+            f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
+        )
+    modules = graph.split(stage_of_layers(plan, len(graph)))
+    if len(modules) != len(plan.stages):
+        raise InputError(f"the plan has {len(plan.stages)} stages, the split gave {len(modules)}")
+    ranks = tuple(tuple(stage.ranks) for stage in plan.stages)
+    values = sorted({name for m in modules for name in m.output_names if name != MODEL_OUTPUT})
+    own = None
+    stage_index, replica = -1, -1
+    if rank in plan.used_ranks:
+        stage_index, replica = plan.stage_of_rank(rank)
+        own = modules[stage_index]
+    return PipelineSpec(
+        stage=own,
+        stage_index=stage_index,
+        replica=replica,
+        ranks=ranks,
+        value_ids={name: i for i, name in enumerate(values)},
+        tie_groups=_tie_groups(modules, ranks),
+        fingerprint=graph.fingerprint,
+    )
+
+
+def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], tuple[str, ...]]:
+    holders: dict[str, set[int]] = {}
+    for module in modules:
+        for qualified in set(module.parameter_names.values()):
+            holders.setdefault(qualified, set()).add(module.index)
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for qualified, stages in holders.items():
+        if len(stages) > 1:
+            groups.setdefault(tuple(sorted(stages)), []).append(qualified)
+    for stages in groups:
+        counts = {len(ranks[s]) for s in stages}
+        if len(counts) > 1:
+            raise InputError(
+                f"parameter {groups[stages][0]} is tied across stages {list(stages)} with replica "
+                f"counts {[len(ranks[s]) for s in stages]}; tied stages need equal replica counts"
+            )
+    return {stages: tuple(sorted(names)) for stages, names in sorted(groups.items())}
+
+
+def local_names_of(stage: StageModule, qualified: tuple[str, ...]) -> list[str]:
+    """Deduplicated local parameter names of ``stage``, in the order of ``qualified``."""
+    deduplicated = {name for name, _ in stage.module.named_parameters()}
+    local_of = {
+        q: local for local, q in stage.parameter_names.items() if local in deduplicated
+    }
+    return [local_of[q] for q in qualified]

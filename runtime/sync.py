@@ -1,0 +1,95 @@
+"""Gradient synchronisation at an optimizer step ("S").
+
+1. Replicas of a stage all-reduce all gradients in the stage's replica group: the mean
+   for 1F1B-RR (each replica ran a whole minibatch, as DistributedDataParallel) and the
+   sum for 1F1B-Flush / GPipe (each replica ran some micro-batches of one minibatch whose
+   losses are already scaled by 1/M).
+2. Parameters tied across stages (a tied embedding and head) sum their gradients over
+   the stages holding them (as Megatron does), replica j with replica j, so each copy
+   takes the identical optimizer step.
+
+Every process group is created on all ranks in one fixed order (``dist.new_group`` is
+collective), replica groups first (by stage), then tie groups (by sorted stage tuple,
+then replica). Gradients are flattened into one buffer per all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeplan.errors import RuntimeFailure
+from pipeplan.runtime.comm import short_reason
+from pipeplan.runtime.stage import PipelineSpec, local_names_of
+
+__all__ = ["GradSync", "make_grad_sync"]
+
+
+@dataclass
+class GradSync:
+    rank: int
+    module: nn.Module | None
+    average_replicas: bool
+    replica_group: Any = None  # this stage's replica group (None: one replica)
+    replica_ranks: tuple[int, ...] = ()
+    tie_groups: list[tuple[Any, tuple[int, ...], list[str]]] = field(default_factory=list)  # (group, ranks, local names)
+
+    def reduce(self) -> None:
+        """All-reduce this stage's gradients (replicas), then the tied ones (stages)."""
+        if self.module is None:
+            return
+        params = dict(self.module.named_parameters())
+        for p in params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.replica_group is not None:
+            names = list(params)
+            self._all_reduce([params[n] for n in names], self.replica_group, self.replica_ranks,
+                             scale=1.0 / len(self.replica_ranks) if self.average_replicas else 1.0,
+                             what="replica gradients")
+        for group, ranks, names in self.tie_groups:
+            self._all_reduce([params[n] for n in names], group, ranks, 1.0, "tied-parameter gradients")
+
+    def _all_reduce(self, params: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
+                    scale: float, what: str) -> None:
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+        try:
+            dist.all_reduce(flat, group=group)
+        except Exception as exc:
+            raise RuntimeFailure(
+                f"rank {self.rank}: all-reduce of {what} among ranks {list(ranks)} failed: "
+                f"{short_reason(exc)}"
+            ) from exc
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in grads:
+            n = g.numel()  # type: ignore[union-attr]
+            g.copy_(flat[offset : offset + n].view_as(g))  # type: ignore[union-attr]
+            offset += n
+
+
+def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float) -> GradSync:
+    """Create every replica and tie group (collective: all ranks, same order)."""
+    timeout = timedelta(seconds=timeout_s)
+    module = spec.stage.module if spec.stage is not None else None
+    sync = GradSync(rank, module, average_replicas)
+    for stage_ranks in spec.ranks:
+        if len(stage_ranks) > 1:
+            group = dist.new_group(list(stage_ranks), timeout=timeout)
+            if rank in stage_ranks:
+                sync.replica_group, sync.replica_ranks = group, stage_ranks
+    for stages, qualified in spec.tie_groups.items():
+        for j in range(len(spec.ranks[stages[0]])):
+            ranks = tuple(spec.ranks[s][j] for s in stages)
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks and spec.stage is not None:
+                names = local_names_of(spec.stage, qualified)
+                sync.tie_groups.append((group, ranks, names))
+    return sync

@@ -1,0 +1,372 @@
+"""``pipeplan run``: the training loop of one rank, from plan.json to metrics.json.
+
+Phases (every rank):
+
+1. *Prepare* (no communication, identical on every rank): read torchrun's environment,
+   check the world size, build the stage (``pipeplan.runtime.stage``) and the schedule.
+   An error here is the user's and the same everywhere: ``PrepareError``, printed by
+   rank 0 only, and every rank exits 2.
+2. *Start*: join the process group (``timeout_s`` on every collective), start the
+   watchdog, create the replica and tie groups, load a checkpoint with ``--resume``.
+3. *Train*: walk this worker's actions (``pipeplan.runtime.executor``).
+4. *Finish*: gather every rank's measurements on rank 0, which writes metrics.json and
+   the Chrome trace.
+
+Steps: a step is ``L = lcm(stage replicas)`` minibatches for 1F1B-RR (so replicas
+all-reduce in lock step; ``L = 1`` without replication) and one minibatch for 1F1B-Flush
+and GPipe; ``losses`` has one value per step (the mean over its minibatches).
+Minibatch k is drawn with seed ``seed + k`` (``pipeplan.runtime.data``) and the model is
+built under ``torch.manual_seed(seed)`` on every rank.
+
+Checkpoints are taken at step boundaries; for 1F1B-RR the pipeline is drained at a
+resume (minibatches in flight at the checkpoint restart from the saved weights), so a
+resumed 1F1B-RR run follows the same data but not the same staleness as an uninterrupted
+one; 1F1B-Flush and GPipe resume exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeplan.errors import InputError, PipeplanError, RuntimeFailure
+from pipeplan.plan import Plan
+
+__all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS"]
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+METRICS_SCHEMA = "pipeplan.metrics/1"
+_FAULT_ENV = "PIPEPLAN_TEST_FAULT"  # tests only: "<rank>:<step>:kill|raise"
+
+
+class PrepareError(InputError):
+    """A user error found before any communication; every rank sees the same one."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    plan: Plan
+    model_path: str
+    schedule: str  # one of pipeplan.plan.SCHEDULES
+    steps: int  # total steps of the run (a resumed run continues up to it)
+    lr: float
+    optimizer: str  # one of OPTIMIZERS
+    microbatches: int  # per minibatch (1F1B-Flush, GPipe); 1 for 1F1B-RR
+    recompute: bool = False  # GPipe re-materialisation
+    seed: int = 0
+    timeout_s: float = 300.0  # bound on every collective and p2p wait
+    metrics_path: str | None = None
+    trace_path: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps; 0 = only with --checkpoint-dir at the end
+    resume: bool = False
+    record_dir: str | None = None  # tests/debugging: per-rank params, versions, digests
+    progress: bool = True
+
+
+def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
+    """Minibatches per step: lcm(replicas) for 1f1b-rr, else 1.
+
+    >>> steps_period("1f1b-rr", (2, 1, 3)), steps_period("1f1b-flush", (2, 1))
+    (6, 1)
+    """
+    return math.lcm(*replicas) if schedule == "1f1b-rr" else 1
+
+
+def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
+    """Environment, model file, pipeline spec and schedule; raises ``PrepareError``."""
+    from pipeplan.modelfile import load_model_file
+    from pipeplan.runtime.launch import check_world_size, read_env
+    from pipeplan.runtime.stage import build_pipeline
+    from pipeplan.schedule import build_schedule
+
+    try:
+        env = read_env(config.plan)
+        check_world_size(config.plan, env)
+        if config.optimizer not in OPTIMIZERS:
+            raise InputError(f"optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if config.steps < 1:
+            raise InputError(f"--steps must be >= 1 (got {config.steps})")
+        if config.schedule == "1f1b-rr" and config.microbatches != 1:
+            raise InputError(f"1f1b-rr runs whole minibatches; got {config.microbatches} micro-batches")
+        if config.recompute and config.schedule != "gpipe":
+            raise InputError(f"--recompute applies to gpipe, not {config.schedule}")
+        if config.plan.batch_size % config.microbatches:
+            raise InputError(
+                f"batch size {config.plan.batch_size} is not divisible into "
+                f"{config.microbatches} micro-batches"
+            )
+        model_file = load_model_file(config.model_path)
+        spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
+                              config.plan.batch_size // config.microbatches)
+        replicas = spec.replicas
+        period = steps_period(config.schedule, replicas)
+        schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches)
+    except PrepareError:
+        raise
+    except InputError as exc:
+        raise PrepareError(str(exc)) from exc
+    return env, model_file, spec, schedule
+
+
+def _optimizer(name: str, params: Any, lr: float) -> Any:
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr)
+
+
+def run_training(config: RunConfig) -> dict[str, Any] | None:
+    """Run this rank's part of the training; rank 0 returns the metrics summary."""
+    import torch.distributed as dist
+
+    from pipeplan.runtime.failure import Watchdog
+    from pipeplan.runtime.launch import init_distributed
+
+    env, model_file, spec, schedule = _prepare(config)
+    init_distributed(env, config.timeout_s)
+    prefix = f"run{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix).start()
+    try:
+        summary = _train(config, env, model_file, spec, schedule, watchdog)
+    except BaseException as exc:
+        _report_failure(watchdog, env.rank, exc)
+        raise _as_failure(env.rank, exc) from exc
+    watchdog.stop()
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return summary
+
+
+def _report_failure(watchdog: Any, rank: int, exc: BaseException) -> None:
+    from pipeplan.runtime.comm import PeerFailure
+
+    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if isinstance(exc, PeerFailure):
+        # first reporter names the peer it lost, not itself
+        watchdog.report(message, rank=exc.peer)
+    else:
+        watchdog.report(f"rank {rank}: {message}" if not message.startswith("rank ") else message)
+
+
+def _as_failure(rank: int, exc: BaseException) -> PipeplanError:
+    if isinstance(exc, PipeplanError):
+        return exc
+    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return RuntimeFailure(f"rank {rank} failed: {type(exc).__name__}: {message}")
+
+
+def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: Any, watchdog: Any) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.graph import MODEL_OUTPUT
+    from pipeplan.runtime import checkpoint as ckpt
+    from pipeplan.runtime.comm import P2P
+    from pipeplan.runtime.data import BatchSource
+    from pipeplan.runtime.executor import Executor
+    from pipeplan.runtime.recorder import Recorder
+    from pipeplan.runtime.report import gather_reports, rank_report, write_outputs
+    from pipeplan.runtime.stash import WeightStash
+    from pipeplan.runtime.sync import make_grad_sync
+    from pipeplan.schedule import build_schedule, weight_versions
+
+    plan = config.plan
+    rr = config.schedule == "1f1b-rr"
+    sync = make_grad_sync(spec, env.rank, average_replicas=rr, timeout_s=config.timeout_s)
+    worker = (spec.stage_index, spec.replica)
+    stage = spec.stage
+    module = stage.module.to(env.device) if stage is not None else None
+    optimizer = _optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
+    period = steps_period(config.schedule, spec.replicas)
+
+    done_steps = 0
+    if config.resume and config.checkpoint_dir:
+        latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas, spec.fingerprint)
+        if latest is not None:
+            done_steps = latest
+            if stage is not None:
+                state = ckpt.load_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica,
+                                                   latest, spec.fingerprint).state
+                module.load_state_dict(state["model"])
+                if optimizer is not None and state.get("optimizer"):
+                    optimizer.load_state_dict(state["optimizer"])
+    remaining = config.steps - done_steps
+    if remaining > 0 and done_steps > 0:
+        schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches)
+    actions = schedule.actions.get(worker, ()) if remaining > 0 else ()
+    offset = done_steps * period
+
+    stash = None
+    if rr and module is not None:
+        stash = WeightStash(module, weight_versions(config.schedule, spec.replicas, spec.stage_index))
+    recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.trace_path),
+                        cuda=env.device.startswith("cuda"))
+    comm = P2P(env.rank, len(spec.value_ids), env.device, config.timeout_s, tagged=env.backend != "nccl",
+               on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e))
+    data = BatchSource(model_file, plan.batch_size, config.microbatches, config.seed,
+                       loader_replicas=spec.replicas[0], device=env.device)
+    record: dict[str, Any] = {"digests": []}
+    progress = _Progress(env.rank, config, plan.batch_size * period, watchdog, done_steps, offset)
+    fault = _fault_hook(env.rank)
+
+    def on_step(minibatch: int) -> None:
+        step = minibatch // period  # global step index
+        last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
+        if stage is not None and MODEL_OUTPUT in stage.output_names:
+            watchdog.publish(f"loss/{minibatch}", f"{executor.losses.get(minibatch, float('nan'))!r}")
+        if not last_of_step:
+            return
+        completed = step + 1
+        if config.record_dir:
+            record["digests"].append(_digests(module))
+        if config.checkpoint_dir and config.checkpoint_every and completed % config.checkpoint_every == 0:
+            _save(config, spec, module, optimizer, completed)
+        progress.update(completed)
+        fault(completed)
+
+    executor = Executor(
+        spec=spec, actions=actions, microbatches=config.microbatches, comm=comm, data=data,
+        loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder,
+        stash=stash, recompute=config.recompute, minibatch_offset=offset,
+        lookahead=2 * (weight_versions("1f1b-rr", spec.replicas, max(spec.stage_index, 0)) + 1),
+        on_step=on_step,
+    )
+    dist.barrier()
+    recorder.start()
+    progress.start()
+    if stage is not None:
+        executor.run()
+    recorder.finish()
+    wall_ms = (time.perf_counter() * 1000.0) - recorder.t0_ms
+    progress.stop()
+    if config.checkpoint_dir and stage is not None and remaining > 0 and not config.checkpoint_every:
+        _save(config, spec, module, optimizer, config.steps)
+    if config.record_dir and module is not None:
+        _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
+    reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash), env.rank)
+    if env.rank != 0:
+        return None
+    return write_outputs(config, spec, schedule, reports, period, offset)
+
+
+def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int) -> None:
+    import torch
+
+    from pipeplan.runtime import checkpoint as ckpt
+
+    if module is None:
+        return
+    state = {
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else {},
+        "step": step,
+        "rng": torch.get_rng_state(),
+    }
+    ckpt.save_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica, step, state,
+                               spec.fingerprint)
+    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps
+        ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, spec.fingerprint, keep=2)
+
+
+def _digests(module: Any) -> dict[str, float]:
+    return {name: float(p.detach().double().sum()) for name, p in module.named_parameters()}
+
+
+def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any, record: dict[str, Any], stash: Any) -> None:
+    import io
+
+    import torch
+
+    from pipeplan.jsonio import write_atomic
+
+    stage = spec.stage
+    params = {stage.parameter_names[n]: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    obj = {
+        "rank": rank,
+        "stage": spec.stage_index,
+        "replica": spec.replica,
+        "params": params,
+        "digests": [{stage.parameter_names[n]: v for n, v in d.items()} for d in record["digests"]],
+        "units": {u: (r.minibatch, r.microbatch, r.forward_version, r.backward_version)
+                  for u, r in executor.units.items()},
+        "peak_versions": stash.peak_versions if stash is not None else 1,
+        "losses": dict(executor.losses),
+    }
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_atomic(os.path.join(folder, f"rank{rank}.pt"), buffer.getvalue())
+
+
+def _fault_hook(rank: int) -> Callable[[int], None]:
+    """Tests only: ``PIPEPLAN_TEST_FAULT=<rank>:<step>:kill|raise`` fails that rank."""
+    spec = os.environ.get(_FAULT_ENV, "")
+    if not spec:
+        return lambda step: None
+    target, at, how = spec.split(":")
+
+    def fault(step: int) -> None:
+        if int(target) == rank and step == int(at):
+            if how == "kill":
+                os._exit(1)
+            raise RuntimeError(f"injected failure at step {step}")
+
+    return fault
+
+
+class _Progress:
+    """Rank 0's live progress line: step, newest loss, samples/s."""
+
+    def __init__(self, rank: int, config: RunConfig, samples_per_step: int, watchdog: Any,
+                 first_step: int, first_minibatch: int) -> None:
+        self.enabled = rank == 0 and config.progress
+        self.samples_per_step = samples_per_step
+        self.watchdog = watchdog
+        self.total = config.steps
+        self.first_step = first_step
+        self.loss = float("nan")
+        self._next_loss = first_minibatch
+        self._bar: Any = None
+        self._task: Any = None
+        self._start = 0.0
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+            TimeElapsedColumn(), console=Console(stderr=True),
+        )
+        self._task = self._bar.add_task("train", total=self.total, completed=self.first_step,
+                                        loss="-", rate="-")
+        self._bar.start()
+        self._start = time.perf_counter()
+
+    def update(self, completed: int) -> None:
+        if not self.enabled or self._bar is None:
+            return
+        while True:  # newest loss the loss stage published
+            text = self.watchdog.peek(f"loss/{self._next_loss}")
+            if text is None:
+                break
+            self.loss = float(text)
+            self._next_loss += 1
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        rate = (completed - self.first_step) * self.samples_per_step / elapsed
+        self._bar.update(self._task, completed=completed, loss=f"{self.loss:.4f}", rate=f"{rate:,.1f}")
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
