@@ -110,9 +110,9 @@ def draw_timeline(
     ax.set_xlim(0, end_ms * 1.01)
     ax.set_xlabel("time (ms)")
     shown = sorted({event.category for event in events if event.rank in row_of})
+    # Legend outside the axes, right of the rows, so it never covers bars or the x label.
     ax.legend(handles=[Patch(color=COLOURS.get(c, "#333333"), label=c) for c in shown],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(len(rows), 1)),
-              ncol=len(shown), fontsize=8, frameon=False)
+              loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
     hidden = len({event.rank for event in events}) - len(rows)
     suffix = f" (showing {len(rows)} ranks, {hidden} more not drawn)" if hidden > 0 else ""
     ax.set_title((title or "timeline") + suffix, fontsize=10)

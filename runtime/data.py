@@ -34,6 +34,7 @@ class BatchSource:
     seed: int
     loader_replicas: int  # n0: replicas of the input stage (data_loader sharding)
     device: str = "cpu"
+    dtype: torch.dtype = torch.float32  # floating-point inputs and targets are cast to it
     _loaders: dict[int, tuple[Iterator[Any], int]] = field(default_factory=dict)
     _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
 
@@ -63,11 +64,13 @@ class BatchSource:
                         f"{self.model_file.path}: minibatch {k} tensor {position} has "
                         f"{t.shape[0]} samples, expected the plan's batch size {self.batch_size}"
                     )
-            self._cache[k] = (
-                tuple(t.to(self.device) for t in inputs),
-                targets.to(self.device),
-            )
+            self._cache[k] = (tuple(self._placed(t) for t in inputs), self._placed(targets))
         return self._cache[k]
+
+    def _placed(self, value: torch.Tensor) -> torch.Tensor:
+        if value.is_floating_point():
+            return value.to(device=self.device, dtype=self.dtype)
+        return value.to(self.device)
 
     def _draw(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         if self.model_file.data_loader is None:

@@ -32,6 +32,9 @@ class Recorder:
     replica: int
     trace: bool  # keep every event (for --trace), not just the totals
     cuda: bool = False
+    # Spans of global minibatches before this one are warm-up (CUDA/allocator start-up,
+    # pipeline fill): traced, but left out of ``totals_ms``.
+    count_from: int = 0
     t0_ms: float = field(default_factory=now_ms)
     totals_ms: dict[str, float] = field(default_factory=dict)
     events: list[TraceEvent] = field(default_factory=list)
@@ -66,7 +69,8 @@ class Recorder:
             minibatch: int = -1, microbatch: int = 0) -> None:
         """Record a span given in absolute ``now_ms`` times."""
         duration = max(0.0, end_ms - start_ms)
-        self.totals_ms[category] = self.totals_ms.get(category, 0.0) + duration
+        if minibatch < 0 or minibatch >= self.count_from:
+            self.totals_ms[category] = self.totals_ms.get(category, 0.0) + duration
         if self.trace:
             self.events.append(
                 TraceEvent(name, category, start_ms - self.t0_ms, duration, self.rank,

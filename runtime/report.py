@@ -5,7 +5,7 @@ Format: ``docs/metrics.md`` (schema ``pipeplan.metrics/1``). Per (stage, replica
 (blocked on receives and all-reduces per minibatch handled), ``time_per_minibatch_ms``
 (busy time, compute + all-reduce, per minibatch handled, divided by the stage's replicas:
 the stage's share of the period, comparable with ``StagePlan.time_per_minibatch_ms``),
-each beside the plan's prediction. The
+each beside the plan's prediction; the first ``warmup_minibatches`` are left out. The
 pipeline's ``time_per_minibatch_ms`` is the steady-state spacing of minibatch
 completions on the input stage (the first ``noam`` minibatches are warm-up).
 """
@@ -21,7 +21,14 @@ import torch.distributed as dist
 from pipeplan.jsonio import write_json_atomic
 from pipeplan.schedule import noam
 
-__all__ = ["RankReport", "rank_report", "gather_reports", "write_outputs", "steady_period_ms"]
+__all__ = [
+    "RankReport",
+    "rank_report",
+    "gather_reports",
+    "write_outputs",
+    "steady_period_ms",
+    "warmup_minibatches",
+]
 
 
 @dataclass
@@ -38,8 +45,19 @@ class RankReport:
     events: list[Any] = field(default_factory=list)
 
 
+def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> int:
+    """Minibatches at the start of a run left out of the per-stage figures (pipeline fill).
+
+    >>> warmup_minibatches("1f1b-rr", (1, 1), 20), warmup_minibatches("gpipe", (1, 1), 20)
+    (2, 1)
+    """
+    fill = noam(replicas) if schedule == "1f1b-rr" else 1
+    return min(fill, max(total - 1, 0))
+
+
 def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: float, stash: Any) -> RankReport:
-    handled = {a.minibatch for a in executor.actions if a.kind == "F"}
+    counted_from = recorder.count_from - executor.minibatch_offset
+    handled = {a.minibatch for a in executor.actions if a.kind == "F" and a.minibatch >= counted_from}
     done = dict(executor.done_ms)
     return RankReport(
         rank=rank,

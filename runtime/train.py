@@ -174,7 +174,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.data import BatchSource
     from pipeplan.runtime.executor import Executor
     from pipeplan.runtime.recorder import Recorder
-    from pipeplan.runtime.report import gather_reports, rank_report, write_outputs
+    from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
     from pipeplan.schedule import build_schedule, weight_versions
@@ -184,7 +184,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     sync = make_grad_sync(spec, env.rank, average_replicas=rr, timeout_s=config.timeout_s)
     worker = (spec.stage_index, spec.replica)
     stage = spec.stage
-    module = stage.module.to(env.device) if stage is not None else None
+    dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
+    module = stage.module.to(device=env.device, dtype=dtype) if stage is not None else None
     optimizer = _optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
     period = steps_period(config.schedule, spec.replicas)
 
@@ -210,10 +211,11 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         stash = WeightStash(module, weight_versions(config.schedule, spec.replicas, spec.stage_index))
     recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.trace_path),
                         cuda=env.device.startswith("cuda"))
+    recorder.count_from = offset + warmup_minibatches(config.schedule, spec.replicas, max(remaining, 0) * period)
     comm = P2P(env.rank, len(spec.value_ids), env.device, config.timeout_s, tagged=env.backend != "nccl",
                on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e))
     data = BatchSource(model_file, plan.batch_size, config.microbatches, config.seed,
-                       loader_replicas=spec.replicas[0], device=env.device)
+                       loader_replicas=spec.replicas[0], device=env.device, dtype=dtype)
     record: dict[str, Any] = {"digests": []}
     progress = _Progress(env.rank, config, plan.batch_size * period, watchdog, done_steps, offset)
     fault = _fault_hook(env.rank)

@@ -98,13 +98,22 @@ def build_model() -> nn.Module:
     return GPT(VOCAB, SEQ, DIM, HEADS, LAYERS)
 
 
+def _affine_powers(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_i, b_i) with t[i] = (a_i * t[0] + b_i) mod VOCAB for the recurrence t' = 5t + 3."""
+    scale, shift = [1], [0]
+    for _ in range(length - 1):
+        scale.append(5 * scale[-1] % VOCAB)
+        shift.append((5 * shift[-1] + 3) % VOCAB)
+    return torch.tensor(scale), torch.tensor(shift)
+
+
+_SCALE, _SHIFT = _affine_powers(SEQ + 1)
+
+
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, next_tokens)``: both int64 (batch_size, PIPEPLAN_GPT_SEQ)."""
     start = torch.randint(0, VOCAB, (batch_size, 1))
-    sequence = [start]
-    for _ in range(SEQ):
-        sequence.append((5 * sequence[-1] + 3) % VOCAB)
-    tokens = torch.cat(sequence, dim=1)
+    tokens = (start * _SCALE + _SHIFT) % VOCAB  # the whole recurrence at once: (batch, SEQ + 1)
     return tokens[:, :-1], tokens[:, 1:]
 
 
