@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeplan.errors import InputError
 
-__all__ = ["write_atomic", "write_json_atomic", "read_json"]
+__all__ = ["write_atomic", "write_json_atomic", "read_json", "read_json_object"]
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
@@ -39,8 +39,8 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
     write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-def read_json(path: str | os.PathLike[str], schema: str) -> dict[str, Any]:
-    """Read a JSON object whose ``"schema"`` must equal ``schema`` (e.g. ``pipeplan.plan/1``)."""
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a file holding one JSON object; ``InputError`` (one line) otherwise."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -51,6 +51,12 @@ def read_json(path: str | os.PathLike[str], schema: str) -> dict[str, Any]:
         raise InputError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
     if not isinstance(obj, dict):
         raise InputError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def read_json(path: str | os.PathLike[str], schema: str) -> dict[str, Any]:
+    """Read a JSON object whose ``"schema"`` must equal ``schema`` (e.g. ``pipeplan.plan/1``)."""
+    obj = read_json_object(path)
     found = obj.get("schema")
     if found != schema:
         raise InputError(f"{path}: schema is {found!r}, expected {schema!r}")

@@ -14,11 +14,10 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from pipeplan.errors import InputError
-from pipeplan.jsonio import write_atomic
+from pipeplan.jsonio import read_json_object, write_atomic
 
 __all__ = [
     "CATEGORIES",
@@ -138,12 +137,7 @@ def write_chrome_trace(
 
 def read_chrome_trace(path: str | os.PathLike[str]) -> tuple[list[TraceEvent], dict[str, Any]]:
     """The complete ("X") events of a trace file and its ``otherData`` metadata."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    obj = read_json_object(path)
     validate_chrome_trace(obj, where=str(path))
     events = [TraceEvent.from_chrome(e) for e in obj["traceEvents"] if e.get("ph") == "X"]
     return events, dict(obj.get("otherData") or {})

@@ -7,14 +7,13 @@ embedded plan, and a value that is absent stays ``None`` (printed as "-").
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 from pipeplan.errors import InputError
+from pipeplan.jsonio import read_json
 
 __all__ = [
     "METRICS_SCHEMA",
@@ -78,16 +77,7 @@ class MetricsReport:
 
 def read_metrics(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metrics object of ``path``; ``InputError`` on a bad file or another schema."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
-    if not isinstance(obj, dict):
-        raise InputError(f"{path}: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("schema") != METRICS_SCHEMA:
-        raise InputError(f"{path}: schema is {obj.get('schema')!r}, expected {METRICS_SCHEMA!r}")
+    obj = read_json(path, METRICS_SCHEMA)
     return obj
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -29,7 +29,7 @@ COMMANDS = {
 }
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821 - typing only
+def fail(message: str) -> NoReturn:
     """Print ``error: message`` on one line to stderr and exit 2."""
     click.echo(f"error: {message}", err=True)
     sys.exit(2)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from pipeplan.plan import Plan
+    from pipeplan.planner.simulate import SimResult
 
 __all__ = ["simulate"]
 
