@@ -480,8 +480,26 @@ def _peak_outstanding(actions: Sequence[Any]) -> int:
 # --------------------------------------------------------------------------- choice
 
 
-def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, str]:
-    """(schedule, one-line reason): the best simulated throughput among plans that fit.
+def _candidates(options: Any, batch_size: int, world_size: int) -> list[tuple[str, int]]:
+    """(schedule, micro-batches) pairs to try: flush schedules need M > 1 to pipeline at all.
+
+    Unless the user fixed ``options.microbatches``, flush schedules try the powers of two
+    M = 2, 4, ... that divide the batch, up to 4 micro-batches per device (at most 64).
+
+    >>> from types import SimpleNamespace
+    >>> _candidates(SimpleNamespace(microbatches=1), batch_size=24, world_size=2)
+    [('1f1b-rr', 1), ('1f1b-flush', 2), ('1f1b-flush', 4), ('1f1b-flush', 8), ('gpipe', 2), ('gpipe', 4), ('gpipe', 8)]
+    """
+    if options.microbatches > 1:
+        counts = [options.microbatches]
+    else:
+        limit = min(batch_size, 4 * world_size, 64)
+        counts = [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
+    return [("1f1b-rr", 1)] + [(name, m) for name in SCHEDULES if name != "1f1b-rr" for m in counts]
+
+
+def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:
+    """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
 
     For each schedule, plans with ``pipeplan.planner.partition.partition`` (``options``
     with its ``schedule`` replaced), simulates the plan and drops those whose simulated
@@ -491,29 +509,33 @@ def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple
 
     from pipeplan.planner.partition import partition
 
-    results: list[tuple[str, SimResult]] = []
+    results: list[tuple[str, int, SimResult]] = []
     refused: list[str] = []
-    for name in SCHEDULES:
+    for name, microbatches in _candidates(options, profile.batch_size, topology.world_size):
+        label = name if microbatches == options.microbatches or name == "1f1b-rr" else f"{name} (M={microbatches})"
         try:
-            plan = partition(profile, topology, replace_options(options, schedule=name))
+            plan = partition(
+                profile, topology, replace_options(options, schedule=name, microbatches=microbatches)
+            )
         except InfeasibleError as exc:
-            refused.append(f"{name}: {exc}")
+            refused.append(f"{label}: {exc}")
             continue
         result = simulate_plan(plan, profile)
         if result.fits_memory:
-            results.append((name, result))
+            results.append((label, microbatches, result))
         else:
             refused.append(
-                f"{name}: needs {format_bytes(result.peak_memory_bytes)} > "
+                f"{label}: needs {format_bytes(result.peak_memory_bytes)} > "
                 f"{format_bytes(result.memory_limit_bytes)} per device"
             )
     if not results:
         raise InfeasibleError("no schedule fits memory (" + "; ".join(refused) + ")")
-    results.sort(key=lambda item: item[1].time_per_minibatch_ms)
-    best, result = results[0]
-    others = ", ".join(f"{n} {r.time_per_minibatch_ms:.3f} ms" for n, r in results[1:])
+    results.sort(key=lambda item: item[2].time_per_minibatch_ms)
+    label, microbatches, result = results[0]
+    best = label.split(" ")[0]
+    others = ", ".join(f"{n} {r.time_per_minibatch_ms:.3f} ms" for n, _, r in results[1:])
     reason = (
-        f"{best} simulates {result.time_per_minibatch_ms:.3f} ms/minibatch "
+        f"{label} simulates {result.time_per_minibatch_ms:.3f} ms/minibatch "
         f"({result.samples_per_s:.1f} samples/s) in {format_bytes(result.peak_memory_bytes)} "
         f"of {format_bytes(result.memory_limit_bytes)} per device"
     )
@@ -521,4 +543,4 @@ def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple
         reason += f"; vs {others}"
     if refused:
         reason += "; refused " + "; ".join(refused)
-    return best, reason
+    return best, microbatches, reason

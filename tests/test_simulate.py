@@ -318,7 +318,8 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
 
     profile = make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000)
     options = partition_module.PartitionOptions(microbatches=4, straight=True)
-    name, reason = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
+    name, microbatches, reason = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
+    assert microbatches == 1  # 1F1B-RR needs no micro-batches
     # balanced straight pipeline: 1F1B-RR has no bubble, flush schedules (4+4-1)/4
     assert name == "1f1b-rr"
     assert reason.startswith("1f1b-rr simulates 6.000 ms/minibatch")
@@ -327,6 +328,19 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
     # the flush schedules one; with 3 GiB per device no 1F1B-RR plan fits
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     tight = make_topology(per_server=4, servers=1, memory_bytes=3 << 30)
-    name, reason = choose_schedule(heavy, tight, options)
+    name, _, reason = choose_schedule(heavy, tight, options)
     assert name in ("1f1b-flush", "gpipe")
     assert "10.500 ms" in reason and "refused 1f1b-rr:" in reason
+
+
+def test_choose_schedule_tries_micro_batch_counts_when_not_given() -> None:
+    from pipeplan.planner.simulate import choose_schedule
+
+    # Two devices, activations too big for 1F1B-RR's two minibatches in flight on stage 0:
+    # a flush schedule must win, and with M > 1 so that it pipelines at all.
+    heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
+    tight = make_topology(per_server=2, servers=1, memory_bytes=5 << 30)
+    options = partition_module.PartitionOptions(straight=True)
+    name, microbatches, reason = choose_schedule(heavy, tight, options)
+    assert name in ("1f1b-flush", "gpipe") and microbatches > 1
+    assert f"(M={microbatches}) simulates" in reason

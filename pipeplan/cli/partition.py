@@ -96,16 +96,13 @@ def partition(
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
     )
     if schedule == "auto":
-        try:
-            from pipeplan.planner.simulate import choose_schedule
-        except ImportError as exc:
-            raise InputError(f"--schedule auto needs pipeplan.planner.simulate.choose_schedule ({exc})") from exc
-        chosen = choose_schedule(profile, topology, options)
-        name = chosen[0] if isinstance(chosen, tuple) else chosen
-        click.echo(f"schedule auto -> {name}" + (f" ({chosen[1]})" if isinstance(chosen, tuple) else ""))
+        from pipeplan.planner.simulate import choose_schedule
+
+        name, chosen_microbatches, reason = choose_schedule(profile, topology, options)
+        click.echo(f"schedule auto -> {name}: {reason}")
         from dataclasses import replace
 
-        options = replace(options, schedule=name)
+        options = replace(options, schedule=name, microbatches=chosen_microbatches)
     plan = run_partition(profile, topology, options)
     plan.save(output)
     _print_plan(plan)
