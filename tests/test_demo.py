@@ -1,0 +1,49 @@
+"""`pipeplan demo`: the whole flow, profile -> partition -> simulate -> torchrun -> report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeplan.plan import Plan
+from pipeplan.profile import Profile
+
+pytestmark = pytest.mark.multiprocess
+
+
+def run_demo(tmp_path: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeplan", "demo", "--out-dir", str(tmp_path / "demo"), *args],
+        capture_output=True, text=True, timeout=timeout_s, env=env,
+    )
+
+
+def test_demo_runs_the_whole_flow_end_to_end(tmp_path: Path) -> None:
+    done = run_demo(tmp_path, "--steps", "3", "--repeats", "2", "--batch-size", "32")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "demo"
+    profile = Profile.load(out / "profile.json")
+    plan = Plan.load(out / "plan.json")
+    assert plan.profile_fingerprint == profile.fingerprint and profile.batch_size == 32
+    assert len(plan.stages) == 2 and all(s.replicas == 1 for s in plan.stages)  # a real pipeline
+    assert (out / "timeline.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["schema"] == "pipeplan.metrics/1" and len(metrics["losses"]) == 3
+    assert metrics["time_per_minibatch_ms"] > 0
+    # every step's command is echoed, and the run ends with predicted vs measured
+    for step in ("pipeplan profile", "pipeplan partition", "pipeplan simulate", "torchrun", "pipeplan report"):
+        assert f"$ {step}" in done.stdout
+    assert "measured / predicted" in done.stdout and "measured throughput:" in done.stdout
+
+
+def test_demo_with_a_missing_model_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    done = run_demo(tmp_path, "--model", str(tmp_path / "nope.py"), timeout_s=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and done.stderr.startswith("error: ")
+    assert not (tmp_path / "demo" / "profile.json").exists()
