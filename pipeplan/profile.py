@@ -66,6 +66,9 @@ class Profile:
     # saved by two layers (a ReLU output and the next Linear's input) twice
     step_saved_bytes: int = 0
     loss_ms: float = 0.0  # loss forward+backward on the model output: in step_ms, in no layer
+    # one optimizer step over all parameters, by optimizer ("sgd", "momentum", "adam"), ms;
+    # not in step_ms; empty when not measured (an imported PipeDream graph)
+    optimizer_ms: dict[str, float] = field(default_factory=dict)
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:

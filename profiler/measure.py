@@ -36,6 +36,7 @@ __all__ = [
     "measure_stages",
     "measure_layers",
     "disable_inplace",
+    "time_optimizer_steps",
 ]
 
 # progress(done, total, label): called after each measured pass (or unit of work).
@@ -184,6 +185,37 @@ def step_saved_bytes(
         loss = loss_fn(model(*inputs), targets)
     del loss
     return counter.saved_bytes
+
+
+def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) -> dict[str, float]:
+    """Median ms of one ``step()`` of each optimizer in ``pipeplan.optimizers`` over all parameters.
+
+    The gradients are zeros, so the weights keep their values; the arithmetic (and, for
+    momentum and Adam, the state updates) is the same as in training. The planner splits
+    a step's time among stages by their parameter bytes.
+    """
+    import torch
+
+    from pipeplan.optimizers import OPTIMIZERS, make_optimizer
+
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if not parameters:
+        return {name: 0.0 for name in OPTIMIZERS}
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    times = {}
+    for name in OPTIMIZERS:
+        optimizer = make_optimizer(name, parameters, lr=1e-3)
+        samples = []
+        for iteration in range(max(warmup, 1) + repeats):
+            timer.start()
+            optimizer.step()
+            elapsed = read(timer.stop())
+            if iteration >= max(warmup, 1):
+                samples.append(elapsed)
+        times[name] = robust_stats(samples).median
+    _clear_grads(model)
+    return times
 
 
 @dataclass(frozen=True)

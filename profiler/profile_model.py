@@ -10,7 +10,7 @@ from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile, bundled_model_path, load_model_file
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
-from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers
+from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
 from pipeplan.profiler.memory import output_bytes
 from pipeplan.profiler.timing import make_timer
 
@@ -146,6 +146,7 @@ def _profile(
     layers, measured = measure_layers(
         graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
     )
+    optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
     return Profile(
         model=str(model),
         fingerprint=graph.fingerprint,
@@ -160,4 +161,5 @@ def _profile(
         repeats=repeats,
         step_saved_bytes=measured.step_saved_bytes,
         loss_ms=measured.loss.median,
+        optimizer_ms=optimizer_ms,
     )

@@ -71,4 +71,11 @@ def summary_lines(profile: Profile) -> list[str]:
         f"saved for backward: sum of layers {format_bytes(saved)}, whole model "
         f"{format_bytes(profile.step_saved_bytes)}; parameters: sum of layers {format_bytes(params)}; "
         f"input: {format_bytes(profile.input_bytes)}",
-    ]
+    ] + (
+        [
+            "optimizer step (not in the step above): "
+            + ", ".join(f"{name} {ms:.3f} ms" for name, ms in profile.optimizer_ms.items())
+        ]
+        if profile.optimizer_ms
+        else []
+    )

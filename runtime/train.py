@@ -112,16 +112,6 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
     return env, model_file, spec, schedule
 
 
-def _optimizer(name: str, params: Any, lr: float) -> Any:
-    import torch
-
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.Adam(params, lr=lr)
-
-
 def run_training(config: RunConfig) -> dict[str, Any] | None:
     """Run this rank's part of the training; rank 0 returns the metrics summary."""
     import torch.distributed as dist
@@ -169,6 +159,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     import torch.distributed as dist
 
     from pipeplan.graph import MODEL_OUTPUT
+    from pipeplan.optimizers import make_optimizer
     from pipeplan.runtime import checkpoint as ckpt
     from pipeplan.runtime.comm import P2P
     from pipeplan.runtime.data import BatchSource
@@ -186,7 +177,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     stage = spec.stage
     dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
     module = stage.module.to(device=env.device, dtype=dtype) if stage is not None else None
-    optimizer = _optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
+    optimizer = make_optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
     period = steps_period(config.schedule, spec.replicas)
 
     done_steps = 0

@@ -202,3 +202,18 @@ def test_profile_on_cuda_uses_cuda_events() -> None:
     assert all(layer.forward_ms > 0 for layer in profile.layers)
     assert 0.3 <= profile.layers_vs_step_ratio <= 3.0
     assert profile.layers[0].output_bytes == 8 * 64 * 128 * 2  # (batch, seq, dim) bfloat16
+
+
+def test_optimizer_steps_are_timed_for_every_optimizer() -> None:
+    from pipeplan.optimizers import OPTIMIZERS
+    from pipeplan.profiler.measure import time_optimizer_steps
+    from pipeplan.profiler.timing import CpuTimer
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    before = [p.detach().clone() for p in model.parameters()]
+    times = time_optimizer_steps(model, CpuTimer(), warmup=1, repeats=3)
+    assert set(times) == set(OPTIMIZERS) and all(t > 0 for t in times.values())
+    assert times["adam"] > times["sgd"]  # Adam reads and writes two more state tensors
+    # zero gradients: timing the steps leaves the weights as they were, and no grad behind
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
