@@ -26,7 +26,16 @@ from typing import Any, Callable, Iterator
 
 from pipeplan.errors import InputError
 
-__all__ = ["ModelFile", "load_model_file", "default_loss", "bundled_model_path"]
+__all__ = [
+    "BUNDLED_MODELS",
+    "ModelFile",
+    "load_model_file",
+    "default_loss",
+    "bundled_model_path",
+    "resolve_model_path",
+]
+
+BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")  # configs/models/<name>.py
 
 
 def default_loss(output: Any, target: Any) -> Any:
@@ -155,3 +164,15 @@ def bundled_model_path(name: str) -> str:
     if not candidate.is_file():
         raise InputError(f"no bundled model named {name!r}")
     return str(candidate)
+
+
+def resolve_model_path(model: str | os.PathLike[str]) -> str:
+    """A model file path, or the path of the bundled model named ``model`` (mlp, vgg, resnet, gpt)."""
+    text = str(model)
+    if Path(text).is_file():
+        return text
+    if text in BUNDLED_MODELS:
+        return bundled_model_path(text)
+    raise InputError(
+        f"model file {text!r} does not exist (nor is it a bundled model: {', '.join(BUNDLED_MODELS)})"
+    )

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Sequence
 
 from pipeplan.errors import InputError
-from pipeplan.modelfile import ModelFile, bundled_model_path, load_model_file
+from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
 from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
@@ -15,21 +14,6 @@ from pipeplan.profiler.memory import output_bytes
 from pipeplan.profiler.timing import make_timer
 
 __all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
-
-BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")
-
-
-def resolve_model_path(model: str | os.PathLike[str]) -> str:
-    """A model file path, or the path of the bundled model named ``model`` (mlp, vgg, resnet, gpt)."""
-    text = str(model)
-    if Path(text).is_file():
-        return text
-    if text in BUNDLED_MODELS:
-        return bundled_model_path(text)
-    raise InputError(
-        f"model file {text!r} does not exist (nor is it a bundled model: {', '.join(BUNDLED_MODELS)})"
-    )
-
 
 def prepare_batch(
     inputs: Sequence[Any], targets: Any, device: Any, dtype: Any

@@ -78,7 +78,7 @@ def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
 
 def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
     """Environment, model file, pipeline spec and schedule; raises ``PrepareError``."""
-    from pipeplan.modelfile import load_model_file
+    from pipeplan.modelfile import load_model_file, resolve_model_path
     from pipeplan.runtime.launch import check_world_size, read_env
     from pipeplan.runtime.stage import build_pipeline
     from pipeplan.schedule import build_schedule
@@ -99,7 +99,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
                 f"batch size {config.plan.batch_size} is not divisible into "
                 f"{config.microbatches} micro-batches"
             )
-        model_file = load_model_file(config.model_path)
+        model_file = load_model_file(resolve_model_path(config.model_path))
         spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
                               config.plan.batch_size // config.microbatches)
         replicas = spec.replicas

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import click
 
-from pipeplan.errors import InputError, RuntimeFailure
+from pipeplan.errors import RuntimeFailure
+from pipeplan.modelfile import BUNDLED_MODELS
 
 __all__ = ["demo"]
 
-BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")
 
 
 def free_port() -> int:
@@ -88,12 +88,10 @@ def demo(
     ends with predicted against measured time per minibatch. The profile runs one CPU
     thread, as each torchrun worker does (OMP_NUM_THREADS=1), so the two agree.
     """
-    from pipeplan.modelfile import bundled_model_path
+    from pipeplan.modelfile import resolve_model_path
     from pipeplan.topology import resolve
 
-    model_path = bundled_model_path(model) if model in BUNDLED_MODELS else model
-    if not Path(model_path).is_file():
-        raise InputError(f"model {model!r} is neither a file nor one of {', '.join(BUNDLED_MODELS)}")
+    model_path = resolve_model_path(model)
     world_size = resolve(topology).world_size
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ Examples:
 )
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 @click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
-              help="model.py (build_model, sample_batch[, loss_fn, data_loader]).")
+              help="model.py (build_model, sample_batch[, loss_fn, data_loader]) or a bundled model: mlp, vgg, resnet, gpt.")
 @click.option("--schedule", type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe"]), default=None,
               help="Override the plan's schedule.")
 @click.option("--steps", type=int, default=10, show_default=True,
