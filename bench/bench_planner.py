@@ -1,8 +1,10 @@
-"""Time ``pipeplan partition`` on a synthetic 1,000-layer chain x 4,096 devices (3 levels)
-and on the PipeDream profiles in /work/shared (skipped when absent). Prints a rich table,
-writes JSON (``--out``). Target: the 1,000-layer x 4,096-device case under 10 s on 2 cores.
+"""Time ``pipeplan partition`` on a synthetic 1,000-layer chain x 4,096 devices (every
+3-level shape: 8x8x64, 8x16x32, 4x32x32, 16x16x16) and on the PipeDream profiles in
+/work/shared (skipped when absent). Prints a rich table, writes JSON (``--out``).
+Target: each 1,000-layer x 4,096-device case under 10 s on 2 cores.
 
     python bench/bench_planner.py --out bench/results/planner.json
+    python bench/bench_planner.py --shapes 8x8x64 --no-pipedream
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.pipedream_import import load_pipedream_graph
 
 SHARED = Path("/work/shared/pipedream-profiles")
+SHAPES = ((8, 8, 64), (8, 16, 32), (4, 32, 32), (16, 16, 16))
 
 
 def synthetic_chain(layers: int = 1000, seed: int = 0) -> Profile:
@@ -61,13 +64,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/planner.json")
     parser.add_argument("--layers", type=int, default=1000)
-    parser.add_argument("--all-shapes", action="store_true", help="also 8x16x32 (about 2 minutes: 16-unit middle level)")
+    parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES),
+                        help="comma-separated node x rack x pod unit counts (default: all four 4,096-device shapes)")
+    parser.add_argument("--all-shapes", action="store_true", help="kept for old scripts: every shape is the default")
+    parser.add_argument("--no-pipedream", action="store_true", help="skip the PipeDream profiles")
     args = parser.parse_args()
     rows = []
     chain = synthetic_chain(args.layers)
-    for shape in ((8, 8, 64), (8, 16, 32)) if args.all_shapes else ((8, 8, 64),):
+    shapes = [tuple(int(count) for count in shape.split("x")) for shape in args.shapes.split(",") if shape]
+    for shape in shapes:
+        if len(shape) != 3:
+            parser.error(f"--shapes: {'x'.join(map(str, shape))} is not three unit counts (e.g. 8x8x64)")
         rows.append(run(f"chain x {shape[0]}x{shape[1]}x{shape[2]}", chain, pod(shape), PartitionOptions()))
-    if SHARED.is_dir():
+    if SHARED.is_dir() and not args.no_pipedream:
         for folder in sorted(SHARED.iterdir()):
             profile = load_pipedream_graph(folder / "graph.txt", batch_size=64)
             if len(profile.layers) > 400:

@@ -23,19 +23,38 @@ count fits). Tables are monotone in ``tau``; when those at tau = 0 and at the la
 agree, one table serves all. 1F1B-flush is charged one whole minibatch of activations
 (an upper bound); the final plan's memory is recomputed exactly (``partition``).
 
-Pruning. A stage of the top level on m' units costs at least
-``max(C / (m' D_{L-1}), all-reduce)``; ranges whose bound exceeds the time of a plan
-already found cannot be in an optimal plan, which bounds the range length ``Lb``.
-Running time O(sum_k u_k^2 N Lb^2 Q^2) with numpy over (start, length), memory
-O(N Lb u Q) per table; Q = max stages (1 when unbounded).
+Pruning (exact). Every formula is a min of maxes, so given a limit ``V`` >= the optimum
+an entry matters only up to the largest value a plan of time <= V can use there: ``V``
+at the top, ``limit_k = limit_{k+1} * F`` below, F the most units of level k+1 whose
+all-reduce of the range fits in ``limit_{k+1}`` (``_unit_limits``). Entries whose lower
+bound (``compute / devices``, with the all-reduce for one stage) exceeds their limit are
+left at inf: entries <= their limit stay exact and the others can only grow, so the
+optimum and every tie the reconstruction compares are unchanged. This bounds the range
+length per unit count: ``Lt(f)`` for one stage on f units, ``Lr(m)`` for a pipeline on
+m units, ``width[k]`` for a whole table. ``V`` starts at a lower bound and grows until
+a pass proves its own answer (``_exact_pass``; a finite answer of a pruned pass is the
+time of a real plan, so it is a limit that succeeds). The top band (longest top-level
+stage) is chosen as without pruning: a pass limited to ``guess`` layers per top stage
+bounds the optimum, which bounds the useful band (``solve``).
+
+The reconstruction follows the tau each table was filled with (rounded, or 0 for a
+table shared across tau), so it retraces exactly the choices the tables hold.
+
+Running time O(sum_k T_k sum_{f < m <= u_k} N Lt(f) Lr(m - f) Q^2), T_k the number of
+tau tables of level k, numpy over (length, start) with the start innermost; memory
+O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). Without pruning
+Lt = Lr = width = band. On the 1,000-layer chain x 4,096 devices of
+``bench/bench_planner.py`` about 0.4-1.3 s (16 s to 10 min before pruning).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.errors import InfeasibleError
 from pipeplan.topology import Topology
@@ -46,6 +65,8 @@ __all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXA
 
 EXACT_TAU_WORLD = 64
 INF = math.inf
+PRUNE_SLACK = 1e-9  # relative and absolute (ms) slack added to every pruning limit
+LIMIT_ATTEMPTS = 3  # pruned passes before one without pruning
 
 
 @dataclass(frozen=True)
@@ -81,29 +102,30 @@ class DPSolution:
     arrays: LayerArrays
     topology: Topology
     settings: DPSettings
-    band: int
-    top: np.ndarray  # S[i, m, q]: layers [i, N) on m top units, <= q+1 stages
-    tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (k, tau) -> A_k
+    band: int  # longest top-level stage (layers) the answer was searched over
+    top: np.ndarray  # S[m, q, i]: layers [i, N) on m top units, <= q+1 stages
+    tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (k, tau) -> A_k[m, q, l, i]
     ctx: "_Context | None" = None
+    limit_ms: float = INF  # pruning limit the tables were filled under (inf: none)
 
 
 class _Context:
-    """Precomputed band arrays shared by every level (ranges [i, i + l), l <= band)."""
+    """Band arrays shared by every level and the memoised tables.
 
-    def __init__(self, arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int):
+    Band arrays are indexed ``[l, i]``: the range [i, i + l), l <= ``span``. Tables are
+    ``[q, l, i]`` (level tables ``[m, q, l, i]``), the start innermost so that numpy
+    works on long contiguous rows. ``limit_ms`` prunes every entry that cannot be part
+    of a plan of time <= ``limit_ms`` (module docstring); inf keeps every entry.
+    ``width[k]``: longest range a table of level k < top keeps (later lengths are
+    pruned); ``span = width[top - 1]`` (the longest of them); top stages have at most
+    ``band`` layers.
+    """
+
+    def __init__(self, arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
+                 limit_ms: float = INF):
         self.arrays, self.topology, self.settings = arrays, topology, settings
         n = arrays.layers
         self.n, self.band = n, band
-        self.rows = n + band + 1
-        starts = np.arange(self.rows)[:, None]
-        ends = starts + np.arange(band + 1)[None, :]
-        self.valid = (ends <= n) & (np.arange(band + 1)[None, :] >= 1)
-        s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
-        self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
-        self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
-        self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
-        self.cut = np.zeros(self.rows)
-        self.cut[: n + 1] = arrays.cut_bytes
         self.levels = topology.levels
         self.world = topology.world_size
         self.bounded = settings.max_stages is not None
@@ -112,7 +134,32 @@ class _Context:
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
+        self.allreduce: dict[tuple[int, int], np.ndarray] = {}
         self.opt = optimizer_states(settings.optimizer)
+        self.limit_ms = limit_ms
+        top = len(self.levels)
+        limit = limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+        self.first_len = {top: _top_first_lengths(self, limit)}
+        self.width = {top: band, top - 1: max(self.first_len[top])}
+        self.span = span = self.width[top - 1]
+        self.rows = n + span + 1
+        lengths = np.arange(span + 1)[:, None]
+        starts = np.arange(self.rows)[None, :]
+        ends = starts + lengths
+        self.valid = (ends <= n) & (lengths >= 1)
+        s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
+        self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
+        self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
+        self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
+        self.cut = np.zeros(self.rows)
+        self.cut[: n + 1] = arrays.cut_bytes
+        self.limits: dict[int, np.ndarray] = {top: np.full((span + 1, self.rows), limit)}
+        self.rest_len: dict[int, list[int]] = {}
+        for k in range(top - 1, 0, -1):  # a level-k unit serves stages of level k+1 only
+            self.limits[k] = _unit_limits(self, k)
+            self.first_len[k] = _lengths(self, k, stage=True)
+            self.rest_len[k] = _lengths(self, k, stage=False)
+            self.width[k - 1] = max(self.first_len[k])
 
     def devices_per_unit(self, level: int) -> int:
         """Devices in one unit of ``level`` (level 0 = a device)."""
@@ -126,32 +173,127 @@ class _Context:
             return tau
         return min(1 << (tau - 1).bit_length(), self.world - 1)
 
+    def allreduce_ms(self, level: int, units: int) -> np.ndarray:
+        """Ring all-reduce (ms) among ``units`` units of ``level`` of every range [i, i+l),
+        l <= the level's width (``span`` at the top) (memoised)."""
+        key = (level, units)
+        if key not in self.allreduce:
+            lv = self.levels[level - 1]
+            columns = min(self.width[level], self.span) + 1
+            self.allreduce[key] = ring_allreduce_ms(self.params[:columns], units, lv.bandwidth_bytes_per_s,
+                                                    lv.latency_ms)
+        return self.allreduce[key]
+
+
+def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray) -> int:
+    """Largest l <= longest[i] over all starts i with fits(l)[i] (0 if none), where
+    ``fits`` maps an array of lengths (one per start) to booleans and holds for a
+    prefix of lengths at each start. Binary search: O(log max(longest)) calls."""
+    lo, hi = np.zeros(len(longest), dtype=np.int64), np.asarray(longest, dtype=np.int64)
+    while np.any(lo < hi):
+        mid = (lo + hi + 1) // 2
+        ok = fits(mid)
+        active = lo < hi
+        lo = np.where(active & ok, mid, lo)
+        hi = np.where(active & ~ok, mid - 1, hi)
+    return int(lo.max()) if len(lo) else 0
+
+
+def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
+    """Lt(f) at the top: longest range one top stage on f units can hold within ``limit``
+    (its bound max(compute / (f D), all-reduce) grows with the range). O(u N log band)."""
+    lv, top = ctx.levels[-1], len(ctx.levels)
+    per_unit = ctx.devices_per_unit(top - 1)
+    arrays, n = ctx.arrays, ctx.n
+    starts = np.arange(n)
+
+    def fits(f: int) -> Callable[[np.ndarray], np.ndarray]:
+        def test(lengths: np.ndarray) -> np.ndarray:
+            ends = starts + lengths
+            compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+            params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+            allreduce = ring_allreduce_ms(params, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
+            return np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+        return test
+
+    longest = np.minimum(ctx.band, n - starts)
+    return [0] + [_longest_prefix(fits(f), longest) for f in range(1, lv.count + 1)]
+
+
+def _unit_limits(ctx: _Context, level: int) -> np.ndarray:
+    """limits[level][l, i]: the largest value of a level-``level`` entry (A or T) of range
+    [i, i+l), l <= width[level], that a plan within the top limit can use.
+    O(u_{level+1} N width).
+
+    A unit of ``level`` serves a stage of level+1 replicated on f units only if that
+    stage's all-reduce fits the stage's own limit, so ``limits[level] = limits[level+1]
+    * (most such f)``. Limits shrink as ranges grow (more parameters), so the limit of a
+    range also bounds every sub-range's useful values.
+    """
+    columns = ctx.width[level] + 1
+    above = ctx.limits[level + 1][:columns]
+    replicas = np.ones(above.shape)
+    for f in range(2, ctx.levels[level].count + 1):  # all-reduce grows with f
+        replicas[ctx.allreduce_ms(level + 1, f)[:columns] <= above] = f
+    return above * replicas
+
+
+def _longest(ok: np.ndarray) -> int:
+    """Largest length (row) with a True entry in ``ok[length, start]``; 0 if none."""
+    rows = np.nonzero(ok.any(axis=1))[0]
+    return int(rows[-1]) if len(rows) else 0
+
+
+def _lengths(ctx: _Context, level: int, stage: bool) -> list[int]:
+    """Lt(f) (``stage``) or Lr(m) for level < top, capped by the level's width.
+
+    One stage on f units of D devices takes at least max(compute / (f D), all-reduce)
+    ms; a pipeline on m units at least compute / (m D).
+    """
+    columns = ctx.width[level] + 1
+    per_unit = ctx.devices_per_unit(level - 1)
+    limit = ctx.limits[level] * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    valid, compute = ctx.valid[:columns], ctx.compute[:columns]
+    out = [0]
+    for units in range(1, ctx.levels[level - 1].count + 1):
+        bound = compute / (units * per_unit)
+        if stage:
+            bound = np.maximum(bound, ctx.allreduce_ms(level, units)[:columns])
+        out.append(_longest(valid & (bound <= limit)))
+    return out
+
+
+def _entry(table: np.ndarray, q: int, length: int, start: int) -> float:
+    """table[q, length, start] as a float; inf past the table's width (pruned)."""
+    return float(table[q, length, start]) if length < table.shape[1] else INF
+
 
 def _device_table(ctx: _Context, tau: int) -> np.ndarray:
-    """U_0: compute of each range on one device, inf where it does not fit in memory."""
-    time = np.where(ctx.valid, ctx.compute, INF)
+    """U_0[q, l, i]: compute of each range on one device, inf where it does not fit in memory."""
+    width = ctx.width[0] + 1
+    time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
     if ctx.settings.memory_check:
         if ctx.settings.schedule == "1f1b-rr":
             versions = in_flight = tau + 1
         else:
             versions, in_flight = 1, 1.0
-        need = ctx.params * (versions + 1 + ctx.opt) + ctx.saved * in_flight
+        need = ctx.params[:width] * (versions + 1 + ctx.opt) + ctx.saved[:width] * in_flight
         time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
-    return np.repeat(time[:, :, None], ctx.q, axis=2)
+    return np.repeat(time[None, :, :], ctx.q, axis=0)
 
 
 def _unit_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
-    """U_level(i, l, q): best time of each range on one whole unit of ``level``."""
+    """U_level[q, l, i]: best time of each range on one whole unit of ``level``."""
     if level == 0:
         key = (0, ctx.tau_key(tau))
         if key not in ctx.tables:
             ctx.tables[key] = _device_table(ctx, key[1])
         return ctx.tables[key]
-    return _level_table(ctx, level, tau)[:, :, -1, :]
+    return _level_table(ctx, level, tau)[-1]
 
 
 def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
-    """A_level(i, l, m, q) at ``tau`` (memoised; shared across tau when it cannot matter)."""
+    """A_level[m, q, l, i] at ``tau`` (memoised; shared across tau when it cannot matter)."""
     key = ctx.tau_key(tau)
     if ctx.track_tau and level not in ctx.tau_cache:
         low = _fill_level(ctx, level, 0)
@@ -168,28 +310,33 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
 
 
 def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
-    """T_level(i, l, q) for ranges replicated on ``units`` units of level-1 (memoised)."""
+    """T_level[q, l, i] for ranges replicated on ``units`` units of level-1 (memoised)."""
     unit = _unit_table(ctx, level - 1, tau)
     below = level - 1
     shared = below >= 1 and ctx.track_tau and ctx.tau_cache.get(below, False)
     key = (level, units, 0 if shared else ctx.tau_key(tau))
     if key not in ctx.stage_tables:
-        lv = ctx.levels[level - 1]
-        allreduce = ring_allreduce_ms(ctx.params, units, lv.bandwidth_bytes_per_s, lv.latency_ms)
-        ctx.stage_tables[key] = np.maximum(unit / units, allreduce[:, :, None])
+        allreduce = ctx.allreduce_ms(level, units)[: unit.shape[1]]
+        ctx.stage_tables[key] = np.maximum(unit / units, allreduce[None, :, :])
     return ctx.stage_tables[key]
 
 
-def _combine(out: np.ndarray, first: np.ndarray, cut: np.ndarray, rest: np.ndarray, bounded: bool) -> None:
-    """out[..., q] = min(out, max(first[..., q1], cut, rest[..., q2])) over q1 + q2 + 1 <= q."""
+def _combine(out: np.ndarray, head: np.ndarray, rest: np.ndarray, bounded: bool, scratch: np.ndarray) -> None:
+    """out[q] = min(out[q], max(head[q1], rest[q2])) over q1 + q2 + 1 = q.
+
+    ``head`` is the first stage's time already maxed with the cut after it (it
+    broadcasts against ``rest``); ``scratch`` is a buffer of at least ``rest[0]``'s
+    shape. Unbounded (one q): q1 = q2 = 0 and out[0] is updated.
+    """
+    tmp = scratch[tuple(slice(0, size) for size in rest.shape[1:])]
     if not bounded:
-        np.minimum(out[..., 0], np.maximum(np.maximum(first[..., 0], cut), rest[..., 0]), out=out[..., 0])
+        np.maximum(head[0], rest[0], out=tmp)
+        np.minimum(out[0], tmp, out=out[0])
         return
-    q_count = out.shape[-1]
-    for q in range(1, q_count):
+    for q in range(1, out.shape[0]):
         for q1 in range(q):
-            value = np.maximum(np.maximum(first[..., q1], cut), rest[..., q - 1 - q1])
-            np.minimum(out[..., q], value, out=out[..., q])
+            np.maximum(head[q1], rest[q - 1 - q1], out=tmp)
+            np.minimum(out[q], tmp, out=out[q])
 
 
 def _split_choices(ctx: _Context, m: int) -> range:
@@ -197,138 +344,230 @@ def _split_choices(ctx: _Context, m: int) -> range:
 
 
 def _fill_level(ctx: _Context, level: int, tau: int) -> np.ndarray:
-    """A_level over every range of the band, for 1..u units; O(u^2 N band^2 Q^2)."""
+    """A_level[m, q, l, i] over every range of the level's width, for 1..u units.
+
+    O(sum_{f < m <= u} N Lt(f) Lr(m - f) Q^2): first stages longer than Lt(f) and
+    pipelines longer than Lr(m) are pruned (left at their single-stage value or inf).
+    """
     lv = ctx.levels[level - 1]
-    u, per_unit, n, band = lv.count, ctx.devices_per_unit(level - 1), ctx.n, ctx.band
-    table = np.full((ctx.rows, band + 1, u + 1, ctx.q), INF)
+    u, per_unit, n, width = lv.count, ctx.devices_per_unit(level - 1), ctx.n, ctx.width[level]
+    rest_len, first_len = ctx.rest_len[level], ctx.first_len[level]
+    table = np.full((u + 1, ctx.q, width + 1, ctx.rows), INF)
+    scratch = np.empty((width + 1, n))
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
-            table[:, :, m, :] = _stage_table(ctx, level, m, math.ceil(tau / m))
+            single = _stage_table(ctx, level, m, math.ceil(tau / m))
+            columns = min(width + 1, single.shape[1])
+            table[m, :, :columns] = single[:, :columns]
+        longest = rest_len[m]
         for first_units in _split_choices(ctx, m):
             if m - first_units < 1:
                 continue
-            inner_tau = math.ceil((tau + (m - first_units) * per_unit) / first_units)
+            after = m - first_units
+            inner_tau = math.ceil((tau + after * per_unit) / first_units)
             first = _stage_table(ctx, level, first_units, inner_tau)
-            rest = table[:, :, m - first_units, :]
-            for t in range(1, band):
-                # first stage [i, i+t), rest [i+t, i+l) for l in t+1..band
-                out = table[:n, t + 1 :, m, :]
-                _combine(
-                    out,
-                    first[:n, t, None, :],
-                    cut[t : n + t, None],
-                    rest[t : n + t, 1 : band - t + 1, :],
-                    ctx.bounded,
-                )
+            rest = table[after]
+            for t in range(1, min(first_len[first_units], longest - 1) + 1):
+                # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
+                hi = min(longest, t + rest_len[after])
+                head = np.maximum(first[:, t, :n], cut[t : n + t])[:, None, :]
+                _combine(table[m, :, t + 1 : hi + 1, :n], head, rest[:, 1 : hi - t + 1, t : n + t], ctx.bounded, scratch)
         if ctx.settings.use_fewer_devices and m > 1:
-            np.minimum(table[:, :, m, :], table[:, :, m - 1, :], out=table[:, :, m, :])
-    table[~ctx.valid] = INF
+            np.minimum(table[m], table[m - 1], out=table[m])
+    table[:, :, ~ctx.valid[: width + 1]] = INF
     return table
 
 
-def _fill_top(ctx: _Context) -> np.ndarray:
-    """S[i, m, q]: layers [i, N) on m units of the top level, tau = 0."""
+def _fill_top(ctx: _Context, band: int) -> np.ndarray:
+    """S[m, q, i]: layers [i, N) on m units of the top level, tau = 0, top stages of at
+    most ``band`` (<= ctx.band) layers. O(sum_{f < m <= u} N Lt(f) Q^2)."""
     top = len(ctx.levels)
     lv = ctx.levels[-1]
-    u, per_unit, n, band = lv.count, ctx.devices_per_unit(top - 1), ctx.n, ctx.band
-    suffix = np.full((n + band + 1, u + 1, ctx.q), INF)
+    u, per_unit, n = lv.count, ctx.devices_per_unit(top - 1), ctx.n
+    suffix = np.full((u + 1, ctx.q, n + band + 1), INF)
     cut = np.zeros(n + 2 * band + 1)
-    cut[: ctx.rows] = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
+    cut[: n + 1] = transfer_ms(ctx.arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
     starts = np.arange(n)
     lengths = n - starts
-    fits = lengths <= band
-    idx = starts[:, None] + np.arange(1, band + 1)[None, :]  # i + t, first stage [i, i+t)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
             whole = _stage_table(ctx, top, m, 0)
-            suffix[starts[fits], m, :] = whole[starts[fits], lengths[fits], :]
+            fits = lengths <= min(band, whole.shape[1] - 1)
+            suffix[m][:, starts[fits]] = whole[:, lengths[fits], starts[fits]]
         for first_units in _split_choices(ctx, m):
             if m - first_units < 1:
                 continue
+            longest = min(band, ctx.first_len[top][first_units])
+            if longest < 1:
+                continue
             inner_tau = math.ceil((m - first_units) * per_unit / first_units)
-            first = _stage_table(ctx, top, first_units, inner_tau)[:n, 1 : band + 1, :]
-            rest = suffix[idx, m - first_units, :]
-            out = np.full((n, band, ctx.q), INF)
-            _combine(out, first, cut[idx], rest, ctx.bounded)
-            np.minimum(suffix[:n, m, :], out.min(axis=1), out=suffix[:n, m, :])
+            first = _stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
+            rest = sliding_window_view(suffix[m - first_units, :, 1 : n + longest], n, axis=-1)  # [q, t-1, i]: S[i+t]
+            head = np.maximum(first, sliding_window_view(cut[1 : n + longest], n)[None, :, :])
+            if ctx.bounded:
+                out = np.full(rest.shape, INF)
+                _combine(out, head, rest, True, np.empty(rest.shape[1:]))
+                best = out.min(axis=1)
+            else:
+                best = np.maximum(head, rest).min(axis=1)
+            np.minimum(suffix[m, :, :n], best, out=suffix[m, :, :n])
         if ctx.settings.use_fewer_devices and m > 1:
-            np.minimum(suffix[:, m, :], suffix[:, m - 1, :], out=suffix[:, m, :])
+            np.minimum(suffix[m], suffix[m - 1], out=suffix[m])
     return suffix
 
 
+def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Lower bound (ms) of layers [starts, ends) as one top-level stage on any unit count.
+
+    Non-decreasing in ``ends`` (every operation is monotone, in floating point too).
+    """
+    lv = topology.levels[-1]
+    per_unit = math.prod(level.count for level in topology.levels[:-1])
+    compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+    params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+    low = np.full(len(starts), INF)
+    for m in range(1, lv.count + 1):
+        ar = ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms)
+        low = np.minimum(low, np.maximum(compute / (m * per_unit), ar))
+    return low
+
+
 def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
-    """Longest range whose lower bound as a top-level stage is <= ``bound_ms``."""
+    """Longest range whose lower bound as a top-level stage is <= ``bound_ms``.
+
+    Binary search per start (the bound grows with the range): O(N u log N).
+    """
     n = arrays.layers
     if not math.isfinite(bound_ms):
         return n
+    starts = np.arange(n)
+
+    def fits(lengths: np.ndarray) -> np.ndarray:
+        return _top_stage_bound(arrays, topology, starts, starts + lengths) <= bound_ms * (1 + 1e-12)
+
+    return max(_longest_prefix(fits, n - starts), 1)
+
+
+def _lower_bound_ms(arrays: LayerArrays, topology: Topology) -> float:
+    """A lower bound (ms) on the answer, the first pruning limit: total compute over every
+    device, and either one top stage of every layer or at least one top-level cut."""
+    n = arrays.layers
     lv = topology.levels[-1]
-    per_unit = math.prod(level.count for level in topology.levels[:-1])
-    best = 0
-    for start in range(n):
-        compute = arrays.compute_ms[start + 1 :] - arrays.compute_ms[start]
-        params = arrays.param_bytes[start + 1 :] - arrays.param_bytes[start]
-        low = np.full(len(compute), INF)
-        for m in range(1, lv.count + 1):
-            ar = ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms)
-            low = np.minimum(low, np.maximum(compute / (m * per_unit), ar))
-        ok = np.nonzero(low <= bound_ms * (1 + 1e-12))[0]
-        if len(ok):
-            best = max(best, int(ok[-1]) + 1)
-    return max(best, 1)
+    spread = float(arrays.compute_ms[-1]) / topology.world_size
+    single = float(_top_stage_bound(arrays, topology, np.array([0]), np.array([n]))[0])
+    cuts = transfer_ms(arrays.cut_bytes[1:n], lv.bandwidth_bytes_per_s, lv.latency_ms)
+    cheapest_cut = float(cuts.min()) if n > 1 and lv.count > 1 else INF
+    return max(spread, min(single, cheapest_cut))
 
 
-def _solve_band(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> DPSolution:
-    ctx = _Context(arrays, topology, settings, band)
-    top = _fill_top(ctx)
-    value = float(top[0, topology.levels[-1].count, ctx.q - 1])
-    return DPSolution(value, arrays, topology, settings, band, top, ctx.tables, ctx)
+def _next_limit(limit_ms: float, found_ms: float, attempt: int) -> float:
+    """Limit of pass ``attempt`` (1, 2, ...) after one under ``limit_ms`` could not prove its answer.
+
+    A finite ``found_ms`` (the pruned pass's answer) is the time of a real plan, so a
+    limit of it succeeds; otherwise the limit grows fourfold. The last attempt prunes nothing.
+    """
+    if attempt >= LIMIT_ATTEMPTS:
+        return INF
+    if math.isfinite(found_ms):
+        return found_ms
+    return max(4.0 * limit_ms, 1e-3)
 
 
-def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> DPSolution:
+def _some_layer_never_fits(ctx: _Context) -> bool:
+    """True when a single layer exceeds device memory even with one minibatch in flight."""
+    if not ctx.settings.memory_check:
+        return False
+    params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
+    need = params * (2 + ctx.opt) + saved  # _device_table at tau = 0 for single layers
+    return bool(np.any(need > ctx.topology.device.memory_bytes))
+
+
+def _solution(ctx: _Context, band: int) -> DPSolution:
+    top = _fill_top(ctx, band)
+    value = float(top[ctx.levels[-1].count, ctx.q - 1, 0])
+    return DPSolution(value, ctx.arrays, ctx.topology, ctx.settings, band, top, ctx.tables, ctx, ctx.limit_ms)
+
+
+def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
+                upper_ms: float = INF, prune: bool = True) -> DPSolution:
+    """The optimum with top stages of at most ``band`` layers, on pruned tables.
+
+    The limit starts at a lower bound of the answer and grows (``_next_limit``, capped
+    by ``upper_ms``, a known upper bound) until a pass proves its answer: at most
+    ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the only one when not ``prune``).
+    """
+    limit = min(_lower_bound_ms(arrays, topology), upper_ms) if prune else INF
+    attempt = 0
+    while True:
+        ctx = _Context(arrays, topology, settings, band, limit)
+        solution = _solution(ctx, band)
+        if solution.time_ms <= limit or not math.isfinite(limit):
+            return solution
+        if not math.isfinite(solution.time_ms) and _some_layer_never_fits(ctx):
+            return solution  # infeasible under any limit
+        attempt += 1
+        limit = min(_next_limit(limit, solution.time_ms, attempt), upper_ms)
+
+
+def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
     """Fill the tables and return the optimum (``time_ms`` is inf when nothing fits).
 
-    A first pass limits ranges to a short band; its plan bounds the optimum, which
-    bounds the longest useful range (``_band_bound``); a second pass with that band is
-    exact. Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
+    A first pass limits top-level stages to a short band (``guess`` layers); its
+    optimum bounds the answer, which bounds the longest useful top stage
+    (``_band_bound``); a second pass with that band is exact. Each pass runs on pruned
+    tables (``_exact_pass``); the second is pruned under the first's optimum.
+    ``prune=False`` fills every entry (same answer and plan, slower: for tests).
+    Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
-    first = _solve_band(arrays, topology, settings, guess)
+    first = _exact_pass(arrays, topology, settings, guess, prune=prune)
     if guess == n:
         return first
     needed = _band_bound(arrays, topology, first.time_ms)
     if needed <= guess:
         return first
-    return _solve_band(arrays, topology, settings, min(n, needed))
+    return _exact_pass(arrays, topology, settings, min(n, needed), first.time_ms, prune)
 
 
 def _close(a: float, b: float) -> bool:
     return a == b or (math.isfinite(a) and abs(a - b) <= 1e-12 * max(1.0, abs(b)))
 
 
-def _reconstruct_level(ctx: _Context, level: int, start: int, end: int, m: int, q: int, tau: int) -> tuple[StageNode, ...]:
+RestValue = Callable[[int, int, int], float]
+
+
+def _reconstruct_level(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int,
+                       tau: int) -> tuple[StageNode, ...]:
     """The pipeline achieving A_level(start, end, m, q) at ``tau``."""
     if level == 0:
         return ()
     table = _level_table(ctx, level, tau)
-    length = end - start
-    target = float(table[start, length, m, q])
-    return _pick(ctx, level, start, end, m, q, tau, target, lambda s, mm, qq: float(table[s, end - s, mm, qq]))
+    # follow the tau the table was filled with: inner taus derive from it
+    filled_tau = 0 if ctx.track_tau and ctx.tau_cache.get(level) else ctx.tau_key(tau)
+    target = _entry(table[m], q, end - start, start)
+    return _pick(ctx, band, level, start, end, m, q, filled_tau, target,
+                 lambda s, mm, qq: _entry(table[mm], qq, end - s, s))
 
 
-def _pick(ctx, level, start, end, m, q, tau, target, rest_value) -> tuple[StageNode, ...]:
-    """Find the choice (single stage or first stage + rest) whose value is ``target``."""
+def _pick(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
+          target: float, rest_value: RestValue) -> tuple[StageNode, ...]:
+    """Find the choice (single stage or first stage + rest) whose value is ``target``.
+
+    Choices are tried in a fixed order (single stage, then first-stage units and length
+    ascending), so ties resolve the same way however the tables were filled.
+    """
     lv = ctx.levels[level - 1]
     per_unit = ctx.devices_per_unit(level - 1)
     length = end - start
     if not math.isfinite(target):
         raise InfeasibleError("no plan fits (internal: reconstruct of an infeasible entry)")
-    if (m == 1 or not ctx.settings.straight) and length <= ctx.band:
+    if (m == 1 or not ctx.settings.straight) and length <= band:
         single_tau = math.ceil(tau / m)
-        value = float(_stage_table(ctx, level, m, single_tau)[start, length, q])
+        value = _entry(_stage_table(ctx, level, m, single_tau), q, length, start)
         if _close(value, target):
-            inner = _reconstruct_level(ctx, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau)
+            inner = _reconstruct_level(ctx, band, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau)
             return (StageNode(level, start, end, m, inner),)
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for first_units in _split_choices(ctx, m):
@@ -336,23 +575,24 @@ def _pick(ctx, level, start, end, m, q, tau, target, rest_value) -> tuple[StageN
             continue
         inner_tau = math.ceil((tau + (m - first_units) * per_unit) / first_units)
         first = _stage_table(ctx, level, first_units, inner_tau)
-        for t in range(1, min(length - 1, ctx.band) + 1):
+        for t in range(1, min(length - 1, band) + 1):
             split = start + t
             pairs = [(0, 0)] if not ctx.bounded else [(q1, q - 1 - q1) for q1 in range(q)]
             for q1, q2 in pairs:
-                value = max(float(first[start, t, q1]), float(cut[split]), rest_value(split, m - first_units, q2))
+                value = max(_entry(first, q1, t, start), float(cut[split]), rest_value(split, m - first_units, q2))
                 if _close(value, target):
-                    inner = _reconstruct_level(ctx, level - 1, start, split, lv_units(ctx, level - 1), q1, inner_tau)
+                    inner = _reconstruct_level(ctx, band, level - 1, start, split, lv_units(ctx, level - 1), q1, inner_tau)
                     head = StageNode(level, start, split, first_units, inner)
-                    tail = _follow(ctx, level, split, end, m - first_units, q2, tau, rest_value)
+                    tail = _follow(ctx, band, level, split, end, m - first_units, q2, tau, rest_value)
                     return (head,) + tail
     if ctx.settings.use_fewer_devices and m > 1:
-        return _follow(ctx, level, start, end, m - 1, q, tau, rest_value)
+        return _follow(ctx, band, level, start, end, m - 1, q, tau, rest_value)
     raise InfeasibleError(f"internal: no choice reproduces {target} ms at level {level}")
 
 
-def _follow(ctx, level, start, end, m, q, tau, rest_value) -> tuple[StageNode, ...]:
-    return _pick(ctx, level, start, end, m, q, tau, rest_value(start, m, q), rest_value)
+def _follow(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
+            rest_value: RestValue) -> tuple[StageNode, ...]:
+    return _pick(ctx, band, level, start, end, m, q, tau, rest_value(start, m, q), rest_value)
 
 
 def lv_units(ctx: _Context, level: int) -> int:
@@ -368,6 +608,6 @@ def reconstruct(solution: DPSolution) -> tuple[StageNode, ...]:
     n, u = ctx.n, ctx.levels[-1].count
     suffix = solution.top
     return _pick(
-        ctx, top_level, 0, n, u, ctx.q - 1, 0, float(suffix[0, u, ctx.q - 1]),
-        lambda s, mm, qq: float(suffix[s, mm, qq]),
+        ctx, solution.band, top_level, 0, n, u, ctx.q - 1, 0, float(suffix[u, ctx.q - 1, 0]),
+        lambda s, mm, qq: float(suffix[mm, qq, s]),
     )

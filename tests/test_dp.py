@@ -131,3 +131,92 @@ def test_dp_equals_exhaustive(case):
         assert memory == stage.memory_bytes
         if options.memory_check:
             assert memory <= topology.device.memory_bytes
+
+
+# --- pruning (planner.dp prunes entries above a limit; results must not change) ---
+
+import numpy as np
+
+from pipeplan.planner.costs import layer_arrays
+from pipeplan.planner.dp import DPSettings, _band_bound, _lower_bound_ms, reconstruct, solve
+
+
+@st.composite
+def large_world_cases(draw):
+    """Up to 3 levels of up to 5 units (worlds beyond EXACT_TAU_WORLD round tau) and
+    memory that binds at some in-flight counts."""
+    n = draw(st.integers(1, 14))
+    layers = []
+    for i in range(n):
+        extra = draw(st.lists(st.integers(0, max(i - 1, 0)), max_size=1)) if i > 1 else []
+        layers.append(LayerProfile(
+            i, f"l{i}", "x", tuple(sorted({i - 1, *extra})) if i else (), draw(st.floats(0.0, 5)),
+            draw(st.floats(0.0, 5)), draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
+        ))
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7])), draw(st.sampled_from([0.0, 0.001])))
+                   for k, c in enumerate(counts))
+    memory = draw(st.sampled_from([10**9, 10**6, 200_000, 60_000, 25_000]))
+    settings = DPSettings(
+        schedule=draw(st.sampled_from(["1f1b-rr", "1f1b-rr", "gpipe"])),
+        optimizer=draw(st.sampled_from(["sgd", "adam"])),
+        straight=draw(st.booleans()),
+        max_stages=draw(st.sampled_from([None, None, 2, 4])),
+        use_fewer_devices=draw(st.booleans()),
+        memory_check=draw(st.booleans()),
+    )
+    return profile, Topology("t", DeviceSpec("d", memory), levels), settings
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(large_world_cases())
+def test_pruned_equals_unpruned(case):
+    """Same optimum, band and plan (ties included) with and without pruning."""
+    profile, topology, dp_settings = case
+    arrays = layer_arrays(profile)
+    pruned = solve(arrays, topology, dp_settings)
+    full = solve(arrays, topology, dp_settings, prune=False)
+    assert pruned.time_ms == full.time_ms
+    assert pruned.band == full.band
+    if math.isfinite(full.time_ms):
+        assert reconstruct(pruned) == reconstruct(full)
+        assert _lower_bound_ms(arrays, topology) <= full.time_ms * (1 + 1e-12)
+
+
+def test_band_bound_matches_a_scan():
+    """The binary search finds the longest range a linear scan finds."""
+    profile = chain([0.5, 3.0, 0.1, 0.1, 2.0, 0.7, 0.2, 4.0], [10**6, 0, 5 * 10**6, 0, 10**5, 10**6, 0, 0],
+                    [10**5] * 8, [10**5] * 8)
+    arrays = layer_arrays(profile)
+    topology = two_by_two()
+    lv = topology.levels[-1]
+    for bound_ms in (0.5, 1.0, 2.0, 3.5, 6.0, 20.0):
+        best = 0
+        for i in range(8):
+            for j in range(i + 1, 9):
+                compute, params = arrays.compute(i, j), arrays.params(i, j)
+                low = min(max(compute / (m * 2), 2 * (m - 1) / m * params / lv.bandwidth_bytes_per_s * 1e3)
+                          for m in (1, 2))
+                if low <= bound_ms * (1 + 1e-12):
+                    best = max(best, j - i)
+        assert _band_bound(arrays, topology, bound_ms) == max(best, 1)
+
+
+def test_large_world_plan_reconstructs():
+    """800 layers of 64 MiB of parameters on 8 x 8 x 64 devices: in-flight counts are
+    rounded to powers of two; the plan follows the tables it was computed from (this
+    once failed with 'no choice reproduces'). Every top-level cut moves 8 MiB over
+    25 GB/s: 2 * 8 MiB / 25e9 B/s = 0.67108864 ms bounds the period."""
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "Block", () if i == 0 else (i - 1,), 0.4, 0.8, 8 * 2**20, 64 * 2**20, 2 * 2**20)
+        for i in range(800)
+    )
+    profile = Profile("m", "fp", DeviceInfo("cuda", "x"), 32, "bfloat16", layers)
+    topology = Topology("8x8x64", DeviceSpec("H100", 80 * 2**30),
+                        (Level("node", 8, 450e9), Level("rack", 8, 100e9), Level("pod", 64, 25e9)))
+    plan = partition(profile, topology, PartitionOptions())
+    assert plan.predicted.time_per_minibatch_ms == pytest.approx(2 * 8 * 2**20 / 25e9 * 1e3, rel=1e-12)
+    assert sum(len(s.ranks) for s in plan.stages) <= 4096
+    assert all(s.memory_bytes <= 80 * 2**30 for s in plan.stages)
+    assert plan.stages[0].layer_start == 0 and plan.stages[-1].layer_end == 800
