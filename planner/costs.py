@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeplan.profile import Profile
 
-__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "ring_allreduce_ms", "transfer_ms"]
+__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "update_ms", "ring_allreduce_ms", "transfer_ms"]
 
 COST_MODELS = ("pipeplan", "pipedream")
 
@@ -62,8 +62,27 @@ def _prefix(values: list[float]) -> np.ndarray:
     return out
 
 
-def layer_arrays(profile: Profile) -> LayerArrays:
-    """Prefix sums and cut sizes of ``profile``. O(N + edges)."""
+def update_ms(profile: Profile, optimizer: str | None) -> list[float]:
+    """Each layer's share of one ``optimizer`` step (ms), by its parameter bytes.
+
+    The profile times one step over all parameters (``Profile.optimizer_ms``); a stage
+    steps once per minibatch it trains, so the share is part of its compute. All zeros
+    when ``optimizer`` is None or was not measured (an imported PipeDream graph).
+
+    >>> from pipeplan.profile import DeviceInfo, LayerProfile
+    >>> layers = tuple(LayerProfile(i, str(i), "Linear", (), 1.0, 2.0, 4, p, 0) for i, p in enumerate([300, 100]))
+    >>> update_ms(Profile("m", "f", DeviceInfo("cpu", "x"), 1, "float32", layers, optimizer_ms={"sgd": 2.0}), "sgd")
+    [1.5, 0.5]
+    """
+    total_ms = profile.optimizer_ms.get(optimizer, 0.0) if optimizer else 0.0
+    total_bytes = sum(layer.param_bytes for layer in profile.layers)
+    if total_ms <= 0 or total_bytes <= 0:
+        return [0.0] * len(profile.layers)
+    return [total_ms * layer.param_bytes / total_bytes for layer in profile.layers]
+
+
+def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
+    """Prefix sums and cut sizes of ``profile``; compute includes ``optimizer``'s step. O(N + edges)."""
     layers = profile.layers
     n = len(layers)
     last_reader = [-1] * n  # the last layer reading each layer's output
@@ -83,7 +102,7 @@ def layer_arrays(profile: Profile) -> LayerArrays:
         if last_reader[s - 1] < s:  # layer s-1 feeds nothing after the cut
             frontier[s] += layers[s - 1].output_bytes
     return LayerArrays(
-        compute_ms=_prefix([layer.compute_ms for layer in layers]),
+        compute_ms=_prefix([layer.compute_ms + update for layer, update in zip(layers, update_ms(profile, optimizer))]),
         param_bytes=_prefix([layer.param_bytes for layer in layers]),
         saved_bytes=_prefix([layer.saved_bytes for layer in layers]),
         output_bytes=_prefix([layer.output_bytes for layer in layers]),

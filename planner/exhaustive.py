@@ -18,7 +18,7 @@ from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.dp import StageNode
 from pipeplan.planner.memory import plan_stage_memory
-from pipeplan.planner.partition import PartitionOptions, stage_figures
+from pipeplan.planner.partition import PartitionOptions, charged_optimizer, stage_figures
 from pipeplan.planner.placement import flatten
 
 __all__ = ["pipelines", "evaluate", "exhaustive_best"]
@@ -70,7 +70,7 @@ def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topolog
 
 def exhaustive_best(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...] | None]:
     """(best time in ms, its tree) over every plan; (inf, None) when none fits."""
-    arrays = layer_arrays(profile)
+    arrays = layer_arrays(profile, charged_optimizer(options))
     top = len(topology.levels)
     best, best_tree = math.inf, None
     for tree in pipelines(top, 0, arrays.layers, topology.levels[-1].count, topology, options):

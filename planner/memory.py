@@ -18,6 +18,7 @@ import math
 from typing import Sequence
 
 from pipeplan.errors import InputError
+from pipeplan.optimizers import STATE_COPIES
 from pipeplan.schedule import activations_in_flight, weight_versions
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "plan_stage_memory",
 ]
 
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}
+OPTIMIZER_STATES = STATE_COPIES  # parameter-sized buffers per optimizer
 
 
 def optimizer_states(optimizer: str) -> int:

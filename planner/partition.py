@@ -161,6 +161,11 @@ def _solve(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -
     return solution.time_ms, reconstruct(solution), frozenset()
 
 
+def charged_optimizer(options: PartitionOptions) -> str | None:
+    """The optimizer whose measured step counts as compute (none in PipeDream's own model)."""
+    return options.optimizer if options.cost_model == "pipeplan" else None
+
+
 def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions()) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``.
 
@@ -168,7 +173,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     fits device memory.
     """
     options.validate()
-    arrays = layer_arrays(profile)
+    arrays = layer_arrays(profile, charged_optimizer(options))
     time_ms, tree, single_nodes = _solve(arrays, topology, options)
     if not math.isfinite(time_ms):
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))

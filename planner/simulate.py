@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.planner.costs import update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import SCHEDULES, Plan
 from pipeplan.profile import Profile
@@ -55,6 +56,7 @@ class StageCosts:
     param_bytes: int
     saved_bytes: int  # activations autograd keeps for backward, one minibatch
     sends: tuple[tuple[int, int], ...]  # (consumer stage, bytes) of activations sent forward
+    step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 sent.add(key)
                 edge = (stage_of[producer], stage_of[layer.index])
                 cut[edge] = cut.get(edge, 0) + profile.layers[producer].output_bytes
+    update = update_ms(profile, plan.optimizer if plan.cost_model == "pipeplan" else None)
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
@@ -145,6 +148,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 param_bytes=sum(layer.param_bytes for layer in layers),
                 saved_bytes=sum(layer.saved_bytes for layer in layers),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
+                step_ms=sum(update[i] for i in stage.layers),
             )
         )
     return out
@@ -307,6 +311,7 @@ def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bo
     n_in = [len(p) for p in producers]
     n_out = [len(o) for o in sends]
     reduce_ms = [allreduce_ms(topology, ranks[s], costs[s].param_bytes) for s in range(len(costs))]
+    step_ms = [cost.step_ms for cost in costs]
     link_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
 
     def link(a: int, b: int, size: float) -> tuple[float, float]:
@@ -357,7 +362,7 @@ def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bo
                     waiting.setdefault(("S", *group), []).append(worker)
                     break
                 start = max(members)
-                end = start + reduce_ms[s]
+                end = start + reduce_ms[s] + step_ms[s]
                 for peer in [*waiting.pop(("S", *group), []), worker]:
                     if s == 0:
                         step_of = schedule.actions[peer][position[peer]].minibatch
@@ -365,12 +370,16 @@ def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bo
                     free[peer] = end
                     position[peer] += 1
                     steps_done[peer] += 1
-                    if reduce_ms[s] > 0:
+                    if end > start:
                         busy[peer].append((start, end))
-                        if record:
-                            tasks.append(
-                                (ranks[s][peer[1]], "allreduce", f"allreduce S{k}", start, reduce_ms[s], k, 0, s, peer[1])
-                            )
+                    if record and reduce_ms[s] > 0:
+                        tasks.append(
+                            (ranks[s][peer[1]], "allreduce", f"allreduce S{k}", start, reduce_ms[s], k, 0, s, peer[1])
+                        )
+                    if record and step_ms[s] > 0:
+                        tasks.append(
+                            (ranks[s][peer[1]], "step", f"S{k}", start + reduce_ms[s], step_ms[s], k, 0, s, peer[1])
+                        )
                     if peer != worker:
                         ready.append(peer)
                 continue
