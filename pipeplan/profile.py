@@ -69,6 +69,7 @@ class Profile:
     # one optimizer step over all parameters, by optimizer ("sgd", "momentum", "adam"), ms;
     # not in step_ms; empty when not measured (an imported PipeDream graph)
     optimizer_ms: dict[str, float] = field(default_factory=dict)
+    data_ms: float = 0.0  # drawing one minibatch (sample_batch) and placing it on the device
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeplan.profile import Profile
 
-__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "update_ms", "ring_allreduce_ms", "transfer_ms"]
+__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "layer_compute_ms", "update_ms", "ring_allreduce_ms", "transfer_ms"]
 
 COST_MODELS = ("pipeplan", "pipedream")
 
@@ -81,6 +81,20 @@ def update_ms(profile: Profile, optimizer: str | None) -> list[float]:
     return [total_ms * layer.param_bytes / total_bytes for layer in profile.layers]
 
 
+def layer_compute_ms(profile: Profile, optimizer: str | None) -> list[float]:
+    """Per layer: forward + backward, plus, when ``optimizer`` is charged (pipeplan's own
+    cost model), its share of the optimizer step, the loss on the last layer and the
+    drawing of the minibatch on the first and last layers (the runtime's input and loss
+    stages both draw it)."""
+    compute = [layer.compute_ms for layer in profile.layers]
+    if optimizer is None:
+        return compute
+    compute = [c + u for c, u in zip(compute, update_ms(profile, optimizer))]
+    compute[0] += profile.data_ms
+    compute[-1] += profile.loss_ms + (profile.data_ms if len(compute) > 1 else 0.0)
+    return compute
+
+
 def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
     """Prefix sums and cut sizes of ``profile``; compute includes ``optimizer``'s step. O(N + edges)."""
     layers = profile.layers
@@ -102,7 +116,7 @@ def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
         if last_reader[s - 1] < s:  # layer s-1 feeds nothing after the cut
             frontier[s] += layers[s - 1].output_bytes
     return LayerArrays(
-        compute_ms=_prefix([layer.compute_ms + update for layer, update in zip(layers, update_ms(profile, optimizer))]),
+        compute_ms=_prefix(layer_compute_ms(profile, optimizer)),
         param_bytes=_prefix([layer.param_bytes for layer in layers]),
         saved_bytes=_prefix([layer.saved_bytes for layer in layers]),
         output_bytes=_prefix([layer.output_bytes for layer in layers]),

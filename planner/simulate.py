@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.planner.costs import update_ms
+from pipeplan.planner.costs import layer_compute_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import SCHEDULES, Plan
 from pipeplan.profile import Profile
@@ -137,13 +137,16 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 sent.add(key)
                 edge = (stage_of[producer], stage_of[layer.index])
                 cut[edge] = cut.get(edge, 0) + profile.layers[producer].output_bytes
-    update = update_ms(profile, plan.optimizer if plan.cost_model == "pipeplan" else None)
+    charged = plan.optimizer if plan.cost_model == "pipeplan" else None
+    update = update_ms(profile, charged)
+    # the loss and the minibatch draws run in the loss stage's backward / each forward
+    extra = [c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)]
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
         out.append(
             StageCosts(
-                forward_ms=sum(layer.forward_ms for layer in layers),
+                forward_ms=sum(layer.forward_ms for layer in layers) + sum(extra[i] for i in stage.layers),
                 backward_ms=sum(layer.backward_ms for layer in layers),
                 param_bytes=sum(layer.param_bytes for layer in layers),
                 saved_bytes=sum(layer.saved_bytes for layer in layers),

@@ -11,7 +11,7 @@ from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
 from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
 from pipeplan.profiler.memory import output_bytes
-from pipeplan.profiler.timing import make_timer
+from pipeplan.profiler.timing import make_timer, robust_stats
 
 __all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
 
@@ -67,6 +67,27 @@ def check_model_runs(
     except Exception as exc:
         raise InputError(f"{model_file.path}: backward through the loss raised {_one_line(exc)}") from exc
     model.zero_grad(set_to_none=True)
+
+
+def time_data(model_file: ModelFile, batch_size: int, device: Any, dtype: Any, warmup: int, repeats: int) -> float:
+    """Median ms to draw one minibatch with ``sample_batch`` and place it on ``device``.
+
+    The runtime draws every minibatch on the input stage and again on the loss stage
+    (for the targets), so the planner charges this time to both.
+    """
+    import time
+
+    import torch
+
+    samples = []
+    for iteration in range(warmup + repeats):
+        started = time.perf_counter()
+        inputs, targets = prepare_batch(*model_file.batch(batch_size, seed=iteration), device, dtype)
+        if getattr(device, "type", "cpu") == "cuda":
+            torch.cuda.synchronize(device)
+        if iteration >= warmup:
+            samples.append((time.perf_counter() - started) * 1e3)
+    return robust_stats(samples).median
 
 
 def profile_model(
@@ -131,6 +152,7 @@ def _profile(
         graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
     )
     optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
+    data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
     return Profile(
         model=str(model),
         fingerprint=graph.fingerprint,
@@ -146,4 +168,5 @@ def _profile(
         step_saved_bytes=measured.step_saved_bytes,
         loss_ms=measured.loss.median,
         optimizer_ms=optimizer_ms,
+        data_ms=data_ms,
     )

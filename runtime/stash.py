@@ -1,7 +1,8 @@
 """Weight stashing for 1F1B-RR: every in-flight minibatch keeps the weights of its forward.
 
 The optimizer updates the live parameters of the stage module. A forward runs on a
-*version*: a snapshot of the live parameters taken after the latest optimizer step
+*version*: a snapshot of the live parameters taken after the latest optimizer step (the
+live parameters themselves where the schedule keeps a single version: no copy)
 (separate leaf tensors, so later in-place updates never invalidate what autograd saved),
 through ``torch.func.functional_call``. Its backward differentiates the same graph, so
 it uses the same version by construction; its gradients are collected per unit and
@@ -46,10 +47,15 @@ class WeightStash:
         """The newest version (snapshotted on first use after a step), for one forward."""
         version = self.versions.get(self.steps)
         if version is None:
-            params = {
-                name: p.detach().clone().requires_grad_(p.requires_grad)
-                for name, p in self.module.named_parameters()
-            }
+            if self.max_versions == 1:
+                # One version in use at a time: no optimizer step can come between its
+                # forward and its backward, so it may be the live weights (no copy).
+                params = dict(self.module.named_parameters())
+            else:
+                params = {
+                    name: p.detach().clone().requires_grad_(p.requires_grad)
+                    for name, p in self.module.named_parameters()
+                }
             version = WeightVersion(self.steps, params)
             self.versions[self.steps] = version
         version.users += 1

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from pipeplan.planner.costs import layer_arrays, update_ms
+from pipeplan.planner.costs import layer_arrays, layer_compute_ms, update_ms
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 
-def profile(optimizer_ms: dict[str, float]) -> Profile:
+def profile(optimizer_ms: dict[str, float], loss_ms: float = 0.0, data_ms: float = 0.0) -> Profile:
     """A 4-layer chain: 3 ms of forward+backward each; parameters 1, 1, 2, 0 MB."""
     params = [1_000_000, 1_000_000, 2_000_000, 0]
     layers = tuple(
         LayerProfile(i, f"l{i}", "Linear", () if i == 0 else (i - 1,), 1.0, 2.0, 1000, p, 1000)
         for i, p in enumerate(params)
     )
-    return Profile("chain", "fp", DeviceInfo("cpu", "test"), 8, "float32", layers, optimizer_ms=optimizer_ms)
+    return Profile(
+        "chain", "fp", DeviceInfo("cpu", "test"), 8, "float32", layers,
+        optimizer_ms=optimizer_ms, loss_ms=loss_ms, data_ms=data_ms,
+    )
 
 
 def one_device() -> Topology:
@@ -47,3 +50,9 @@ def test_single_device_prediction_and_simulation_include_the_step(cost_model: st
     assert plan.predicted.time_per_minibatch_ms == pytest.approx(expected_ms)
     if cost_model == "pipeplan":  # PipeDream's own model knows no optimizer step
         assert simulate_plan(plan, measured).time_per_minibatch_ms == pytest.approx(expected_ms)
+
+
+def test_loss_and_minibatch_draws_are_charged_to_the_end_layers() -> None:
+    measured = profile({"sgd": 0.0}, loss_ms=0.5, data_ms=0.25)
+    assert layer_compute_ms(measured, "sgd") == [3.25, 3.0, 3.0, 3.75]  # draw, ..., draw + loss
+    assert layer_compute_ms(measured, None) == [3.0] * 4  # PipeDream's model: layers only
