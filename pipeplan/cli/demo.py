@@ -64,7 +64,7 @@ Examples:
     show_default=True,
     help=f"A model file, or a bundled model: {', '.join(BUNDLED_MODELS)}.",
 )
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1), help="Samples per minibatch.")
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Training steps of the run.")
 @click.option(
     "--topology",
