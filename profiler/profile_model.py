@@ -112,6 +112,9 @@ def profile_model(
 
     if threads is not None and threads <= 0:
         raise InputError(f"--threads must be positive (got {threads})")
+    from pipeplan.host_memory import keep_freed_blocks
+
+    keep_freed_blocks()  # as the runtime does, so the profile measures what will run
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
