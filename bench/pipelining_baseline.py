@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeplan.host_memory import keep_freed_blocks
+
 __all__ = ["run_pipelining_baseline", "run_single_process_baseline"]
 
 _WORKER_FLAG = "_pipelining_worker"
@@ -144,6 +146,7 @@ def run_single_process_baseline(
     previous_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    keep_freed_blocks()
     try:
         torch.manual_seed(seed)
         model = model_file.build()
@@ -258,6 +261,7 @@ def _worker(config_path: str, result_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(config["threads"])
+    keep_freed_blocks()  # the allocator setting pipeplan's runtime uses: compare schedules, not mallocs
     dist.init_process_group("gloo", timeout=timedelta(seconds=config["timeout_s"]))
     try:
         model_file = load_model_file(config["model_path"])
