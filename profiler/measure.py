@@ -203,17 +203,18 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
         return {name: 0.0 for name in OPTIMIZERS}
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
-    times = {}
-    for name in OPTIMIZERS:
-        optimizer = make_optimizer(name, parameters, lr=1e-3)
-        samples = []
-        for iteration in range(max(warmup, 1) + repeats):
+    optimizers = {name: make_optimizer(name, parameters, lr=1e-3) for name in OPTIMIZERS}
+    samples: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
+    # Round-robin, so start-up costs (a thread pool waking up, state allocation) fall in
+    # the untimed first rounds of every optimizer, not on whichever is timed first.
+    for iteration in range(max(warmup, 2) + repeats):
+        for name, optimizer in optimizers.items():
             timer.start()
             optimizer.step()
             elapsed = read(timer.stop())
-            if iteration >= max(warmup, 1):
-                samples.append(elapsed)
-        times[name] = robust_stats(samples).median
+            if iteration >= max(warmup, 2):
+                samples[name].append(elapsed)
+    times = {name: robust_stats(values).median for name, values in samples.items()}
     _clear_grads(model)
     return times
 
