@@ -6,7 +6,7 @@ unit ``minibatch * microbatches + microbatch``, ``direction`` ``FORWARD`` (an
 activation) or ``BACKWARD`` (its gradient). On gloo the three are packed into the
 message tag, so receives may be posted long before they are needed, in any order. On
 NCCL tags are ignored: receives are posted when they are waited on, in schedule order,
-which both sides of every pair follow.
+which both sides of every pair follow: the executor walks values by their global message id.
 
 Shape handshake: the first activation on each (peer, value) channel is preceded by a
 small header (rank, dtype, shape); afterwards the receiver pre-allocates buffers from

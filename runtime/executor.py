@@ -105,6 +105,15 @@ class Executor:
     def _unit(self, action: Action) -> int:
         return action.minibatch * self.microbatches + action.microbatch
 
+    def _in_message_order(self, names: Any) -> list[str]:
+        """``names`` by global message id: the order both ends of a link send and receive.
+
+        NCCL matches point-to-point messages between two ranks by the order they are
+        posted (it has no tags), so a sender and its receiver must walk their values in
+        one agreed order; each stage's own input/output order would differ.
+        """
+        return sorted(names, key=lambda name: self.spec.value_ids.get(name, -1))
+
     # ---------------------------------------------------------------- receives
     def _prefetch(self, position: int) -> None:
         for action in self.actions[position : position + self.lookahead]:
@@ -119,7 +128,7 @@ class Executor:
 
     def _post_inputs(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
         posted = {}
-        for name in self._stage.input_names:
+        for name in self._in_message_order(self._stage.input_names):
             producer = self._stage.producers[name]
             if producer < 0:
                 continue
@@ -131,7 +140,7 @@ class Executor:
     def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
         saved = self._saved[unit]
         posted = {}
-        for name in self._stage.output_names:
+        for name in self._in_message_order(self._stage.output_names):
             value = saved.outputs[name]
             if name == MODEL_OUTPUT or not value.is_floating_point():
                 continue
@@ -159,15 +168,16 @@ class Executor:
         data_inputs, targets = (
             self.data.microbatch(minibatch, action.microbatch) if needs_data else ((), None)
         )
-        inputs: list[torch.Tensor] = []
-        for name in self._stage.input_names:
-            if self._stage.producers[name] < 0:
-                inputs.append(data_inputs[int(name.split(":")[1])])
-                continue
+        received: dict[str, torch.Tensor] = {}
+        for name in posted:  # in message order
             value = self._wait(posted[name][0], action)
             if value.is_floating_point():
                 value.requires_grad_(True)
-            inputs.append(value)
+            received[name] = value
+        inputs: list[torch.Tensor] = [
+            data_inputs[int(name.split(":")[1])] if self._stage.producers[name] < 0 else received[name]
+            for name in self._stage.input_names
+        ]
         with self.recorder.span("forward", str(action), minibatch, action.microbatch):
             rng = _rng_state() if self.recompute else None
             version = self.stash.acquire() if self.stash is not None else None
@@ -177,7 +187,7 @@ class Executor:
             self.units[unit] = UnitRecord(action.minibatch, action.microbatch, version.id)
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
-        for name in self._stage.output_names:
+        for name in self._in_message_order(self._stage.output_names):
             for consumer in self._stage.consumers[name]:
                 peer = self.spec.rank_of(consumer, unit)
                 self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
@@ -236,7 +246,9 @@ class Executor:
                 assert self.stash is not None
                 self._unit_grads[unit] = self.stash.collect_grads(saved.version)
                 self.units[unit].backward_version = saved.version.id
-        for name, value in zip(self._stage.input_names, saved.inputs):
+        inputs_by_name = dict(zip(self._stage.input_names, saved.inputs))
+        for name in self._in_message_order(self._stage.input_names):
+            value = inputs_by_name[name]
             producer = self._stage.producers[name]
             if producer < 0 or not value.is_floating_point():
                 continue

@@ -109,6 +109,24 @@ def test_gpipe_recompute_dag_with_skip_over_two_stages(tmp_path: Path) -> None:
     assert_params_match(records(tmp_path / "rec"), reference)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "1f1b-rr"])
+def test_untagged_messages_keep_their_order_across_a_cut(tmp_path: Path, schedule: str) -> None:
+    """As on NCCL (no tags): two same-shaped values cross one cut, read in the other order."""
+    model = str(FIXTURES / "crossed.py")
+    plan = make_plan(model, [[0, 1], [2, 3]], [1, 1], schedule, batch_size=8,
+                     microbatches=2 if schedule == "1f1b-flush" else 1)
+    plan.save(tmp_path / "plan.json")
+    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
+                          "--no-progress", "--record", str(tmp_path / "rec")],
+                      extra_env={"PIPEPLAN_TEST_UNTAGGED": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    if schedule == "1f1b-flush":
+        reference, _ = train_reference(model, 3, 8, LR)
+    else:
+        reference = emulate_1f1b_rr(model, [[0, 1], [2, 3]], [1, 1], 3, 8, LR)
+    assert_params_match(records(tmp_path / "rec"), reference)
+
+
 def test_tied_weights_across_stages_stay_identical(tmp_path: Path) -> None:
     model = str(FIXTURES / "tied.py")
     plan = make_plan(model, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2,
