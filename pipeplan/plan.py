@@ -65,7 +65,7 @@ class Plan:
     cost_model: str  # "pipeplan" | "pipedream"
     optimizer: str  # "sgd" | "momentum" | "adam"
     world_size: int
-    in_flight: int  # NOAM = ceil(world_size / replicas of the input stage)
+    in_flight: int  # 1F1B-RR: NOAM = ceil(used devices / replicas of the input stage); flush: 1
     stages: tuple[StagePlan, ...]
     predicted: Predicted
     bottleneck_stage: int

@@ -41,7 +41,10 @@ def noam(stage_replicas: Sequence[int]) -> int:
 
 
 def warmup_forwards(stage_replicas: Sequence[int], stage: int) -> int:
-    """Forwards one replica of ``stage`` runs before its first backward in 1F1B-RR.
+    """W_s: extra forwards a replica of ``stage`` admits in 1F1B-RR (PipeDream's warm-up).
+
+    The replica runs W_s + 1 forwards before its first backward, so W_s + 1 minibatches
+    (and, with weight stashing, W_s + 1 weight versions) are in flight on it.
 
     PipeDream: ceil(R / n_0) - 1 for the input stage and
     floor((R - 1 - sum_{i<s} n_i) / n_s) for stage s > 0, with R the total workers.

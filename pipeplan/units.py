@@ -29,7 +29,6 @@ __all__ = [
     "parse_bandwidth",
     "parse_duration_ms",
     "format_bytes",
-    "format_bandwidth",
     "format_ms",
 ]
 
@@ -86,28 +85,31 @@ def parse_duration_ms(text: object) -> float:
 
 
 def format_bytes(size_bytes: float) -> str:
-    """``size_bytes`` with a binary unit: ``'1.50 GiB'``, ``'12.0 MiB'``, ``'300 B'``."""
+    """``size_bytes`` with a binary unit: ``'1.50 GiB'``, ``'12.0 MiB'``, ``'300 B'``.
+
+    The unit is chosen after rounding, so 1023.7 B reads ``'1.00 KiB'``, not ``'1024 B'``.
+
+    >>> format_bytes(1023.7), format_bytes(1536), format_bytes(300)
+    ('1.00 KiB', '1.50 KiB', '300 B')
+    """
     size = float(size_bytes)
     for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(size) >= factor:
+        if abs(size) >= factor - 0.5:
             value = size / factor
-            return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}"
+            return f"{value:.2f} {unit}" if abs(value) < 9.995 else f"{value:.1f} {unit}"
     return f"{size:.0f} B"
 
 
-def format_bandwidth(bytes_per_s: float) -> str:
-    """``bytes_per_s`` in GB/s or MB/s: ``'1.25 GB/s'``."""
-    if bytes_per_s >= 1e9:
-        return f"{bytes_per_s / 1e9:.3g} GB/s"
-    return f"{bytes_per_s / 1e6:.3g} MB/s"
-
-
 def format_ms(duration_ms: float) -> str:
-    """``duration_ms`` with its unit: ``'12.3 ms'``, ``'1.25 s'``, ``'45.0 us'``."""
+    """``duration_ms`` with its unit: ``'12.3 ms'``, ``'1.25 s'``, ``'45 us'``.
+
+    >>> format_ms(999.95), format_ms(12.34), format_ms(0.045)
+    ('1 s', '12.3 ms', '45 us')
+    """
     if not math.isfinite(duration_ms):
         return "inf"
-    if abs(duration_ms) >= 1000:
+    if abs(duration_ms) >= 999.5:
         return f"{duration_ms / 1000:.3g} s"
-    if abs(duration_ms) < 0.1 and duration_ms != 0:
+    if abs(duration_ms) < 0.09995 and duration_ms != 0:
         return f"{duration_ms * 1000:.3g} us"
     return f"{duration_ms:.3g} ms"

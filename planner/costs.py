@@ -84,14 +84,15 @@ def update_ms(profile: Profile, optimizer: str | None) -> list[float]:
 def layer_compute_ms(profile: Profile, optimizer: str | None) -> list[float]:
     """Per layer: forward + backward, plus, when ``optimizer`` is charged (pipeplan's own
     cost model), its share of the optimizer step, the loss on the last layer and the
-    drawing of the minibatch on the first and last layers (the runtime's input and loss
-    stages both draw it)."""
+    drawing of the minibatch on the first layer. (The loss stage draws the minibatch too,
+    for its targets; prefix sums cannot charge that only when it is another stage, so it
+    is left out rather than counted twice for a single stage.)"""
     compute = [layer.compute_ms for layer in profile.layers]
     if optimizer is None:
         return compute
     compute = [c + u for c, u in zip(compute, update_ms(profile, optimizer))]
     compute[0] += profile.data_ms
-    compute[-1] += profile.loss_ms + (profile.data_ms if len(compute) > 1 else 0.0)
+    compute[-1] += profile.loss_ms
     return compute
 
 

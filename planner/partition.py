@@ -210,7 +210,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     return Plan(
         profile_fingerprint=profile.fingerprint, model=profile.model, batch_size=profile.batch_size,
         dtype=profile.dtype, topology=topology, schedule=options.schedule, cost_model=options.cost_model,
-        optimizer=options.optimizer, world_size=topology.world_size, in_flight=noam(replicas),
+        optimizer=options.optimizer, world_size=topology.world_size, in_flight=noam(replicas) if options.schedule == "1f1b-rr" else 1,
         stages=tuple(stages), predicted=predicted, bottleneck_stage=bottleneck,
         microbatches=options.microbatches,
     )

@@ -105,7 +105,7 @@ def compare(metrics: Mapping[str, Any], where: str = "metrics") -> MetricsReport
         here = f"{where}: stages[{position}]"
         if not isinstance(raw, dict) or "stage" not in raw:
             raise InputError(f"{here} has no 'stage'")
-        stage = int(raw["stage"])
+        stage = _integer(raw, "stage", -1, here)
         planned = plan_stages.get(stage, {})
         predicted_time = _number(raw, "predicted_time_per_minibatch_ms", here)
         if predicted_time is None:
@@ -116,8 +116,8 @@ def compare(metrics: Mapping[str, Any], where: str = "metrics") -> MetricsReport
         stages.append(
             StageComparison(
                 stage=stage,
-                replica=int(raw.get("replica", 0)),
-                rank=int(raw.get("rank", -1)),
+                replica=_integer(raw, "replica", 0, here),
+                rank=_integer(raw, "rank", -1, here),
                 time_per_minibatch=Comparison(predicted_time, _number(raw, "time_per_minibatch_ms", here)),
                 compute=Comparison(predicted_compute, _number(raw, "compute_ms", here)),
                 wait_ms=_number(raw, "wait_ms", here),
@@ -132,6 +132,14 @@ def compare(metrics: Mapping[str, Any], where: str = "metrics") -> MetricsReport
         stages=tuple(stages),
         losses=tuple(float(x) for x in losses if isinstance(x, (int, float))),
     )
+
+
+def _integer(obj: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    """``obj[key]`` as an int (``default`` when absent); ``InputError`` naming it otherwise."""
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{where}: {key!r} must be an integer (got {value!r})")
+    return value
 
 
 def load_report(path: str | os.PathLike[str]) -> MetricsReport:

@@ -139,7 +139,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 cut[edge] = cut.get(edge, 0) + profile.layers[producer].output_bytes
     charged = plan.optimizer if plan.cost_model == "pipeplan" else None
     update = update_ms(profile, charged)
-    # the loss and the minibatch draws run in the loss stage's backward / each forward
+    # the loss and the minibatch draw: charged here to the stage's forwards
     extra = [c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)]
     out = []
     for stage in plan.stages:
@@ -367,8 +367,8 @@ def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bo
                 start = max(members)
                 end = start + reduce_ms[s] + step_ms[s]
                 for peer in [*waiting.pop(("S", *group), []), worker]:
+                    step_of = schedule.actions[peer][position[peer]].minibatch  # this peer's own
                     if s == 0:
-                        step_of = schedule.actions[peer][position[peer]].minibatch
                         completion[step_of] = max(completion[step_of], end)
                     free[peer] = end
                     position[peer] += 1
@@ -377,11 +377,13 @@ def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bo
                         busy[peer].append((start, end))
                     if record and reduce_ms[s] > 0:
                         tasks.append(
-                            (ranks[s][peer[1]], "allreduce", f"allreduce S{k}", start, reduce_ms[s], k, 0, s, peer[1])
+                            (ranks[s][peer[1]], "allreduce", f"allreduce S{step_of}", start, reduce_ms[s],
+                             step_of, 0, s, peer[1])
                         )
                     if record and step_ms[s] > 0:
                         tasks.append(
-                            (ranks[s][peer[1]], "step", f"S{k}", start + reduce_ms[s], step_ms[s], k, 0, s, peer[1])
+                            (ranks[s][peer[1]], "step", f"S{step_of}", start + reduce_ms[s], step_ms[s],
+                             step_of, 0, s, peer[1])
                         )
                     if peer != worker:
                         ready.append(peer)

@@ -87,10 +87,6 @@ class Stats:
     median: float  # ms
     spread: float  # interquartile range p75 - p25, ms
 
-    @classmethod
-    def zero(cls) -> "Stats":
-        return cls(0.0, 0.0)
-
 
 def robust_stats(samples: Sequence[float]) -> Stats:
     """Median and interquartile range (p75 - p25) of ``samples``.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -113,7 +113,6 @@ class PendingRecv:
     spec: TensorSpec | None
     buffer: torch.Tensor | None = None
     work: Any = None
-    posted_ms: float = field(default_factory=lambda: time.perf_counter() * 1000.0)
 
 
 @dataclass
@@ -152,7 +151,6 @@ class P2P:
         self._specs: dict[tuple[int, int], TensorSpec] = {}  # (peer, value) -> header
         self._header_work: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._sends: list[_PendingSend] = []
-        self.wait_ms = 0.0  # total time blocked in waits
 
     # ------------------------------------------------------------------ sending
     def send(self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str) -> None:
@@ -206,10 +204,8 @@ class P2P:
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         """The received tensor; blocks at most ``timeout_s`` per message."""
-        start = time.perf_counter()
         self._advance(pending, block=True)
         self._wait(pending.work, f"receiving {pending.label}", pending.peer)
-        self.wait_ms += (time.perf_counter() - start) * 1000.0
         assert pending.buffer is not None
         return pending.buffer
 

@@ -56,6 +56,11 @@ class BatchSource:
     def _minibatch(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
         if k not in self._cache:
             inputs, targets = self._draw(k)
+            if not isinstance(targets, torch.Tensor):
+                raise InputError(
+                    f"{self.model_file.path}: minibatch {k} targets are {type(targets).__name__}; "
+                    f"pipeplan run splits and places targets, so they must be a Tensor"
+                )
             for old in [key for key in self._cache if key < k - 1]:
                 del self._cache[old]
             for position, t in enumerate((*inputs, targets)):

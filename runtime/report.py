@@ -22,6 +22,7 @@ from pipeplan.jsonio import write_json_atomic
 from pipeplan.schedule import noam
 
 __all__ = [
+    "METRICS_SCHEMA",
     "RankReport",
     "rank_report",
     "gather_reports",
@@ -29,6 +30,9 @@ __all__ = [
     "steady_period_ms",
     "warmup_minibatches",
 ]
+
+
+METRICS_SCHEMA = "pipeplan.metrics/1"  # docs/metrics.md; read by `pipeplan report`
 
 
 @dataclass
@@ -97,18 +101,26 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
                   offset: int) -> dict[str, Any]:
     """Build the metrics summary (and write --metrics / --trace files); returns it."""
     plan = config.plan
+    # With a replicated loss stage and micro-batches, each replica holds the loss of its
+    # own micro-batches of a minibatch: the minibatch's loss is their sum.
     losses_by_minibatch: dict[int, float] = {}
     for r in reports:
-        losses_by_minibatch.update(r.losses)
+        for k, loss in r.losses.items():
+            losses_by_minibatch[k] = losses_by_minibatch.get(k, 0.0) + loss
     ordered = sorted(losses_by_minibatch)
     step_losses = []
     for first in range(offset, offset + len(ordered), period):
         chunk = [losses_by_minibatch[k] for k in range(first, first + period) if k in losses_by_minibatch]
         if chunk:
             step_losses.append(sum(chunk) / len(chunk))
-    input_done = [t for r in reports if r.stage == 0 for t in r.done_ms.values()]
-    warmup = noam(spec.replicas) if config.schedule == "1f1b-rr" else 1
-    period_ms = steady_period_ms(input_done, warmup)
+    # one completion per minibatch: under a flush every input-stage replica steps on it
+    done_by_minibatch: dict[int, float] = {}
+    for r in reports:
+        if r.stage == 0:
+            for k, t in r.done_ms.items():
+                done_by_minibatch[k] = max(done_by_minibatch.get(k, t), t)
+    input_done = list(done_by_minibatch.values())
+    period_ms = steady_period_ms(input_done, warmup_minibatches(config.schedule, spec.replicas, len(input_done)))
     wall_ms = max(r.wall_ms for r in reports)
     minibatches = len(losses_by_minibatch)
     stages = []
@@ -137,7 +149,7 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
             "predicted_weight_versions": predicted.weight_versions,
         })
     summary = {
-        "schema": "pipeplan.metrics/1",
+        "schema": METRICS_SCHEMA,
         "plan": plan.to_dict(),
         "schedule": config.schedule,
         "microbatches": config.microbatches,

@@ -57,6 +57,8 @@ class GradSync:
 
     def _all_reduce(self, params: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
                     scale: float, what: str) -> None:
+        if not params:  # a stage without parameters (pooling, activations): nothing to sum
+            return
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
         try:

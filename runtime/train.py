@@ -38,7 +38,6 @@ from pipeplan.plan import Plan
 __all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
-METRICS_SCHEMA = "pipeplan.metrics/1"
 _FAULT_ENV = "PIPEPLAN_TEST_FAULT"  # tests only: "<rank>:<step>:kill|raise"
 
 
@@ -193,6 +192,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
                 module.load_state_dict(state["model"])
                 if optimizer is not None and state.get("optimizer"):
                     optimizer.load_state_dict(state["optimizer"])
+                if "rng" in state:  # dropout continues as it would have
+                    torch.set_rng_state(state["rng"])
     remaining = config.steps - done_steps
     if remaining > 0 and done_steps > 0:
         schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches)

@@ -90,3 +90,12 @@ def test_report_cli_error_is_one_line(tmp_path) -> None:
     path.write_text("[1, 2]")
     out = CliRunner().invoke(cli, ["report", str(path)])
     assert out.exit_code == 2 and out.output.startswith("error: ") and "list" in out.output
+
+
+def test_a_non_integer_stage_is_a_one_line_input_error() -> None:
+    from pipeplan.errors import InputError
+    from pipeplan.planner.report import compare
+
+    metrics = {"schema": "pipeplan.metrics/1", "stages": [{"stage": "zero", "time_per_minibatch_ms": 1.0}]}
+    with pytest.raises(InputError, match=r"stages\[0\]: 'stage' must be an integer \(got 'zero'\)"):
+        compare(metrics, where="m.json")

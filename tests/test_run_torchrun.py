@@ -127,6 +127,20 @@ def test_untagged_messages_keep_their_order_across_a_cut(tmp_path: Path, schedul
     assert_params_match(records(tmp_path / "rec"), reference)
 
 
+def test_flush_with_a_replicated_loss_stage_reports_whole_minibatch_losses(tmp_path: Path) -> None:
+    model = str(FIXTURES / "mlp.py")
+    plan = make_plan(model, [[0, 1, 2], [3, 4, 5]], [1, 2], "1f1b-flush", batch_size=8, microbatches=2)
+    plan.save(tmp_path / "plan.json")
+    result = torchrun(3, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
+                          "--no-progress", "--record", str(tmp_path / "rec"), "--metrics", str(tmp_path / "m.json")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, ref_losses = train_reference(model, 3, 8, LR)
+    assert_params_match(records(tmp_path / "rec"), reference)
+    # each replica of the loss stage saw one micro-batch of every minibatch: summed, they
+    # are the minibatch's loss
+    assert json.loads((tmp_path / "m.json").read_text())["losses"] == pytest.approx(ref_losses, rel=1e-5)
+
+
 def test_tied_weights_across_stages_stay_identical(tmp_path: Path) -> None:
     model = str(FIXTURES / "tied.py")
     plan = make_plan(model, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2,

@@ -50,7 +50,7 @@ def report(metrics_path: str, strict: bool) -> None:
         console.print(f"measured throughput: {result.samples_per_s:.1f} samples/s")
     if result.losses:
         console.print(f"loss: {result.losses[0]:.4f} (first) -> {result.losses[-1]:.4f} (last), "
-                      f"{len(result.losses)} minibatches")
+                      f"{len(result.losses)} steps")
 
     table = Table(title="per stage replica (ms per minibatch)")
     for header in ("stage", "replica", "rank", "predicted ms", "measured ms", "ratio",
