@@ -85,10 +85,6 @@ class Topology:
         """Read a topology YAML file (see the module docstring)."""
         return load_topology(path)
 
-    def units_of_level(self, k: int) -> int:
-        """Devices in one unit of level ``k`` (level -1 is one device)."""
-        return math.prod(level.count for level in self.levels[: k + 1])
-
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "Topology":
         return cls(

@@ -128,7 +128,10 @@ def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topolog
     need = []
     for i, layer in enumerate(profile.layers):
         params, saved = arrays.params(i, i + 1), arrays.saved(i, i + 1)
-        need.append(stage_memory_bytes(params, saved, 1, 1.0 / options.microbatches if options.schedule != "1f1b-rr" else 1, options.optimizer))
+        # the planner charges 1F1B-RR and GPipe a whole minibatch of activations at least,
+        # 1F1B-flush one micro-batch's share at best
+        least_in_flight = 1.0 / options.microbatches if options.schedule == "1f1b-flush" else 1.0
+        need.append(stage_memory_bytes(params, saved, 1, least_in_flight, options.optimizer))
     worst = max(range(len(need)), key=lambda i: need[i])
     memory = topology.device.memory_bytes
     if need[worst] > memory:
@@ -141,8 +144,16 @@ def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topolog
         f"no plan fits in {format_bytes(memory)} per device with schedule {options.schedule} on "
         f"{topology.world_size} devices: the smallest stage that cannot fit is layer {worst} "
         f"({profile.layers[worst].name}) with its minibatches in flight; it needs at least "
-        f"{format_bytes(need[worst])} with one (try --schedule 1f1b-flush or more devices)"
+        f"{format_bytes(need[worst])} with one ({_infeasible_hint(options)})"
     )
+
+
+def _infeasible_hint(options: PartitionOptions) -> str:
+    if options.schedule == "1f1b-rr":
+        return "try --schedule 1f1b-flush or more devices"
+    if options.schedule == "1f1b-flush":
+        return "try more --microbatches or more devices"
+    return "try --schedule 1f1b-flush or more devices"
 
 
 def _solve(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
