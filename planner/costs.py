@@ -41,13 +41,17 @@ class LayerArrays:
     output_bytes: np.ndarray  # float64, prefix of layer outputs (PipeDream's stash size)
     cut_bytes: np.ndarray  # float64, length N + 1; cut_bytes[0] = cut_bytes[N] = 0
     frontier_bytes: np.ndarray  # float64, length N + 1
+    # Charged to both the first and the last layer (the input and the loss stage each
+    # draw the minibatch), but paid once by a stage that holds them both (ms).
+    shared_ends_ms: float = 0.0
 
     @property
     def layers(self) -> int:
         return len(self.compute_ms) - 1
 
     def compute(self, i: int, j: int) -> float:
-        return float(self.compute_ms[j] - self.compute_ms[i])
+        both_ends = i == 0 and j == self.layers and self.layers > 1
+        return float(self.compute_ms[j] - self.compute_ms[i]) - (self.shared_ends_ms if both_ends else 0.0)
 
     def params(self, i: int, j: int) -> float:
         return float(self.param_bytes[j] - self.param_bytes[i])
@@ -84,15 +88,15 @@ def update_ms(profile: Profile, optimizer: str | None) -> list[float]:
 def layer_compute_ms(profile: Profile, optimizer: str | None) -> list[float]:
     """Per layer: forward + backward, plus, when ``optimizer`` is charged (pipeplan's own
     cost model), its share of the optimizer step, the loss on the last layer and the
-    drawing of the minibatch on the first layer. (The loss stage draws the minibatch too,
-    for its targets; prefix sums cannot charge that only when it is another stage, so it
-    is left out rather than counted twice for a single stage.)"""
+    drawing of the minibatch on the first and the last layer (the runtime's input and
+    loss stages each draw it; ``LayerArrays.compute`` counts it once for a stage that
+    holds both)."""
     compute = [layer.compute_ms for layer in profile.layers]
     if optimizer is None:
         return compute
     compute = [c + u for c, u in zip(compute, update_ms(profile, optimizer))]
     compute[0] += profile.data_ms
-    compute[-1] += profile.loss_ms
+    compute[-1] += profile.loss_ms + (profile.data_ms if len(compute) > 1 else 0.0)
     return compute
 
 
@@ -123,6 +127,7 @@ def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
         output_bytes=_prefix([layer.output_bytes for layer in layers]),
         cut_bytes=cut,
         frontier_bytes=frontier,
+        shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
     )
 
 

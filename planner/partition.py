@@ -60,7 +60,7 @@ def data_parallel_ms(arrays: LayerArrays, topology: Topology, cost_model: str = 
     """Pure data parallelism on every device: the whole model as one stage at each level."""
     if cost_model == "pipedream":
         return pipedream_data_parallel_ms(arrays, topology)
-    time = float(arrays.compute_ms[-1])
+    time = arrays.compute(0, arrays.layers)
     params = float(arrays.param_bytes[-1])
     for level in topology.levels:
         allreduce = float(ring_allreduce_ms(params, level.count, level.bandwidth_bytes_per_s, level.latency_ms))
@@ -207,7 +207,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             time_per_minibatch_ms=stage_time, memory_bytes=memory, weight_versions=versions,
             in_flight=int(math.ceil(in_flight)),
         ))
-    single = float(arrays.compute_ms[-1])
+    single = arrays.compute(0, arrays.layers)
     dp_ms = data_parallel_ms(arrays, topology, options.cost_model)
     predicted = Predicted(
         time_per_minibatch_ms=time_ms,

@@ -54,5 +54,8 @@ def test_single_device_prediction_and_simulation_include_the_step(cost_model: st
 
 def test_loss_and_minibatch_draws_are_charged_to_the_end_layers() -> None:
     measured = profile({"sgd": 0.0}, loss_ms=0.5, data_ms=0.25)
-    assert layer_compute_ms(measured, "sgd") == [3.25, 3.0, 3.0, 3.5]  # draw, ..., loss
+    assert layer_compute_ms(measured, "sgd") == [3.25, 3.0, 3.0, 3.75]  # draw, ..., draw + loss
+    arrays = layer_arrays(measured, "sgd")
+    assert arrays.compute(0, 4) == pytest.approx(12.0 + 0.25 + 0.5)  # one stage draws once
+    assert arrays.compute(2, 4) == pytest.approx(6.0 + 0.25 + 0.5)  # the loss stage draws too
     assert layer_compute_ms(measured, None) == [3.0] * 4  # PipeDream's model: layers only
