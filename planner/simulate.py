@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.planner.costs import layer_compute_ms, update_ms
+from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import SCHEDULES, Plan
 from pipeplan.profile import Profile
@@ -204,7 +204,7 @@ def allreduce_ms(topology: Topology, ranks: Sequence[int], param_bytes: float) -
         return 0.0
     level = max(topology.level_joining(ranks[0], other) for other in ranks[1:])
     spec = topology.levels[level]
-    return 2.0 * (m - 1) / m * param_bytes * 1e3 / spec.bandwidth_bytes_per_s + 2 * (m - 1) * spec.latency_ms
+    return float(ring_allreduce_ms(param_bytes, m, spec.bandwidth_bytes_per_s, spec.latency_ms))
 
 
 # --------------------------------------------------------------------------- simulation
