@@ -14,11 +14,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.errors import InputError
+from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 
-__all__ = ["PROFILE_SCHEMA", "DeviceInfo", "LayerProfile", "Profile"]
+__all__ = ["PROFILE_SCHEMA", "DeviceInfo", "LayerProfile", "Profile", "MAX_MS", "MAX_BYTES"]
 
 PROFILE_SCHEMA = "pipeplan.profile/1"
+# Bounds that no real measurement reaches; beyond them sums lose meaning (1e308 ms)
+MAX_MS = 1e9  # 11.6 days for one layer's forward on one minibatch
+MAX_BYTES = 2**60  # 1 EiB
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,12 @@ class Profile:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], where: str = "profile") -> "Profile":
+        check_fields(cls, obj, where, nested=("device", "layers"))
+        check_fields(DeviceInfo, obj["device"], f"{where}: device")
+        if not isinstance(obj["layers"], (list, tuple)):
+            raise InputError(f"{where}: field 'layers' must be a list of layer objects")
+        for position, layer in enumerate(obj["layers"]):
+            check_fields(LayerProfile, layer, f"{where}: layers[{position}]")
         try:
             layers = tuple(
                 LayerProfile(
@@ -138,7 +148,28 @@ def validate(profile: Profile) -> None:
                     f"profile layer {layer.index} ({layer.name}) has input {producer}, "
                     f"which is not an earlier layer"
                 )
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "saved_bytes"):
-            value = getattr(layer, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise InputError(f"profile layer {layer.index} ({layer.name}): {name} = {value!r}")
+        for name in ("forward_ms", "backward_ms", "forward_ms_spread", "backward_ms_spread"):
+            _check_amount(getattr(layer, name), MAX_MS, f"profile layer {layer.index} ({layer.name}): {name}")
+        for name in ("output_bytes", "param_bytes", "saved_bytes"):
+            _check_amount(getattr(layer, name), MAX_BYTES,
+                          f"profile layer {layer.index} ({layer.name}): {name}", integer=True)
+        for position in layer.model_inputs:
+            if not (isinstance(position, int) and position >= 0):
+                raise InputError(
+                    f"profile layer {layer.index} ({layer.name}): model_inputs holds {position!r}"
+                )
+    for name in ("step_ms", "step_ms_spread", "loss_ms", "data_ms"):
+        _check_amount(getattr(profile, name), MAX_MS, f"profile {name}")
+    for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats"):
+        _check_amount(getattr(profile, name), MAX_BYTES, f"profile {name}", integer=True)
+    for optimizer, value in profile.optimizer_ms.items():
+        _check_amount(value, MAX_MS, f"profile optimizer_ms[{optimizer!r}]")
+
+
+def _check_amount(value: object, bound: float, what: str, integer: bool = False) -> None:
+    """``InputError`` unless ``value`` is a finite number in [0, bound] (an int if ``integer``)."""
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        raise InputError(f"{what} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not (math.isfinite(value) and 0 <= value <= bound):
+        raise InputError(f"{what} = {value!r} is outside [0, {bound:g}]")

@@ -65,14 +65,14 @@ def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
     "change, message",
     [
         (lambda raw: raw.update(schema="pipeplan.profile/0"), "schema is 'pipeplan.profile/0'"),
-        (lambda raw: raw.pop("fingerprint"), "missing 1 required positional argument: 'fingerprint'"),
+        (lambda raw: raw.pop("fingerprint"), "missing field 'fingerprint'"),
         (lambda raw: raw["layers"][1].update(index=5), "layer at position 1 has index 5"),
         (lambda raw: raw["layers"][1].update(inputs=[1]), "has input 1, which is not an earlier layer"),
         (lambda raw: raw["layers"][0].update(saved_bytes=-1), "saved_bytes = -1"),
-        (lambda raw: raw["layers"][0].update(forward_ms=float("nan")), "forward_ms = nan"),
+        (lambda raw: raw["layers"][0].update(forward_ms=float("nan")), "NaN is not a JSON number"),
         (lambda raw: raw.update(batch_size=0), "batch_size must be positive (got 0)"),
         (lambda raw: raw.update(layers=[]), "profile has no layers"),
-        (lambda raw: raw["layers"][0].update(colour="red"), "unexpected keyword argument 'colour'"),
+        (lambda raw: raw["layers"][0].update(colour="red"), "layers[0]: unknown field 'colour'"),
     ],
 )
 def test_invalid_profiles_are_input_errors(tmp_path: Path, change, message: str) -> None:
