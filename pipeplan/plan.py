@@ -1,8 +1,8 @@
 """The plan contract: stages, replicas, ranks, schedule and predicted figures.
 
-``stages`` is indexed by stage (0 = input stage); stage s runs layers
-``layer_start <= i < layer_end`` of the profile (a contiguous range of the topological
-order; ``layers`` lists them) on ``replicas`` devices whose global ranks are ``ranks``
+``stages`` is indexed by stage (0 = input stage); stage s runs the profile layers
+``layers`` (disjoint sets covering every layer once, not necessarily contiguous;
+``layer_start``/``layer_end`` are their min and max + 1) on ``replicas`` devices whose global ranks are ``ranks``
 (replica j of stage s is ``ranks[j]``). Times are milliseconds per minibatch, memory
 in bytes per device. Stored as JSON with ``"schema": "pipeplan.plan/1"``.
 """
@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeplan.errors import InputError
+from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
-from pipeplan.topology import Topology
+from pipeplan.topology import Level, DeviceSpec, Topology
 
 __all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
 
@@ -93,6 +94,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], where: str = "plan") -> "Plan":
+        _check_plan_fields(obj, where)
         try:
             stages = tuple(
                 StagePlan(**{**s, "ranks": tuple(s["ranks"]), "layers": tuple(s.get("layers", ()))})
@@ -122,34 +124,99 @@ class Plan:
         return cls.from_dict(read_json(path, PLAN_SCHEMA), where=str(path))
 
 
+def _check_plan_fields(obj: Any, where: str) -> None:
+    """Unknown, missing and mistyped fields of a plan JSON object (``InputError``)."""
+    check_fields(Plan, obj, where, nested=("topology", "stages", "predicted"))
+    check_fields(Predicted, obj["predicted"], f"{where}: predicted")
+    topology = obj["topology"]
+    check_fields(Topology, topology, f"{where}: topology", nested=("device", "levels"))
+    check_fields(DeviceSpec, topology["device"], f"{where}: topology.device")
+    if not isinstance(topology["levels"], (list, tuple)):
+        raise InputError(f"{where}: topology.levels must be a list")
+    for k, level in enumerate(topology["levels"]):
+        check_fields(Level, level, f"{where}: topology.levels[{k}]")
+    if not isinstance(obj["stages"], (list, tuple)):
+        raise InputError(f"{where}: field 'stages' must be a list of stage objects")
+    for position, stage in enumerate(obj["stages"]):
+        check_fields(StagePlan, stage, f"{where}: stages[{position}]")
+
+
 def validate(plan: Plan) -> None:
-    """Raise ``InputError`` naming the first inconsistent value."""
+    """Raise ``InputError`` naming the first inconsistent value.
+
+    Checks the schedule name, sizes (batch, micro-batches, world), that the stages' layer
+    sets are disjoint and cover layers 0..N-1 exactly once (N = max layer + 1; the sets
+    need not be contiguous), ``layer_start``/``layer_end`` = min/max+1 of each set, and
+    that every rank runs at most one pipeline position. O(layers + ranks).
+    """
     if plan.schedule not in SCHEDULES:
         raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
     if plan.world_size != plan.topology.world_size:
         raise InputError(
             f"plan world_size {plan.world_size} != topology world size {plan.topology.world_size}"
         )
+    if plan.batch_size < 1:
+        raise InputError(f"plan batch_size must be >= 1 (got {plan.batch_size})")
+    if plan.microbatches < 1:
+        raise InputError(f"plan microbatches must be >= 1 (got {plan.microbatches})")
+    if plan.batch_size % plan.microbatches:
+        raise InputError(
+            f"plan batch_size {plan.batch_size} is not divisible into {plan.microbatches} micro-batches"
+        )
     if not plan.stages:
         raise InputError("plan has no stages")
-    expected_start = 0
-    seen: set[int] = set()
-    for position, stage in enumerate(plan.stages):
+    _check_stage_layers(plan.stages)
+    _check_stage_ranks(plan)
+
+
+def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
+    owner: dict[int, int] = {}
+    for position, stage in enumerate(stages):
         if stage.index != position:
             raise InputError(f"plan stage at position {position} has index {stage.index}")
-        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+        if not stage.layers:
+            raise InputError(f"plan stage {stage.index} has no layers")
+        for layer in stage.layers:
+            if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+                raise InputError(f"plan stage {stage.index}: layer {layer!r} is not a layer index")
+            if layer in owner:
+                raise InputError(
+                    f"plan stages {owner[layer]} and {stage.index} both hold layer {layer}"
+                )
+            owner[layer] = stage.index
+        first, end = min(stage.layers), max(stage.layers) + 1
+        if (stage.layer_start, stage.layer_end) != (first, end):
             raise InputError(
-                f"plan stage {stage.index} covers layers [{stage.layer_start}, {stage.layer_end}), "
-                f"expected to start at {expected_start}"
+                f"plan stage {stage.index}: layer_start/layer_end [{stage.layer_start}, "
+                f"{stage.layer_end}) do not match its layers (min {first}, max {end - 1})"
             )
-        expected_start = stage.layer_end
+    missing = [layer for layer in range(max(owner) + 1) if layer not in owner]
+    if missing:
+        raise InputError(f"plan assigns no stage to layers {missing[:5]} of 0..{max(owner)}")
+
+
+def _check_stage_ranks(plan: Plan) -> None:
+    """Replica counts, rank ranges, one pipeline position per rank (interleaved: q % p)."""
+    virtual = getattr(plan, "virtual_stages", 1)
+    if not isinstance(virtual, int) or virtual < 1 or len(plan.stages) % virtual:
+        raise InputError(
+            f"plan virtual_stages {virtual!r} does not divide its {len(plan.stages)} stages"
+        )
+    positions = len(plan.stages) // virtual
+    seen: set[int] = set()
+    for stage in plan.stages:
         if stage.replicas != len(stage.ranks) or stage.replicas < 1:
             raise InputError(
                 f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
             )
+        if stage.index >= positions:
+            if stage.ranks != plan.stages[stage.index % positions].ranks:
+                raise InputError(
+                    f"plan stage {stage.index}: ranks {list(stage.ranks)} differ from those of "
+                    f"stage {stage.index % positions} (same pipeline position)"
+                )
+            continue
         for rank in stage.ranks:
             if not 0 <= rank < plan.world_size or rank in seen:
                 raise InputError(f"plan stage {stage.index}: rank {rank} is out of range or reused")
             seen.add(rank)
-    if plan.microbatches < 1:
-        raise InputError(f"plan microbatches must be >= 1 (got {plan.microbatches})")

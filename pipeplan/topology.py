@@ -87,11 +87,26 @@ class Topology:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> "Topology":
-        return cls(
+        """From ``to_dict``'s form (types checked by the reader); ``InputError`` on a bad range."""
+        topology = cls(
             name=obj["name"],
             device=DeviceSpec(**obj["device"]),
             levels=tuple(Level(**level) for level in obj["levels"]),
         )
+        if not topology.levels:
+            raise InputError("topology has no levels")
+        if topology.device.memory_bytes <= 0 or topology.device.kind not in ("cuda", "cpu"):
+            raise InputError(
+                f"topology device: memory_bytes {topology.device.memory_bytes} must be positive "
+                f"and kind {topology.device.kind!r} 'cuda' or 'cpu'"
+            )
+        for k, level in enumerate(topology.levels):
+            if level.count < 1 or not level.bandwidth_bytes_per_s > 0 or not level.latency_ms >= 0:
+                raise InputError(
+                    f"topology levels[{k}]: count {level.count} must be >= 1, bandwidth "
+                    f"{level.bandwidth_bytes_per_s} bytes/s positive, latency {level.latency_ms} ms >= 0"
+                )
+        return topology
 
     def level_joining(self, rank_a: int, rank_b: int) -> int:
         """Index of the innermost level that holds both ranks (-1 when they are equal)."""
@@ -109,13 +124,30 @@ def _where(source: str, node: yaml.Node) -> str:
     return f"{source}:{node.start_mark.line + 1}"
 
 
-def _mapping(source: str, node: yaml.Node, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-    """Keys of a YAML mapping node -> (key node, value node); InputError if not a mapping."""
+def _mapping(
+    source: str, node: yaml.Node, what: str, allowed: tuple[str, ...]
+) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    """Keys of a YAML mapping node -> (key node, value node).
+
+    ``InputError`` (naming the line) if the node is not a mapping, or a key is repeated
+    or not one of ``allowed`` (a misspelt ``latncy:`` must not silently mean 0 s).
+    """
     if not isinstance(node, yaml.MappingNode):
         raise InputError(f"{_where(source, node)}: {what} must be a mapping")
     out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
     for key_node, value_node in node.value:
-        out[str(key_node.value)] = (key_node, value_node)
+        key = str(key_node.value)
+        if key in out:
+            raise InputError(
+                f"{_where(source, key_node)}: duplicate key '{key}' in {what} "
+                f"(first on line {out[key][0].start_mark.line + 1})"
+            )
+        if key not in allowed:
+            raise InputError(
+                f"{_where(source, key_node)}: unknown key '{key}' in {what} "
+                f"(allowed: {', '.join(allowed)})"
+            )
+        out[key] = (key_node, value_node)
     return out
 
 
@@ -186,12 +218,12 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise InputError(f"{source}{line}: not valid YAML ({problem})") from exc
     if root is None:
         raise InputError(f"{source}: empty topology file")
-    top = _mapping(source, root, "the topology")
+    top = _mapping(source, root, "the topology", ("name", "device", "levels"))
     name = _field(source, root, top, "name", "", str)
     if "device" not in top:
         raise InputError(f"{_where(source, root)}: missing key 'device'")
     device_node = top["device"][1]
-    dev = _mapping(source, device_node, "'device'")
+    dev = _mapping(source, device_node, "'device'", ("name", "memory", "kind"))
     device = DeviceSpec(
         name=_field(source, device_node, dev, "name", "device.", str),
         memory_bytes=_field(source, device_node, dev, "memory", "device.", _positive(parse_bytes)),
@@ -205,7 +237,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
     levels = []
     for k, level_node in enumerate(levels_node.value):
         path = f"levels[{k}]."
-        items = _mapping(source, level_node, f"'levels[{k}]'")
+        items = _mapping(source, level_node, f"'levels[{k}]'", ("name", "count", "bandwidth", "latency"))
         levels.append(
             Level(
                 name=_field(source, level_node, items, "name", path, str),
@@ -222,9 +254,11 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
 def load_topology(path: str | os.PathLike[str]) -> Topology:
     """Read a topology YAML file; ``InputError`` (one line, with the line number) if bad."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as exc:
         raise InputError(f"cannot read topology {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(f"topology {path} is not UTF-8 text (byte {exc.start})") from exc
     return parse_topology(text, source=str(path))
 
 

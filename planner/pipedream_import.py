@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import os
 import re
 from pathlib import Path
@@ -36,14 +37,22 @@ def is_pipedream_graph(text: str) -> bool:
     return bool(_NODE.match(first.strip()))
 
 
+def _number(text: str, where: str, what: str) -> float:
+    """A finite, non-negative number; ``InputError`` naming ``what`` otherwise (inf, nan, -1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{where}: cannot read {what} {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise InputError(f"{where}: {what} {text.strip()!r} must be a finite number >= 0")
+    return value
+
+
 def _size(text: str, where: str) -> float:
     """An activation/parameter size: a number or PipeDream's list ``[a; b]`` (summed)."""
-    try:
-        if text.startswith("["):
-            return sum(float(x) for x in text.strip("[]").split(";") if x.strip())
-        return float(text)
-    except ValueError:
-        raise InputError(f"{where}: cannot read size {text!r}") from None
+    if text.startswith("["):
+        return sum(_number(x, where, "size") for x in text.strip("[]").split(";") if x.strip())
+    return _number(text, where, "size")
 
 
 def parse_pipedream_graph(text: str, source: str = "graph.txt", batch_size: int = 1) -> Profile:
@@ -64,10 +73,8 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", batch_size: int 
         match = _NODE.match(line.strip())
         if match is None:
             raise InputError(f"{where}: not a PipeDream node line: {line.strip()[:80]!r}")
-        try:
-            forward, backward = float(match["f"]), float(match["b"])
-        except ValueError:
-            raise InputError(f"{where}: bad compute time in {line.strip()[:80]!r}") from None
+        forward = _number(match["f"], where, "forward_compute_time")
+        backward = _number(match["b"], where, "backward_compute_time")
         nodes[match["id"]] = (match["desc"], forward, backward, _size(match["a"], where), _size(match["p"], where))
         order.append(match["id"])
     if not nodes:
@@ -120,7 +127,9 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", batch_size: int 
 def load_pipedream_graph(path: str | os.PathLike[str], batch_size: int = 1) -> Profile:
     """Read ``path`` (a PipeDream graph.txt) as a ``Profile``."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not UTF-8 text (byte {exc.start})") from exc
     return parse_pipedream_graph(text, source=str(path), batch_size=batch_size)

@@ -15,9 +15,11 @@ def _load_profile(path: str, batch_size: int):
     from pipeplan.profile import Profile
 
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as exc:
         raise InputError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not UTF-8 text (byte {exc.start})") from exc
     if is_pipedream_graph(text):
         return parse_pipedream_graph(text, source=path, batch_size=batch_size)
     return Profile.load(path)
