@@ -90,19 +90,30 @@ def check_world_size(plan: Plan, env: DistEnv) -> None:
 
 
 def init_distributed(env: DistEnv, timeout_s: float) -> None:
-    """``init_process_group`` with ``timeout_s`` seconds on every collective."""
+    """``init_process_group`` with ``timeout_s`` seconds on every collective.
+
+    Start-up itself is bounded too: ``init_process_group`` can wait past its timeout
+    (MASTER_PORT held by a listener that is not a store, a stopped store host), so a
+    deadline of ``timeout_s`` ends the process with one line naming the address.
+    """
     import torch
     import torch.distributed as dist
 
+    from pipeplan.runtime.failure import deadline
+
     if env.backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    where = f"{env.master_addr}:{env.master_port}"
     try:
-        dist.init_process_group(
-            env.backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        with deadline(timeout_s, f"rank {env.rank}: cannot join the process group at {where} within "
+                                 f"{timeout_s:.0f} s (no rendezvous store answers there, or a rank "
+                                 f"did not start; check MASTER_ADDR/MASTER_PORT)"):
+            dist.init_process_group(
+                env.backend,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RuntimeFailure(

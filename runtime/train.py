@@ -116,25 +116,42 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from pipeplan.host_memory import keep_freed_blocks
-    from pipeplan.runtime.failure import Watchdog
+    from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
     from pipeplan.runtime.launch import init_distributed
 
     keep_freed_blocks()  # as the profiler does: no page faults per minibatch
     env, model_file, spec, schedule = _prepare(config)
     init_distributed(env, config.timeout_s)
     prefix = f"run{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix).start()
+    silent_s = min(HEARTBEAT_TIMEOUT_S, config.timeout_s)  # a rank or store silent this long is dead
+    watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix,
+                        interval_s=min(1.0, silent_s / 4), heartbeat_timeout_s=silent_s).start()
     try:
         summary = _train(config, env, model_file, spec, schedule, watchdog)
     except BaseException as exc:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc
     watchdog.stop()
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _finish(env.rank, config.timeout_s, deadline)
     return summary
+
+
+def _finish(rank: int, timeout_s: float, deadline: Any) -> None:
+    """The final barrier and group teardown, bounded; a rank whose peer failed while writing
+    its outputs gets one line, not the barrier's traceback."""
+    import torch.distributed as dist
+
+    with deadline(timeout_s + 5.0, f"rank {rank}: the final barrier did not complete within "
+                                   f"{timeout_s:.0f} s (another rank failed after training)"):
+        try:
+            dist.barrier()
+        except Exception as exc:
+            raise RuntimeFailure(
+                f"rank {rank}: another rank failed after training (see its error): "
+                f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+            ) from exc
+        finally:
+            dist.destroy_process_group()
 
 
 def _report_failure(watchdog: Any, rank: int, exc: BaseException) -> None:
