@@ -14,7 +14,12 @@ either no file or a whole one; a file torn some other way (truncated, garbled) f
 its sha256 and makes its step incomplete, so ``latest_complete_step`` falls back to an
 older step where every stage verifies.
 
-Typical use by the runtime (every rank saves, then after a barrier rank 0 prunes)::
+Pruning needs no barrier: every rank writes its steps in increasing order, so once a
+step is complete (every rank's file verifies) every rank has finished writing all older
+steps; ``prune_checkpoints`` deletes only folders older than the kept complete steps and
+only those whose files carry this run's fingerprint.
+
+Typical use by the runtime (every rank saves; stage 0 replica 0 then prunes)::
 
     save_stage_checkpoint(folder, stage, replica, step, state, plan_fingerprint)
     prune_checkpoints(folder, stages, replicas, plan_fingerprint, keep=2)
@@ -54,6 +59,8 @@ __all__ = [
     "load_stage_checkpoint",
     "complete_steps",
     "prune_checkpoints",
+    "read_run",
+    "step_folders",
 ]
 
 CHECKPOINT_SCHEMA = "pipeplan.checkpoint/1"
@@ -87,8 +94,13 @@ def save_stage_checkpoint(
     step: int,
     state: dict[str, Any],
     plan_fingerprint: str,
+    run: dict[str, Any] | None = None,
 ) -> Path:
     """Write one rank's checkpoint of ``step`` atomically; returns its path.
+
+    ``plan_fingerprint`` identifies the run (the runtime passes its run fingerprint: plan,
+    model, optimizer, seed); ``run`` (optional) is the run's identity written into the
+    header so that a refusal can say what differs (``read_run``).
 
     The temp file lives in the step folder and is renamed over the final name after an
     fsync, then the folder is fsync'ed, so the rename itself survives a power loss.
@@ -111,12 +123,16 @@ def save_stage_checkpoint(
         "payload_bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
+    if run is not None:
+        header["run"] = run
     line = json.dumps(header, separators=(",", ":")).encode() + b"\n"
     path = checkpoint_path(directory, stage, replica, step)
     try:
         write_atomic(path, line + payload)
-    except OSError as exc:
-        raise InputError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
+    except InputError as exc:  # write_atomic names the file; say it is a checkpoint
+        cause = exc.__cause__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(exc)
+        raise InputError(f"cannot write checkpoint {path}: {reason}") from exc
     _fsync_dir(path.parent)
     return path
 
@@ -215,10 +231,46 @@ def prune_checkpoints(
     oldest_kept = kept[-1]
     deleted: list[int] = []
     for step in _step_numbers(directory):
-        if step < oldest_kept or (step < kept[0] and step not in kept):
-            shutil.rmtree(Path(directory) / f"step-{step:06d}", ignore_errors=True)
+        folder = Path(directory) / f"step-{step:06d}"
+        if (step < oldest_kept or (step < kept[0] and step not in kept)) and _owned(folder, plan_fingerprint):
+            shutil.rmtree(folder, ignore_errors=True)
             deleted.append(step)
     return deleted
+
+
+def _owned(folder: Path, plan_fingerprint: str) -> bool:
+    """True when no file in ``folder`` carries another run's fingerprint in its header."""
+    for path in folder.glob("*.pt"):
+        try:
+            with path.open("rb") as handle:
+                header = _read_header(handle, path)
+        except (_Torn, OSError):
+            continue  # torn or vanished: nobody's
+        if header["plan_fingerprint"] != plan_fingerprint:
+            return False
+    return True
+
+
+def step_folders(directory: str | os.PathLike[str]) -> list[int]:
+    """Step numbers of the ``step-N`` folders in ``directory``, ascending."""
+    return _step_numbers(directory)
+
+
+def read_run(directory: str | os.PathLike[str]) -> tuple[str, dict[str, Any]] | None:
+    """(fingerprint, run identity) from the newest readable checkpoint header, or None.
+
+    The identity is ``{}`` for files written without one. O(step folders) header reads.
+    """
+    for step in reversed(_step_numbers(directory)):
+        for path in sorted((Path(directory) / f"step-{step:06d}").glob("*.pt")):
+            try:
+                with path.open("rb") as handle:
+                    header = _read_header(handle, path)
+            except (_Torn, OSError):
+                continue
+            run = header.get("run")
+            return header["plan_fingerprint"], run if isinstance(run, dict) else {}
+    return None
 
 
 def _step_numbers(directory: str | os.PathLike[str]) -> list[int]:

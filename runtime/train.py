@@ -75,10 +75,15 @@ def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
     return math.lcm(*replicas) if schedule == "1f1b-rr" else 1
 
 
-def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
-    """Environment, model file, pipeline spec and schedule; raises ``PrepareError``."""
+def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
+    """Environment, model file, pipeline spec, schedule and run identity; raises ``PrepareError``.
+
+    With ``--checkpoint-dir`` a directory holding another run's checkpoints (or any,
+    without ``--resume``) is refused here, before any communication.
+    """
     from pipeplan.modelfile import load_model_file, resolve_model_path
     from pipeplan.runtime.launch import check_world_size, read_env
+    from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
     from pipeplan.runtime.stage import build_pipeline
     from pipeplan.schedule import build_schedule
 
@@ -89,6 +94,12 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
             raise InputError(f"optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if config.steps < 1:
             raise InputError(f"--steps must be >= 1 (got {config.steps})")
+        if config.checkpoint_every < 0:
+            raise InputError(f"--checkpoint-every must be >= 0 (got {config.checkpoint_every})")
+        if not (math.isfinite(config.lr) and config.lr > 0):
+            raise InputError(f"--lr must be a finite number > 0 (got {config.lr})")
+        if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
+            raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
         if config.schedule == "1f1b-rr" and config.microbatches != 1:
             raise InputError(f"1f1b-rr runs whole minibatches; got {config.microbatches} micro-batches")
         if config.recompute and config.schedule != "gpipe":
@@ -104,11 +115,16 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any]:
         replicas = spec.replicas
         period = steps_period(config.schedule, replicas)
         schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches)
+        identity = RunIdentity(plan=plan_fingerprint(config.plan, config.schedule, config.microbatches),
+                               model=spec.fingerprint, optimizer=config.optimizer, lr=config.lr,
+                               seed=config.seed)
+        if config.checkpoint_dir:
+            check_checkpoint_dir(config.checkpoint_dir, identity, config.resume)
     except PrepareError:
         raise
     except InputError as exc:
         raise PrepareError(str(exc)) from exc
-    return env, model_file, spec, schedule
+    return env, model_file, spec, schedule, identity
 
 
 def run_training(config: RunConfig) -> dict[str, Any] | None:
@@ -120,14 +136,14 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     from pipeplan.runtime.launch import init_distributed
 
     keep_freed_blocks()  # as the profiler does: no page faults per minibatch
-    env, model_file, spec, schedule = _prepare(config)
+    env, model_file, spec, schedule, identity = _prepare(config)
     init_distributed(env, config.timeout_s)
     prefix = f"run{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     silent_s = min(HEARTBEAT_TIMEOUT_S, config.timeout_s)  # a rank or store silent this long is dead
     watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix,
                         interval_s=min(1.0, silent_s / 4), heartbeat_timeout_s=silent_s).start()
     try:
-        summary = _train(config, env, model_file, spec, schedule, watchdog)
+        summary = _train(config, env, model_file, spec, schedule, watchdog, identity)
     except BaseException as exc:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc
@@ -172,7 +188,8 @@ def _as_failure(rank: int, exc: BaseException) -> PipeplanError:
     return RuntimeFailure(f"rank {rank} failed: {type(exc).__name__}: {message}")
 
 
-def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: Any, watchdog: Any) -> dict[str, Any] | None:
+def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: Any, watchdog: Any,
+           identity: Any) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -200,17 +217,9 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
 
     done_steps = 0
     if config.resume and config.checkpoint_dir:
-        latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas, spec.fingerprint)
-        if latest is not None:
-            done_steps = latest
-            if stage is not None:
-                state = ckpt.load_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica,
-                                                   latest, spec.fingerprint).state
-                module.load_state_dict(state["model"])
-                if optimizer is not None and state.get("optimizer"):
-                    optimizer.load_state_dict(state["optimizer"])
-                if "rng" in state:  # dropout continues as it would have
-                    torch.set_rng_state(state["rng"])
+        done_steps = _agreed_resume_step(config, spec, identity)
+        if done_steps > 0 and stage is not None:
+            _restore(config, spec, identity, module, optimizer, done_steps)
     remaining = config.steps - done_steps
     if remaining > 0 and done_steps > 0:
         schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches)
@@ -241,8 +250,9 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         completed = step + 1
         if config.record_dir:
             record["digests"].append(_digests(module))
-        if config.checkpoint_dir and config.checkpoint_every and completed % config.checkpoint_every == 0:
-            _save(config, spec, module, optimizer, completed)
+        every = config.checkpoint_every
+        if config.checkpoint_dir and ((every and completed % every == 0) or completed == config.steps):
+            _save(config, spec, module, optimizer, completed, identity)  # the final step always
         progress.update(completed)
         fault(completed)
 
@@ -261,8 +271,6 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     recorder.finish()
     wall_ms = (time.perf_counter() * 1000.0) - recorder.t0_ms
     progress.stop()
-    if config.checkpoint_dir and stage is not None and remaining > 0 and not config.checkpoint_every:
-        _save(config, spec, module, optimizer, config.steps)
     if config.record_dir and module is not None:
         _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
     reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash), env.rank)
@@ -271,7 +279,47 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     return write_outputs(config, spec, schedule, reports, period, offset)
 
 
-def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int) -> None:
+def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:
+    """The newest step complete on every rank's view of the directory (0: none).
+
+    Each rank finds its newest complete step; an all-reduce of the minimum makes every
+    rank resume from the same one (ranks on hosts that see different files agree).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.runtime import checkpoint as ckpt
+
+    latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas,
+                                       identity.fingerprint)
+    agreed = torch.tensor([latest or 0], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return int(agreed.item())
+
+
+def _restore(config: RunConfig, spec: Any, identity: Any, module: Any, optimizer: Any, step: int) -> None:
+    """Load this rank's checkpoint of ``step``; a changed ``--lr`` is applied, not ignored."""
+    import torch
+
+    from pipeplan.runtime import checkpoint as ckpt
+
+    path = ckpt.checkpoint_path(config.checkpoint_dir, spec.stage_index, spec.replica, step)
+    state = ckpt.load_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica,
+                                       step, identity.fingerprint).state
+    try:
+        module.load_state_dict(state["model"])
+        if optimizer is not None and state.get("optimizer"):
+            optimizer.load_state_dict(state["optimizer"])
+            for group in optimizer.param_groups:  # the optimizer state's lr must not win
+                group["lr"] = config.lr
+    except (KeyError, RuntimeError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise InputError(f"checkpoint {path} does not fit this run's stage {spec.stage_index}: {first}") from exc
+    if "rng" in state:  # dropout continues as it would have
+        torch.set_rng_state(state["rng"])
+
+
+def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int, identity: Any) -> None:
     import torch
 
     from pipeplan.runtime import checkpoint as ckpt
@@ -285,9 +333,10 @@ def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int) 
         "rng": torch.get_rng_state(),
     }
     ckpt.save_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica, step, state,
-                               spec.fingerprint)
-    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps
-        ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, spec.fingerprint, keep=2)
+                               identity.fingerprint, run=identity.to_dict())
+    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
+        # needed: see pipeplan.runtime.checkpoint); only this run's folders are deleted
+        ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, identity.fingerprint, keep=2)
 
 
 def _digests(module: Any) -> dict[str, float]:

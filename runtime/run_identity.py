@@ -1,0 +1,77 @@
+"""Which run a checkpoint belongs to: plan, model, optimizer, lr schedule and seed.
+
+A ``RunIdentity`` is written into every checkpoint header (``pipeplan.runtime.checkpoint``).
+Its ``fingerprint`` hashes what a resumed run must share with the saved one (the plan's
+split, ranks and schedule; the model's layer structure; the optimizer; the seed);
+``lr`` is recorded but not hashed: a resumed run may change it and the new value is
+applied. ``check_checkpoint_dir`` refuses, in one line, a directory that already holds
+checkpoints unless ``--resume`` asks to continue the same run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeplan.errors import InputError
+from pipeplan.plan import Plan
+
+__all__ = ["RunIdentity", "plan_fingerprint", "check_checkpoint_dir"]
+
+_MATCHING = ("plan", "model", "optimizer", "lr_schedule", "seed")  # fields a resume must share
+
+
+def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
+    """16 hex digits over what decides the checkpoint layout and the training math."""
+    stages = [[sorted(stage.layers), list(stage.ranks)] for stage in plan.stages]
+    basis = [stages, schedule, microbatches, plan.batch_size, plan.dtype,
+             getattr(plan, "virtual_stages", 1)]
+    return hashlib.sha256(json.dumps(basis).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    plan: str  # plan_fingerprint(...)
+    model: str  # the model's layer-structure fingerprint
+    optimizer: str  # "sgd" | "momentum" | "adam"
+    lr: float  # learning rate (may change on resume)
+    seed: int
+    lr_schedule: str = "constant"
+
+    @property
+    def fingerprint(self) -> str:
+        basis = {name: getattr(self, name) for name in _MATCHING}
+        return "run-" + hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        """``["optimizer adam != sgd", ...]``: this run's values vs a saved identity."""
+        return [f"{name} {saved.get(name)!r} (saved) != {getattr(self, name)!r} (this run)"
+                for name in _MATCHING if saved.get(name) != getattr(self, name)]
+
+
+def check_checkpoint_dir(directory: str, identity: RunIdentity, resume: bool) -> None:
+    """``InputError`` when ``directory`` holds another run's checkpoints, or any without --resume."""
+    from pipeplan.runtime.checkpoint import read_run, step_folders
+
+    steps = step_folders(directory)
+    if not steps:
+        return
+    found = read_run(directory)
+    if not resume:
+        owner = f"run {found[0]}" if found else "unreadable files"
+        raise InputError(
+            f"checkpoint directory {directory} already holds checkpoints (steps up to {steps[-1]}, "
+            f"{owner}); pass --resume to continue that run or choose another --checkpoint-dir"
+        )
+    if found is None or found[0] == identity.fingerprint:
+        return
+    differ = identity.differences(found[1]) or [f"fingerprint {found[0]} != {identity.fingerprint}"]
+    raise InputError(
+        f"--resume: checkpoint directory {directory} holds another run ({'; '.join(differ)}); "
+        f"resume needs the same plan, model, optimizer and seed"
+    )
