@@ -40,9 +40,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 def check_model_runs(
-    model_file: ModelFile, model: Any, inputs: tuple[Any, ...], targets: Any, batch_size: int
+    model_file: ModelFile, model: Any, inputs: tuple[Any, ...], targets: Any, batch_size: int,
+    allow_nonfinite: bool = False,
 ) -> None:
-    """One forward + loss + backward; ``InputError`` (one line) when the user's code raises."""
+    """One forward + loss + backward; ``InputError`` (one line) when the user's code raises,
+    or when the loss is NaN or infinite (unless ``allow_nonfinite``)."""
     import torch
 
     try:
@@ -62,6 +64,11 @@ def check_model_runs(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise InputError(f"{model_file.path}: loss_fn returned {shape}, expected a scalar Tensor")
+    if not allow_nonfinite and not bool(torch.isfinite(loss.detach()).all()):
+        raise InputError(
+            f"{model_file.path}: the loss is {float(loss.detach())} at step 0 (the check pass, "
+            f"whole model, sample_batch({batch_size})); pass --allow-nonfinite to profile anyway"
+        )
     try:
         loss.backward()
     except Exception as exc:
@@ -99,6 +106,7 @@ def profile_model(
     repeats: int = 10,
     progress: Progress | None = None,
     threads: int | None = None,
+    allow_nonfinite: bool = False,
 ) -> Profile:
     """Measure every layer of the model file ``model`` (a path or a bundled model's name).
 
@@ -144,7 +152,7 @@ def _profile(
     network = model_file.build().to(device=torch_device, dtype=torch_dtype).train()
     raw_inputs, raw_targets = model_file.batch(batch_size, seed=0)
     inputs, targets = prepare_batch(raw_inputs, raw_targets, torch_device, torch_dtype)
-    check_model_runs(model_file, network, inputs, targets, batch_size)
+    check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
 
     from pipeplan.graph import build_layer_graph
 

@@ -38,6 +38,7 @@ FORWARD = 0
 BACKWARD = 1
 _HEADER_LEN = 16  # int64: [ndim, dtype code, dim0, dim1, ...]
 _MAX_TAG = 2**31 - 1
+_MIN_TAG_WINDOW = 1 << 16  # work units between two uses of one tag (units in flight are far fewer)
 _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -95,10 +96,16 @@ def message_tag(value: int, values: int, unit: int, direction: int, header: bool
     >>> message_tag(1, 3, 0, FORWARD), message_tag(1, 3, 0, BACKWARD), message_tag(0, 3, 1, FORWARD)
     (4, 6, 12)
     """
-    tag = ((unit * values + value) * 2 + direction) * 2 + int(header)
-    if tag > _MAX_TAG:
-        raise RuntimeFailure(f"message tag {tag} overflows (unit {unit}, {values} values)")
-    return tag
+    window = (_MAX_TAG + 1) // (values * 4)  # work units that fit in the tag space
+    if window < _MIN_TAG_WINDOW:
+        raise RuntimeFailure(
+            f"message tags: {values} values crossing cuts leave room for only {window} work "
+            f"units (need {_MIN_TAG_WINDOW})"
+        )
+    # Units wrap around the window: a tag is reused only 2**31 / (4 * values) units later
+    # (>= 65,536), far more than are ever in flight between two ranks, so no run length
+    # overflows the 31-bit tag.
+    return (((unit % window) * values + value) * 2 + direction) * 2 + int(header)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any, Callable
 from pipeplan.errors import InputError, PipeplanError, RuntimeFailure
 from pipeplan.plan import Plan
 
-__all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS"]
+__all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS", "check_loss"]
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 _FAULT_ENV = "PIPEPLAN_TEST_FAULT"  # tests only: "<rank>:<step>:kill|raise"
@@ -64,6 +64,7 @@ class RunConfig:
     resume: bool = False
     record_dir: str | None = None  # tests/debugging: per-rank params, versions, digests
     progress: bool = True
+    allow_nonfinite: bool = False  # train on when a loss is NaN or infinite
 
 
 def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
@@ -244,7 +245,10 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         step = minibatch // period  # global step index
         last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
         if stage is not None and MODEL_OUTPUT in stage.output_names:
-            watchdog.publish(f"loss/{minibatch}", f"{executor.losses.get(minibatch, float('nan'))!r}")
+            loss = executor.losses.get(minibatch, float("nan"))
+            watchdog.publish(f"loss/{minibatch}", f"{loss!r}")
+            if not config.allow_nonfinite:
+                check_loss(loss, step + 1, minibatch, spec.stage_index, env.rank)
         if not last_of_step:
             return
         completed = step + 1
@@ -277,6 +281,15 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     if env.rank != 0:
         return None
     return write_outputs(config, spec, schedule, reports, period, offset)
+
+
+def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) -> None:
+    """``RuntimeFailure`` naming the step and stage when ``loss`` is NaN or infinite."""
+    if not math.isfinite(loss):
+        raise RuntimeFailure(
+            f"rank {rank}: the loss is {loss} at step {step} (minibatch {minibatch}) on stage "
+            f"{stage}; pass --allow-nonfinite to train on"
+        )
 
 
 def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:

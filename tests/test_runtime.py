@@ -35,8 +35,10 @@ def test_message_tags_are_unique_per_value_unit_direction_and_header() -> None:
         for header in (False, True)
     }
     assert len(tags) == 5 * 40 * 2 * 2
-    with pytest.raises(RuntimeFailure, match="overflows"):
-        message_tag(0, 1000, 2**22, FORWARD)
+    # past 2**31 / (4 * values) units the tags wrap instead of overflowing (issue 13)
+    assert message_tag(0, 1000, 2**22, FORWARD) == message_tag(0, 1000, 2**22 % 536870, FORWARD)
+    with pytest.raises(RuntimeFailure, match="leave room for only"):
+        message_tag(0, 2**20, 0, FORWARD)
 
 
 def test_tensor_header_round_trip() -> None:

@@ -31,6 +31,7 @@ Examples:
               help="Timed passes; times are the median, spread the interquartile range.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads torch may use while measuring (default: torch's default).")
+@click.option("--allow-nonfinite", is_flag=True, help="Profile even when the loss is NaN or infinite.")
 def profile(
     model: str,
     output_path: str,
@@ -40,6 +41,7 @@ def profile(
     warmup: int,
     repeats: int,
     threads: int | None,
+    allow_nonfinite: bool,
 ) -> None:
     """Measure MODEL (a model file, or a bundled model's name) layer by layer.
 
@@ -64,7 +66,8 @@ def profile(
         def advance(done: int, total: int, label: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {model}: {label}")
 
-        result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads)
+        result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads,
+                               allow_nonfinite)
     result.save(output_path)
     console.print(profile_table(result))
     for line in summary_lines(result):

@@ -50,12 +50,13 @@ Examples:
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
               help="Bound in seconds on every collective and point-to-point wait.")
 @click.option("--no-progress", is_flag=True, help="No live progress line.")
+@click.option("--allow-nonfinite", is_flag=True, help="Train on when a loss is NaN or infinite.")
 @click.option("--record", "record_dir", type=click.Path(file_okay=False), default=None, hidden=True,
               help="Tests: write per-rank parameters, weight versions and digests here.")
 def run(plan_path: str, model_path: str, schedule: str | None, steps: int, microbatches: int | None,
         lr: float, optimizer: str | None, recompute: bool, seed: int, metrics_path: str | None,
         trace_path: str | None, checkpoint_dir: str | None, checkpoint_every: int, resume: bool,
-        timeout_s: float, no_progress: bool, record_dir: str | None) -> None:
+        timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool) -> None:
     """Train with the plan's pipeline on the ranks torchrun started.
 
     Every rank builds only its stage; activations and gradients (skip connections
@@ -77,6 +78,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
             recompute=recompute, seed=seed, timeout_s=timeout_s, metrics_path=metrics_path,
             trace_path=trace_path, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, record_dir=record_dir, progress=not no_progress,
+            allow_nonfinite=allow_nonfinite,
         )
     except InputError:
         if rank != 0:
