@@ -41,6 +41,9 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """
     target = Path(path)
     tmp_name: str | None = None
+    existing = next((p for p in target.parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise InputError(f"cannot write {path}: {existing} is a file, not a folder")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)

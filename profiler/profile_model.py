@@ -127,7 +127,7 @@ def profile_model(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _profile(model, batch_size, device, dtype, warmup, repeats, progress)
+        return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -140,6 +140,7 @@ def _profile(
     warmup: int,
     repeats: int,
     progress: Progress | None,
+    allow_nonfinite: bool = False,
 ) -> Profile:
     """``profile_model`` without the thread setting."""
     if batch_size <= 0:
