@@ -56,9 +56,10 @@ def _conforms(value: Any, hint: Any) -> bool:
         return isinstance(value, bool)
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value))
+    if hint is float:  # an int is finite however large (math.isfinite would overflow on it)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        return isinstance(value, int) or math.isfinite(value)
     if hint is str:
         return isinstance(value, str)
     return True  # Any, sub-contracts: checked by their own reader

@@ -168,8 +168,8 @@ def validate(profile: Profile) -> None:
 
 def _check_amount(value: object, bound: float, what: str, integer: bool = False) -> None:
     """``InputError`` unless ``value`` is a finite number in [0, bound] (an int if ``integer``)."""
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if not isinstance(value, kinds) or isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise InputError(f"{what} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if not (math.isfinite(value) and 0 <= value <= bound):
+    inside = 0 <= value <= bound if isinstance(value, int) else math.isfinite(value) and 0 <= value <= bound
+    if not inside:
         raise InputError(f"{what} = {value!r} is outside [0, {bound:g}]")
