@@ -393,9 +393,12 @@ def launch() -> Iterator[Launch]:
         runner.cleanup()
 
 
-def wait_for(path: Path, limit_s: float = 90.0) -> None:
+def wait_for(path: Path, procs: list[subprocess.Popen[str]], limit_s: float = 90.0) -> None:
+    """Until ``path`` exists; fails at once (with their stderr) if a process ended first."""
     end = time.monotonic() + limit_s
     while not path.exists():
+        ended = [p for p in procs if p.poll() is not None]
+        assert not ended, [(p.returncode, p.communicate()[1][-2000:]) for p in ended]
         assert time.monotonic() < end, f"{path} did not appear within {limit_s} s"
         time.sleep(0.1)
 
@@ -420,19 +423,23 @@ def long_run(tmp_path: Path, plan: str) -> list[str]:
 
 
 @pytest.mark.multiprocess
-def test_sigstop_of_the_store_host_rank_ends_the_other_rank(tmp_path: Path, launch: Launch) -> None:
-    """Rank 0 hosts the store (no agent) and is SIGSTOPped: rank 1 exits 2 naming the store."""
+@pytest.mark.parametrize(("stopped", "message"), [
+    (0, "rank 1: the rendezvous store at 127.0.0.1:"),  # rank 0 hosts the store (no agent)
+    (1, "rank 0 stops because rank 1 died or stopped (no heartbeat for"),
+], ids=["store-host", "other-rank"])
+def test_sigstop_of_a_rank_ends_the_other_rank(tmp_path: Path, launch: Launch, stopped: int,
+                                               message: str) -> None:
+    """A SIGSTOPped rank (the store host, or not): the other exits 2 naming it within the bound."""
     procs = launch.plain(2, long_run(tmp_path, rr_plan(tmp_path)))
-    wait_for(tmp_path / "ckpt" / "step-000001")
-    os.kill(procs[0].pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    code, err = finish(procs[1])
-    detected_s = time.monotonic() - stopped
+    wait_for(tmp_path / "ckpt" / "step-000001", procs)
+    os.kill(procs[stopped].pid, signal.SIGSTOP)
+    started = time.monotonic()
+    code, err = finish(procs[1 - stopped])
+    detected_s = time.monotonic() - started
     assert code == 2
-    assert_one_error_line(err, "rank 1: the rendezvous store at 127.0.0.1:")
-    assert "has not answered for" in err
-    assert detected_s < 4.0 + 10.0, detected_s  # bound --timeout 4 s, plus load slack
-    print(f"store host SIGSTOPped: rank 1 exited after {detected_s:.1f} s")
+    assert_one_error_line(err, message)
+    assert detected_s < 4.0 + 10.0, detected_s  # bound: --timeout 4 s, plus load slack
+    print(f"rank {stopped} SIGSTOPped: rank {1 - stopped} exited 2 after {detected_s:.1f} s")
 
 
 @pytest.mark.multiprocess
@@ -441,7 +448,7 @@ def test_sigstop_of_the_torchrun_agent_ends_every_rank(tmp_path: Path, launch: L
     agent = launch.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "pipeplan", "run",
                           *long_run(tmp_path, rr_plan(tmp_path))], base_env())
-    wait_for(tmp_path / "ckpt" / "step-000001")
+    wait_for(tmp_path / "ckpt" / "step-000001", [agent])
     workers = children(agent.pid)
     assert len(workers) == 2, workers
     launch.pids.extend(workers)
