@@ -275,6 +275,10 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     recorder.finish()
     wall_ms = (time.perf_counter() * 1000.0) - recorder.t0_ms
     progress.stop()
+    if config.checkpoint_dir:
+        dist.barrier()  # every rank saved its final step: prune with all their files in place
+        if spec.stage_index == 0 and spec.replica == 0:
+            ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, identity.fingerprint, keep=2)
     if config.record_dir and module is not None:
         _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
     reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash), env.rank)

@@ -98,7 +98,7 @@ def test_bad_profile_values_are_one_line(tmp_path: Path, change: Any, message: s
     ('{"loss_ms": Infinity}', "Infinity is not a JSON number"),
     ('{"a": 1, "a": 2}', "duplicate key 'a'"),
     ("[" * 100_000 + "]" * 100_000, "is nested deeper than 64 levels"),
-])
+], ids=["infinity", "duplicate-key", "deep-nesting"])
 def test_json_that_python_accepts_but_a_contract_must_not(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "profile.json"
     path.write_text(text)
@@ -321,7 +321,7 @@ def free_port() -> int:
 
 
 def base_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def children(pid: int) -> list[int]:
@@ -393,13 +393,20 @@ def launch() -> Iterator[Launch]:
         runner.cleanup()
 
 
-def wait_for(path: Path, procs: list[subprocess.Popen[str]], limit_s: float = 90.0) -> None:
-    """Until ``path`` exists; fails at once (with their stderr) if a process ended first."""
+def wait_for_training(folder: Path, procs: list[subprocess.Popen[str]], limit_s: float = 90.0) -> None:
+    """Until a checkpoint step folder exists in ``folder`` (training is under way; older
+    steps are pruned within milliseconds, so any step counts); fails at once, with their
+    stderr, if a process ended first."""
     end = time.monotonic() + limit_s
-    while not path.exists():
+    path = folder / "step-*"
+    while not any(folder.glob("step-*")):
         ended = [p for p in procs if p.poll() is not None]
         assert not ended, [(p.returncode, p.communicate()[1][-2000:]) for p in ended]
-        assert time.monotonic() < end, f"{path} did not appear within {limit_s} s"
+        if time.monotonic() > end:  # dump every thread's stack (faulthandler) for the report
+            for proc in procs:
+                os.kill(proc.pid, signal.SIGABRT)
+            stacks = [p.communicate(timeout=30)[1][-6000:] for p in procs]
+            raise AssertionError(f"{path} did not appear within {limit_s} s: {stacks}")
         time.sleep(0.1)
 
 
@@ -417,7 +424,7 @@ def rr_plan(tmp_path: Path, model: str = MLP, layers: list[list[int]] | None = N
 
 
 def long_run(tmp_path: Path, plan: str) -> list[str]:
-    """Runs long enough to be stopped; step-000001 appears once training is under way."""
+    """Runs long enough to be stopped; step folders appear once training is under way."""
     return [plan, "--model", MLP, "--steps", "100000", "--no-progress", "--timeout", TIMEOUT_S,
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
 
@@ -431,7 +438,7 @@ def test_sigstop_of_a_rank_ends_the_other_rank(tmp_path: Path, launch: Launch, s
                                                message: str) -> None:
     """A SIGSTOPped rank (the store host, or not): the other exits 2 naming it within the bound."""
     procs = launch.plain(2, long_run(tmp_path, rr_plan(tmp_path)))
-    wait_for(tmp_path / "ckpt" / "step-000001", procs)
+    wait_for_training(tmp_path / "ckpt", procs)
     os.kill(procs[stopped].pid, signal.SIGSTOP)
     started = time.monotonic()
     code, err = finish(procs[1 - stopped])
@@ -448,7 +455,7 @@ def test_sigstop_of_the_torchrun_agent_ends_every_rank(tmp_path: Path, launch: L
     agent = launch.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "pipeplan", "run",
                           *long_run(tmp_path, rr_plan(tmp_path))], base_env())
-    wait_for(tmp_path / "ckpt" / "step-000001", [agent])
+    wait_for_training(tmp_path / "ckpt", [agent])
     workers = children(agent.pid)
     assert len(workers) == 2, workers
     launch.pids.extend(workers)
