@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
+from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
@@ -77,11 +77,22 @@ def disable_inplace(model: Any) -> int:
 
 
 def _detached(value: Any) -> Any:
+    """``value`` (a tensor, or the model's output structure) with every tensor detached."""
     import torch
+    from torch.utils import _pytree as pytree
 
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(value.requires_grad)
+    def detach(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return leaf.detach().requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(detach, value)
+
+
+def _leaves(value: Any) -> list[Any]:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(value)
 
 
 def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -108,7 +119,12 @@ def run_pass(
     timer: Timer,
     count_bytes: bool = False,
 ) -> PassSample:
-    """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed)."""
+    """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed).
+
+    With ``count_bytes``, a layer's saved bytes are the storages autograd saves during its
+    forward that no earlier layer saved (a layer's output saved again as the next layer's
+    input counts once), so the layers sum to the whole forward's figure.
+    """
     import torch
 
     from pipeplan.graph import MODEL_OUTPUT
@@ -116,13 +132,16 @@ def run_pass(
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     produced: list[tuple[Any, ...]] = []
+    # one counter for the whole pass: a storage counts in the first layer that saves it
+    counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
     with torch.enable_grad():
         for position, stage in enumerate(stages):
             args = tuple(values[name] for name in stage.input_names)
             if count_bytes:
-                with count_saved(exclude=stage.module.parameters()) as counter:
+                before = counter.saved_bytes
+                with count_saved(counter=counter):
                     outputs = _run(stage, args)
-                sample.saved_bytes.append(counter.saved_bytes)
+                sample.saved_bytes.append(counter.saved_bytes - before)
                 sample.output_bytes.append(output_bytes(outputs))
             else:
                 timer.start()
@@ -133,15 +152,16 @@ def run_pass(
         result = values[MODEL_OUTPUT]
         timer.start()
         loss = loss_fn(result, targets)
-        if result.requires_grad:
+        if loss.requires_grad:
             loss.backward()
         sample.loss_ms = timer.stop()
         for position in reversed(range(len(stages))):
             stage = stages[position]
             pairs = [
-                (output, values[name].grad)
-                for name, output in zip(stage.output_names, produced[position])
-                if isinstance(output, torch.Tensor) and output.requires_grad and values[name].grad is not None
+                (output, detached.grad)
+                for name, value in zip(stage.output_names, produced[position])
+                for output, detached in zip(_leaves(value), _leaves(values[name]))
+                if isinstance(output, torch.Tensor) and output.requires_grad and detached.grad is not None
             ]
             produced[position] = ()
             for name in stage.output_names:  # free the gradients as soon as they are used,
@@ -178,12 +198,12 @@ def time_step(
 def step_saved_bytes(
     model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any]
 ) -> int:
-    """Distinct storages autograd saves in one whole forward + loss (parameters excluded)."""
+    """Distinct storages autograd saves in one whole forward (parameters and the loss excluded)."""
     import torch
 
     with torch.enable_grad(), count_saved(exclude=model.parameters()) as counter:
-        loss = loss_fn(model(*inputs), targets)
-    del loss
+        output = model(*inputs)
+    del output
     return counter.saved_bytes
 
 

@@ -78,4 +78,11 @@ def summary_lines(profile: Profile) -> list[str]:
         ]
         if profile.optimizer_ms
         else []
+    ) + (
+        [
+            f"capture: {profile.capture}, {len(profile.layers)} layers"
+            + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
+        ]
+        if profile.capture
+        else []
     )

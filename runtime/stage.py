@@ -68,11 +68,17 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
 
 
 def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int) -> PipelineSpec:
-    """Build this rank's stage (module on CPU; the caller moves it to its device)."""
+    """Build this rank's stage (module on CPU; the caller moves it to its device).
+
+    ``sample_batch_size`` must be the micro-batch size the stages will run: a
+    ``torch.export`` capture specialises shapes to the sample batch. The layers are
+    rebuilt with the plan's leaf modules (else the model file's ``LEAF_MODULES``).
+    """
     torch.manual_seed(seed)
     model = model_file.build()
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
-    graph = build_layer_graph(model, sample_inputs)
+    leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
+    graph = build_layer_graph(model, sample_inputs, leaf_modules)
     if graph.fingerprint != plan.profile_fingerprint:
         raise InputError(
             f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
