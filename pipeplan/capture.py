@@ -214,12 +214,11 @@ def is_layer_module(
     name: str, module: nn.Module, leaf_modules: set[str], blocks: set[str], holds_blocks: set[str]
 ) -> bool:
     """Whether the module called ``name`` is one layer (see the module docstring)."""
-    if type(module).__name__ in leaf_modules:
+    if type(module).__name__ in leaf_modules or not any(True for _ in module.children()):
         return True
     if name in holds_blocks or name in blocks:
         return False
-    parent = name.rpartition(".")[0]
-    return parent in blocks or not any(True for _ in module.children())
+    return name.rpartition(".")[0] in blocks
 
 
 def capture_error(model: nn.Module, exc: BaseException, tool: str) -> str:
