@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection
 
 import torch
 import torch.fx as fx
@@ -82,7 +82,7 @@ class _DropOutputs(nn.Module):
 
 
 def export_graph(
-    model: nn.Module, sample_inputs: tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = ()
+    model: nn.Module, sample_inputs: tuple[torch.Tensor, ...], leaf_modules: Collection[str] = ()
 ) -> ExportedGraph:
     """Export ``model`` on ``sample_inputs`` (shapes are specialised to them) and name layers.
 

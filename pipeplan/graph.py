@@ -213,9 +213,10 @@ class LayerGraph:
             outputs.extend(lookup(node) if isinstance(node, fx.Node) else node for node in result_nodes)
             consumers[MODEL_OUTPUT] = ()
         graph.output(tuple(outputs))
-        module: nn.Module = fx.GraphModule(self.graph_module, graph, class_name=f"Stage{stage}")
+        graph_module = fx.GraphModule(self.graph_module, graph, class_name=f"Stage{stage}")
+        module: nn.Module = graph_module
         if stage == stages - 1 and self.result_spec is not None:
-            module = _RebuildOutput(module, self.result_spec, len(result_nodes))
+            module = _RebuildOutput(graph_module, self.result_spec, len(result_nodes))
         return StageModule(
             index=stage,
             module=module,
