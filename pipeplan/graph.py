@@ -300,9 +300,10 @@ def _fx_layer_graph(
     def layer_call(node: fx.Node) -> str | None:
         return node.name if node.op == "call_module" else None
 
+    targets = {n.name: str(n.target) for n in graph_module.graph.nodes if n.op == "call_module"}
+
     def describe(call: str) -> tuple[str, str]:
-        node = next(n for n in graph_module.graph.nodes if n.name == call)
-        return str(node.target), type(graph_module.get_submodule(str(node.target))).__name__
+        return targets[call], type(graph_module.get_submodule(targets[call])).__name__
 
     tensor_valued = _run_and_type(graph_module, sample_inputs)
     layer_of_node = _group_nodes(graph_module, tensor_valued, layer_call)

@@ -73,6 +73,8 @@ class Profile:
     # how the layer graph was captured: "sequential" | "fx" | "export" ("" when not recorded)
     capture: str = ""
     leaf_modules: tuple[str, ...] = ()  # module classes kept whole (--leaf-modules / LEAF_MODULES)
+    # output fields the export capture set to None (values that are not tensors, e.g. a cache)
+    dropped_outputs: tuple[str, ...] = ()
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -110,8 +112,9 @@ class Profile:
                 for layer in obj["layers"]
             )
             fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema")}
-            if "leaf_modules" in fields:
-                fields["leaf_modules"] = tuple(fields["leaf_modules"])
+            for name in ("leaf_modules", "dropped_outputs"):
+                if name in fields:
+                    fields[name] = tuple(fields[name])
             return cls(device=DeviceInfo(**obj["device"]), layers=layers, **fields)
         except KeyError as exc:
             raise InputError(f"{where}: missing key {exc.args[0]!r}") from exc

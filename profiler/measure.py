@@ -26,6 +26,7 @@ from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_byt
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
+    "LossError",
     "Progress",
     "LayerMeasurement",
     "PassSample",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 # progress(done, total, label): called after each measured pass (or unit of work).
+
+
+class LossError(InputError):
+    """The model file's ``loss_fn`` raised on the output rebuilt from the layers."""
+
 Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
@@ -151,7 +157,14 @@ def run_pass(
             values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
-        loss = loss_fn(result, targets)
+        try:
+            loss = loss_fn(result, targets)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise LossError(
+                f"loss_fn raised on the output of the captured layers: {type(exc).__name__}: "
+                f"{text[0] if text else ''}"
+            ) from exc
         if loss.requires_grad:
             loss.backward()
         sample.loss_ms = timer.stop()
@@ -305,9 +318,18 @@ def measure_layers(
     progress: Progress | None = None,
 ) -> tuple[list[LayerProfile], Measurements]:
     """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.graph.LayerGraph``), and all measurements."""
-    measured = measure_stages(
-        graph.layer_modules(), graph.model, inputs, targets, loss_fn, timer, warmup, repeats, progress
-    )
+    try:
+        measured = measure_stages(
+            graph.layer_modules(), graph.model, inputs, targets, loss_fn, timer, warmup, repeats, progress
+        )
+    except LossError as exc:
+        dropped = getattr(graph, "dropped_outputs", ())
+        if not dropped:
+            raise
+        raise LossError(
+            f"{exc}; the capture set the output fields {', '.join(dropped)} to None (not tensors: "
+            f"they cannot cross stages); build the model without them (use_cache=False)"
+        ) from exc
     layers = [
         LayerProfile(
             index=node.index,

@@ -176,6 +176,7 @@ def _profile(
         data_ms=data_ms,
         capture=graph.kind,
         leaf_modules=leaves,
+        dropped_outputs=graph.dropped_outputs,
     )
 
 

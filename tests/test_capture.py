@@ -173,6 +173,16 @@ def test_cache_output_that_cannot_be_dropped_says_use_cache() -> None:
         build_layer_graph(ReturnsCache(), (torch.randn(2, 4),))
 
 
+def test_loss_that_reads_a_dropped_cache_says_use_cache(tmp_path: Path) -> None:
+    model = tmp_path / "cache_loss.py"
+    model.write_text(GPT2_FILE.read_text() + (
+        "\n\ndef loss_fn(output, target):\n"
+        "    return output.logits.float().mean() * output.past_key_values.get_seq_length()\n"
+    ))
+    with pytest.raises(InputError, match=r"loss_fn raised .*AttributeError.*past_key_values to None.*use_cache=False"):
+        profile_model(model, batch_size=2, device="cpu", warmup=0, repeats=1)
+
+
 def test_segmentation_dict_output_profiles_with_the_default_loss() -> None:
     profile = profile_model(FIXTURES / "segmentation.py", batch_size=4, device="cpu", warmup=0, repeats=1)
     assert profile.capture == "export"  # a dict output: fx gives no single tensor
@@ -201,7 +211,8 @@ def test_twelve_block_gpt2_granularity_and_sum_of_layers_vs_step(monkeypatch: py
     monkeypatch.setenv("HF_GPT2_WIDTH", "128")
     monkeypatch.setenv("HF_GPT2_SEQ", "64")
     profile = profile_model(GPT2_FILE, batch_size=8, device="cpu", warmup=2, repeats=5, threads=1)
-    assert profile.capture == "export"
+    assert profile.capture == "export" and profile.dropped_outputs == ("past_key_values",)
+    assert "output fields set to None (not tensors): past_key_values" in summary_lines(profile)[-1]
     assert len(profile.layers) == 4 * 12 + 5
     ratio = profile.layers_vs_step_ratio
     print(f"12-block tiny GPT-2: {len(profile.layers)} layers, sum of layers / step = {ratio:.3f}")
