@@ -208,7 +208,7 @@ def test_unknown_leaf_module_class_is_one_line() -> None:
 def test_twelve_block_gpt2_granularity_and_sum_of_layers_vs_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Default granularity: 4 layers per GPT-2 block plus 5 (embeddings, dropout, ln_f, head)."""
     monkeypatch.setenv("HF_GPT2_LAYERS", "12")
-    monkeypatch.setenv("HF_GPT2_WIDTH", "128")
+    monkeypatch.setenv("HF_GPT2_WIDTH", "256")
     monkeypatch.setenv("HF_GPT2_SEQ", "64")
     profile = profile_model(GPT2_FILE, batch_size=8, device="cpu", warmup=2, repeats=5, threads=1)
     assert profile.capture == "export" and profile.dropped_outputs == ("past_key_values",)
