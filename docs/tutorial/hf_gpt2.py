@@ -36,5 +36,7 @@ def build_model() -> torch.nn.Module:
 
 
 def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1))
+    # sequences that count up from a random start: a next-token task the model can learn
+    start = torch.randint(0, VOCAB, (batch_size, 1))
+    tokens = (start + torch.arange(SEQ + 1)) % VOCAB
     return tokens[:, :-1], tokens[:, 1:]  # inputs, next-token targets
