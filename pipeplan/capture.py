@@ -31,9 +31,13 @@ add in a block's ``forward``, mask construction) are folded into neighbours by
 from __future__ import annotations
 
 import dataclasses
+import io
+import logging
+import sys
+from contextlib import contextmanager, redirect_stderr
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.fx as fx
@@ -92,13 +96,28 @@ def export_graph(
     dropped = _register_outputs(model, sample_inputs)
     root: nn.Module = _DropOutputs(model, dropped) if dropped else model
     prefix = _PREFIX if dropped else ""
+    stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
     try:
-        program = torch.export.export(root, sample_inputs, strict=False)
+        with _quiet_torch_logs(), redirect_stderr(stderr):
+            program = torch.export.export(root, sample_inputs, strict=False)
     except Exception as exc:
         raise InputError(capture_error(model, exc, "torch.export")) from exc
+    sys.stderr.write(stderr.getvalue())
     graph_module = _as_graph_module(model, program, prefix)
     layer_call, layer_modules = _layers_of(model, graph_module, prefix, set(leaf_modules))
     return ExportedGraph(graph_module, layer_call, layer_modules, program.call_spec.out_spec, dropped)
+
+
+@contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch's warnings (graph dumps on a failed guard) while exporting: a failure
+    is reported as one line by ``capture_error``."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
 
 
 def _register_outputs(model: nn.Module, sample_inputs: tuple[torch.Tensor, ...]) -> tuple[str, ...]:

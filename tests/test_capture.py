@@ -120,40 +120,17 @@ def test_bert_reads_the_attention_mask_in_every_attention_layer() -> None:
     assert not torch.allclose(run_stages(stages, (inputs[0], padded)).logits, result.logits)
 
 
-class Gate(nn.Module):
-    """Data-dependent control flow: neither fx nor torch.export can capture it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        if x.sum() > 0:
-            return self.lin(x)
-        return -x
-
-
-class Gated(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = Gate()
-        self.out = nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.out(self.gate(x))
-
-
 def test_capture_failure_names_the_line_and_the_leaf_module_that_gets_around_it() -> None:
+    model_file = load_model_file(FIXTURES / "gated.py")  # `if x.sum() > 0` inside Gate, line 14
     x = torch.randn(2, 4)
     with pytest.raises(InputError) as info:
-        build_layer_graph(Gated(), (x,))
+        build_layer_graph(model_file.build(), (x,))
     message = str(info.value)
-    line = Gate.forward.__code__.co_firstlineno + 1
     assert message.startswith("torch.export cannot capture Gated at ")
-    assert f"test_capture.py:{line} " in message and "\n" not in message
+    assert "gated.py:14 " in message and "\n" not in message
     assert "--leaf-modules" in message and "Gate " in message
     # and the suggestion works: fx keeps Gate whole
-    graph = build_layer_graph(Gated(), (x,), leaf_modules=("Gate",))
+    graph = build_layer_graph(model_file.build(), (x,), leaf_modules=("Gate",))
     assert graph.kind == "fx" and [layer.name for layer in graph.layers] == ["gate", "out"]
 
 
