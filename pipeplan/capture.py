@@ -46,7 +46,14 @@ from torch.utils import _pytree as pytree
 
 from pipeplan.errors import InputError
 
-__all__ = ["ExportedGraph", "LayerModule", "export_graph", "is_layer_module", "capture_error"]
+__all__ = [
+    "ExportedGraph",
+    "LayerModule",
+    "export_graph",
+    "is_layer_module",
+    "capture_error",
+    "preserved_buffers",
+]
 
 
 @dataclass(frozen=True)
@@ -93,7 +100,8 @@ def export_graph(
     Raises ``InputError`` (one line: exception, file:line, the way around) when export fails.
     Runs the model once eagerly and once under export: O(ops).
     """
-    dropped = _register_outputs(model, sample_inputs)
+    with preserved_buffers(model):  # the sample run must not move BatchNorm statistics
+        dropped = _register_outputs(model, sample_inputs)
     root: nn.Module = _DropOutputs(model, dropped) if dropped else model
     prefix = _PREFIX if dropped else ""
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
@@ -106,6 +114,18 @@ def export_graph(
     graph_module = _as_graph_module(model, program, prefix)
     layer_call, layer_modules = _layers_of(model, graph_module, prefix, set(leaf_modules))
     return ExportedGraph(graph_module, layer_call, layer_modules, program.call_spec.out_spec, dropped)
+
+
+@contextmanager
+def preserved_buffers(model: nn.Module) -> Iterator[None]:
+    """Restore the model's buffers (BatchNorm running statistics) after the block."""
+    saved = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 @contextmanager

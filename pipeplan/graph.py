@@ -271,13 +271,14 @@ def build_layer_graph(
     traced = _trace(model, leaves)
     if traced is not None:
         return _fx_layer_graph(model, traced, "fx", sample_inputs)
-    from pipeplan.capture import export_graph
+    from pipeplan.capture import export_graph, preserved_buffers
 
     if len(sample_inputs) == 0:
         raise InputError("sample_batch gave no model inputs")
     exported = export_graph(model, sample_inputs, leaves)
     graph_module = exported.graph_module
-    tensor_valued = _run_and_type(graph_module, sample_inputs)
+    with preserved_buffers(model):
+        tensor_valued = _run_and_type(graph_module, sample_inputs)
 
     def layer_call(node: fx.Node) -> str | None:
         return exported.layer_call.get(node.name)
