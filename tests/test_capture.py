@@ -200,3 +200,29 @@ def test_twelve_block_gpt2_granularity_and_sum_of_layers_vs_step(monkeypatch: py
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q", "-s"]))
+
+
+def test_exported_batchnorm_updates_the_model_statistics_as_eager_does() -> None:
+    class ConvBN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+            self.head = nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            return {"out": self.head(torch.relu(self.bn(self.conv(x))))}
+
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(0)
+    model = ConvBN()
+    graph = build_layer_graph(model, (x,))
+    assert graph.kind == "export" and [layer.name for layer in graph.layers] == ["conv", "bn", "head"]
+    assert int(model.bn.num_batches_tracked) == 0  # capturing ran the model, and restored it
+    result = run_stages(graph.split([0, 1, 1]), (x,))
+    torch.manual_seed(0)
+    eager = ConvBN()
+    expected = eager(x)
+    torch.testing.assert_close(result["out"], expected["out"])
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean)
+    assert int(model.bn.num_batches_tracked) == 1
