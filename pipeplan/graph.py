@@ -1,9 +1,17 @@
 """The layer graph: a model cut into layers, and layers grouped into stage modules.
 
 A *layer* is one leaf module call plus the parameter-free functional ops folded into
-it. An ``nn.Sequential`` (nested ones flattened) is a chain of its children. Any other
-model is traced with ``torch.fx``; every ``call_module`` node starts a layer, and every
-other op is folded into a neighbour:
+it. Three captures give the graph (``LayerGraph.kind``, recorded in the profile):
+
+- ``"sequential"``: an ``nn.Sequential`` (nested ones flattened) is a chain of its children;
+- ``"fx"``: any other model is traced with ``torch.fx`` (torch.nn's modules and the classes
+  named in ``leaf_modules`` are leaves); every ``call_module`` node starts a layer;
+- ``"export"``: where fx cannot trace the model (data-dependent Python, as in Hugging Face
+  transformers) or the model returns more than one tensor, ``torch.export`` (non-strict)
+  records its ATen ops (``pipeplan.capture``); the ops of one call of a layer module (a
+  leaf, or a child of a repeated block: GPT-2's ``attn`` and ``mlp``) form a layer.
+
+Every other op is folded into a neighbour:
 
 - an op that yields a tensor joins the latest layer among its producers (``out + identity``
   joins the block's last layer), so a layer may read several earlier layers: a DAG;
@@ -22,15 +30,18 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from pipeplan.errors import InputError
 
-__all__ = ["LayerNode", "LayerGraph", "StageModule", "build_layer_graph", "MODEL_OUTPUT"]
+__all__ = ["LayerNode", "LayerGraph", "StageModule", "build_layer_graph", "MODEL_OUTPUT", "CAPTURES"]
+
+CAPTURES = ("sequential", "fx", "export")  # LayerGraph.kind
 
 MODEL_OUTPUT = "output"  # the value name of the model's result (consumed by the loss)
 
@@ -53,7 +64,9 @@ class StageModule:
     index: int
     module: nn.Module  # forward(*inputs) -> tuple of outputs, in output_names order
     input_names: tuple[str, ...]  # "input:k" for model input k, else a value name
-    output_names: tuple[str, ...]  # values later stages consume; MODEL_OUTPUT on the last stage
+    # values later stages consume; MODEL_OUTPUT (what the model returns, as it returns it:
+    # a tensor, ModelOutput, dict, tuple) on the last stage
+    output_names: tuple[str, ...]
     producers: dict[str, int]  # input name -> producing stage (-1 for a model input)
     consumers: dict[str, tuple[int, ...]]  # output name -> consuming stages (> index)
     parameter_names: dict[str, str]  # local parameter name -> qualified name in the user's model
@@ -77,13 +90,19 @@ class LayerGraph:
         layers: tuple[LayerNode, ...],
         kind: str,
         tensor_valued: frozenset[str],
+        result_spec: pytree.TreeSpec | None = None,
+        dropped_outputs: tuple[str, ...] = (),
     ) -> None:
         self.model = model
         self.tensor_valued = tensor_valued  # fx node names whose value is one tensor
         self.graph_module = graph_module
         self.layer_of_node = layer_of_node  # fx node name -> layer index
         self.layers = layers
-        self.kind = kind  # "sequential" | "fx"
+        self.kind = kind  # one of CAPTURES
+        # None: the graph's output is the model's one tensor; else the graph outputs a
+        # flat tuple of tensors and result_spec rebuilds what the model returns
+        self.result_spec = result_spec
+        self.dropped_outputs = dropped_outputs  # output fields set to None (export only)
         self.fingerprint = _fingerprint(model, layers, kind)
 
     def __len__(self) -> int:
@@ -97,6 +116,7 @@ class LayerGraph:
         """Group layers into stages: layer i runs on stage ``stage_of_layer[i]``.
 
         Stage ids must start at 0, never decrease and never skip. Runs in O(nodes).
+        The last stage's module returns what the model returns (``MODEL_OUTPUT``).
         """
         _check_stage_ids(stage_of_layer, len(self.layers))
         stages = stage_of_layer[-1] + 1
@@ -106,8 +126,7 @@ class LayerGraph:
             for node in graph.nodes
             if node.op not in ("placeholder", "output")
         }
-        output_node = next(node for node in graph.nodes if node.op == "output")
-        result_node = output_node.args[0]
+        result_nodes = self._result_nodes()
 
         def value_name(node: fx.Node) -> str:
             if node.op == "placeholder":
@@ -125,8 +144,9 @@ class LayerGraph:
             for used in node.all_input_nodes:
                 if source_stage(used) != stage_of_node[node.name]:
                     readers.setdefault(used.name, set()).add(stage_of_node[node.name])
-        if source_stage(result_node) != stages - 1:
-            readers.setdefault(result_node.name, set()).add(stages - 1)
+        for result_node in result_nodes:
+            if isinstance(result_node, fx.Node) and source_stage(result_node) != stages - 1:
+                readers.setdefault(result_node.name, set()).add(stages - 1)
         nodes_by_name = {node.name: node for node in graph.nodes}
         for name in readers:
             produced = nodes_by_name[name]
@@ -139,9 +159,15 @@ class LayerGraph:
         modules = []
         for stage in range(stages):
             modules.append(
-                self._stage_module(stage, stages, stage_of_node, readers, value_name, result_node)
+                self._stage_module(stage, stages, stage_of_node, readers, value_name, result_nodes)
             )
         return modules
+
+    def _result_nodes(self) -> list[Any]:
+        output_node = next(node for node in self.graph_module.graph.nodes if node.op == "output")
+        if self.result_spec is None:
+            return [output_node.args[0]]
+        return list(output_node.args[0])
 
     def _stage_module(
         self,
@@ -150,7 +176,7 @@ class LayerGraph:
         stage_of_node: dict[str, int],
         readers: dict[str, set[int]],
         value_name: Any,
-        result_node: fx.Node,
+        result_nodes: list[Any],
     ) -> StageModule:
         source = self.graph_module.graph
         graph = fx.Graph()
@@ -171,7 +197,7 @@ class LayerGraph:
                 continue
             env[node] = graph.node_copy(node, lookup)
         output_names: list[str] = []
-        outputs: list[fx.Node] = []
+        outputs: list[Any] = []
         consumers: dict[str, tuple[int, ...]] = {}
         for node in source.nodes:
             if node.op in ("placeholder", "output") or stage_of_node[node.name] != stage:
@@ -183,10 +209,14 @@ class LayerGraph:
                 consumers[node.name] = tuple(later)
         if stage == stages - 1:
             output_names.append(MODEL_OUTPUT)
-            outputs.append(lookup(result_node))
+            # a non-node result is a constant (None for a dropped output field)
+            outputs.extend(lookup(node) if isinstance(node, fx.Node) else node for node in result_nodes)
             consumers[MODEL_OUTPUT] = ()
         graph.output(tuple(outputs))
-        module = fx.GraphModule(self.graph_module, graph, class_name=f"Stage{stage}")
+        graph_module = fx.GraphModule(self.graph_module, graph, class_name=f"Stage{stage}")
+        module: nn.Module = graph_module
+        if stage == stages - 1 and self.result_spec is not None:
+            module = _RebuildOutput(graph_module, self.result_spec, len(result_nodes))
         return StageModule(
             index=stage,
             module=module,
@@ -198,25 +228,87 @@ class LayerGraph:
         )
 
 
-def build_layer_graph(model: nn.Module, sample_inputs: tuple[torch.Tensor, ...]) -> LayerGraph:
+class _RebuildOutput(nn.Module):
+    """A last stage whose graph outputs flat tensors, returning the model's own structure.
+
+    ``forward(*inputs)`` returns ``(*values for later stages, model output)``, the output
+    rebuilt from the graph's last ``count`` values by ``spec`` (a ``ModelOutput``, dict...).
+    """
+
+    def __init__(self, graph: fx.GraphModule, spec: pytree.TreeSpec, count: int) -> None:
+        super().__init__()
+        self.graph = graph
+        self.spec = spec
+        self.count = count
+
+    def forward(self, *inputs: Any) -> tuple[Any, ...]:
+        flat = tuple(self.graph(*inputs))
+        head, tail = flat[: len(flat) - self.count], flat[len(flat) - self.count :]
+        return (*head, pytree.tree_unflatten(list(tail), self.spec))
+
+
+def build_layer_graph(
+    model: nn.Module, sample_inputs: tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = ()
+) -> LayerGraph:
     """Cut ``model`` into layers; ``sample_inputs`` runs once (no grad) to type each value.
+
+    ``leaf_modules``: class names whose every call is one layer (fx and export captures).
+    An export capture specialises shapes to ``sample_inputs``: run its stages on inputs of
+    the same shapes (the runtime captures at the micro-batch size).
 
     >>> g = build_layer_graph(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
     ...                       (torch.zeros(3, 4),))
     >>> [(layer.name, layer.type, layer.inputs) for layer in g.layers]
     [('0', 'Linear', ()), ('1', 'ReLU', (0,)), ('2', 'Linear', (1,))]
     """
+    leaves = frozenset(leaf_modules)
     if isinstance(model, nn.Sequential):
         if len(sample_inputs) != 1:
             raise InputError(
                 f"an nn.Sequential takes one input, but sample_batch gave {len(sample_inputs)}"
             )
-        graph_module, kind = _sequential_graph(model), "sequential"
-    else:
-        graph_module, kind = _trace(model), "fx"
+        return _fx_layer_graph(model, _sequential_graph(model), "sequential", sample_inputs)
+    traced = _trace(model, leaves)
+    if traced is not None:
+        return _fx_layer_graph(model, traced, "fx", sample_inputs)
+    from pipeplan.capture import export_graph, preserved_buffers
+
+    if len(sample_inputs) == 0:
+        raise InputError("sample_batch gave no model inputs")
+    exported = export_graph(model, sample_inputs, leaves)
+    graph_module = exported.graph_module
+    with preserved_buffers(model):
+        tensor_valued = _run_and_type(graph_module, sample_inputs)
+
+    def layer_call(node: fx.Node) -> str | None:
+        return exported.layer_call.get(node.name)
+
+    def describe(call: str) -> tuple[str, str]:
+        module = exported.layer_modules[call]
+        return module.name, module.type
+
+    layer_of_node = _group_nodes(graph_module, tensor_valued, layer_call)
+    layers = _layer_nodes(graph_module, layer_of_node, layer_call, describe)
+    return LayerGraph(model, graph_module, layer_of_node, layers, "export", frozenset(tensor_valued),
+                      exported.out_spec, exported.dropped)
+
+
+def _fx_layer_graph(
+    model: nn.Module, graph_module: fx.GraphModule, kind: str, sample_inputs: tuple[torch.Tensor, ...]
+) -> LayerGraph:
+    """Layers of an fx graph whose ``call_module`` nodes are the layers."""
+
+    def layer_call(node: fx.Node) -> str | None:
+        return node.name if node.op == "call_module" else None
+
+    targets = {n.name: str(n.target) for n in graph_module.graph.nodes if n.op == "call_module"}
+
+    def describe(call: str) -> tuple[str, str]:
+        return targets[call], type(graph_module.get_submodule(targets[call])).__name__
+
     tensor_valued = _run_and_type(graph_module, sample_inputs)
-    layer_of_node = _group_nodes(graph_module, tensor_valued)
-    layers = _layer_nodes(graph_module, layer_of_node)
+    layer_of_node = _group_nodes(graph_module, tensor_valued, layer_call)
+    layers = _layer_nodes(graph_module, layer_of_node, layer_call, describe)
     return LayerGraph(model, graph_module, layer_of_node, layers, kind, frozenset(tensor_valued))
 
 
@@ -244,30 +336,31 @@ def _flatten_sequential(module: nn.Sequential, prefix: str) -> list[str]:
 
 
 class _LeafTracer(fx.Tracer):
-    """torch.nn's own modules are leaves (as fx's default), but a Sequential is traced through."""
+    """torch.nn's own modules (as fx's default) and ``leaf_modules`` classes are leaves;
+    a Sequential is traced through."""
+
+    def __init__(self, leaf_modules: frozenset[str]) -> None:
+        super().__init__()
+        self.leaf_modules = leaf_modules
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if type(module).__name__ in self.leaf_modules:
+            return True
         if isinstance(module, nn.Sequential):
             return False
         return super().is_leaf_module(module, qualified_name)
 
 
-def _trace(model: nn.Module) -> fx.GraphModule:
-    tracer = _LeafTracer()
+def _trace(model: nn.Module, leaf_modules: frozenset[str]) -> fx.GraphModule | None:
+    """The fx graph of ``model``, or None when fx cannot trace it or it returns no single tensor."""
+    tracer = _LeafTracer(leaf_modules)
     try:
         graph = tracer.trace(model)
-    except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(
-            f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: {reason}); "
-            f"wrap the model as an nn.Sequential of its layers"
-        ) from exc
+    except Exception:  # data-dependent Python: torch.export takes it (build_layer_graph)
+        return None
     output = next(node for node in graph.nodes if node.op == "output")
     if not isinstance(output.args[0], fx.Node):
-        raise InputError(
-            f"{type(model).__name__}.forward returns {type(output.args[0]).__name__}; "
-            f"pipeplan needs a single tensor output (apply the loss to it in loss_fn)"
-        )
+        return None
     graph_module = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     graph_module.graph.eliminate_dead_code()
     graph_module.recompile()
@@ -302,11 +395,15 @@ def _run_and_type(graph_module: fx.GraphModule, sample_inputs: tuple[torch.Tenso
     return tensor_valued
 
 
-def _group_nodes(graph_module: fx.GraphModule, tensor_valued: set[str]) -> dict[str, int]:
+def _group_nodes(
+    graph_module: fx.GraphModule, tensor_valued: set[str], layer_call: Callable[[fx.Node], str | None]
+) -> dict[str, int]:
     """Assign every compute node to a layer; copy shared non-tensor nodes per layer.
 
-    Pass 1 (topological): a ``call_module`` opens a new layer; a tensor-valued op joins
-    the latest layer among its producers. Pass 2 (reverse): ops left over (non-tensor
+    ``layer_call(node)`` names the layer-module call a node belongs to (None: fold it).
+    Pass 1 (topological): a node of a call other than the previous call's opens a new
+    layer, a node of the same call joins it; any other tensor-valued op joins the latest
+    layer among its producers. Pass 2 (reverse): ops left over (non-tensor
     values, ops on model inputs and attributes only) go to the layers of their users,
     copied once per using layer.
     """
@@ -315,12 +412,16 @@ def _group_nodes(graph_module: fx.GraphModule, tensor_valued: set[str]) -> dict[
     anchor: dict[str, int] = {}  # latest layer any deferred node depends on
     deferred: list[fx.Node] = []
     layers = 0
+    open_call: str | None = None
     for node in graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if node.op == "call_module":
-            layer_of[node.name] = layers
-            layers += 1
+        call = layer_call(node)
+        if call is not None:
+            if call != open_call:
+                layers += 1
+                open_call = call
+            layer_of[node.name] = layers - 1
             continue
         latest = max(
             (layer_of.get(used.name, anchor.get(used.name, -1)) for used in node.all_input_nodes),
@@ -355,7 +456,12 @@ def _group_nodes(graph_module: fx.GraphModule, tensor_valued: set[str]) -> dict[
     return layer_of
 
 
-def _layer_nodes(graph_module: fx.GraphModule, layer_of: dict[str, int]) -> tuple[LayerNode, ...]:
+def _layer_nodes(
+    graph_module: fx.GraphModule,
+    layer_of: dict[str, int],
+    layer_call: Callable[[fx.Node], str | None],
+    describe: Callable[[str], tuple[str, str]],
+) -> tuple[LayerNode, ...]:
     graph = graph_module.graph
     placeholders = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
     count = max(layer_of.values()) + 1
@@ -367,9 +473,9 @@ def _layer_nodes(graph_module: fx.GraphModule, layer_of: dict[str, int]) -> tupl
         if node.op in ("placeholder", "output"):
             continue
         layer = layer_of[node.name]
-        if node.op == "call_module":
-            names[layer] = str(node.target)
-            types[layer] = type(graph_module.get_submodule(str(node.target))).__name__
+        call = layer_call(node)
+        if call is not None and not names[layer]:
+            names[layer], types[layer] = describe(call)
         for used in node.all_input_nodes:
             if used.op == "placeholder":
                 model_inputs[layer].add(placeholders[used.name])

@@ -7,8 +7,9 @@ Required names::
 
 Optional names::
 
-    def loss_fn(output, target) -> Tensor        # default: cross-entropy for integer targets, else MSE
+    def loss_fn(output, target) -> Tensor        # output: what the model returns; default: default_loss
     def data_loader(batch_size, replica, replicas) -> Iterator[tuple[inputs, targets]]
+    LEAF_MODULES = ["GPT2Block", ...]            # module classes kept whole as one layer each
 
 Every failure (missing file, import error, missing name, a name that is not callable)
 raises ``InputError`` with a one-line message.
@@ -16,6 +17,7 @@ raises ``InputError`` with a one-line message.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -31,6 +33,8 @@ __all__ = [
     "ModelFile",
     "load_model_file",
     "default_loss",
+    "output_logits",
+    "parse_leaf_modules",
     "bundled_model_path",
     "resolve_model_path",
 ]
@@ -39,14 +43,42 @@ BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")  # configs/models/<name>.py
 
 
 def default_loss(output: Any, target: Any) -> Any:
-    """Cross-entropy for integer targets (class ids), mean squared error otherwise."""
+    """Cross-entropy for integer targets (class ids), mean squared error otherwise.
+
+    The logits are ``output.logits`` when the output has them (a Hugging Face
+    ``ModelOutput``), else the first tensor in it (a tuple, dict or dataclass). Shapes:
+    (batch, classes) with (batch,) targets; (batch, seq, vocab) with (batch, seq) targets
+    (flattened to tokens); (batch, classes, d1, ...) with (batch, d1, ...) targets
+    (segmentation: ``F.cross_entropy`` takes them as they are).
+    """
     import torch.nn.functional as F
 
+    logits = output_logits(output)
     if not target.is_floating_point():
-        if output.dim() > 2:  # (batch, seq, classes) -> (batch*seq, classes)
-            return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-        return F.cross_entropy(output, target)
-    return F.mse_loss(output, target)
+        language_model = logits.dim() == 3 and target.dim() == 2 and logits.shape[:2] == target.shape
+        if language_model:  # (batch, seq, vocab) -> (batch*seq, vocab)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        return F.cross_entropy(logits, target)
+    return F.mse_loss(logits, target)
+
+
+def output_logits(output: Any) -> Any:
+    """``output.logits`` if present, else the first tensor in ``output``; InputError if none."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, f.name) for f in dataclasses.fields(output)]
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    raise InputError(
+        f"the model returned {type(output).__name__} with no tensor in it; "
+        f"define loss_fn(output, target) in the model file"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,6 +88,7 @@ class ModelFile:
     sample_batch: Callable[[int], Any]
     loss_fn: Callable[[Any, Any], Any]
     data_loader: Callable[[int, int, int], Iterator[Any]] | None
+    leaf_modules: tuple[str, ...] = ()  # LEAF_MODULES: class names whose calls are one layer each
 
     def batch(self, batch_size: int, seed: int) -> tuple[tuple[Any, ...], Any]:
         """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as a tuple.
@@ -142,7 +175,30 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         sample_batch=names["sample_batch"],
         loss_fn=names.get("loss_fn", default_loss),
         data_loader=names.get("data_loader"),
+        leaf_modules=_leaf_modules(getattr(module, "LEAF_MODULES", ()), path),
     )
+
+
+def _leaf_modules(value: Any, path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """``LEAF_MODULES`` as a tuple of class names (strings, or the classes themselves)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise InputError(
+            f"{path}: LEAF_MODULES is {type(value).__name__}, expected a list of module class names"
+        )
+    names = []
+    for item in value:
+        name = item if isinstance(item, str) else getattr(item, "__name__", None)
+        if not isinstance(name, str) or not name:
+            raise InputError(f"{path}: LEAF_MODULES holds {item!r}, expected a module class name")
+        names.append(name)
+    return tuple(names)
+
+
+def parse_leaf_modules(text: str | None) -> tuple[str, ...]:
+    """``"GPT2Block, LlamaDecoderLayer"`` -> ``("GPT2Block", "LlamaDecoderLayer")``."""
+    if not text:
+        return ()
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _user_line(exc: BaseException, file: Path) -> str:

@@ -71,6 +71,9 @@ class Plan:
     predicted: Predicted
     bottleneck_stage: int
     microbatches: int = 1  # micro-batches per minibatch for 1f1b-flush / gpipe
+    # module classes the profile kept whole (the runtime rebuilds the same layers);
+    # None: not recorded, the model file's LEAF_MODULES apply
+    leaf_modules: tuple[str, ...] | None = None
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -105,6 +108,8 @@ class Plan:
                 for k, v in obj.items()
                 if k not in ("schema", "stages", "topology", "predicted")
             }
+            if rest.get("leaf_modules") is not None:
+                rest["leaf_modules"] = tuple(rest["leaf_modules"])
             return cls(
                 topology=Topology.from_dict(obj["topology"]),
                 stages=stages,

@@ -65,15 +65,20 @@ class Profile:
     warmup: int = 0
     repeats: int = 0
     source: str = "pipeplan"  # "pipeplan" | "pipedream" (imported graph.txt)
-    # distinct storages autograd saves in one whole-model forward + loss, parameters
-    # excluded (0 when not measured); the sum of layers' saved_bytes counts a tensor
-    # saved by two layers (a ReLU output and the next Linear's input) twice
+    # distinct storages autograd saves in one whole-model forward (the loss excluded, as
+    # from every layer), parameters excluded (0 when not measured); a layer's saved_bytes
+    # counts only storages no earlier layer saved, so the layers sum to this figure
     step_saved_bytes: int = 0
     loss_ms: float = 0.0  # loss forward+backward on the model output: in step_ms, in no layer
     # one optimizer step over all parameters, by optimizer ("sgd", "momentum", "adam"), ms;
     # not in step_ms; empty when not measured (an imported PipeDream graph)
     optimizer_ms: dict[str, float] = field(default_factory=dict)
     data_ms: float = 0.0  # drawing one minibatch (sample_batch) and placing it on the device
+    # how the layer graph was captured: "sequential" | "fx" | "export" ("" when not recorded)
+    capture: str = ""
+    leaf_modules: tuple[str, ...] = ()  # module classes kept whole (--leaf-modules / LEAF_MODULES)
+    # output fields the export capture set to None (values that are not tensors, e.g. a cache)
+    dropped_outputs: tuple[str, ...] = ()
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -117,6 +122,9 @@ class Profile:
                 for layer in obj["layers"]
             )
             fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema")}
+            for name in ("leaf_modules", "dropped_outputs"):
+                if name in fields:
+                    fields[name] = tuple(fields[name])
             return cls(device=DeviceInfo(**obj["device"]), layers=layers, **fields)
         except KeyError as exc:
             raise InputError(f"{where}: missing key {exc.args[0]!r}") from exc

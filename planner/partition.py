@@ -223,5 +223,5 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         dtype=profile.dtype, topology=topology, schedule=options.schedule, cost_model=options.cost_model,
         optimizer=options.optimizer, world_size=topology.world_size, in_flight=noam(replicas) if options.schedule == "1f1b-rr" else 1,
         stages=tuple(stages), predicted=predicted, bottleneck_stage=bottleneck,
-        microbatches=options.microbatches,
+        microbatches=options.microbatches, leaf_modules=profile.leaf_modules,
     )

@@ -12,7 +12,10 @@ stays close to the whole step. The first pass is untimed and counts bytes; the n
 ``warmup`` passes are discarded; the last ``repeats`` passes give the median and spread.
 
 Each pass also times the whole model's forward + loss + backward (``time_step``), so a
-profile can report how close the sum of the layers comes to the real step.
+profile can report how close the sum of the layers comes to the real step. For a
+``torch.export`` capture the whole model is the captured graph run as one stage (what
+the runtime executes), not the eager module, whose Python overhead (a Hugging Face
+model's mask helpers and cache) no stage ever runs.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from typing import Any, Callable, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
+from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
+    "LossError",
     "Progress",
     "LayerMeasurement",
     "PassSample",
@@ -40,6 +44,11 @@ __all__ = [
 ]
 
 # progress(done, total, label): called after each measured pass (or unit of work).
+
+
+class LossError(InputError):
+    """The model file's ``loss_fn`` raised on the output rebuilt from the layers."""
+
 Progress = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
@@ -77,11 +86,22 @@ def disable_inplace(model: Any) -> int:
 
 
 def _detached(value: Any) -> Any:
+    """``value`` (a tensor, or the model's output structure) with every tensor detached."""
     import torch
+    from torch.utils import _pytree as pytree
 
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().requires_grad_(value.requires_grad)
+    def detach(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return leaf.detach().requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(detach, value)
+
+
+def _leaves(value: Any) -> list[Any]:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(value)
 
 
 def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -108,7 +128,12 @@ def run_pass(
     timer: Timer,
     count_bytes: bool = False,
 ) -> PassSample:
-    """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed)."""
+    """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed).
+
+    With ``count_bytes``, a layer's saved bytes are the storages autograd saves during its
+    forward that no earlier layer saved (a layer's output saved again as the next layer's
+    input counts once), so the layers sum to the whole forward's figure.
+    """
     import torch
 
     from pipeplan.graph import MODEL_OUTPUT
@@ -116,13 +141,16 @@ def run_pass(
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     produced: list[tuple[Any, ...]] = []
+    # one counter for the whole pass: a storage counts in the first layer that saves it
+    counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
     with torch.enable_grad():
         for position, stage in enumerate(stages):
             args = tuple(values[name] for name in stage.input_names)
             if count_bytes:
-                with count_saved(exclude=stage.module.parameters()) as counter:
+                before = counter.saved_bytes
+                with count_saved(counter=counter):
                     outputs = _run(stage, args)
-                sample.saved_bytes.append(counter.saved_bytes)
+                sample.saved_bytes.append(counter.saved_bytes - before)
                 sample.output_bytes.append(output_bytes(outputs))
             else:
                 timer.start()
@@ -132,16 +160,24 @@ def run_pass(
             values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
-        loss = loss_fn(result, targets)
-        if result.requires_grad:
+        try:
+            loss = loss_fn(result, targets)
+        except Exception as exc:
+            text = str(exc).strip().splitlines()
+            raise LossError(
+                f"loss_fn raised on the output of the captured layers: {type(exc).__name__}: "
+                f"{text[0] if text else ''}"
+            ) from exc
+        if loss.requires_grad:
             loss.backward()
         sample.loss_ms = timer.stop()
         for position in reversed(range(len(stages))):
             stage = stages[position]
             pairs = [
-                (output, values[name].grad)
-                for name, output in zip(stage.output_names, produced[position])
-                if isinstance(output, torch.Tensor) and output.requires_grad and values[name].grad is not None
+                (output, detached.grad)
+                for name, value in zip(stage.output_names, produced[position])
+                for output, detached in zip(_leaves(value), _leaves(values[name]))
+                if isinstance(output, torch.Tensor) and output.requires_grad and detached.grad is not None
             ]
             produced[position] = ()
             for name in stage.output_names:  # free the gradients as soon as they are used,
@@ -178,12 +214,12 @@ def time_step(
 def step_saved_bytes(
     model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any]
 ) -> int:
-    """Distinct storages autograd saves in one whole forward + loss (parameters excluded)."""
+    """Distinct storages autograd saves in one whole forward (parameters and the loss excluded)."""
     import torch
 
     with torch.enable_grad(), count_saved(exclude=model.parameters()) as counter:
-        loss = loss_fn(model(*inputs), targets)
-    del loss
+        output = model(*inputs)
+    del output
     return counter.saved_bytes
 
 
@@ -274,6 +310,20 @@ def measure_stages(
     return Measurements(layers, robust_stats([s.loss_ms for s in samples]), robust_stats(steps), whole_saved)
 
 
+class WholeGraph:
+    """A one-stage split called like the model: ``whole(*inputs)`` returns the model output."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+
+    def __call__(self, *inputs: Any) -> Any:
+        args = (inputs[int(name.split(":")[1])] for name in self.stage.input_names)
+        return self.stage.module(*args)[-1]
+
+    def parameters(self) -> Any:
+        return self.stage.module.parameters()
+
+
 def measure_layers(
     graph: Any,
     inputs: Sequence[Any],
@@ -285,9 +335,19 @@ def measure_layers(
     progress: Progress | None = None,
 ) -> tuple[list[LayerProfile], Measurements]:
     """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.graph.LayerGraph``), and all measurements."""
-    measured = measure_stages(
-        graph.layer_modules(), graph.model, inputs, targets, loss_fn, timer, warmup, repeats, progress
-    )
+    whole = graph.model if graph.kind != "export" else WholeGraph(graph.split([0] * len(graph))[0])
+    try:
+        measured = measure_stages(
+            graph.layer_modules(), whole, inputs, targets, loss_fn, timer, warmup, repeats, progress
+        )
+    except LossError as exc:
+        dropped = getattr(graph, "dropped_outputs", ())
+        if not dropped:
+            raise
+        raise LossError(
+            f"{exc}; the capture set the output fields {', '.join(dropped)} to None (not tensors: "
+            f"they cannot cross stages); build the model without them (use_cache=False)"
+        ) from exc
     layers = [
         LayerProfile(
             index=node.index,

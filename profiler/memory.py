@@ -76,16 +76,22 @@ def _storage_nbytes(tensor: Any) -> int:
 
 
 class SavedTensorCounter:
-    """Collects the distinct storages autograd packs for backward (parameters excluded)."""
+    """Collects the distinct storages autograd packs for backward (parameters excluded).
+
+    It keeps each counted tensor alive, so no storage it counted can be freed and its
+    address reused by another (which would then go uncounted).
+    """
 
     def __init__(self, exclude: Iterable[Any] = ()) -> None:
         self._excluded = {storage_key(tensor) for tensor in exclude}
         self.storages: dict[int, int] = {}  # storage key -> bytes
+        self._alive: list[Any] = []
 
     def pack(self, tensor: Any) -> Any:
         key = storage_key(tensor)
-        if key not in self._excluded:
+        if key not in self._excluded and key not in self.storages:
             self.storages[key] = _storage_nbytes(tensor)
+            self._alive.append(tensor)
         return tensor
 
     @staticmethod
@@ -98,8 +104,12 @@ class SavedTensorCounter:
 
 
 @contextmanager
-def count_saved(exclude: Iterable[Any] = ()) -> Iterator[SavedTensorCounter]:
+def count_saved(
+    exclude: Iterable[Any] = (), counter: SavedTensorCounter | None = None
+) -> Iterator[SavedTensorCounter]:
     """Within the block, record what autograd saves; ``exclude`` (parameters) is not counted.
+
+    Pass ``counter`` to add to an earlier block's record (a storage counts once in all).
 
     >>> import torch
     >>> layer = torch.nn.Linear(4, 8)
@@ -110,6 +120,7 @@ def count_saved(exclude: Iterable[Any] = ()) -> Iterator[SavedTensorCounter]:
     """
     import torch
 
-    counter = SavedTensorCounter(exclude)
+    if counter is None:
+        counter = SavedTensorCounter(exclude)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         yield counter

@@ -53,10 +53,6 @@ def check_model_runs(
         raise InputError(
             f"{model_file.path}: the model raised on sample_batch({batch_size}): {_one_line(exc)}"
         ) from exc
-    if not isinstance(output, torch.Tensor):
-        raise InputError(
-            f"{model_file.path}: the model returned {type(output).__name__}, expected one Tensor"
-        )
     try:
         loss = model_file.loss_fn(output, targets)
     except Exception as exc:
@@ -107,6 +103,7 @@ def profile_model(
     progress: Progress | None = None,
     threads: int | None = None,
     allow_nonfinite: bool = False,
+    leaf_modules: Sequence[str] | None = None,
 ) -> Profile:
     """Measure every layer of the model file ``model`` (a path or a bundled model's name).
 
@@ -115,6 +112,8 @@ def profile_model(
     model's forward + loss + backward, timed in the same passes. ``progress(done, total,
     label)`` is called after each pass (total = 1 + warmup + repeats). ``threads``
     sets torch's intra-op CPU threads for the measurement (restored afterwards).
+    ``leaf_modules`` (class names kept whole as one layer each) overrides the model
+    file's ``LEAF_MODULES``.
     """
     import torch
 
@@ -127,7 +126,8 @@ def profile_model(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite)
+        return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite,
+                        leaf_modules)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -140,7 +140,8 @@ def _profile(
     warmup: int,
     repeats: int,
     progress: Progress | None,
-    allow_nonfinite: bool = False,
+    allow_nonfinite: bool,
+    leaf_modules: Sequence[str] | None,
 ) -> Profile:
     """``profile_model`` without the thread setting."""
     if batch_size <= 0:
@@ -158,7 +159,9 @@ def _profile(
     from pipeplan.graph import build_layer_graph
 
     disable_inplace(network)
-    graph = build_layer_graph(network, inputs)
+    leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules
+    _check_leaf_modules(network, leaves)
+    graph = build_layer_graph(network, inputs, leaves)
     timer = make_timer(torch_device)
     layers, measured = measure_layers(
         graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
@@ -181,4 +184,18 @@ def _profile(
         loss_ms=measured.loss.median,
         optimizer_ms=optimizer_ms,
         data_ms=data_ms,
+        capture=graph.kind,
+        leaf_modules=leaves,
+        dropped_outputs=graph.dropped_outputs,
     )
+
+
+def _check_leaf_modules(model: Any, leaf_modules: Sequence[str]) -> None:
+    """``InputError`` naming a leaf module class that the model does not contain."""
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in leaf_modules if name not in present]
+    if missing:
+        raise InputError(
+            f"leaf module class {missing[0]!r} is not in the model (its classes include "
+            f"{', '.join(sorted(present)[:8])}{', ...' if len(present) > 8 else ''})"
+        )

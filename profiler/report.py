@@ -78,4 +78,16 @@ def summary_lines(profile: Profile) -> list[str]:
         ]
         if profile.optimizer_ms
         else []
+    ) + (
+        [
+            f"capture: {profile.capture}, {len(profile.layers)} layers"
+            + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
+            + (
+                f"; output fields set to None (not tensors): {', '.join(profile.dropped_outputs)}"
+                if profile.dropped_outputs
+                else ""
+            )
+        ]
+        if profile.capture
+        else []
     )

@@ -193,7 +193,7 @@ class Executor:
                 self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
                                f"send {action} ->r{peer}")
         if self.recompute:
-            outputs = {n: v.detach() for n, v in outputs.items()}
+            outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
             loss = None
         self._saved[unit] = _Saved(inputs, outputs, loss, version, rng)
 

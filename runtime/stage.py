@@ -2,10 +2,13 @@
 
 Every rank builds the whole model from model.py under the same seed (so every stage,
 and every copy of a tied parameter, starts from identical weights), cuts it into the
-layer graph (``pipeplan.graph``: a slice for an ``nn.Sequential``, a ``torch.fx`` split
-otherwise), checks the graph's fingerprint against the plan, splits it by the plan's
-stages and keeps its own stage's module; every value that crosses a cut, skips over
-several stages included, becomes a message (``value_ids``).
+layer graph (``pipeplan.graph``: a slice for an ``nn.Sequential``, a ``torch.fx`` split,
+or a ``torch.export`` capture for a model fx cannot trace, taken at the micro-batch size
+since export specialises shapes), checks the graph's fingerprint against the plan,
+splits it by the plan's stages and keeps its own stage's module; every value that
+crosses a cut, skips over several stages included, becomes a message (``value_ids``).
+A stage that reads a model input (token ids, an attention mask) draws it from the data
+itself (``pipeplan.runtime.data``), so model inputs are never sent.
 
 A parameter held by several stages (a tied embedding and head) is *tied*: the stages
 holding it sum its gradient each step, replica by replica (``tie_groups``), so their
@@ -68,11 +71,17 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
 
 
 def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int) -> PipelineSpec:
-    """Build this rank's stage (module on CPU; the caller moves it to its device)."""
+    """Build this rank's stage (module on CPU; the caller moves it to its device).
+
+    ``sample_batch_size`` must be the micro-batch size the stages will run: a
+    ``torch.export`` capture specialises shapes to the sample batch. The layers are
+    rebuilt with the plan's leaf modules (else the model file's ``LEAF_MODULES``).
+    """
     torch.manual_seed(seed)
     model = model_file.build()
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
-    graph = build_layer_graph(model, sample_inputs)
+    leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
+    graph = build_layer_graph(model, sample_inputs, leaf_modules)
     if graph.fingerprint != plan.profile_fingerprint:
         raise InputError(
             f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
@@ -108,12 +117,12 @@ def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...]) 
     for qualified, stages in holders.items():
         if len(stages) > 1:
             groups.setdefault(tuple(sorted(stages)), []).append(qualified)
-    for stages in groups:
-        counts = {len(ranks[s]) for s in stages}
+    for group in groups:
+        counts = {len(ranks[s]) for s in group}
         if len(counts) > 1:
             raise InputError(
-                f"parameter {groups[stages][0]} is tied across stages {list(stages)} with replica "
-                f"counts {[len(ranks[s]) for s in stages]}; tied stages need equal replica counts"
+                f"parameter {groups[group][0]} is tied across stages {list(group)} with replica "
+                f"counts {[len(ranks[s]) for s in group]}; tied stages need equal replica counts"
             )
     return {stages: tuple(sorted(names)) for stages, names in sorted(groups.items())}
 

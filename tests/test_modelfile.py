@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeplan.errors import InputError
-from pipeplan.modelfile import bundled_model_path, default_loss, load_model_file
+from pipeplan.modelfile import bundled_model_path, default_loss, load_model_file, parse_leaf_modules
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
@@ -82,6 +82,45 @@ def test_default_loss_cross_entropy_for_ids_mse_for_floats() -> None:
     expected = torch.nn.functional.cross_entropy(sequence.reshape(6, 5), tokens.reshape(6))
     assert torch.allclose(default_loss(sequence, tokens), expected)
     assert torch.allclose(default_loss(torch.ones(3), torch.zeros(3)), torch.tensor(1.0))
+
+
+def test_default_loss_takes_the_logits_of_structured_outputs_and_segmentation_shapes() -> None:
+    from dataclasses import dataclass
+
+    F = torch.nn.functional
+    # (B, C, H, W) logits with (B, H, W) targets: cross-entropy per pixel, not flattened by C
+    logits = torch.randn(2, 4, 3, 5)
+    pixels = torch.randint(0, 4, (2, 3, 5))
+    expected = F.cross_entropy(logits, pixels)
+    assert torch.allclose(default_loss(logits, pixels), expected)
+    assert torch.allclose(default_loss({"out": logits, "aux": torch.zeros(1)}, pixels), expected)
+
+    @dataclass
+    class Output:
+        loss: None
+        logits: torch.Tensor
+        cache: object
+
+    tokens = torch.randint(0, 7, (2, 3))
+    sequence = torch.randn(2, 3, 7)
+    lm = F.cross_entropy(sequence.reshape(6, 7), tokens.reshape(6))
+    assert torch.allclose(default_loss(Output(None, sequence, object()), tokens), lm)  # .logits
+    assert torch.allclose(default_loss((sequence, torch.zeros(1)), tokens), lm)  # first tensor
+    with pytest.raises(InputError, match="no tensor in it; define loss_fn"):
+        default_loss({"cache": object()}, tokens)
+
+
+def test_leaf_modules_from_the_model_file(tmp_path: Path) -> None:
+    source = (FIXTURES / "residual.py").read_text()
+    good = tmp_path / "good.py"
+    good.write_text(source + "\nLEAF_MODULES = ['Block', nn.Linear]\n")
+    assert load_model_file(good).leaf_modules == ("Block", "Linear")
+    assert load_model_file(FIXTURES / "residual.py").leaf_modules == ()
+    bad = tmp_path / "bad.py"
+    bad.write_text(source + "\nLEAF_MODULES = 'Block'\n")
+    with pytest.raises(InputError, match="LEAF_MODULES is str, expected a list of module class names"):
+        load_model_file(bad)
+    assert parse_leaf_modules(" GPT2Block, LlamaDecoderLayer ,") == ("GPT2Block", "LlamaDecoderLayer")
 
 
 def test_bundled_model_paths() -> None:

@@ -15,6 +15,7 @@ Examples:
   pipeplan profile model.py -o profile.json --batch-size 64
   pipeplan profile gpt --device cuda --dtype bfloat16 --repeats 20
   PIPEPLAN_GPT_LAYERS=12 PIPEPLAN_GPT_DIM=768 pipeplan profile gpt --device cuda
+  pipeplan profile hf_gpt2.py --leaf-modules GPT2Block    # one layer per GPT-2 block
 """,
 )
 @click.argument("model", metavar="MODEL")
@@ -32,6 +33,9 @@ Examples:
 @click.option("--threads", type=int, default=None,
               help="CPU threads torch may use while measuring (default: torch's default).")
 @click.option("--allow-nonfinite", is_flag=True, help="Profile even when the loss is NaN or infinite.")
+@click.option("--leaf-modules", "leaf_modules", default=None, metavar="CLASS,CLASS",
+              help="Module classes kept whole, one layer per call (e.g. GPT2Block); "
+                   "overrides LEAF_MODULES in the model file.")
 def profile(
     model: str,
     output_path: str,
@@ -42,6 +46,7 @@ def profile(
     repeats: int,
     threads: int | None,
     allow_nonfinite: bool,
+    leaf_modules: str | None,
 ) -> None:
     """Measure MODEL (a model file, or a bundled model's name) layer by layer.
 
@@ -52,6 +57,7 @@ def profile(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from pipeplan.modelfile import parse_leaf_modules
     from pipeplan.profiler.profile_model import profile_model
     from pipeplan.profiler.report import profile_table, summary_lines
 
@@ -66,8 +72,9 @@ def profile(
         def advance(done: int, total: int, label: str) -> None:
             bar.update(task, completed=done, total=total, description=f"profiling {model}: {label}")
 
+        leaves = parse_leaf_modules(leaf_modules) if leaf_modules is not None else None
         result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads,
-                               allow_nonfinite)
+                               allow_nonfinite=allow_nonfinite, leaf_modules=leaves)
     result.save(output_path)
     console.print(profile_table(result))
     for line in summary_lines(result):

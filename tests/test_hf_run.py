@@ -1,0 +1,94 @@
+"""Hugging Face models as built, end to end: profile -> partition -> 2 gloo ranks (torchrun).
+
+GPT2LMHeadModel (its embedding and head are one tied tensor, split across the two
+stages) and BertForSequenceClassification (token ids and an attention mask: two model
+inputs) from tiny configs, nothing downloaded. 1F1B-Flush and GPipe must equal
+single-process training on the same batches; 1F1B-RR trains and keeps tied copies equal.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+pytest.importorskip("transformers")
+
+from pipeplan.cli import cli  # noqa: E402
+from pipeplan.plan import Plan  # noqa: E402
+from pipeplan.profile import Profile  # noqa: E402
+from pipeplan.profiler.profile_model import profile_model  # noqa: E402
+from test_run_torchrun import LR, assert_params_match, records, torchrun  # noqa: E402
+from reference import train_reference  # noqa: E402  (tests/fixtures/runtime, on sys.path)
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).parent.parent
+MODELS = {
+    "gpt2": str(ROOT / "docs" / "tutorial" / "hf_gpt2.py"),
+    "bert": str(Path(__file__).parent / "fixtures" / "models" / "hf_bert.py"),
+}
+BATCH, STEPS = 8, 3
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("profiles")
+    paths = {}
+    for name, model in MODELS.items():
+        profile = profile_model(model, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
+        assert profile.capture == "export"
+        paths[name] = folder / f"{name}.json"
+        profile.save(paths[name])
+    return paths
+
+
+def partition(profile: Path, schedule: str, microbatches: int, out: Path) -> Plan:
+    result = CliRunner().invoke(cli, ["partition", str(profile), "--topology", "local-cpu", "--straight",
+                                      "--schedule", schedule, "--microbatches", str(microbatches),
+                                      "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    assert len(plan.stages) == 2
+    return plan
+
+
+def run(tmp_path: Path, model: str, plan: Path, steps: int, *extra: str) -> dict[int, dict]:
+    result = torchrun(2, [str(plan), "--model", model, "--steps", str(steps), "--lr", str(LR),
+                          "--no-progress", "--record", str(tmp_path / "rec"), *extra], timeout=60.0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return records(tmp_path / "rec")
+
+
+@pytest.mark.parametrize(
+    "name,schedule,extra",
+    [("gpt2", "1f1b-flush", ()), ("gpt2", "gpipe", ("--recompute",)),
+     ("bert", "1f1b-flush", ()), ("bert", "gpipe", ())],
+)
+def test_flush_schedules_match_single_process_training(
+    tmp_path: Path, profiles: dict[str, Path], name: str, schedule: str, extra: tuple[str, ...]
+) -> None:
+    plan = partition(profiles[name], schedule, 2, tmp_path / "plan.json")
+    recs = run(tmp_path, MODELS[name], tmp_path / "plan.json", STEPS, *extra)
+    reference, _ = train_reference(MODELS[name], STEPS, BATCH, LR)
+    assert_params_match(recs, reference)
+    if name == "gpt2":  # the embedding on stage 0 and the head on stage 1: one tensor, both updated
+        layers = len(Profile.load(profiles[name]).layers)
+        assert plan.stages[0].layer_start == 0 and plan.stages[1].layer_end == layers
+        assert all("transformer.wte.weight" in rec["params"] for rec in recs.values())
+
+
+def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(tmp_path: Path, profiles: dict[str, Path]) -> None:
+    partition(profiles["gpt2"], "1f1b-rr", 1, tmp_path / "plan.json")
+    recs = run(tmp_path, MODELS["gpt2"], tmp_path / "plan.json", 4)
+    tied = [rec["params"]["transformer.wte.weight"] for rec in recs.values()]
+    assert len(tied) == 2
+    torch.testing.assert_close(tied[0], tied[1], rtol=0, atol=0)
+    digests = [[d["transformer.wte.weight"] for d in rec["digests"]] for rec in recs.values()]
+    assert digests[0] == digests[1] and len(digests[0]) == 4
+    initial, _ = train_reference(MODELS["gpt2"], 0, BATCH, LR)  # no step: the initial weights
+    assert not torch.equal(tied[0], initial["transformer.wte.weight"])  # it trained
