@@ -85,13 +85,15 @@ class ModelStructure:
     ``layer_names[i]``: plan layer i's module qualified name (or functional op name);
     ``layer_parameters[i]``: qualified names of the parameters layer i uses;
     ``modules``: every module's qualified name ("" is the root) -> its class name;
-    ``containers``: the modules that are ``nn.ModuleList`` / ``nn.ModuleDict``.
+    ``containers``: the modules that are ``nn.ModuleList`` / ``nn.ModuleDict``;
+    ``calls``: module name -> how many times one forward pass calls it (a container: 0).
     """
 
     layer_names: tuple[str, ...]
     layer_parameters: tuple[frozenset[str], ...]
     modules: dict[str, str]
     containers: frozenset[str]
+    calls: dict[str, int]
 
     def is_module(self, name: str) -> bool:
         return bool(name) and name in self.modules
@@ -125,10 +127,10 @@ class PipeliningExport:
         multi = self.schedule_class in _MULTI_STAGE_CLASSES
         build = (
             f"    stages = [pipe.build_stage(s, device, group) for s in range(rank, pipe.num_stages, {self.ranks})]\n"
-            f"    return {self.schedule_class}(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
+            f"    schedule = {self.schedule_class}(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
             if multi
-            else "    stage = pipe.build_stage(rank, device, group)\n"
-            f"    return {self.schedule_class}(stage, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
+            else "    stages = [pipe.build_stage(rank, device, group)]\n"
+            f"    schedule = {self.schedule_class}(stages[0], n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
         )
         size = self.batch_size // self.microbatches
         return (
@@ -143,10 +145,11 @@ class PipeliningExport:
             "\n"
             "\n"
             "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
-            f'    """This rank\'s stage(s) and the plan\'s schedule; example_microbatch: a tuple of\n'
-            f'    the model\'s inputs for one micro-batch ({size} samples)."""\n'
+            f'    """(schedule, this rank\'s stage modules: give their parameters to the optimizer);\n'
+            f'    example_microbatch: a tuple of the model\'s inputs for one micro-batch ({size} samples)."""\n'
             "    pipe = pipeline(model, mb_args=example_microbatch, split_spec=SPLIT_SPEC)\n"
             f"{build}"
+            "    return schedule, [stage.submod for stage in stages]\n"
             "\n"
             "# The plan's own action order instead (pipeplan export ... --format csv -o schedule.csv):\n"
             "#   from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime\n"
@@ -198,7 +201,8 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
     """Build the model file's model and layer graph; ``InputError`` unless it is the plan's model.
 
     The graph is traced on one micro-batch (``batch_size // microbatches`` samples) of
-    ``sample_batch``, as ``pipeplan run`` does.
+    ``sample_batch``, as ``pipeplan run`` does; one more forward pass on it counts each
+    module's calls (forward pre-hooks).
     """
     import torch
     from torch import nn
@@ -217,6 +221,17 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
             f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
         )
     per_layer = graph.layer_modules()
+    calls = dict.fromkeys((name for name, _ in model.named_modules()), 0)
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            model(*sample_inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return ModelStructure(
         layer_names=tuple(layer.name for layer in graph.layers),
         layer_parameters=tuple(frozenset(m.parameter_names.values()) for m in per_layer),
@@ -224,6 +239,7 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
         containers=frozenset(
             name for name, module in model.named_modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))
         ),
+        calls=calls,
     )
 
 
@@ -352,12 +368,16 @@ def _layers_under(names: tuple[str, ...]) -> dict[str, list[int]]:
 def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, ...]:
     """The module where each stage 1, 2, ... begins (torch.distributed.pipelining's SplitPoint.BEGINNING).
 
-    Raises ``InputError`` for a stage that begins at a functional op or at a module
-    called more than once. O(layers * depth).
+    For a stage beginning at layer i: the outermost module that is called exactly once
+    per forward pass and whose first layer is i (``blocks.1`` rather than
+    ``blocks.1.ln1``; never a ModuleList, which is not called). Raises ``InputError``
+    for a stage that begins at a functional op or at a module called several times.
+    O(layers * depth).
 
     >>> s = ModelStructure(("a", "b.0.x", "b.0.y", "b.1.x"), (frozenset(),) * 4,
     ...                    {"": "M", "a": "L", "b": "S", "b.0": "B", "b.0.x": "L", "b.0.y": "L",
-    ...                     "b.1": "B", "b.1.x": "L"}, frozenset())
+    ...                     "b.1": "B", "b.1.x": "L"}, frozenset(),
+    ...                    {"": 1, "a": 1, "b": 1, "b.0": 1, "b.0.x": 1, "b.0.y": 1, "b.1": 1, "b.1.x": 1})
     >>> split_points(s, [0, 0, 1, 2])
     ('b.0.y', 'b.1')
     """
@@ -374,22 +394,22 @@ def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, .
                 f"torch.distributed.pipelining splits before module calls; a plan that cuts before a "
                 f"module layer carries over"
             )
-        calls = [i for i in under[name] if names[i] == name]
-        if len(calls) > 1:
+        calls = structure.calls.get(name, 0)
+        if calls != 1:
+            layers = [i for i in under[name] if names[i] == name]
             raise InputError(
-                f"stage {stage_of[first]} begins at layer {first} ({name}), a module called {len(calls)} "
-                f"times (layers {', '.join(map(str, calls))}): SplitPoint.BEGINNING would split before "
-                f"every call; a plan whose stages begin at modules called once carries over"
+                f"stage {stage_of[first]} begins at layer {first} ({name}), a module called {calls} times "
+                f"per forward pass (layers {', '.join(map(str, layers))}): SplitPoint.BEGINNING would split "
+                f"before every call; a plan whose stages begin at modules called once carries over"
             )
         point = name
         parts = name.split(".")
         for depth in range(len(parts) - 1, 0, -1):
             prefix = ".".join(parts[:depth])
-            layers = under[prefix]
-            leaves = [names[i] for i in layers]
-            if min(layers) != first or len(set(leaves)) != len(leaves) or not structure.is_module(prefix):
+            if min(under[prefix]) != first:
                 break
-            point = prefix
+            if structure.calls.get(prefix, 0) == 1:
+                point = prefix
         points.append(point)
     return tuple(points)
 
@@ -431,6 +451,7 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
     names = structure.layer_names
     stage_of_unit: dict[str, int] = {}
     first_layer: dict[str, int] = {}
+    last_layer: dict[str, int] = {}
     for layer, name in enumerate(names):
         if not structure.is_module(name):
             raise InputError(
@@ -439,7 +460,7 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
             )
         unit = _unit_of(structure, name)
         if unit in stage_of_unit and stage_of_unit[unit] != stage_of[layer]:
-            before = first_layer[unit]
+            before = last_layer[unit]
             kind = structure.modules.get(unit, "module")
             raise InputError(
                 f"cut between layer {before} ({names[before]}, stage {stage_of_unit[unit]}) and layer "
@@ -449,6 +470,7 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
             )
         stage_of_unit.setdefault(unit, stage_of[layer])
         first_layer.setdefault(unit, layer)
+        last_layer[unit] = layer
     for layer, parameters in enumerate(structure.layer_parameters):  # units no layer runs
         for parameter in sorted(parameters):
             unit = _unit_of(structure, parameter.rsplit(".", 1)[0])
