@@ -132,6 +132,13 @@ def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path)
     assert by_class == pytest.approx(ours, rel=1e-5, abs=1e-6)
     assert by_csv == pytest.approx(ours, rel=1e-5, abs=1e-6)
     assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-4  # training moved the weights
+    # the engine ran the plan's stages and micro-batches, not merely the same maths
+    held = [[f"{i}.{kind}" for i in stage.layers if i % 2 == 0 for kind in ("bias", "weight")]
+            for stage in plan.stages]  # the MLP's Linear children are the even ones
+    for run in ("by_class.json", "by_csv.json"):
+        record = json.loads((mlp_plan / run).read_text())
+        assert record["microbatches"] == [4] * STEPS
+        assert record["parameters_by_rank"] == [sorted(names) for names in held]
 
 
 def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:

@@ -13,7 +13,8 @@ instead, on ``_PipelineScheduleRuntime``. The model is built under
 ``torch.manual_seed(--seed)`` and step k trains on ``sample_batch`` drawn under seed
 ``--seed + k``, as ``pipeplan run`` does, so the losses of the two runs compare. SGD,
 gloo, CPU. The last stage's rank prints each step's loss (mean over micro-batches) and
-writes them to ``--losses`` as JSON.
+writes them to ``--losses`` as JSON, with the micro-batches of each step and the
+parameter names each rank's stage holds.
 """
 
 from __future__ import annotations
@@ -79,18 +80,23 @@ def main() -> None:
         first = rank == 0
         last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
         losses: list[float] = []
+        microbatches: list[int] = []
         for inputs, targets in batches:
             optimizer.zero_grad()
             micro: list[torch.Tensor] = []
             schedule.step(*(inputs if first else ()), **({"target": targets, "losses": micro} if last else {}))
             optimizer.step()
             if last:
+                microbatches.append(len(micro))
                 losses.append(float(torch.stack([loss.detach() for loss in micro]).mean()))
                 print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+        held = [sorted(name for m in modules for name, _ in m.named_parameters())]
+        every_rank: list[list[list[str]]] = [[] for _ in range(world)]
+        dist.all_gather_object(every_rank, held)
         if last and args.losses:
             with open(args.losses, "w") as handle:
-                json.dump({"losses": losses, "csv": bool(args.csv)}, handle)
-        dist.barrier()
+                json.dump({"losses": losses, "microbatches": microbatches, "csv": bool(args.csv),
+                           "parameters_by_rank": [names[0] for names in every_rank]}, handle)
     finally:
         dist.destroy_process_group()
 
