@@ -365,3 +365,12 @@ def test_action_table_lines_up_by_unit_step() -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=4)
     assert action_table_csv(plan) == ("0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n"
                                       ",1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n")
+
+
+def test_doctests() -> None:
+    import doctest
+
+    import pipeplan.export as export_module
+
+    result = doctest.testmod(export_module)
+    assert result.attempted >= 1 and result.failed == 0
