@@ -29,6 +29,7 @@ from pipeplan.export import (
     torchtitan_parts,
 )
 from pipeplan.plan import Plan
+from pipeplan.schedule import SCHEDULE_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -359,6 +360,34 @@ def test_action_table_loads_and_runs_in_torchs_simulator(schedule: str, stages: 
                              num_stages=stages)
     simulated = _simulate_comms_compute(lowered, lambda s: s, stages)
     assert {rank: [a for a in row if a is not None and a.is_compute_op] for rank, row in simulated.items()} == compute
+
+
+@pytest.mark.skipif("zb-h1" not in SCHEDULE_NAMES, reason="needs issue 12's interleaved-1f1b and zb-h1 schedules")
+@pytest.mark.parametrize("schedule, virtual, ranks, microbatches",
+                         [("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 2, 2, 2), ("zb-h1", 1, 2, 4),
+                          ("zb-h1", 1, 3, 6)])
+def test_action_table_of_chunked_and_split_backward_schedules(schedule: str, virtual: int, ranks: int,
+                                                               microbatches: int) -> None:
+    """Chunk c on rank r is torch stage c * ranks + r; I and W keep their letters; torch dry-runs it."""
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _simulate_comms_compute,
+        _validate_schedule,
+    )
+
+    stages = virtual * ranks
+    plan = SimpleNamespace(schedule=schedule, virtual_stages=virtual, stages=[None] * stages,
+                           microbatches=microbatches)
+    rows = list(csv.reader(io.StringIO(action_table_csv(plan))))  # type: ignore[arg-type]
+    actions = {rank: [_Action.from_str(cell) for cell in row] for rank, row in enumerate(rows)}
+    assert _validate_schedule(actions, ranks, stages, microbatches) == {s: s % ranks for s in range(stages)}
+    compute = {rank: [a for a in row if a is not None] for rank, row in actions.items()}
+    kinds = {a.computation_type.value for row in compute.values() for a in row}
+    assert kinds == ({"F", "I", "W"} if schedule == "zb-h1" else {"F", "B"})
+    lowered = _add_send_recv({r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s % ranks,
+                             num_stages=stages)
+    _simulate_comms_compute(lowered, lambda s: s % ranks, stages)
 
 
 def test_action_table_lines_up_by_unit_step() -> None:
