@@ -58,6 +58,8 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     stages, a cut inside what the engine keeps whole, shared parameters) is refused
     with one line saying what does not carry over and what would.
     """
+    import json
+
     from pipeplan.export import (
         action_table_csv,
         check_plan,
@@ -74,8 +76,6 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     structure = model_structure(model_path, plan)
     if target == "pipelining":
         pipelining = export_pipelining(plan, structure)
-        import json
-
         text = {
             "python": pipelining.python(),
             "json": json.dumps(pipelining.to_dict(), indent=2) + "\n",
