@@ -26,6 +26,7 @@ COMMANDS = {
     "simulate": "pipeplan.cli.simulate:simulate",
     "report": "pipeplan.cli.report:report",
     "demo": "pipeplan.cli.demo:demo",
+    "export": "pipeplan.cli.export:export",
 }
 
 

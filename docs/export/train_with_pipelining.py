@@ -1,0 +1,105 @@
+"""Train a model with torch.distributed.pipelining, split as ``pipeplan export`` says.
+
+Run under torchrun with as many ranks as the plan has pipeline ranks::
+
+    pipeplan export plan.json --to pipelining --model mlp -o split.py
+    torchrun --nproc-per-node 2 docs/export/train_with_pipelining.py split.py --model mlp \
+        --batch-size 32 --steps 5 --lr 0.05
+
+``split.py`` is the exported snippet, used as a user would: ``pipeline()`` with its
+``SPLIT_SPEC`` and its schedule class (``build_pipeline_schedule``). With ``--csv
+schedule.csv`` (``pipeplan export ... --format csv``) the plan's own action table runs
+instead, on ``_PipelineScheduleRuntime``. The model is built under
+``torch.manual_seed(--seed)`` and step k trains on ``sample_batch`` drawn under seed
+``--seed + k``, as ``pipeplan run`` does, so the losses of the two runs compare. SGD,
+gloo, CPU. The last stage's rank prints each step's loss (mean over micro-batches) and
+writes them to ``--losses`` as JSON, with the micro-batches of each step and the
+parameter names each rank's stage holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from datetime import timedelta
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import SplitPoint, pipeline  # noqa: F401  (the snippet's names)
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+from pipeplan.modelfile import load_model_file, resolve_model_path
+
+
+def load_snippet(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("exported_split", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"error: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("snippet", help="the .py written by `pipeplan export --to pipelining`")
+    parser.add_argument("--model", required=True, help="model.py or a bundled model name")
+    parser.add_argument("--batch-size", type=int, required=True, help="samples per step (the plan's)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--csv", default=None, help="run this CSV action table (_PipelineScheduleRuntime)")
+    parser.add_argument("--losses", default=None, help="write the per-step losses here (JSON)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every collective")
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    try:
+        split = load_snippet(args.snippet)
+        model_file = load_model_file(resolve_model_path(args.model))
+        torch.manual_seed(args.seed)
+        model = model_file.build()
+        batches = [model_file.batch(args.batch_size, seed=args.seed + k) for k in range(args.steps)]
+        example = tuple(t.tensor_split(split.N_MICROBATCHES)[0] for t in batches[0][0])
+        device = torch.device("cpu")
+        if args.csv:
+            pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
+            stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world)]
+            schedule = _PipelineScheduleRuntime(stages, n_microbatches=split.N_MICROBATCHES,
+                                                loss_fn=model_file.loss_fn)
+            schedule._load_csv(args.csv)
+            modules = [stage.submod for stage in stages]
+        else:
+            schedule, modules = split.build_pipeline_schedule(model, example, model_file.loss_fn, rank, device)
+        optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=args.lr)
+        first = rank == 0
+        last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
+        losses: list[float] = []
+        microbatches: list[int] = []
+        for inputs, targets in batches:
+            optimizer.zero_grad()
+            micro: list[torch.Tensor] = []
+            schedule.step(*(inputs if first else ()), **({"target": targets, "losses": micro} if last else {}))
+            optimizer.step()
+            if last:
+                microbatches.append(len(micro))
+                losses.append(float(torch.stack([loss.detach() for loss in micro]).mean()))
+                print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+        held = [sorted(name for m in modules for name, _ in m.named_parameters())]
+        every_rank: list[list[list[str]]] = [[] for _ in range(world)]
+        dist.all_gather_object(every_rank, held)
+        if last and args.losses:
+            with open(args.losses, "w") as handle:
+                json.dump({"losses": losses, "microbatches": microbatches, "csv": bool(args.csv),
+                           "parameters_by_rank": [names[0] for names in every_rank]}, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
