@@ -1,8 +1,9 @@
 """The plan contract: stages, replicas, ranks, schedule and predicted figures.
 
-``stages`` is indexed by stage (0 = input stage); stage s runs layers
-``layer_start <= i < layer_end`` of the profile (a contiguous range of the topological
-order; ``layers`` lists them) on ``replicas`` devices whose global ranks are ``ranks``
+``stages`` is indexed by stage (0 = input stage); stage s runs the profile layers
+``layers`` (authoritative; a difference of two downsets of the DAG, not necessarily
+contiguous in the topological order; ``layer_start = min(layers)``, ``layer_end =
+max(layers) + 1``; a plan without ``layers`` means the range) on ``replicas`` devices whose global ranks are ``ranks``
 (replica j of stage s is ``ranks[j]``). Times are milliseconds per minibatch, memory
 in bytes per device. Stored as JSON with ``"schema": "pipeplan.plan/1"``.
 """
@@ -70,6 +71,8 @@ class Plan:
     predicted: Predicted
     bottleneck_stage: int
     microbatches: int = 1  # micro-batches per minibatch for 1f1b-flush / gpipe
+    cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
+    cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -132,17 +135,24 @@ def validate(plan: Plan) -> None:
         )
     if not plan.stages:
         raise InputError("plan has no stages")
-    expected_start = 0
     seen: set[int] = set()
+    covered: set[int] = set()
     for position, stage in enumerate(plan.stages):
         if stage.index != position:
             raise InputError(f"plan stage at position {position} has index {stage.index}")
-        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+        # agreed interface 4: ``layers`` is authoritative (need not be contiguous), the
+        # stages' sets are disjoint and cover every layer, layer_start/end its min / max + 1
+        layers = set(stage.layers)
+        if (not layers or stage.layer_start != min(layers) or stage.layer_end != max(layers) + 1
+                or len(layers) != len(stage.layers)):
             raise InputError(
-                f"plan stage {stage.index} covers layers [{stage.layer_start}, {stage.layer_end}), "
-                f"expected to start at {expected_start}"
+                f"plan stage {stage.index}: layers {_brief(stage.layers)} do not match "
+                f"layer_start {stage.layer_start} / layer_end {stage.layer_end}"
             )
-        expected_start = stage.layer_end
+        overlap = covered & layers
+        if overlap:
+            raise InputError(f"plan stage {stage.index}: layer {min(overlap)} is in an earlier stage too")
+        covered |= layers
         if stage.replicas != len(stage.ranks) or stage.replicas < 1:
             raise InputError(
                 f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
@@ -151,5 +161,12 @@ def validate(plan: Plan) -> None:
             if not 0 <= rank < plan.world_size or rank in seen:
                 raise InputError(f"plan stage {stage.index}: rank {rank} is out of range or reused")
             seen.add(rank)
+    if covered != set(range(len(covered))):
+        missing = min(set(range(max(covered) + 1)) - covered)
+        raise InputError(f"no plan stage holds layer {missing}")
     if plan.microbatches < 1:
         raise InputError(f"plan microbatches must be >= 1 (got {plan.microbatches})")
+
+
+def _brief(layers: tuple[int, ...]) -> str:
+    return str(list(layers)) if len(layers) <= 8 else f"[{layers[0]}, {layers[1]}, ..., {layers[-1]}] ({len(layers)} layers)"

@@ -147,6 +147,9 @@ class _Context:
         starts = np.arange(self.rows)[None, :]
         ends = starts + lengths
         self.valid = (ends <= n) & (lengths >= 1)
+        if not arrays.cut_family.is_prefix:  # a stage runs between nested states only
+            nested = nested_states(arrays)[: span + 1]
+            self.valid[:, : nested.shape[1]] &= nested
         s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
         self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
@@ -185,10 +188,40 @@ class _Context:
         return self.allreduce[key]
 
 
-def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray) -> int:
+def nested_states(arrays: LayerArrays) -> np.ndarray:
+    """ok[l, i]: a stage can run from state i to state i + l (memoised per family).
+    Shape (F, F + 1) for F states; all lengths >= 1 for prefixes."""
+    family = arrays.cut_family
+    key = id(family)
+    cached = _NESTED.get(key)
+    if cached is None or cached[0] is not family:
+        _NESTED.clear()
+        cached = (family, family.nested(arrays.layers, arrays.layers + 1))
+        _NESTED[key] = cached
+    return cached[1]
+
+
+_NESTED: dict[int, tuple[object, np.ndarray]] = {}
+
+
+def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray,
+                    arrays: LayerArrays | None = None) -> int:
     """Largest l <= longest[i] over all starts i with fits(l)[i] (0 if none), where
-    ``fits`` maps an array of lengths (one per start) to booleans and holds for a
-    prefix of lengths at each start. Binary search: O(log max(longest)) calls."""
+    ``fits`` maps an array of lengths (one per start) to booleans. For prefixes
+    (``arrays`` None or a prefix family) it holds for a prefix of lengths at each start:
+    binary search, O(log max(longest)) calls. Over a DAG family a stage's sums need not
+    grow with its length in state order: every length is tried on the nested ranges,
+    O(max(longest)) calls."""
+    if arrays is not None and not arrays.cut_family.is_prefix:
+        ok_ranges = nested_states(arrays)
+        starts = np.arange(len(longest))
+        best = 0
+        for length in range(1, int(np.max(longest, initial=0)) + 1):
+            lengths = np.full(len(longest), length)
+            ok = (length <= longest) & ok_ranges[length, starts]
+            if ok.any() and np.any(ok & fits(np.minimum(lengths, longest))):
+                best = length
+        return best
     lo, hi = np.zeros(len(longest), dtype=np.int64), np.asarray(longest, dtype=np.int64)
     while np.any(lo < hi):
         mid = (lo + hi + 1) // 2
@@ -217,7 +250,7 @@ def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
         return test
 
     longest = np.minimum(ctx.band, n - starts)
-    return [0] + [_longest_prefix(fits(f), longest) for f in range(1, lv.count + 1)]
+    return [0] + [_longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
 
 
 def _unit_limits(ctx: _Context, level: int) -> np.ndarray:
@@ -446,7 +479,7 @@ def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int
     def fits(lengths: np.ndarray) -> np.ndarray:
         return _top_stage_bound(arrays, topology, starts, starts + lengths) <= bound_ms * (1 + 1e-12)
 
-    return max(_longest_prefix(fits, n - starts), 1)
+    return max(_longest_prefix(fits, n - starts, arrays), 1)
 
 
 def _lower_bound_ms(arrays: LayerArrays, topology: Topology) -> float:
