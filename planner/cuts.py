@@ -5,18 +5,25 @@ stages are the differences of nested downsets ``D_0 = {} < D_1 < ... < D_k = all
 DPs work over a family of such states, ordered by size (a subset always comes first),
 state 0 the empty set and the last state every layer. Which family:
 
-1. ``all-downsets`` when the DAG has at most ``MAX_CUT_STATES`` downsets (the empty one
+The budget is ``state_budget(N) = max(MAX_CUT_STATES, 3 (N + 1) / 2)`` states for N
+layers: the DPs cost about F^3 per level and unit count, so a family may be at most
+about 1.5 times the N + 1 prefixes (or 256 states on a small graph).
+
+1. ``all-downsets`` when the DAG has at most ``state_budget(N)`` downsets (the empty one
    included). This contains every prefix of the topological order and every state
    PipeDream's antichain DAG reaches (those are the downsets that hold the first source,
    so it is exact, PipeDream's search included). A chain has N + 1 downsets.
 2. Otherwise ``window-w``: the downsets between prefixes of the topological order,
    ``P_a | X`` with X a downset of the layers [a, a + w) (windows start every
-   ``max(1, w // 2)`` layers), for the largest w (doubling from 2) whose family has at
-   most ``MAX_CUT_STATES`` states. It holds every prefix (w = 1 is today's prefix family).
-   PipeDream itself would enumerate more than ``MAX_CUT_STATES`` antichain states here.
+   ``max(1, w // 2)`` layers), for the largest w (doubling from 2) whose family fits the
+   budget. It holds every prefix. PipeDream itself enumerates every downset that holds
+   the first source (its antichain DAG), more than the budget here.
+3. ``prefix`` (today's family, N + 1 states) when not even w = 2 fits, and on graphs of
+   more than ``LARGE_GRAPH_LAYERS`` layers (NASNet: the DP over the prefixes alone is
+   already its slowest case).
 
-``MAX_CUT_STATES`` bounds the DP's tables (states x states per unit count), so memory and
-time stay bounded on wide graphs (NASNet, Inception). Enumeration is a breadth-first walk
+The budget bounds the DP's tables (states x states per unit count), so memory and time
+stay bounded on wide graphs (NASNet, Inception). Enumeration is a breadth-first walk
 that keeps each downset's ready layers: O(F (N / 64 + degree)) for F states.
 """
 
@@ -28,9 +35,15 @@ import numpy as np
 
 from pipeplan.profile import Profile
 
-__all__ = ["MAX_CUT_STATES", "CutFamily", "cut_family", "prefix_family", "downsets", "is_chain"]
+__all__ = ["MAX_CUT_STATES", "LARGE_GRAPH_LAYERS", "CutFamily", "cut_family", "state_budget", "prefix_family", "downsets", "is_chain"]
 
-MAX_CUT_STATES = 1024
+MAX_CUT_STATES = 256
+LARGE_GRAPH_LAYERS = 512
+
+
+def state_budget(layers: int) -> int:
+    """Most cut states a family may hold for a graph of ``layers`` layers."""
+    return max(MAX_CUT_STATES, 3 * (layers + 1) // 2)
 
 
 @dataclass(frozen=True)
@@ -149,12 +162,11 @@ def _masks_from_bits(bits: list[int], first: int, layers: int) -> np.ndarray:
 
 def _sorted_unique(masks: np.ndarray) -> np.ndarray:
     """Unique rows, ordered by size, then with the lowest layers first (a prefix leads
-    the states of its size)."""
+    the states of its size). O(F N log F)."""
     masks = np.unique(masks, axis=0)
-    sizes = masks.sum(axis=1)
-    keys = [(-int(s), row.tobytes()) for s, row in zip(sizes, masks)]
-    order = sorted(range(len(masks)), key=lambda r: (-keys[r][0], bytes(255 - b for b in keys[r][1])))
-    return masks[order]
+    packed = np.packbits(masks, axis=1).astype(np.int16)  # layer 0 is the top bit of byte 0
+    keys = tuple(-packed[:, c] for c in reversed(range(packed.shape[1]))) + (masks.sum(axis=1),)
+    return masks[np.lexsort(keys)]
 
 
 def _window_family(preds: list[tuple[int, ...]], n: int, window: int, limit: int) -> np.ndarray | None:
@@ -174,12 +186,16 @@ def _window_family(preds: list[tuple[int, ...]], n: int, window: int, limit: int
     return masks if len(masks) <= limit else None
 
 
-def cut_family(profile: Profile, limit: int = MAX_CUT_STATES) -> CutFamily:
-    """The family of cut states the planner searches for ``profile`` (module docstring)."""
+def cut_family(profile: Profile, limit: int | None = None) -> CutFamily:
+    """The family of cut states the planner searches for ``profile``, at most ``limit``
+    states (default ``state_budget``) unless it is the prefix family (module docstring)."""
     n = len(profile.layers)
+    limit = state_budget(n) if limit is None else limit
     if is_chain(profile):
         return prefix_family(n, "all-downsets", exact=True)
     preds = [tuple(layer.inputs) for layer in profile.layers]
+    if n > LARGE_GRAPH_LAYERS:
+        return prefix_family(n)
     every = downsets(preds, 0, n, limit)
     if every is not None:
         return CutFamily("all-downsets", n, _sorted_unique(_masks_from_bits(every, 0, n)), exact=True)

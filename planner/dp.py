@@ -530,7 +530,9 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
     by ``upper_ms``, a known upper bound) until a pass proves its answer: at most
     ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the only one when not ``prune``).
     """
-    limit = min(_lower_bound_ms(arrays, topology), upper_ms) if prune else INF
+    # without a known upper bound, start at a lower bound (strongest pruning); with one
+    # (the second pass of ``solve``), start there: that pass then proves its answer at once
+    limit = (upper_ms if math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology)) if prune else INF
     attempt = 0
     while True:
         ctx = _Context(arrays, topology, settings, band, limit)
