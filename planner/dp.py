@@ -50,20 +50,23 @@ Lt = Lr = width = band. On the 1,000-layer chain x 4,096 devices of
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeplan.errors import InfeasibleError
+from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
 from pipeplan.planner.memory import optimizer_states
 
-__all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXACT_TAU_WORLD"]
+__all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXACT_TAU_WORLD", "nested_states",
+           "table_bytes", "planner_memory_limit", "DEFAULT_PLANNER_MEMORY"]
 
 EXACT_TAU_WORLD = 64
+DEFAULT_PLANNER_MEMORY = 8 * 2**30  # bytes of DP tables before ``solve`` refuses
 INF = math.inf
 PRUNE_SLACK = 1e-9  # relative and absolute (ms) slack added to every pruning limit
 LIMIT_ATTEMPTS = 3  # pruned passes before one without pruning
@@ -522,6 +525,40 @@ def _solution(ctx: _Context, band: int) -> DPSolution:
     return DPSolution(value, ctx.arrays, ctx.topology, ctx.settings, band, top, ctx.tables, ctx, ctx.limit_ms)
 
 
+def table_bytes(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> int:
+    """Estimated peak bytes of one pass's tables with top stages of at most ``band`` states
+    (before pruning narrows them): every table is [units, stages, band, N + band] float64;
+    two tau tables per inner level (more only where memory binds), one stage table and
+    one all-reduce table per unit count and level, and the range arrays. O(levels): the
+    check runs before anything is allocated."""
+    q = settings.max_stages or 1
+    rows = arrays.layers + band + 1
+    levels = topology.levels
+    per_row = sum(2 * (lv.count + 1) for lv in levels[:-1]) + 2 * sum(lv.count for lv in levels) + 8
+    return 8 * q * (band + 1) * rows * per_row
+
+
+def planner_memory_limit() -> int:
+    """Bytes the DP's tables may take: ``PIPEPLAN_PLANNER_MEMORY`` (bytes) or 8 GiB."""
+    value = os.environ.get("PIPEPLAN_PLANNER_MEMORY", "")
+    try:
+        return int(float(value)) if value else DEFAULT_PLANNER_MEMORY
+    except ValueError:
+        raise InputError(f"PIPEPLAN_PLANNER_MEMORY must be a number of bytes (got {value!r})") from None
+
+
+def _check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> None:
+    """One-line refusal before allocating when the tables would exceed the limit."""
+    need, limit = table_bytes(arrays, topology, settings, band), planner_memory_limit()
+    if need > limit:
+        raise InfeasibleError(
+            f"planning {arrays.layers} cut states on {topology.world_size} devices with top stages of up to "
+            f"{band} states needs about {need / 2**30:.1f} GiB of DP tables, over the planner's limit of "
+            f"{limit / 2**30:.1f} GiB (set PIPEPLAN_PLANNER_MEMORY in bytes, or plan fewer layers: merge layers "
+            f"or use fewer top-level units)"
+        )
+
+
 def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
                 upper_ms: float = INF, prune: bool = True) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
@@ -533,6 +570,7 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
     # without a known upper bound, start at a lower bound (strongest pruning); with one
     # (the second pass of ``solve``), start there: that pass then proves its answer at once
     limit = (upper_ms if math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology)) if prune else INF
+    _check_memory(arrays, topology, settings, band)
     attempt = 0
     while True:
         ctx = _Context(arrays, topology, settings, band, limit)
