@@ -112,9 +112,9 @@ def main() -> None:
             if args.profiles and folder.name not in args.profiles.split(","):
                 continue
             profile = load_pipedream_graph(folder / "graph.txt", batch_size=64)
-            for shape, cluster in (("4x4", "cluster-a"), ("2x8", "cluster-b")):
+            for shape_name, cluster in (("4x4", "cluster-a"), ("2x8", "cluster-b")):
                 for cost_model in ("pipeplan", "pipedream"):
-                    name = f"{folder.name} x {shape}"
+                    name = f"{folder.name} x {shape_name}"
                     try:
                         rows.append(run(name, profile, preset(cluster), PartitionOptions(cost_model=cost_model)))
                     except PipeplanError as exc:  # an infeasible profile is a row, not a crash

@@ -1,5 +1,11 @@
 """PipeDream's hierarchical dynamic program (SOSP 2019, section 3.1), pipeplan cost model.
 
+Over a DAG the positions 0..N below are the cut states of ``planner.cuts`` (downsets
+sorted by size; the prefixes of the topological order for a chain) and a "range [i, j)"
+is the stage state j minus state i, valid only when state i is a proper subset of state
+j (``nested_states``; invalid entries stay inf, so every recurrence below only chains
+nested states). Lengths are counted in states.
+
 Level 0 is one device; level k groups ``u_k`` units of level k-1 (``D_{k-1}`` devices
 each) joined by bandwidth ``B_k``. For a layer range ``[i, j)`` on ``m`` units of level k::
 
@@ -42,7 +48,10 @@ table shared across tau), so it retraces exactly the choices the tables hold.
 
 Running time O(sum_k T_k sum_{f < m <= u_k} N Lt(f) Lr(m - f) Q^2), T_k the number of
 tau tables of level k, numpy over (length, start) with the start innermost; memory
-O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). Without pruning
+O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). ``solve`` estimates the
+tables' bytes before a pass allocates them (``table_bytes``) and refuses in one line
+above ``PIPEPLAN_PLANNER_MEMORY`` (default 8 GiB): a 20,000-layer chain on 4,096
+devices would need about 20 GiB. Without pruning
 Lt = Lr = width = band. On the 1,000-layer chain x 4,096 devices of
 ``bench/bench_planner.py`` about 0.4-1.3 s (16 s to 10 min before pruning).
 """
@@ -132,7 +141,7 @@ class _Context:
         self.levels = topology.levels
         self.world = topology.world_size
         self.bounded = settings.max_stages is not None
-        self.q = settings.max_stages if self.bounded else 1
+        self.q: int = settings.max_stages if settings.max_stages is not None else 1
         self.track_tau = settings.memory_check and settings.schedule == "1f1b-rr"
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
@@ -310,7 +319,7 @@ def _device_table(ctx: _Context, tau: int) -> np.ndarray:
     time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
     if ctx.settings.memory_check:
         if ctx.settings.schedule == "1f1b-rr":
-            versions = in_flight = tau + 1
+            versions, in_flight = tau + 1, float(tau + 1)
         else:
             versions, in_flight = 1, 1.0
         need = ctx.params[:width] * (versions + 1 + ctx.opt) + ctx.saved[:width] * in_flight

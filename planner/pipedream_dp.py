@@ -1,11 +1,20 @@
 """PipeDream's optimizer (``optimizer_graph_hierarchical.py``), reproduced for comparison.
 
-States are layer prefixes: state j holds layers 0..j (PipeDream's antichains; for a chain
-profile, and for a chain with side edges such as AlexNet's ``Size`` node, they are the
-prefixes of the topological order, and the bytes leaving state j are its frontier).
-For branching DAGs (ResNet, Inception) PipeDream enumerates every antichain of the
-graph; pipeplan keeps one topological order, so exact reproduction is claimed for chain
-profiles only. Times are seconds inside (as PipeDream), milliseconds outside.
+States are the cut states of ``planner.cuts`` (PipeDream's state j is cut state j + 1;
+the empty state is implicit). PipeDream enumerates the downsets of the DAG that its
+antichain DAG reaches (every downset that holds the first source); pipeplan searches
+every downset when there are few enough (``all-downsets``), which contains PipeDream's
+states, and a bounded family otherwise. A stage runs between nested states only (state i
+a proper subset of state j). Differences from PipeDream, on purpose:
+
+- the bytes leaving a state are those crossing its cut, each tensor once (plus the last
+  layer's own output when nothing outside reads it); PipeDream's augmented antichain also
+  charges a predecessor whose readers all lie inside (README, PipeDream section);
+- PipeDream's inner levels may combine ranges whose states are not nested (it skips only
+  splits that are predecessors of the range's start): pipeplan does not.
+
+For chain profiles (VGG-16, AlexNet) the states are the prefixes and the result is
+PipeDream's exactly. Times are seconds inside (as PipeDream), milliseconds outside.
 
 Per level k (u units joined by bandwidth B, ``w`` = units inside one unit, 1 at level 1),
 for the range of states [i, j] on m units (m-1 = index in PipeDream's tables):
@@ -24,7 +33,10 @@ for the range of states [i, j] on m units (m-1 = index in PipeDream's tables):
 Ties go to the first candidate in (k, m') order with k ascending (PipeDream iterates a
 Python set there, so its own tie order depends on object addresses); when A(i, j, m-1)
 is missing (memory) it is never taken (Python 2 would compare None < x as true).
-Running time O(L N^2 u^2) with numpy over the split state and m'.
+Running time O(u^2 F^3 / 6) per inner level and O(u^2 F^2) at the top for F states, in
+numpy blocks over (range start, range end) for each split state k and m' (O(u^2 F)
+Python steps); tables hold values only, and the reconstruction finds each chosen split
+again in the same order (``_choice``). Memory O(u^2 F^2).
 """
 
 from __future__ import annotations

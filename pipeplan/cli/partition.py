@@ -63,7 +63,7 @@ def _print_plan(plan) -> None:
                 f"warning: {len(over)} stage(s) exceed {format_bytes(memory)} per device by pipeplan's memory model "
                 f"(stage {worst.index}: {format_bytes(worst.memory_bytes)}); PipeDream's check (activations + "
                 f"parameters) let them through",
-                style="yellow", markup=False)
+                style="yellow", markup=False, soft_wrap=True)
     p = plan.predicted
     console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
     console.print(
