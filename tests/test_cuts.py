@@ -215,3 +215,23 @@ def test_pipedream_mode_is_never_worse_than_pipedream(model: str, shape: str):
         assert plan.cut_family == "all-downsets" and plan.cut_candidates == states + 1  # + the empty set
         assert math.isfinite(want)
         assert plan.predicted.time_per_minibatch_ms <= want * (1 + 1e-12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dag_cases(), st.integers(4, 9))
+def test_pruning_over_downsets_changes_nothing(case, extra):
+    """Pruned and unpruned DP over every downset: same optimum, band and plan (sums over
+    states need not grow with the state index, so the pruning bounds scan every length)."""
+    from pipeplan.planner.dp import DPSettings, reconstruct, solve
+
+    profile, topology, options = case
+    layers = list(profile.layers)
+    for i in range(len(layers), len(layers) + extra):  # widen: extra layers off random earlier ones
+        layers.append(LayerProfile(i, f"l{i}", "x", (i * 7 % i, i - 2), 1.0 + i % 3, 0.5, 500 * (i % 4), 100 * i, 300))
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    arrays = layer_arrays(profile, None, cut_family(profile))
+    dp_settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages)
+    pruned, full = solve(arrays, topology, dp_settings), solve(arrays, topology, dp_settings, prune=False)
+    assert pruned.time_ms == full.time_ms and pruned.band == full.band
+    if math.isfinite(full.time_ms):
+        assert reconstruct(pruned) == reconstruct(full)
