@@ -115,11 +115,12 @@ class LayerGraph:
     def split(self, stage_of_layer: Sequence[int]) -> list[StageModule]:
         """Group layers into stages: layer i runs on stage ``stage_of_layer[i]``.
 
-        Stage ids must start at 0, never decrease and never skip. Runs in O(nodes).
+        Stage ids are 0..S-1, each used; every edge goes to the same or a later stage
+        (a stage need not be contiguous in the layer order when the planner cuts a DAG at downsets). Runs in O(nodes).
         The last stage's module returns what the model returns (``MODEL_OUTPUT``).
         """
-        _check_stage_ids(stage_of_layer, len(self.layers))
-        stages = stage_of_layer[-1] + 1
+        _check_stage_ids(stage_of_layer, self.layers)
+        stages = max(stage_of_layer) + 1
         graph = self.graph_module.graph
         stage_of_node = {
             node.name: stage_of_layer[self.layer_of_node[node.name]]
@@ -495,19 +496,23 @@ def _identifier(value_name: str) -> str:
     return value_name.replace(":", "_")
 
 
-def _check_stage_ids(stage_of_layer: Sequence[int], layers: int) -> None:
-    if len(stage_of_layer) != layers:
+def _check_stage_ids(stage_of_layer: Sequence[int], layers: Sequence[LayerNode]) -> None:
+    """Stage ids 0..S-1, each used, and no edge from a later stage to an earlier one."""
+    if len(stage_of_layer) != len(layers):
         raise InputError(
-            f"stage assignment covers {len(stage_of_layer)} layers, the model has {layers}"
+            f"stage assignment covers {len(stage_of_layer)} layers, the model has {len(layers)}"
         )
-    previous = 0
-    for layer, stage in enumerate(stage_of_layer):
-        if stage < previous or stage > previous + 1 or (layer == 0 and stage != 0):
-            raise InputError(
-                f"stage ids must start at 0 and grow by at most 1 per layer "
-                f"(layer {layer} has stage {stage} after stage {previous})"
-            )
-        previous = stage
+    stages = max(stage_of_layer, default=-1) + 1
+    unused = sorted(set(range(stages)) - set(stage_of_layer))
+    if min(stage_of_layer, default=0) < 0 or unused:
+        raise InputError(f"stage ids must be 0..{stages - 1}, each used (stage {unused[0] if unused else -1} is not)")
+    for layer in layers:
+        for producer in layer.inputs:
+            if stage_of_layer[producer] > stage_of_layer[layer.index]:
+                raise InputError(
+                    f"layer {layer.index} (stage {stage_of_layer[layer.index]}) reads layer {producer} "
+                    f"of the later stage {stage_of_layer[producer]}: every edge must go to the same or a later stage"
+                )
 
 
 def _qualified_parameter_names(module: nn.Module, model: nn.Module) -> dict[str, str]:

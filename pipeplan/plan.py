@@ -1,8 +1,9 @@
 """The plan contract: stages, replicas, ranks, schedule and predicted figures.
 
 ``stages`` is indexed by stage (0 = input stage); stage s runs the profile layers
-``layers`` (disjoint sets covering every layer once, not necessarily contiguous;
-``layer_start``/``layer_end`` are their min and max + 1) on ``replicas`` devices whose global ranks are ``ranks``
+``layers`` (authoritative; a difference of two downsets of the DAG, not necessarily
+contiguous in the topological order; ``layer_start = min(layers)``, ``layer_end =
+max(layers) + 1``; a plan without ``layers`` means the range) on ``replicas`` devices whose global ranks are ``ranks``
 (replica j of stage s is ``ranks[j]``). Times are milliseconds per minibatch, memory
 in bytes per device. Stored as JSON with ``"schema": "pipeplan.plan/1"``.
 """
@@ -74,6 +75,8 @@ class Plan:
     # module classes the profile kept whole (the runtime rebuilds the same layers);
     # None: not recorded, the model file's LEAF_MODULES apply
     leaf_modules: tuple[str, ...] | None = None
+    cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
+    cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:

@@ -9,8 +9,11 @@ Two cost models share these arrays:
 - ``pipedream``: PipeDream's optimizer (``planner.pipedream_dp``), all-reduce
   ``4(m-1) P / (B m)`` added to compute, transfers only with a compression ratio.
 
-Layer ranges are half-open ``[i, j)`` in the profile's topological order; times are
-milliseconds per minibatch, sizes bytes, bandwidths bytes/s.
+Arrays are indexed by the cut states of a ``planner.cuts.CutFamily``: a stage runs from
+state i to state j (state j minus state i, for a proper subset i of j). For the prefix
+family state s is layers ``[0, s)``, so a stage is the half-open range ``[i, j)`` of the
+profile's topological order. Times are milliseconds per minibatch, sizes bytes,
+bandwidths bytes/s.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.profile import Profile
+from pipeplan.planner.cuts import CutFamily, prefix_family
 
 __all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "layer_compute_ms", "update_ms", "ring_allreduce_ms", "transfer_ms"]
 
@@ -28,11 +32,16 @@ COST_MODELS = ("pipeplan", "pipedream")
 
 @dataclass(frozen=True)
 class LayerArrays:
-    """Prefix sums over the layers (index i holds the sum of layers < i; length N + 1).
+    """Sums over the cut states (index s holds the sum over the layers of state s; for
+    the prefix family the layers < s; length F = states).
 
-    ``cut_bytes[s]`` is every activation byte crossing the cut before layer ``s`` (outputs
-    of layers < s read by a layer >= s, each tensor counted once); ``frontier_bytes[s]``
-    adds layer s-1's own output when nothing after reads it (PipeDream's antichain size).
+    ``cut_bytes[s]`` is every activation byte crossing the cut after state ``s`` (outputs
+    of its layers read by a layer outside it, each tensor counted once);
+    ``frontier_bytes[s]`` adds the output of the state's last layer (highest index) when
+    no layer outside reads it (the loss input; PipeDream's antichain size on a chain).
+    PipeDream's own antichain size also counts predecessors whose readers all lie inside
+    the state (``augment_antichain``): pipeplan does not (README, PipeDream section).
+    ``layers`` is the number of the last state (N for prefixes).
     """
 
     compute_ms: np.ndarray  # float64, prefix of forward+backward ms
@@ -44,6 +53,18 @@ class LayerArrays:
     # Charged to both the first and the last layer (the input and the loss stage each
     # draw the minibatch), but paid once by a stage that holds them both (ms).
     shared_ends_ms: float = 0.0
+    family: CutFamily | None = None  # None: the prefix family
+
+    @property
+    def cut_family(self) -> CutFamily:
+        return self.family if self.family is not None else prefix_family(self.layers)
+
+    def nested(self, i: int, j: int) -> bool:
+        """True when a stage can run from state i to state j (state i a proper subset of j)."""
+        if self.family is None or self.family.masks is None:
+            return i < j
+        masks = self.family.masks
+        return i < j and not bool(np.any(masks[i] & ~masks[j]))
 
     @property
     def layers(self) -> int:
@@ -100,8 +121,12 @@ def layer_compute_ms(profile: Profile, optimizer: str | None) -> list[float]:
     return compute
 
 
-def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
-    """Prefix sums and cut sizes of ``profile``; compute includes ``optimizer``'s step. O(N + edges)."""
+def layer_arrays(profile: Profile, optimizer: str | None = None, family: CutFamily | None = None) -> LayerArrays:
+    """Sums and cut sizes of ``profile`` over the states of ``family`` (default: the
+    prefixes); compute includes ``optimizer``'s step. O(N + edges) for prefixes, O(F N^2)
+    (one matrix product) for a family of F downsets."""
+    if family is not None and family.masks is not None:
+        return _family_arrays(profile, optimizer, family)
     layers = profile.layers
     n = len(layers)
     last_reader = [-1] * n  # the last layer reading each layer's output
@@ -128,6 +153,40 @@ def layer_arrays(profile: Profile, optimizer: str | None = None) -> LayerArrays:
         cut_bytes=cut,
         frontier_bytes=frontier,
         shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
+        family=family,
+    )
+
+
+def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -> LayerArrays:
+    """``layer_arrays`` over the downsets ``family.masks``."""
+    layers = profile.layers
+    n = len(layers)
+    masks = family.masks
+    assert masks is not None
+    output = np.array([layer.output_bytes for layer in layers], dtype=np.float64)
+    readers = np.zeros((n, n), dtype=np.float32)  # readers[c, p]: c reads p's output
+    for layer in layers:
+        for producer in layer.inputs:
+            readers[layer.index, producer] = 1.0
+    outside = (~masks).astype(np.float32) @ readers > 0  # [s, p]: a reader of p is outside state s
+    crossing = masks & outside
+    cut = crossing.astype(np.float64) @ output
+    frontier = cut.copy()
+    for s in range(len(masks)):
+        members = np.nonzero(masks[s])[0]
+        if len(members):
+            last = int(members[-1])
+            if not crossing[s, last]:
+                frontier[s] += output[last]
+    return LayerArrays(
+        compute_ms=family.sums(np.array(layer_compute_ms(profile, optimizer))),
+        param_bytes=family.sums(np.array([layer.param_bytes for layer in layers])),
+        saved_bytes=family.sums(np.array([layer.saved_bytes for layer in layers])),
+        output_bytes=family.sums(output),
+        cut_bytes=cut,
+        frontier_bytes=frontier,
+        shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
+        family=family,
     )
 
 

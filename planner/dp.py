@@ -1,5 +1,11 @@
 """PipeDream's hierarchical dynamic program (SOSP 2019, section 3.1), pipeplan cost model.
 
+Over a DAG the positions 0..N below are the cut states of ``planner.cuts`` (downsets
+sorted by size; the prefixes of the topological order for a chain) and a "range [i, j)"
+is the stage state j minus state i, valid only when state i is a proper subset of state
+j (``nested_states``; invalid entries stay inf, so every recurrence below only chains
+nested states). Lengths are counted in states.
+
 Level 0 is one device; level k groups ``u_k`` units of level k-1 (``D_{k-1}`` devices
 each) joined by bandwidth ``B_k``. For a layer range ``[i, j)`` on ``m`` units of level k::
 
@@ -42,7 +48,10 @@ table shared across tau), so it retraces exactly the choices the tables hold.
 
 Running time O(sum_k T_k sum_{f < m <= u_k} N Lt(f) Lr(m - f) Q^2), T_k the number of
 tau tables of level k, numpy over (length, start) with the start innermost; memory
-O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). Without pruning
+O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). ``solve`` estimates the
+tables' bytes before a pass allocates them (``table_bytes``) and refuses in one line
+above ``PIPEPLAN_PLANNER_MEMORY`` (default 8 GiB): a 20,000-layer chain on 4,096
+devices would need about 20 GiB. Without pruning
 Lt = Lr = width = band. On the 1,000-layer chain x 4,096 devices of
 ``bench/bench_planner.py`` about 0.4-1.3 s (16 s to 10 min before pruning).
 """
@@ -50,20 +59,23 @@ Lt = Lr = width = band. On the 1,000-layer chain x 4,096 devices of
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeplan.errors import InfeasibleError
+from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
 from pipeplan.planner.memory import optimizer_states
 
-__all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXACT_TAU_WORLD"]
+__all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXACT_TAU_WORLD", "nested_states",
+           "table_bytes", "planner_memory_limit", "DEFAULT_PLANNER_MEMORY"]
 
 EXACT_TAU_WORLD = 64
+DEFAULT_PLANNER_MEMORY = 8 * 2**30  # bytes of DP tables before ``solve`` refuses
 INF = math.inf
 PRUNE_SLACK = 1e-9  # relative and absolute (ms) slack added to every pruning limit
 LIMIT_ATTEMPTS = 3  # pruned passes before one without pruning
@@ -129,7 +141,7 @@ class _Context:
         self.levels = topology.levels
         self.world = topology.world_size
         self.bounded = settings.max_stages is not None
-        self.q = settings.max_stages if self.bounded else 1
+        self.q: int = settings.max_stages if settings.max_stages is not None else 1
         self.track_tau = settings.memory_check and settings.schedule == "1f1b-rr"
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
@@ -147,6 +159,9 @@ class _Context:
         starts = np.arange(self.rows)[None, :]
         ends = starts + lengths
         self.valid = (ends <= n) & (lengths >= 1)
+        if not arrays.cut_family.is_prefix:  # a stage runs between nested states only
+            nested = nested_states(arrays)[: span + 1]
+            self.valid[:, : nested.shape[1]] &= nested
         s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
         self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
@@ -185,10 +200,40 @@ class _Context:
         return self.allreduce[key]
 
 
-def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray) -> int:
+def nested_states(arrays: LayerArrays) -> np.ndarray:
+    """ok[l, i]: a stage can run from state i to state i + l (memoised per family).
+    Shape (F, F + 1) for F states; all lengths >= 1 for prefixes."""
+    family = arrays.cut_family
+    key = id(family)
+    cached = _NESTED.get(key)
+    if cached is None or cached[0] is not family:
+        _NESTED.clear()
+        cached = (family, family.nested(arrays.layers, arrays.layers + 1))
+        _NESTED[key] = cached
+    return cached[1]
+
+
+_NESTED: dict[int, tuple[object, np.ndarray]] = {}
+
+
+def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray,
+                    arrays: LayerArrays | None = None) -> int:
     """Largest l <= longest[i] over all starts i with fits(l)[i] (0 if none), where
-    ``fits`` maps an array of lengths (one per start) to booleans and holds for a
-    prefix of lengths at each start. Binary search: O(log max(longest)) calls."""
+    ``fits`` maps an array of lengths (one per start) to booleans. For prefixes
+    (``arrays`` None or a prefix family) it holds for a prefix of lengths at each start:
+    binary search, O(log max(longest)) calls. Over a DAG family a stage's sums need not
+    grow with its length in state order: every length is tried on the nested ranges,
+    O(max(longest)) calls."""
+    if arrays is not None and not arrays.cut_family.is_prefix:
+        ok_ranges = nested_states(arrays)
+        starts = np.arange(len(longest))
+        best = 0
+        for length in range(1, int(np.max(longest, initial=0)) + 1):
+            lengths = np.full(len(longest), length)
+            ok = (length <= longest) & ok_ranges[length, starts]
+            if ok.any() and np.any(ok & fits(np.minimum(lengths, longest))):
+                best = length
+        return best
     lo, hi = np.zeros(len(longest), dtype=np.int64), np.asarray(longest, dtype=np.int64)
     while np.any(lo < hi):
         mid = (lo + hi + 1) // 2
@@ -217,7 +262,7 @@ def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
         return test
 
     longest = np.minimum(ctx.band, n - starts)
-    return [0] + [_longest_prefix(fits(f), longest) for f in range(1, lv.count + 1)]
+    return [0] + [_longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
 
 
 def _unit_limits(ctx: _Context, level: int) -> np.ndarray:
@@ -274,7 +319,7 @@ def _device_table(ctx: _Context, tau: int) -> np.ndarray:
     time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
     if ctx.settings.memory_check:
         if ctx.settings.schedule == "1f1b-rr":
-            versions = in_flight = tau + 1
+            versions, in_flight = tau + 1, float(tau + 1)
         else:
             versions, in_flight = 1, 1.0
         need = ctx.params[:width] * (versions + 1 + ctx.opt) + ctx.saved[:width] * in_flight
@@ -446,7 +491,7 @@ def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int
     def fits(lengths: np.ndarray) -> np.ndarray:
         return _top_stage_bound(arrays, topology, starts, starts + lengths) <= bound_ms * (1 + 1e-12)
 
-    return max(_longest_prefix(fits, n - starts), 1)
+    return max(_longest_prefix(fits, n - starts, arrays), 1)
 
 
 def _lower_bound_ms(arrays: LayerArrays, topology: Topology) -> float:
@@ -489,6 +534,40 @@ def _solution(ctx: _Context, band: int) -> DPSolution:
     return DPSolution(value, ctx.arrays, ctx.topology, ctx.settings, band, top, ctx.tables, ctx, ctx.limit_ms)
 
 
+def table_bytes(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> int:
+    """Estimated peak bytes of one pass's tables with top stages of at most ``band`` states
+    (before pruning narrows them): every table is [units, stages, band, N + band] float64;
+    two tau tables per inner level (more only where memory binds), one stage table and
+    one all-reduce table per unit count and level, and the range arrays. O(levels): the
+    check runs before anything is allocated."""
+    q = settings.max_stages or 1
+    rows = arrays.layers + band + 1
+    levels = topology.levels
+    per_row = sum(2 * (lv.count + 1) for lv in levels[:-1]) + 2 * sum(lv.count for lv in levels) + 8
+    return 8 * q * (band + 1) * rows * per_row
+
+
+def planner_memory_limit() -> int:
+    """Bytes the DP's tables may take: ``PIPEPLAN_PLANNER_MEMORY`` (bytes) or 8 GiB."""
+    value = os.environ.get("PIPEPLAN_PLANNER_MEMORY", "")
+    try:
+        return int(float(value)) if value else DEFAULT_PLANNER_MEMORY
+    except ValueError:
+        raise InputError(f"PIPEPLAN_PLANNER_MEMORY must be a number of bytes (got {value!r})") from None
+
+
+def _check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> None:
+    """One-line refusal before allocating when the tables would exceed the limit."""
+    need, limit = table_bytes(arrays, topology, settings, band), planner_memory_limit()
+    if need > limit:
+        raise InfeasibleError(
+            f"planning {arrays.layers} cut states on {topology.world_size} devices with top stages of up to "
+            f"{band} states needs about {need / 2**30:.1f} GiB of DP tables, over the planner's limit of "
+            f"{limit / 2**30:.1f} GiB (set PIPEPLAN_PLANNER_MEMORY in bytes, or plan fewer layers: merge layers "
+            f"or use fewer top-level units)"
+        )
+
+
 def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
                 upper_ms: float = INF, prune: bool = True) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
@@ -497,7 +576,10 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
     by ``upper_ms``, a known upper bound) until a pass proves its answer: at most
     ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the only one when not ``prune``).
     """
-    limit = min(_lower_bound_ms(arrays, topology), upper_ms) if prune else INF
+    # without a known upper bound, start at a lower bound (strongest pruning); with one
+    # (the second pass of ``solve``), start there: that pass then proves its answer at once
+    limit = (upper_ms if math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology)) if prune else INF
+    _check_memory(arrays, topology, settings, band)
     attempt = 0
     while True:
         ctx = _Context(arrays, topology, settings, band, limit)

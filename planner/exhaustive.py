@@ -1,6 +1,7 @@
 """Brute-force reference for the DP: every partition, replication and placement.
 
-Enumerates every hierarchical plan (at each level: consecutive stages, each on a number of
+Enumerates every hierarchical plan (at each level: consecutive stages between nested cut
+states, every downset of the DAG on small graphs (``planner.cuts``), each on a number of
 units of the level below, each unit running its own inner pipeline), flattens it
 (``planner.placement``), prices it with ``partition.stage_figures`` and the exact memory
 of ``planner.memory`` on the flattened replicas, and keeps the fastest that fits.
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pipeplan.profile import Profile
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, layer_arrays
+from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, stage_figures
@@ -24,27 +26,36 @@ from pipeplan.planner.placement import flatten
 __all__ = ["pipelines", "evaluate", "exhaustive_best"]
 
 
-def _compositions(start: int, end: int, units: int, straight: bool, fewer: bool) -> Iterator[list[tuple[int, int, int]]]:
-    """Every split of [start, end) into consecutive stages with unit counts summing to ``units``."""
+Nested = Callable[[int, int], bool]
+
+
+def _compositions(start: int, end: int, units: int, straight: bool, fewer: bool,
+                  nested: Nested) -> Iterator[list[tuple[int, int, int]]]:
+    """Every chain of states start < s_1 < ... < end (each a proper subset of the next)
+    with unit counts summing to ``units``."""
     if start == end:
         if units == 0 or fewer:
             yield []
         return
     for stop in range(start + 1, end + 1):
+        if not (nested(start, stop) and (stop == end or nested(stop, end))):
+            continue
         for count in range(1, units + 1):
             if straight and count > 1:
                 break
-            for rest in _compositions(stop, end, units - count, straight, fewer):
+            for rest in _compositions(stop, end, units - count, straight, fewer, nested):
                 yield [(start, stop, count)] + rest
 
 
-def pipelines(level: int, start: int, end: int, units: int, topology: Topology, options: PartitionOptions) -> Iterator[tuple[StageNode, ...]]:
-    """Every pipeline of layers [start, end) on ``units`` units of level ``level`` (1-based)."""
+def pipelines(level: int, start: int, end: int, units: int, topology: Topology, options: PartitionOptions,
+              nested: Nested = lambda i, j: i < j) -> Iterator[tuple[StageNode, ...]]:
+    """Every pipeline from state ``start`` to state ``end`` on ``units`` units of level
+    ``level`` (1-based); ``nested(i, j)``: a stage may run from state i to state j."""
     fewer = options.use_fewer_devices
-    for stages in _compositions(start, end, units, options.straight, fewer):
+    for stages in _compositions(start, end, units, options.straight, fewer, nested):
         inner_units = topology.levels[level - 2].count if level >= 2 else 0
         inner_choices = [
-            list(pipelines(level - 1, s, e, inner_units, topology, options)) if level >= 2 else [()]
+            list(pipelines(level - 1, s, e, inner_units, topology, options, nested)) if level >= 2 else [()]
             for s, e, _ in stages
         ]
         for inner in itertools.product(*inner_choices):
@@ -69,11 +80,12 @@ def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topolog
 
 
 def exhaustive_best(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...] | None]:
-    """(best time in ms, its tree) over every plan; (inf, None) when none fits."""
-    arrays = layer_arrays(profile, charged_optimizer(options))
+    """(best time in ms, its tree) over every plan cutting at the planner's cut states
+    (every downset on a small DAG); (inf, None) when none fits. Trees are over states."""
+    arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))
     top = len(topology.levels)
     best, best_tree = math.inf, None
-    for tree in pipelines(top, 0, arrays.layers, topology.levels[-1].count, topology, options):
+    for tree in pipelines(top, 0, arrays.layers, topology.levels[-1].count, topology, options, arrays.nested):
         value = evaluate(tree, arrays, topology, options)
         if value < best:
             best, best_tree = value, tree

@@ -18,6 +18,7 @@ from pipeplan.schedule import noam
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.costs import COST_MODELS, LayerArrays, layer_arrays, ring_allreduce_ms, transfer_ms
+from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.memory import OPTIMIZER_STATES, plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, pipedream_data_parallel_ms, solve_pipedream
@@ -127,7 +128,7 @@ def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topolog
     """Name the layer that needs the most memory even in the most favourable position."""
     need = []
     for i, layer in enumerate(profile.layers):
-        params, saved = arrays.params(i, i + 1), arrays.saved(i, i + 1)
+        params, saved = float(layer.param_bytes), float(layer.saved_bytes)
         # the planner charges 1F1B-RR and GPipe a whole minibatch of activations at least,
         # 1F1B-flush one micro-batch's share at best
         least_in_flight = 1.0 / options.microbatches if options.schedule == "1f1b-flush" else 1.0
@@ -184,7 +185,8 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     fits device memory.
     """
     options.validate()
-    arrays = layer_arrays(profile, charged_optimizer(options))
+    family = cut_family(profile)
+    arrays = layer_arrays(profile, charged_optimizer(options), family)
     time_ms, tree, single_nodes = _solve(arrays, topology, options)
     if not math.isfinite(time_ms):
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
@@ -201,8 +203,9 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             raise InfeasibleError(
                 f"internal: stage {q} needs {format_bytes(memory)} > {format_bytes(topology.device.memory_bytes)}"
             )
+        layers = family.stage_layers(stage.start, stage.end)
         stages.append(StagePlan(
-            index=q, layer_start=stage.start, layer_end=stage.end, replicas=stage.replicas,
+            index=q, layer_start=min(layers), layer_end=max(layers) + 1, layers=layers, replicas=stage.replicas,
             ranks=stage.ranks, compute_ms=compute, allreduce_ms=allreduce, communication_ms=comm,
             time_per_minibatch_ms=stage_time, memory_bytes=memory, weight_versions=versions,
             in_flight=int(math.ceil(in_flight)),
@@ -224,4 +227,5 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         optimizer=options.optimizer, world_size=topology.world_size, in_flight=noam(replicas) if options.schedule == "1f1b-rr" else 1,
         stages=tuple(stages), predicted=predicted, bottleneck_stage=bottleneck,
         microbatches=options.microbatches, leaf_modules=profile.leaf_modules,
+        cut_family=family.name, cut_candidates=family.states,
     )

@@ -1,11 +1,20 @@
 """PipeDream's optimizer (``optimizer_graph_hierarchical.py``), reproduced for comparison.
 
-States are layer prefixes: state j holds layers 0..j (PipeDream's antichains; for a chain
-profile, and for a chain with side edges such as AlexNet's ``Size`` node, they are the
-prefixes of the topological order, and the bytes leaving state j are its frontier).
-For branching DAGs (ResNet, Inception) PipeDream enumerates every antichain of the
-graph; pipeplan keeps one topological order, so exact reproduction is claimed for chain
-profiles only. Times are seconds inside (as PipeDream), milliseconds outside.
+States are the cut states of ``planner.cuts`` (PipeDream's state j is cut state j + 1;
+the empty state is implicit). PipeDream enumerates the downsets of the DAG that its
+antichain DAG reaches (every downset that holds the first source); pipeplan searches
+every downset when there are few enough (``all-downsets``), which contains PipeDream's
+states, and a bounded family otherwise. A stage runs between nested states only (state i
+a proper subset of state j). Differences from PipeDream, on purpose:
+
+- the bytes leaving a state are those crossing its cut, each tensor once (plus the last
+  layer's own output when nothing outside reads it); PipeDream's augmented antichain also
+  charges a predecessor whose readers all lie inside (README, PipeDream section);
+- PipeDream's inner levels may combine ranges whose states are not nested (it skips only
+  splits that are predecessors of the range's start): pipeplan does not.
+
+For chain profiles (VGG-16, AlexNet) the states are the prefixes and the result is
+PipeDream's exactly. Times are seconds inside (as PipeDream), milliseconds outside.
 
 Per level k (u units joined by bandwidth B, ``w`` = units inside one unit, 1 at level 1),
 for the range of states [i, j] on m units (m-1 = index in PipeDream's tables):
@@ -24,7 +33,10 @@ for the range of states [i, j] on m units (m-1 = index in PipeDream's tables):
 Ties go to the first candidate in (k, m') order with k ascending (PipeDream iterates a
 Python set there, so its own tie order depends on object addresses); when A(i, j, m-1)
 is missing (memory) it is never taken (Python 2 would compare None < x as true).
-Running time O(L N^2 u^2) with numpy over the split state and m'.
+Running time O(u^2 F^3 / 6) per inner level and O(u^2 F^2) at the top for F states, in
+numpy blocks over (range start, range end) for each split state k and m' (O(u^2 F)
+Python steps); tables hold values only, and the reconstruction finds each chosen split
+again in the same order (``_choice``). Memory O(u^2 F^2).
 """
 
 from __future__ import annotations
@@ -34,9 +46,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeplan.errors import InfeasibleError
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays
-from pipeplan.planner.dp import StageNode
+from pipeplan.planner.dp import StageNode, nested_states
 
 __all__ = ["PipeDreamSettings", "PipeDreamSolution", "solve_pipedream", "pipedream_data_parallel_ms"]
 
@@ -58,21 +71,43 @@ class PipeDreamSolution:
     single_stage_nodes: frozenset[tuple[int, int, int]]  # (level, start, end) chosen as one stage
 
 
-def _range_matrix(prefix: np.ndarray, empty: float) -> np.ndarray:
-    """M[i, j] = sum of states i..j (inclusive) from a prefix array; ``empty`` where j < i."""
+def _range_matrix(prefix: np.ndarray, empty: float, nested: np.ndarray) -> np.ndarray:
+    """M[i, j] = sum of states i..j from the per-state sums (PipeDream's state j is cut
+    state j + 1); ``empty`` where the stage is not a difference of nested states."""
     n = len(prefix) - 1
     out = prefix[None, 1:] - prefix[:n, None]
-    out[np.tril_indices(n, -1)] = empty
+    out[~nested] = empty
     return out
 
 
-def _level(compute, act, params, out_act, units, within, bandwidth, memory, settings, final):
-    """One level's tables: time[i, j, m-1], split[i, j, m-1] = (k, m - m'), used[i, j, m-1]."""
+def _nested_pairs(arrays: LayerArrays) -> np.ndarray:
+    """ok[i, j]: PipeDream's range i..j is a stage (cut state i a proper subset of j + 1)."""
+    n = arrays.layers
+    i, j = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    if arrays.cut_family.is_prefix:
+        return j >= i
+    ok = nested_states(arrays)  # [length, start]
+    length = j + 1 - i
+    return (length >= 1) & ok[np.clip(length, 0, n), i]
+
+
+@dataclass
+class _LevelTables:
+    """One level: time[m-1, i, j] (seconds, inf when nothing fits) and what rebuilding a
+    split needs; splits are found again on the way back (``_choice``)."""
+
+    time: np.ndarray
+    single: np.ndarray  # single-stage time[m-1, i, j]
+    last: dict[tuple[int, int], np.ndarray]  # (m-1, m') -> last-stage time [k+1, j] with its transfer terms
+    first_extra: dict[int, np.ndarray]  # m' -> transfer term of the split after state k (or zeros)
+    fewer: bool
+
+
+def _level(compute, act, params, out_act, units, within, bandwidth, memory, settings, final) -> _LevelTables:
+    """One level's table. O(u^2 n^3 / 6) numpy work (n^2 u^2 at the final level, whose
+    ranges all start at state 0), O(u^2 n) Python steps."""
     n = compute.shape[0]
-    time = np.full((n, n, units), INF)
-    split_k = np.full((n, n, units), -1, dtype=np.int64)
-    split_m = np.full((n, n, units), -1, dtype=np.int64)
-    used = np.zeros((n, n, units), dtype=np.int64)
+    time = np.full((units, n, n), INF)
     max_m = 1 if settings.straight else units
     for m in range(max_m):
         stash = math.ceil((units - (m + 1)) / (m + 1)) * (act + params)
@@ -80,68 +115,101 @@ def _level(compute, act, params, out_act, units, within, bandwidth, memory, sett
         value = (compute + dp) / (m + 1)
         if settings.memory_check:
             value = np.where(stash > memory, INF, value)
-        time[:, :, m] = value
-        used[:, :, m] = m + 1
+        time[m] = value
+    single = time.copy()
     ratio = settings.activation_compression_ratio
-    for i in range(1 if final else n):
-        for m in range(1, units):
-            m_primes = np.arange(1, 2 if settings.straight else m + 1)
-            for j in range(i + 1, n):
-                best, best_k, best_m, best_used = time[i, j, m], -1, -1, m + 1
-                if settings.use_fewer_devices and time[i, j, m - 1] < best:
-                    best, best_k, best_m, best_used = (
-                        time[i, j, m - 1], split_k[i, j, m - 1], split_m[i, j, m - 1], used[i, j, m - 1]
-                    )
-                ks = np.arange(i, j)
-                mp = m_primes[None, :]
-                last = compute[ks + 1, j][:, None]
-                last_params = params[ks + 1, j][:, None]
-                stash = (act[ks + 1, j][:, None] + last_params) * np.ceil((units - (m + 1)) / mp)
-                last = (last + (4 * (mp - 1) * last_params) / (bandwidth * mp)) / mp
-                if settings.memory_check:
-                    last = np.where(stash > memory, INF, last)
-                first = time[i, ks[:, None], m - mp]
-                cand = np.maximum(first, last)
-                if ratio is not None:
-                    cand = np.maximum(cand, (2.0 * out_act[ks][:, None]) / (bandwidth * mp) / ratio)
-                    if j < n - 1:
-                        cand = np.maximum(cand, (2.0 * out_act[j]) / (bandwidth * mp) / ratio)
-                flat = int(np.argmin(cand))
-                k_at, mp_at = divmod(flat, cand.shape[1])
-                if cand[k_at, mp_at] < best:
-                    best = cand[k_at, mp_at]
-                    best_k, best_m, best_used = int(ks[k_at]), int(m - m_primes[mp_at]), int(m_primes[mp_at])
-                time[i, j, m], split_k[i, j, m], split_m[i, j, m], used[i, j, m] = best, best_k, best_m, best_used
-    return time, split_k, split_m, used
+    last: dict[tuple[int, int], np.ndarray] = {}
+    first_extra: dict[int, np.ndarray] = {}
+    for m_prime in range(1, units):
+        if ratio is None:
+            first_extra[m_prime] = np.zeros(n)
+        else:
+            first_extra[m_prime] = (2.0 * out_act) / (bandwidth * m_prime) / ratio
+    rows = 1 if final else n
+    for m in range(1, units):
+        best = time[m]
+        if settings.use_fewer_devices:
+            take = time[m - 1] < best
+            take[np.tril_indices(n)] = False  # PipeDream only looks at j > i here,
+            take[rows:] = False  # and at i = 0 on the final level
+            best[take] = time[m - 1][take]
+        for m_prime in range(1, 2 if settings.straight else m + 1):
+            cost = compute + (4 * (m_prime - 1) * params) / (bandwidth * m_prime)
+            cost = cost / m_prime
+            if settings.memory_check:
+                stash = (act + params) * math.ceil((units - (m + 1)) / m_prime)
+                cost = np.where(stash > memory, INF, cost)
+            if ratio is not None:
+                out = (2.0 * out_act) / (bandwidth * m_prime) / ratio
+                out[n - 1] = 0.0  # no output transfer after the last state
+                cost = np.maximum(cost, out[None, :])
+            last[(m, m_prime)] = cost
+            first = time[m - m_prime]
+            extra = first_extra[m_prime]
+            for k in range(n - 1):
+                top = min(rows, k + 1)
+                head = np.maximum(first[:top, k], extra[k])
+                block = best[:top, k + 1:]
+                np.minimum(block, np.maximum(head[:, None], cost[k + 1, k + 1:][None, :]), out=block)
+    return _LevelTables(time, single, last, first_extra, settings.use_fewer_devices)
 
 
-def _analyze(tables, level: int, start: int, end: int, nodes: set) -> tuple[StageNode, ...]:
+def _choice(tables: _LevelTables, i: int, j: int, m: int, straight: bool) -> tuple[int, int, int]:
+    """(k, m - m', m') of PipeDream's choice for time[m, i, j]: k = -1 for one stage
+    (then m - m' is -1 and m' the units), or the fewer-devices entry (k, m'') of m - 1.
+    Ties go to the first candidate in (k, m') order, as PipeDream's loop takes it."""
+    best = tables.single[m, i, j]
+    if m == 0:
+        return -1, -1, 1
+    if tables.fewer and j > i and tables.time[m - 1, i, j] < best:
+        best = tables.time[m - 1, i, j]
+        fallback = _choice(tables, i, j, m - 1, straight)
+    else:
+        fallback = (-1, -1, m + 1)
+    target = tables.time[m, i, j]
+    if not target < best:
+        return fallback
+    for k in range(i, j):
+        for m_prime in range(1, 2 if straight else m + 1):
+            head = max(tables.time[m - m_prime, i, k], tables.first_extra[m_prime][k])
+            value = max(head, tables.last[(m, m_prime)][k + 1, j])
+            if value == target:
+                return k, m - m_prime, m_prime
+    raise InfeasibleError(f"internal: no PipeDream split reproduces {target} s")
+
+
+def _analyze(tables: list[_LevelTables], level: int, start: int, end: int, nodes: set, straight: bool) -> tuple[StageNode, ...]:
     """PipeDream's analyze_partitioning for states [start, end) at ``level`` (1-based)."""
-    time, split_k, split_m, used = tables[level - 1]
+    table = tables[level - 1]
     stages: list[tuple[int, int, int]] = []
-    m = time.shape[2] - 1
+    m = table.time.shape[0] - 1
     last_end = end
-    k, mm, units = split_k[start, end - 1, m], split_m[start, end - 1, m], used[start, end - 1, m]
+    k, mm, units = _choice(table, start, end - 1, m, straight)
     while k >= 0:
         stages.append((int(k) + 1, last_end, int(units)))
         last_end = int(k) + 1
-        k, mm, units = split_k[start, k, mm], split_m[start, k, mm], used[start, k, mm]
+        k, mm, units = _choice(table, start, k, mm, straight)
     stages.append((start, last_end, int(units)))
     nodes.add((level, start, last_end))
     stages.reverse()
     out = []
     for s, e, u in stages:
-        inner = _analyze(tables, level - 1, s, e, nodes) if level > 1 else ()
+        inner = _analyze(tables, level - 1, s, e, nodes, straight) if level > 1 else ()
         out.append(StageNode(level, s, e, u, inner))
     return tuple(out)
 
 
 def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDreamSettings) -> PipeDreamSolution:
-    """Run PipeDream's hierarchical optimizer over the layer prefixes of ``arrays``."""
-    compute = _range_matrix(arrays.compute_ms / 1000.0, INF)
-    act = _range_matrix(arrays.output_bytes, 0.0)
-    params = _range_matrix(arrays.param_bytes, 0.0)
-    out_act = arrays.frontier_bytes[1:]  # bytes leaving state j (prefix of layers 0..j)
+    """Run PipeDream's hierarchical optimizer over the cut states of ``arrays``.
+
+    PipeDream's state j is cut state j + 1 (state 0, the empty set, is implicit); a
+    stage runs between nested states only. Stage nodes come back in cut-state indices.
+    """
+    nested = _nested_pairs(arrays)
+    compute = _range_matrix(arrays.compute_ms / 1000.0, INF, nested)
+    act = _range_matrix(arrays.output_bytes, 0.0, nested)
+    params = _range_matrix(arrays.param_bytes, 0.0, nested)
+    out_act = arrays.frontier_bytes[1:]  # bytes leaving state j
     memory = float(topology.device.memory_bytes)
     tables = []
     within = 1
@@ -153,13 +221,13 @@ def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDream
                    memory, settings, final)
         )
         within = level.count
-        compute = tables[-1][0][:, :, -1].copy()
+        compute = tables[-1].time[-1].copy()
     n = arrays.layers
-    value = float(tables[-1][0][0, n - 1, -1])
+    value = float(tables[-1].time[-1, 0, n - 1])
     if not math.isfinite(value):
         return PipeDreamSolution(INF, (), frozenset())
     nodes: set = set()
-    stages = _analyze(tables, len(levels), 0, n, nodes)
+    stages = _analyze(tables, len(levels), 0, n, nodes, settings.straight)
     return PipeDreamSolution(value * 1000.0, stages, frozenset(nodes))
 
 

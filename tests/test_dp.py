@@ -220,3 +220,19 @@ def test_large_world_plan_reconstructs():
     assert sum(len(s.ranks) for s in plan.stages) <= 4096
     assert all(s.memory_bytes <= 80 * 2**30 for s in plan.stages)
     assert plan.stages[0].layer_start == 0 and plan.stages[-1].layer_end == 800
+
+
+def test_refuses_in_one_line_before_allocating_tables_over_the_limit(monkeypatch):
+    """Issue 13 item 9: the estimate (8 B x [units, band, N + band] per table) is checked
+    before any table exists; over the limit, one line naming the figures."""
+    from pipeplan.planner.dp import table_bytes
+
+    arrays = layer_arrays(HAND)
+    need = table_bytes(arrays, two_by_two(), DPSettings(), 4)
+    # q = 1, band 4, rows 4 + 4 + 1 = 9; per row 2 (2 + 1) + 2 (2 + 2) + 8 = 22 tables' rows
+    assert need == 8 * 5 * 9 * 22
+    monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need - 1))
+    with pytest.raises(InfeasibleError, match=r"^planning 4 cut states on 4 devices .* over the planner's limit"):
+        partition(HAND, two_by_two(), PartitionOptions())
+    monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need))
+    assert partition(HAND, two_by_two(), PartitionOptions()).predicted.time_per_minibatch_ms == pytest.approx(4.0)

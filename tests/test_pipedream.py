@@ -82,3 +82,29 @@ def test_pipedream_profiles_reproduce_optimizer(model, cluster):
         assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == expected_stages
         assert plan.predicted.data_parallel_ms == pytest.approx(expected_dp, rel=1e-12)
         assert sum(s.replicas for s in plan.stages) == 16
+
+
+def test_pipedream_mode_warns_when_pipeplan_memory_exceeds_the_device(tmp_path):
+    """VGG-16 on Cluster-A passes PipeDream's check (activations + parameters), but by
+    pipeplan's model its first stage (16 layers on 12 devices, 1F1B-RR with 2 weight
+    versions and 2 minibatches in flight) needs more than 16 GiB: the plan is kept (as
+    PipeDream keeps it), one warning line names the worst stage; a fitting plan prints none."""
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+    from pipeplan.plan import Plan
+
+    graph = str(FIXTURES / "vgg16" / "graph.txt")
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(cli, ["partition", graph, "--topology", "cluster-a", "--cost-model", "pipedream",
+                                      "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(out)
+    over = [s for s in plan.stages if s.memory_bytes > 16 * 2**30]
+    assert [s.index for s in over] == [0]
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1
+    assert "1 stage(s) exceed 16.0 GiB per device by pipeplan's memory model (stage 0: 24.1 GiB)" in warnings[0]
+    assert "cut states searched: all-downsets (41 states)" in result.output
+    fitting = CliRunner().invoke(cli, ["partition", graph, "--topology", "cluster-a", "-o", str(out)])
+    assert fitting.exit_code == 0 and "warning:" not in fitting.output

@@ -247,3 +247,17 @@ def test_world_size_mismatch_refused_on_every_rank(tmp_path: Path) -> None:
         "(times nodes) or re-plan for 3 devices"
     )
     assert outs[1][1] == "" and outs[2][1] == ""
+
+
+def test_non_contiguous_downset_plan_trains(tmp_path: Path) -> None:
+    """Agreed interface 4: stage 0 runs layers {0, 1, 3} (a downset of the DAG, not a
+    range), stage 1 runs {2, 4, 5}; 1F1B-flush matches single-process training."""
+    model = str(FIXTURES / "branches.py")
+    plan = make_plan(model, [[0, 1, 3], [2, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2)
+    assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 4), (2, 6)]
+    plan.save(tmp_path / "plan.json")
+    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
+                          "--no-progress", "--record", str(tmp_path / "rec")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, _ = train_reference(model, 3, 8, LR)
+    assert_params_match(records(tmp_path / "rec"), reference)

@@ -25,6 +25,13 @@ def _load_profile(path: str, batch_size: int):
     return Profile.load(path)
 
 
+def _layer_text(stage) -> str:
+    """``first-last``, with the count when the set is not contiguous (a DAG cut at downsets)."""
+    text = f"{stage.layer_start}-{stage.layer_end - 1}"
+    gaps = stage.layer_end - stage.layer_start != len(stage.layers)
+    return f"{text} ({len(stage.layers)} layers)" if gaps else text
+
+
 def _print_plan(plan) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -40,12 +47,25 @@ def _print_plan(plan) -> None:
         ranks_text = ",".join(map(str, ranks)) if isinstance(ranks, tuple) else ranks
         mark = " *" if stage.index == plan.bottleneck_stage else ""
         table.add_row(
-            f"{stage.index}{mark}", f"{stage.layer_start}-{stage.layer_end - 1}", str(stage.replicas), ranks_text,
+            f"{stage.index}{mark}", _layer_text(stage), str(stage.replicas), ranks_text,
             format_ms(stage.compute_ms), format_ms(stage.communication_ms), format_ms(stage.allreduce_ms),
             format_ms(stage.time_per_minibatch_ms), format_bytes(stage.memory_bytes),
         )
     console = Console()
     console.print(table)
+    console.print(f"cut states searched: {plan.cut_family} ({plan.cut_candidates} states)")
+    if plan.cost_model == "pipedream":
+        # PipeDream's own check (activations + parameters against one device) decided the
+        # plan; the memory column is pipeplan's model of the same stages
+        memory = plan.topology.device.memory_bytes
+        over = [s for s in plan.stages if s.memory_bytes > memory]
+        if over:
+            worst = max(over, key=lambda s: s.memory_bytes)
+            console.print(
+                f"warning: {len(over)} stage(s) exceed {format_bytes(memory)} per device by pipeplan's memory model "
+                f"(stage {worst.index}: {format_bytes(worst.memory_bytes)}); PipeDream's check (activations + "
+                f"parameters) let them through",
+                style="yellow", markup=False, soft_wrap=True)
     p = plan.predicted
     console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
     console.print(
