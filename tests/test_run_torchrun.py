@@ -250,7 +250,7 @@ def test_world_size_mismatch_refused_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_non_contiguous_downset_plan_trains(tmp_path: Path) -> None:
-    """Agreed interface 4: stage 0 runs layers {0, 1, 3} (a downset of the DAG, not a
+    """Stage 0 runs layers {0, 1, 3} (a downset of the DAG, not a
     range), stage 1 runs {2, 4, 5}; 1F1B-flush matches single-process training."""
     model = str(FIXTURES / "branches.py")
     plan = make_plan(model, [[0, 1, 3], [2, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2)
