@@ -295,8 +295,9 @@ def test_refuses_even_replication(tmp_path: Path) -> None:
 def test_refuses_a_stage_that_is_not_a_contiguous_range() -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", microbatches=2)
     first, second = plan.stages
-    plan = dataclasses.replace(plan, stages=(dataclasses.replace(first, layers=(0, 2)),
-                                             dataclasses.replace(second, layers=(1, 3, 4, 5))))
+    plan = dataclasses.replace(plan, stages=(
+        dataclasses.replace(first, layers=(0, 2), layer_start=0, layer_end=3),
+        dataclasses.replace(second, layers=(1, 3, 4, 5), layer_start=1, layer_end=6)))
     with pytest.raises(InputError) as error:
         check_plan(plan)
     assert str(error.value) == (
