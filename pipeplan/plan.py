@@ -15,12 +15,13 @@ from typing import Any
 
 from pipeplan.errors import InputError
 from pipeplan.jsonio import read_json, write_json_atomic
+from pipeplan.schedule import SCHEDULE_NAMES
 from pipeplan.topology import Topology
 
 __all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-SCHEDULES = ("1f1b-rr", "1f1b-flush", "gpipe")
+SCHEDULES = SCHEDULE_NAMES  # the registry in pipeplan.schedule
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Plan:
     predicted: Predicted
     bottleneck_stage: int
     microbatches: int = 1  # micro-batches per minibatch for 1f1b-flush / gpipe
+    virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -132,6 +134,11 @@ def validate(plan: Plan) -> None:
         )
     if not plan.stages:
         raise InputError("plan has no stages")
+    if plan.virtual_stages < 1 or len(plan.stages) % plan.virtual_stages:
+        raise InputError(
+            f"plan has {len(plan.stages)} stages, not a multiple of its {plan.virtual_stages} "
+            f"virtual stages per device"
+        )
     expected_start = 0
     seen: set[int] = set()
     for position, stage in enumerate(plan.stages):
@@ -147,6 +154,15 @@ def validate(plan: Plan) -> None:
             raise InputError(
                 f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
             )
+        positions = len(plan.stages) // plan.virtual_stages
+        if position >= positions:  # a later chunk: the ranks of its pipeline position
+            if stage.ranks != plan.stages[position % positions].ranks:
+                raise InputError(
+                    f"plan stage {stage.index}: ranks {list(stage.ranks)} differ from those of "
+                    f"stage {position % positions} (same pipeline position with "
+                    f"{plan.virtual_stages} virtual stages)"
+                )
+            continue
         for rank in stage.ranks:
             if not 0 <= rank < plan.world_size or rank in seen:
                 raise InputError(f"plan stage {stage.index}: rank {rank} is out of range or reused")

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
-from pipeplan.plan import SCHEDULES, Plan
+from pipeplan.plan import Plan
 from pipeplan.profile import Profile
 from pipeplan.schedule import Schedule, build_schedule, warmup_forwards, weight_versions
 from pipeplan.topology import Topology
@@ -43,6 +43,8 @@ __all__ = [
     "simulate_plan",
     "choose_schedule",
 ]
+
+SIMULATED = ("1f1b-rr", "1f1b-flush", "gpipe")  # the schedules this event sweep models
 
 MAX_UNITS = 2_000_000  # refuse to simulate more (minibatches x micro-batches x stages)
 
@@ -244,8 +246,8 @@ def simulate(
     Time O(stages x minibatches x micro-batches), plus the sends.
     """
     name = schedule or plan.schedule
-    if name not in SCHEDULES:
-        raise InputError(f"unknown schedule {name!r} (expected one of {', '.join(SCHEDULES)})")
+    if name not in SIMULATED:
+        raise InputError(f"unknown schedule {name!r} (expected one of {', '.join(SIMULATED)})")
     if len(costs) != len(plan.stages):
         raise InputError(f"{len(costs)} stage costs for a plan of {len(plan.stages)} stages")
     replicas = tuple(stage.replicas for stage in plan.stages)
@@ -509,7 +511,7 @@ def _candidates(options: Any, batch_size: int, world_size: int) -> list[tuple[st
     else:
         limit = min(batch_size, 4 * world_size, 64)
         counts = [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
-    return [("1f1b-rr", 1)] + [(name, m) for name in SCHEDULES if name != "1f1b-rr" for m in counts]
+    return [("1f1b-rr", 1)] + [(name, m) for name in SIMULATED if name != "1f1b-rr" for m in counts]
 
 
 def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:
