@@ -21,7 +21,7 @@ from pipeplan.topology import Topology
 __all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-SCHEDULES = SCHEDULE_NAMES  # the registered schedules (pipeplan.schedule.SCHEDULE_KINDS)
+SCHEDULES = SCHEDULE_NAMES  # the registry in pipeplan.schedule
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Plan:
     predicted: Predicted
     bottleneck_stage: int
     microbatches: int = 1  # micro-batches per minibatch for 1f1b-flush / gpipe
-    virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stages lists all v * p
+    virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -136,9 +136,9 @@ def validate(plan: Plan) -> None:
         raise InputError("plan has no stages")
     if plan.virtual_stages < 1 or len(plan.stages) % plan.virtual_stages:
         raise InputError(
-            f"plan has {len(plan.stages)} stages, not a multiple of its virtual stages {plan.virtual_stages}"
+            f"plan has {len(plan.stages)} stages, not a multiple of its {plan.virtual_stages} "
+            f"virtual stages per device"
         )
-    positions = len(plan.stages) // plan.virtual_stages
     expected_start = 0
     seen: set[int] = set()
     for position, stage in enumerate(plan.stages):
@@ -154,12 +154,13 @@ def validate(plan: Plan) -> None:
             raise InputError(
                 f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
             )
-        if position >= positions:  # a later chunk runs on the devices of position q % p
-            if stage.ranks != plan.stages[position - positions].ranks:
+        positions = len(plan.stages) // plan.virtual_stages
+        if position >= positions:  # a later chunk: the ranks of its pipeline position
+            if stage.ranks != plan.stages[position % positions].ranks:
                 raise InputError(
-                    f"plan stage {stage.index}: ranks {list(stage.ranks)} differ from those of stage "
-                    f"{position - positions} ({list(plan.stages[position - positions].ranks)}), "
-                    f"which the same devices run"
+                    f"plan stage {stage.index}: ranks {list(stage.ranks)} differ from those of "
+                    f"stage {position % positions} (same pipeline position with "
+                    f"{plan.virtual_stages} virtual stages)"
                 )
             continue
         for rank in stage.ranks:

@@ -450,7 +450,7 @@ def _candidates(options: Any, batch_size: int, world_size: int) -> list[tuple[st
     else:
         limit = min(batch_size, 4 * world_size, 64)
         counts = [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
-    return [("1f1b-rr", 1)] + [(name, m) for name in SCHEDULES if name != "1f1b-rr" for m in counts]
+    return [("1f1b-rr", 1)] + [(name, m) for name in SIMULATED if name != "1f1b-rr" for m in counts]
 
 
 def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:

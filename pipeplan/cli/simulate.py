@@ -55,8 +55,8 @@ def simulate(
     from rich.console import Console
 
     from pipeplan.errors import InputError
-    from pipeplan.plan import SCHEDULES, Plan
-    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.plan import Plan
+    from pipeplan.planner.simulate import SIMULATED, simulate_plan
     from pipeplan.planner.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.profile import Profile
 
@@ -66,7 +66,7 @@ def simulate(
     if profile is None:
         console.print("[yellow]no --profile: costs from the plan's per-stage figures "
                       "(forward:backward = 1:2), memory from the plan[/]")
-    names = list(SCHEDULES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
+    names = list(SIMULATED) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
     if microbatches is not None and microbatches < 1:
         raise InputError(f"--microbatches must be >= 1 (got {microbatches})")
     if timeline_path and Path(timeline_path).suffix.lower() not in TIMELINE_SUFFIXES:
