@@ -53,6 +53,10 @@ class Predicted:
     speedup_vs_single_device: float
     data_parallel_ms: float  # time per minibatch of pure data parallelism on all devices
     single_device_ms: float  # forward+backward of the whole model on one device
+    # the planner's objective: the slowest stage with transfers and all-reduce overlapped,
+    # no bubble (a lower bound of the period); 0.0 in plans written before it existed
+    stage_bound_ms: float = 0.0
+    simulated: bool = False  # time_per_minibatch_ms is the simulated period of the plan's schedule
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     fits device memory.
     """
     from pipeplan.planner.predict import predict
+    from pipeplan.planner.simulate import SimulationTooLarge
 
     options.validate()
     kind = schedule_kind(options.schedule)
@@ -195,7 +196,12 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             in_flight=int(math.ceil(in_flight)),
         ))
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms)
-    return predict(plan, profile) if model.predicts_by_simulation(kind) else plan
+    if not model.predicts_by_simulation(kind):
+        return plan
+    try:
+        return predict(plan, profile)
+    except SimulationTooLarge:  # keeps the cost model's figures, marked not simulated
+        return plan
 
 
 def assemble_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
@@ -210,6 +216,7 @@ def assemble_plan(profile: Profile, topology: Topology, options: PartitionOption
         speedup_vs_single_device=single / time_ms if time_ms > 0 else math.inf,
         data_parallel_ms=dp_ms,
         single_device_ms=single,
+        stage_bound_ms=time_ms,
     )
     positions = len(stages) // virtual_stages
     replicas = [stage.replicas for stage in stages[:positions]]

@@ -59,6 +59,7 @@ def with_simulation(plan: Plan, result: SimResult, keep_memory: bool = True) -> 
         samples_per_s=plan.batch_size * 1000.0 / period if period > 0 else math.inf,
         speedup_vs_data_parallel=old.data_parallel_ms / period if period > 0 else math.inf,
         speedup_vs_single_device=old.single_device_ms / period if period > 0 else math.inf,
+        simulated=True,
     )
     bottleneck = max(range(len(stages)), key=lambda q: stages[q].time_per_minibatch_ms)
     return replace(

@@ -37,10 +37,17 @@ __all__ = [
     "default_minibatches",
     "simulate",
     "simulate_plan",
+    "SimulationTooLarge",
     "choose_schedule",
 ]
 
 MAX_UNITS = 2_000_000  # refuse to simulate more (minibatches x micro-batches x stages)
+
+
+class SimulationTooLarge(InputError):
+    """The plan needs more than ``MAX_UNITS`` simulated tasks."""
+
+
 INPUT_GRAD_SHARE = 0.5  # of a backward, the part an "I" takes (the rest is its "W")
 
 
@@ -313,7 +320,7 @@ def simulate(
     replicas = tuple(stage.replicas for stage in plan.stages[:positions])
     total, warm, window = default_minibatches(name, replicas, steady)
     if total * micro * len(plan.stages) > MAX_UNITS:
-        raise InputError(
+        raise SimulationTooLarge(
             f"simulating {name} on replicas {list(replicas)} needs {total} minibatches x "
             f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
@@ -435,67 +442,25 @@ def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], cos
 # --------------------------------------------------------------------------- choice
 
 
-def _candidates(options: Any, batch_size: int, world_size: int) -> list[tuple[str, int]]:
-    """(schedule, micro-batches) pairs to try: flush schedules need M > 1 to pipeline at all.
-
-    Unless the user fixed ``options.microbatches``, flush schedules try the powers of two
-    M = 2, 4, ... that divide the batch, up to 4 micro-batches per device (at most 64).
-
-    >>> from types import SimpleNamespace
-    >>> _candidates(SimpleNamespace(microbatches=1), batch_size=24, world_size=2)
-    [('1f1b-rr', 1), ('1f1b-flush', 2), ('1f1b-flush', 4), ('1f1b-flush', 8), ('gpipe', 2), ('gpipe', 4), ('gpipe', 8)]
-    """
-    if options.microbatches > 1:
-        counts = [options.microbatches]
-    else:
-        limit = min(batch_size, 4 * world_size, 64)
-        counts = [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
-    return [("1f1b-rr", 1)] + [(name, m) for name in SIMULATED if name != "1f1b-rr" for m in counts]
-
-
 def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:
     """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
 
-    For each schedule, plans with ``pipeplan.planner.partition.partition`` (``options``
-    with its ``schedule`` replaced), simulates the plan and drops those whose simulated
-    peak memory exceeds the device's. Raises ``InfeasibleError`` when none fits.
+    ``planner.auto.search`` over schedule x micro-batches x virtual stages; raises
+    ``InfeasibleError`` when none fits.
     """
-    from dataclasses import replace as replace_options
+    from pipeplan.planner.auto import search
 
-    from pipeplan.planner.partition import partition
-
-    results: list[tuple[str, int, SimResult]] = []
-    refused: list[str] = []
-    for name, microbatches in _candidates(options, profile.batch_size, topology.world_size):
-        label = name if microbatches == options.microbatches or name == "1f1b-rr" else f"{name} (M={microbatches})"
-        try:
-            plan = partition(
-                profile, topology, replace_options(options, schedule=name, microbatches=microbatches)
-            )
-        except InfeasibleError as exc:
-            refused.append(f"{label}: {exc}")
-            continue
-        result = simulate_plan(plan, profile)
-        if result.fits_memory:
-            results.append((label, microbatches, result))
-        else:
-            refused.append(
-                f"{label}: needs {format_bytes(result.peak_memory_bytes)} > "
-                f"{format_bytes(result.memory_limit_bytes)} per device"
-            )
-    if not results:
-        raise InfeasibleError("no schedule fits memory (" + "; ".join(refused) + ")")
-    results.sort(key=lambda item: item[2].time_per_minibatch_ms)
-    label, microbatches, result = results[0]
-    best = label.split(" ")[0]
-    others = ", ".join(f"{n} {r.time_per_minibatch_ms:.3f} ms" for n, _, r in results[1:])
+    found = search(profile, topology, options)
+    best = found.best
+    others = ", ".join(
+        f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
+        for i, c in enumerate(found.candidates) if i != found.chosen and c.fits
+    )
     reason = (
-        f"{label} simulates {result.time_per_minibatch_ms:.3f} ms/minibatch "
-        f"({result.samples_per_s:.1f} samples/s) in {format_bytes(result.peak_memory_bytes)} "
-        f"of {format_bytes(result.memory_limit_bytes)} per device"
+        f"{best.schedule} (M={best.microbatches}, v={best.virtual_stages}) simulates "
+        f"{best.time_per_minibatch_ms:.3f} ms/minibatch in {format_bytes(best.peak_memory_bytes)} "
+        f"of {format_bytes(topology.device.memory_bytes)} per device"
     )
     if others:
         reason += f"; vs {others}"
-    if refused:
-        reason += "; refused " + "; ".join(refused)
-    return best, microbatches, reason
+    return best.schedule, best.microbatches, reason
