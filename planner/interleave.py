@@ -26,7 +26,7 @@ from pipeplan.planner.memory import stage_memory_bytes
 if TYPE_CHECKING:
     from pipeplan.planner.partition import PartitionOptions
 
-__all__ = ["VIRTUAL_CANDIDATES", "balanced_cuts", "interleaved_plan", "partition_interleaved"]
+__all__ = ["VIRTUAL_CANDIDATES", "balanced_cuts", "interleaved_plan", "partition_interleaved", "rechunk"]
 
 VIRTUAL_CANDIDATES = (2, 3, 4)  # chunks per device the planner tries
 
@@ -70,8 +70,11 @@ def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
 
 
 def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
-                     positions: int, virtual: int) -> tuple[Plan, int]:
-    """(plan before simulation, peak bytes per device) of v * p balanced chunks."""
+                     positions: int, virtual: int, ranks: Sequence[int] | None = None) -> tuple[Plan, int]:
+    """(plan before simulation, peak bytes per device) of v * p balanced chunks.
+
+    Position i runs on ``ranks[i]`` (default: rank i).
+    """
     from pipeplan.planner.partition import assemble_plan
 
     kind = schedule_kind(options.schedule)
@@ -81,6 +84,7 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
     per_layer = [arrays.compute(i, i + 1) for i in range(arrays.layers)]
     cuts = balanced_cuts(per_layer, chunks)
     replicas = (1,) * positions
+    rank_of = list(ranks) if ranks is not None else list(range(positions))
     device_bytes = [0.0] * positions
     stages = []
     for q in range(chunks):
@@ -88,7 +92,7 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
         start, end = cuts[q], cuts[q + 1]
         comm = 0.0
         if q + 1 < chunks:
-            level = topology.levels[topology.level_joining(i, (q + 1) % positions)]
+            level = topology.levels[topology.level_joining(rank_of[i], rank_of[(q + 1) % positions])]
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
         versions = kind.weight_versions(replicas, i)
         in_flight = kind.in_flight_by_chunk(replicas, i, micro, virtual)[c]
@@ -97,7 +101,7 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
         device_bytes[i] += memory
         compute = arrays.compute(start, end)
         stages.append(StagePlan(
-            index=q, layer_start=start, layer_end=end, replicas=1, ranks=(i,), compute_ms=compute,
+            index=q, layer_start=start, layer_end=end, replicas=1, ranks=(rank_of[i],), compute_ms=compute,
             allreduce_ms=0.0, communication_ms=comm, time_per_minibatch_ms=max(compute, comm),
             memory_bytes=memory, weight_versions=versions, in_flight=max(1, math.ceil(in_flight)),
         ))
@@ -147,3 +151,27 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
             f"(v in {virtuals}); the smallest needs {format_bytes(smallest)}"
         )
     return best
+
+
+def rechunk(plan: Plan, profile: Profile, virtual: int = 2, microbatches: int | None = None) -> Plan:
+    """``plan``'s devices running ``interleaved-1f1b``: v * p balanced chunks, simulated.
+
+    For comparing a one-chunk plan with interleaving on the same devices (``pipeplan
+    simulate -s all``). Needs a straight plan (one device per stage): ``InputError`` else.
+    """
+    from pipeplan.planner.partition import PartitionOptions
+    from pipeplan.planner.predict import predict
+
+    if any(stage.replicas != 1 for stage in plan.stages) or plan.virtual_stages != 1:
+        raise InputError("interleaving needs a straight plan of one chunk per device (partition with --straight)")
+    positions = len(plan.stages)
+    micro = microbatches or positions * max(1, math.ceil(plan.microbatches / positions))
+    options = PartitionOptions(schedule="interleaved-1f1b", cost_model=plan.cost_model, optimizer=plan.optimizer,
+                               microbatches=micro, virtual_stages=virtual)
+    arrays = layer_arrays(profile, cost_model(plan.cost_model).charged_optimizer(plan.optimizer))
+    schedule_kind(options.schedule).check((1,) * positions, micro, virtual)
+    if virtual * positions > arrays.layers:
+        raise InputError(f"{virtual} chunks on {positions} devices need {virtual * positions} layers (got {arrays.layers})")
+    chunked, _ = interleaved_plan(profile, plan.topology, options, arrays, positions, virtual,
+                                  [stage.ranks[0] for stage in plan.stages])
+    return predict(chunked, profile)

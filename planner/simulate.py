@@ -71,7 +71,7 @@ class StageSim:
     stage: int
     replicas: int
     busy_ms: float  # compute + all-reduce per pipeline period, per replica
-    idle_ms: float  # period - busy
+    idle_ms: float  # period - the device's busy time (over all its chunks)
     bubble_fraction: float  # idle / period
     comm_ms: float  # busiest outgoing link's occupancy per minibatch of the pipeline
     memory_bytes: int  # peak per device: weights x versions, gradients, optimizer, activations
@@ -388,6 +388,11 @@ def _stage_figures(
         (i, r): _held_at_peak(schedule, i, schedule.actions[(i, r)], costs)
         for i, n in enumerate(schedule.stage_replicas) for r in range(n)
     }
+    device_busy_ms: dict[tuple[int, int], float] = {}
+    for (q, r), spans in timeline.busy.items():
+        inside = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in spans)
+        key = (q % positions, r)
+        device_busy_ms[key] = device_busy_ms.get(key, 0.0) + inside / minibatches
     out = []
     for stage in plan.stages:
         q = stage.index
@@ -402,7 +407,8 @@ def _stage_figures(
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
         memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer)
-        idle = max(0.0, period - busy_ms)
+        device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
+        idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(
             StageSim(
                 stage=q,
