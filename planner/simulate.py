@@ -144,12 +144,12 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     # every stage hands something to the next one (at least the order of the pipeline)
     cut: dict[tuple[int, int], int] = {(s, s + 1): 0 for s in range(len(plan.stages) - 1)}
     sent: set[tuple[int, int]] = set()
-    for layer in profile.layers:
-        for producer in layer.inputs:
-            key = (producer, stage_of[layer.index])
-            if stage_of[producer] != stage_of[layer.index] and key not in sent:
+    for consumer in profile.layers:
+        for producer in consumer.inputs:
+            key = (producer, stage_of[consumer.index])
+            if stage_of[producer] != stage_of[consumer.index] and key not in sent:
                 sent.add(key)
-                edge = (stage_of[producer], stage_of[layer.index])
+                edge = (stage_of[producer], stage_of[consumer.index])
                 cut[edge] = cut.get(edge, 0) + profile.layers[producer].output_bytes
     charged = cost_model(plan.cost_model).charged_optimizer(plan.optimizer)
     update = update_ms(profile, charged)

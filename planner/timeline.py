@@ -95,17 +95,17 @@ def draw_timeline(
     end_ms = max(event.end_ms for event in events)
     width = min(40.0, max(10.0, 0.5 * len(labels) / max(len(rows), 1)))
     fig, ax = plt.subplots(figsize=(width, 1.0 + 0.45 * len(rows)))
-    for (row, category, odd_chunk), spans in bars.items():
+    for (bar_row, category, odd_chunk), spans in bars.items():
         comm = category in ("send", "recv")
-        y = row + (0.28 if comm else -0.38)
+        y = bar_row + (0.28 if comm else -0.38)
         height = 0.12 if comm else 0.62
         ax.broken_barh(spans, (y, height), facecolors=COLOURS.get(category, "#333333"),
                        edgecolors="white", linewidth=0.3, hatch="///" if odd_chunk else None)
     if len(labels) <= MAX_LABELS:
         inches_per_ms = (width * 0.8) / max(end_ms, 1e-9)
-        for x, row, duration, text in labels:
+        for x, label_row, duration, text in labels:
             if duration * inches_per_ms * 72 >= 5.5 * len(text):
-                ax.text(x, row - 0.07, text, ha="center", va="center", fontsize=7, color="white")
+                ax.text(x, label_row - 0.07, text, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([names.get(rank, f"rank {rank}") for rank in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.6)
