@@ -89,10 +89,17 @@ class Executor:
     _saved: dict[_Key, _Saved] = field(default_factory=dict)
     _posted: dict[tuple[str, int, int], dict[str, list[PendingRecv]]] = field(default_factory=dict)
     _minibatch_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # summed per minibatch
+    # A value crosses to a rank once per unit, however many of its chunks read it:
+    _inbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [pending|tensor, uses left]
+    _outbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [grad sum, grads left]
+    _readers: dict[str, int] = field(default_factory=dict)  # value name -> this rank's chunks reading it
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
         self._kind = schedule_kind(self.schedule)
+        for chunk in self.spec.chunks:
+            for name in chunk.input_names:
+                self._readers[name] = self._readers.get(name, 0) + 1
         handlers = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights,
                     "S": self._step}
         for position, action in enumerate(self.actions):
@@ -134,16 +141,28 @@ class Executor:
                 self._posted[key] = self._post_grads(action, unit)
 
     def _post_inputs(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
+        """Post the chunk's input receives; a value another chunk here also reads is posted once."""
         stage = self._chunk(action)
-        posted = {}
         for name in self._in_message_order(stage.input_names):
             producer = stage.producers[name]
-            if producer < 0:
+            if producer < 0 or (name, unit) in self._inbound:
                 continue
             peer = self.spec.rank_of(producer, unit)
-            posted[name] = [self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
-                                           f"{name!r} of {action} from rank {peer}")]
-        return posted
+            pending = self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
+                                     f"{name!r} of {action} from rank {peer}")
+            self._inbound[(name, unit)] = [pending, self._readers[name]]
+        return {}
+
+    def _take_input(self, name: str, unit: int, action: Action) -> torch.Tensor:
+        """The received value (waited for by its first reader on this rank), as a fresh leaf."""
+        entry = self._inbound[(name, unit)]
+        if isinstance(entry[0], PendingRecv):
+            entry[0] = self._wait(entry[0], action)
+        entry[1] -= 1
+        value = entry[0] if entry[1] == 0 else entry[0].detach()
+        if entry[1] == 0:
+            del self._inbound[(name, unit)]
+        return value
 
     def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
         stage = self._chunk(action)
@@ -154,10 +173,11 @@ class Executor:
             if name == MODEL_OUTPUT or not value.is_floating_point():
                 continue
             spec = TensorSpec.of(value)
+            peers = dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name])
             posted[name] = [
                 self.comm.post(peer, self.spec.value_ids[name], unit, BACKWARD,
                                f"gradient of {name!r} for {action} from rank {peer}", spec)
-                for peer in (self.spec.rank_of(c, unit) for c in stage.consumers[name])
+                for peer in peers  # one gradient per consuming rank, summed over its chunks
             ]
         return posted
 
@@ -172,15 +192,19 @@ class Executor:
     def _forward(self, action: Action) -> None:
         unit = self._unit(action)
         stage = self._chunk(action)
-        posted = self._posted.pop(("F", unit, action.chunk), None) or self._post_inputs(action, unit)
+        if ("F", unit, action.chunk) not in self._posted:
+            self._post_inputs(action, unit)
+        self._posted.pop(("F", unit, action.chunk), None)
         minibatch = action.minibatch + self.minibatch_offset
         needs_data = self._is_loss_stage(stage) or any(p < 0 for p in stage.producers.values())
         data_inputs, targets = (
             self.data.microbatch(minibatch, action.microbatch) if needs_data else ((), None)
         )
         received: dict[str, torch.Tensor] = {}
-        for name in posted:  # in message order
-            value = self._wait(posted[name][0], action)
+        for name in self._in_message_order(stage.input_names):
+            if stage.producers[name] < 0:
+                continue
+            value = self._take_input(name, unit, action)
             if value.is_floating_point():
                 value.requires_grad_(True)
             received[name] = value
@@ -201,8 +225,7 @@ class Executor:
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
         for name in self._in_message_order(stage.output_names):
-            for consumer in stage.consumers[name]:
-                peer = self.spec.rank_of(consumer, unit)
+            for peer in dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name]):
                 self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
                                f"send {action} ->r{peer}")
         if self.recompute:
@@ -272,6 +295,13 @@ class Executor:
                 continue
             grad = grad_by_name[name]
             grad = grad if grad is not None else torch.zeros_like(value)
+            if self._readers[name] > 1:  # several chunks here read it: send their sum once
+                entry = self._outbound.setdefault((name, unit), [None, self._readers[name]])
+                entry[0] = grad if entry[0] is None else entry[0] + grad
+                entry[1] -= 1
+                if entry[1]:
+                    continue
+                grad = self._outbound.pop((name, unit))[0]
             peer = self.spec.rank_of(producer, unit)
             self.comm.send(grad, peer, self.spec.value_ids[name], unit, BACKWARD,
                            f"send {action} ->r{peer}")
