@@ -21,7 +21,7 @@ from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
-from pipeplan.planner.memory import stage_memory_bytes
+from pipeplan.planner.memory import plan_stage_memory
 
 if TYPE_CHECKING:
     from pipeplan.planner.partition import PartitionOptions
@@ -77,7 +77,6 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
     """
     from pipeplan.planner.partition import assemble_plan
 
-    kind = schedule_kind(options.schedule)
     micro = options.microbatches
     optimizer = options.optimizer
     chunks = positions * virtual
@@ -94,10 +93,9 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
         if q + 1 < chunks:
             level = topology.levels[topology.level_joining(rank_of[i], rank_of[(q + 1) % positions])]
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
-        versions = kind.weight_versions(replicas, i)
-        in_flight = kind.in_flight_by_chunk(replicas, i, micro, virtual)[c]
-        memory = int(math.ceil(stage_memory_bytes(
-            arrays.params(start, end), arrays.saved(start, end), versions, in_flight, optimizer)))
+        memory, versions, in_flight = plan_stage_memory(
+            options.schedule, replicas, i, arrays.params(start, end), arrays.saved(start, end), optimizer,
+            micro, virtual, chunk=c)
         device_bytes[i] += memory
         compute = arrays.compute(start, end)
         stages.append(StagePlan(
@@ -153,8 +151,8 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     return best
 
 
-def rechunk(plan: Plan, profile: Profile, virtual: int = 2, microbatches: int | None = None) -> Plan:
-    """``plan``'s devices running ``interleaved-1f1b``: v * p balanced chunks, simulated.
+def rechunk(plan: Plan, profile: Profile, schedule: str, virtual: int = 2, microbatches: int | None = None) -> Plan:
+    """``plan``'s devices running ``schedule`` (one of virtual stages): v * p balanced chunks, simulated.
 
     For comparing a one-chunk plan with interleaving on the same devices (``pipeplan
     simulate -s all``). Needs a straight plan (one device per stage): ``InputError`` else.
@@ -166,7 +164,7 @@ def rechunk(plan: Plan, profile: Profile, virtual: int = 2, microbatches: int | 
         raise InputError("interleaving needs a straight plan of one chunk per device (partition with --straight)")
     positions = len(plan.stages)
     micro = microbatches or positions * max(1, math.ceil(plan.microbatches / positions))
-    options = PartitionOptions(schedule="interleaved-1f1b", cost_model=plan.cost_model, optimizer=plan.optimizer,
+    options = PartitionOptions(schedule=schedule, cost_model=plan.cost_model, optimizer=plan.optimizer,
                                microbatches=micro, virtual_stages=virtual)
     arrays = layer_arrays(profile, cost_model(plan.cost_model).charged_optimizer(plan.optimizer))
     schedule_kind(options.schedule).check((1,) * positions, micro, virtual)

@@ -92,7 +92,7 @@ def simulate(
             from pipeplan.planner.interleave import rechunk
 
             try:
-                shown = rechunk(plan, profile, 2, micro)
+                shown = rechunk(plan, profile, name, 2, micro)
             except InputError as exc:
                 console.print(f"[yellow]{name}: skipped, {exc}[/]")
                 continue
