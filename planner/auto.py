@@ -4,7 +4,8 @@ Every candidate is planned by ``planner.partition.partition`` (the split and the
 replication under that schedule's own memory: weight versions and activations in flight
 from the registry) and predicted by simulating its own schedule, so candidates compare on
 the same footing. The fastest that fits device memory wins; when none fits, the error
-names the smallest memory in which one of them would.
+names the smallest memory in which one of them would. Equally fast candidates (within
+``TIE_REL``) go to the one with fewer micro-batches, then the least memory.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Candidate", "SearchResult", "candidate_shapes", "device_peak_bytes", "search"]
 
 MAX_MICROBATCHES = 64
+TIE_REL = 1e-6  # simulated times this close are a tie: fewer micro-batches, then less memory
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,9 @@ def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int
 
 
 def search(profile: Profile, topology: Topology, options: PartitionOptions) -> SearchResult:
-    """Plan every candidate shape; the fastest that fits (ties: the earlier candidate).
+    """Plan every candidate shape; the fastest that fits (ties within ``TIE_REL``: fewer
+    micro-batches, whose per-message costs the time model leaves out, then the smaller
+    peak memory, then the earlier candidate).
 
     Raises ``InfeasibleError`` naming the smallest per-device memory that one of the
     candidates' plans needs when none fits. Time: one partition and one simulation per
@@ -141,7 +145,9 @@ def search(profile: Profile, topology: Topology, options: PartitionOptions) -> S
             f"that would fit is {format_bytes(least.peak_memory_bytes)} per device ({least.schedule}, "
             f"{least.microbatches} micro-batches, v={least.virtual_stages})"
         )
-    chosen = min(fitting, key=lambda i: (candidates[i].time_per_minibatch_ms, i))
+    fastest = min(candidates[i].time_per_minibatch_ms for i in fitting)
+    tied = [i for i in fitting if candidates[i].time_per_minibatch_ms <= fastest * (1 + TIE_REL)]
+    chosen = min(tied, key=lambda i: (candidates[i].microbatches, candidates[i].peak_memory_bytes, i))
     plan = plans[chosen]
     assert plan is not None  # a fitting candidate has a plan
     return SearchResult(tuple(candidates), chosen, plan)

@@ -40,15 +40,18 @@ def _print_candidates(found, memory_bytes: int) -> None:
         chosen = i == found.chosen
         time = f"{c.time_per_minibatch_ms:.3f}" if c.peak_memory_bytes else "-"
         memory = format_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-"
-        fits = "yes" if c.fits else ("no" if c.peak_memory_bytes else f"no plan: {c.note}")
+        fits = "yes" if c.fits else ("no" if c.peak_memory_bytes else "no plan (below)")
         style = "bold green" if chosen else None
         table.add_row("*" if chosen else "", c.schedule, str(c.microbatches), str(c.virtual_stages),
                       time, memory, fits, style=style)
     console = Console()
     console.print(table)
+    for c in found.candidates:
+        if not c.peak_memory_bytes:
+            console.print(f"no plan for {c.schedule}, {c.microbatches} micro-batches, v={c.virtual_stages}: {c.note}")
     best = found.best
     console.print(f"* chosen: {best.schedule}, {best.microbatches} micro-batches, v={best.virtual_stages}: "
-                  f"the fastest that fits")
+                  f"the fastest that fits (equal times: fewer micro-batches, then less memory)")
 
 
 def _print_plan(plan) -> None:
