@@ -13,14 +13,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.errors import InputError
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.engine import Durations, Timeline, run_schedule
 from pipeplan.profile import Profile
-from pipeplan.schedule import SCHEDULE_KINDS, Schedule, build_schedule, schedule_kind, warmup_forwards
+from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
 from pipeplan.units import format_bytes
