@@ -152,7 +152,9 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
         replicas = len(spec.ranks[r.stage])
         compute = sum(r.totals_ms.get(c, 0.0) for c in ("forward", "backward", "step"))
         wait = sum(r.totals_ms.get(c, 0.0) for c in ("recv", "allreduce"))
-        planned = predicted.stages[r.stage]
+        # a worker runs every model stage of its position (q = chunk * p + position)
+        positions = len(predicted.stages) // predicted.virtual_stages
+        chunks = predicted.stages[r.stage::positions]
         stages.append(StageMetrics(
             stage=r.stage,
             replica=r.replica,
@@ -165,9 +167,9 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
             allreduce_ms=r.totals_ms.get("allreduce", 0.0) / handled,
             minibatches=r.minibatches,
             weight_versions_used=r.peak_versions,
-            predicted_time_per_minibatch_ms=planned.time_per_minibatch_ms,
-            predicted_compute_ms=planned.compute_ms,
-            predicted_weight_versions=planned.weight_versions,
+            predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
+            predicted_compute_ms=sum(s.compute_ms for s in chunks),
+            predicted_weight_versions=chunks[0].weight_versions,
         ))
     metrics = Metrics(
         schedule=config.schedule,
