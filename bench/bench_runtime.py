@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="launch every pair this many times (alternating which goes first); report medians")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "runtime.json"))
     args = parser.parse_args()
@@ -127,18 +130,29 @@ def main() -> None:
         for ours, theirs, chunks in PAIRS:
             split = equal_split(children, ranks * chunks)
             boundaries = [layers[0] for layers in split[1:]]
-            mine = run_pipeplan(model_path, split, ours, args.batch_size, args.microbatches, total,
-                                args.lr, threads, args.timeout, virtual_stages=chunks)
-            base = run_pipelining_baseline(model_path, boundaries, args.batch_size, args.microbatches,
-                                           args.steps, args.lr, warmup_steps=args.warmup,
-                                           threads_per_rank=threads, timeout_s=args.timeout,
-                                           schedule=theirs, virtual_stages=chunks)
+            mine_rates, base_rates = [], []
+            for repeat in range(args.repeats):
+                launches = [
+                    lambda: mine_rates.append(run_pipeplan(
+                        model_path, split, ours, args.batch_size, args.microbatches, total, args.lr,
+                        threads, args.timeout, virtual_stages=chunks)),
+                    lambda: base_rates.append(run_pipelining_baseline(
+                        model_path, boundaries, args.batch_size, args.microbatches, args.steps, args.lr,
+                        warmup_steps=args.warmup, threads_per_rank=threads, timeout_s=args.timeout,
+                        schedule=theirs, virtual_stages=chunks)),
+                ]
+                for launch in launches if repeat % 2 == 0 else reversed(launches):
+                    launch()
+            mine_rate = statistics.median(r["samples_per_s"] for r in mine_rates)
+            base_rate = statistics.median(r["samples_per_s"] for r in base_rates)
             rows.append({"ranks": ranks, "pipeplan": ours, "torch": theirs, "chunks_per_rank": chunks,
                          "split": split, "threads_per_rank": threads,
-                         "pipeplan_samples_per_s": mine["samples_per_s"],
-                         "torch_samples_per_s": base["samples_per_s"],
-                         "ratio": mine["samples_per_s"] / base["samples_per_s"],
-                         "pipeplan_final_loss": mine["losses"][-1], "torch_final_loss": base["losses"][-1]})
+                         "pipeplan_samples_per_s": mine_rate, "torch_samples_per_s": base_rate,
+                         "ratio": mine_rate / base_rate,
+                         "pipeplan_samples_per_s_each": [r["samples_per_s"] for r in mine_rates],
+                         "torch_samples_per_s_each": [r["samples_per_s"] for r in base_rates],
+                         "pipeplan_final_loss": mine_rates[0]["losses"][-1],
+                         "torch_final_loss": base_rates[0]["losses"][-1]})
     one_stage = run_pipeplan(model_path, [list(range(children))], "1f1b-flush", args.batch_size, 1, total,
                              args.lr, cores, args.timeout)
     single = run_single_process_baseline(model_path, args.batch_size, args.steps, args.lr,
@@ -162,7 +176,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cores": cores, "load_average_1m": os.getloadavg()[0]},
         "settings": {"model": model_path, "children": children, "batch_size": args.batch_size,
                      "microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup,
-                     "lr": args.lr},
+                     "lr": args.lr, "repeats": args.repeats},
         "runs": rows,
     })
     console.print(f"wrote {args.out}")
