@@ -237,6 +237,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         stash=stash, recompute=config.recompute, minibatch_offset=offset,
         lookahead=2 * (peak_in_flight(actions) + 1), on_step=on_step, schedule=config.schedule,
     )
+    if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
+        data.draw_ahead(dict.fromkeys(a.minibatch + offset for a in actions if a.kind == "F"))
     dist.barrier()
     recorder.start()
     progress.start()
