@@ -1,10 +1,12 @@
-"""Reference throughput: PyTorch's own ``torch.distributed.pipelining`` (1F1B) on CPU ranks.
+"""Reference throughput: PyTorch's own ``torch.distributed.pipelining`` on CPU ranks.
 
 pipeplan's runtime benchmark compares against two numbers measured here on the same
 model file, batch and learning rate:
 
 - ``run_pipelining_baseline``: an ``nn.Sequential`` model split at ``stage_boundaries``
-  into one ``PipelineStage`` per rank (gloo, CPU), trained with ``Schedule1F1B`` and SGD;
+  into ``PipelineStage``s (gloo, CPU), trained with SGD by one of ``SCHEDULES``:
+  ``Schedule1F1B`` (one stage per rank), ``ScheduleInterleaved1F1B`` (``virtual_stages``
+  stages per rank: rank i holds stages i, i + ranks, ...) or ``ScheduleInterleavedZeroBubble``;
 - ``run_single_process_baseline``: the same model trained by a plain loop in this process.
 
 Both build the model under ``torch.manual_seed(seed)`` and train on the batches
@@ -33,9 +35,10 @@ from typing import Any
 
 from pipeplan.host_memory import keep_freed_blocks
 
-__all__ = ["run_pipelining_baseline", "run_single_process_baseline"]
+__all__ = ["SCHEDULES", "run_pipelining_baseline", "run_single_process_baseline"]
 
 _WORKER_FLAG = "_pipelining_worker"
+SCHEDULES = ("Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
 
 
 def run_pipelining_baseline(
@@ -50,11 +53,14 @@ def run_pipelining_baseline(
     seed: int = 0,
     threads_per_rank: int | None = None,
     timeout_s: float = 300.0,
+    schedule: str = "Schedule1F1B",
+    virtual_stages: int = 1,
 ) -> dict[str, Any]:
-    """Train with ``PipelineStage`` + ``Schedule1F1B`` on ``len(stage_boundaries) + 1`` CPU ranks.
+    """Train with ``PipelineStage`` + ``schedule`` on ``(len(stage_boundaries) + 1) / virtual_stages`` CPU ranks.
 
     ``stage_boundaries`` are the indices of the ``nn.Sequential`` children where stages
-    1, 2, ... begin (``[4]``: children 0-3 on rank 0, 4.. on rank 1). The ranks are
+    1, 2, ... begin (``[4]``: children 0-3 on rank 0, 4.. on rank 1); with
+    ``virtual_stages`` v, stage q runs on rank q % (stages / v). The ranks are
     launched with torchrun (``--standalone``, gloo); the whole launch is killed after
     ``timeout_s`` seconds. ``threads_per_rank`` defaults to ``cpu_count // ranks``.
 
@@ -66,11 +72,19 @@ def run_pipelining_baseline(
     from pipeplan.errors import InputError
 
     _check_counts(batch_size, steps, warmup_steps, lr)
-    ranks = len(stage_boundaries) + 1
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    stages = len(stage_boundaries) + 1
+    if virtual_stages < 1 or stages % virtual_stages or (virtual_stages > 1) != (schedule == "ScheduleInterleaved1F1B"):
+        raise InputError(
+            f"{schedule} with {virtual_stages} stages per rank does not fit {stages} stages "
+            f"(ScheduleInterleaved1F1B takes 2 or more per rank, the others 1)"
+        )
+    ranks = stages // virtual_stages
     if ranks < 2:
-        raise InputError("stage_boundaries is empty: the pipelining baseline needs at least 2 stages")
+        raise InputError("stage_boundaries is empty: the pipelining baseline needs at least 2 ranks")
     if microbatches < ranks:
-        raise InputError(f"Schedule1F1B needs microbatches >= stages (microbatches: {microbatches}, stages: {ranks})")
+        raise InputError(f"{schedule} needs microbatches >= ranks (microbatches: {microbatches}, ranks: {ranks})")
     if batch_size % microbatches:
         raise InputError(
             f"batch size {batch_size} does not split into {microbatches} equal micro-batches"
@@ -94,6 +108,8 @@ def run_pipelining_baseline(
         "seed": seed,
         "threads": threads,
         "timeout_s": timeout_s,
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
     }
     with tempfile.TemporaryDirectory(prefix="pipeplan-baseline-") as folder:
         config_path = Path(folder) / "config.json"
@@ -112,6 +128,8 @@ def run_pipelining_baseline(
         measured = json.loads(result_path.read_text())
     result = {
         "ranks": ranks,
+        "schedule": schedule,
+        "virtual_stages": virtual_stages,
         "stage_boundaries": list(stage_boundaries),
         "batch_size": batch_size,
         "microbatches": microbatches,
@@ -248,12 +266,13 @@ def _last_line(log_path: Path) -> str:
 
 
 def _worker(config_path: str, result_path: str) -> None:
-    """One torchrun rank: its stage of the model, 1F1B over gloo, timed SGD steps."""
+    """One torchrun rank: its stage(s) of the model, the schedule over gloo, timed SGD steps."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from pipeplan.jsonio import write_json_atomic
     from pipeplan.modelfile import load_model_file
@@ -268,10 +287,18 @@ def _worker(config_path: str, result_path: str) -> None:
         torch.manual_seed(config["seed"])
         model = model_file.build()
         bounds = config["bounds"]
-        submodule = model[bounds[rank] : bounds[rank + 1]]
-        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, n_microbatches=config["microbatches"], loss_fn=model_file.loss_fn)
-        optimizer = torch.optim.SGD(submodule.parameters(), lr=config["lr"])
+        stages = len(bounds) - 1
+        held = range(rank, stages, world)  # stage q on rank q % world
+        submodules = [model[bounds[q] : bounds[q + 1]] for q in held]
+        pipeline_stages = [PipelineStage(m, q, stages, torch.device("cpu")) for m, q in zip(submodules, held)]
+        schedule_class = getattr(pipelining, config["schedule"])
+        if config["schedule"] == "Schedule1F1B":
+            schedule = schedule_class(pipeline_stages[0], n_microbatches=config["microbatches"],
+                                      loss_fn=model_file.loss_fn)
+        else:
+            schedule = schedule_class(pipeline_stages, n_microbatches=config["microbatches"],
+                                      loss_fn=model_file.loss_fn)
+        optimizer = torch.optim.SGD([p for m in submodules for p in m.parameters()], lr=config["lr"])
         warmup, steps = config["warmup_steps"], config["steps"]
         batches = [model_file.batch(config["batch_size"], seed=i) for i in range(warmup + steps)]
         losses: list[float] = []

@@ -17,12 +17,13 @@ from typing import Any
 from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
-from pipeplan.topology import Level, DeviceSpec, Topology
+from pipeplan.schedule import SCHEDULE_NAMES
+from pipeplan.topology import DeviceSpec, Level, Topology
 
 __all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-SCHEDULES = ("1f1b-rr", "1f1b-flush", "gpipe")
+SCHEDULES = SCHEDULE_NAMES  # the registry in pipeplan.schedule
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class Predicted:
     speedup_vs_single_device: float
     data_parallel_ms: float  # time per minibatch of pure data parallelism on all devices
     single_device_ms: float  # forward+backward of the whole model on one device
+    # the planner's objective: the slowest stage with transfers and all-reduce overlapped,
+    # no bubble (a lower bound of the period); 0.0 in plans written before it existed
+    stage_bound_ms: float = 0.0
+    simulated: bool = False  # time_per_minibatch_ms is the simulated period of the plan's schedule
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class Plan:
     leaf_modules: tuple[str, ...] | None = None
     cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
     cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
+    virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:

@@ -67,6 +67,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.schedule import schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
 from pipeplan.planner.memory import optimizer_states
@@ -142,7 +143,7 @@ class _Context:
         self.world = topology.world_size
         self.bounded = settings.max_stages is not None
         self.q: int = settings.max_stages if settings.max_stages is not None else 1
-        self.track_tau = settings.memory_check and settings.schedule == "1f1b-rr"
+        self.track_tau = settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
@@ -318,10 +319,10 @@ def _device_table(ctx: _Context, tau: int) -> np.ndarray:
     width = ctx.width[0] + 1
     time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
     if ctx.settings.memory_check:
-        if ctx.settings.schedule == "1f1b-rr":
+        if ctx.track_tau:
             versions, in_flight = tau + 1, float(tau + 1)
         else:
-            versions, in_flight = 1, 1.0
+            versions, in_flight = schedule_kind(ctx.settings.schedule).weight_versions((1,), 0), 1.0
         need = ctx.params[:width] * (versions + 1 + ctx.opt) + ctx.saved[:width] * in_flight
         time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
     return np.repeat(time[None, :, :], ctx.q, axis=0)

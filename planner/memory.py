@@ -4,12 +4,13 @@ A replica of a stage keeps (bytes per device)::
 
     params * (weight_versions + 1 gradient + optimizer_states) + saved * activations_in_flight
 
-``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam. The counts come from
-``pipeplan.schedule`` (shared with the runtime and the simulator): with 1F1B-RR a
-replica of stage s stashes ``W_s + 1`` weight versions and as many minibatches of
-activations, where ``W_s + 1 = ceil(after_s / n_s)`` with ``after_s`` the devices of
-stage s and every later stage and ``n_s`` its replicas; 1F1B-flush and GPipe keep one
-weight version and at most one minibatch of activations.
+``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam. The counts are each
+schedule's own, from the registry ``pipeplan.schedule.SCHEDULE_KINDS`` (shared with the
+runtime and the simulator): with 1F1B-RR a replica of stage s stashes ``W_s + 1`` weight
+versions and as many minibatches of activations, where ``W_s + 1 = ceil(after_s / n_s)``
+with ``after_s`` the devices of stage s and every later stage and ``n_s`` its replicas;
+2BW keeps two versions; the flush schedules one, with the activations their action
+lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
-from pipeplan.schedule import activations_in_flight, weight_versions
+from pipeplan.schedule import schedule_kind
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -67,9 +68,19 @@ def plan_stage_memory(
     saved_bytes: float,
     optimizer: str,
     microbatches: int = 1,
+    virtual_stages: int = 1,
+    chunk: int | None = None,
 ) -> tuple[int, int, float]:
-    """(memory bytes, weight versions, activations in flight) of one replica of ``stage``."""
-    versions = weight_versions(schedule, stage_replicas, stage)
-    in_flight = activations_in_flight(schedule, stage_replicas, stage, microbatches)
+    """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
+
+    With ``chunk``, the bytes of that one chunk of the device (its share of the device's
+    peak); without, the whole stage's.
+    """
+    kind = schedule_kind(schedule)
+    versions = kind.weight_versions(stage_replicas, stage)
+    if chunk is None:
+        in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
+    else:
+        in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
     memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer)
     return int(math.ceil(memory)), versions, in_flight

@@ -12,36 +12,38 @@ import math
 from dataclasses import dataclass
 
 from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.plan import SCHEDULES, Plan, Predicted, StagePlan
+from pipeplan.plan import Plan, Predicted, StagePlan
 from pipeplan.profile import Profile
-from pipeplan.schedule import noam
+from pipeplan.schedule import SCHEDULE_NAMES, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
-from pipeplan.planner.costs import COST_MODELS, LayerArrays, layer_arrays, ring_allreduce_ms, transfer_ms
-from pipeplan.planner.cuts import cut_family
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.costs import COST_MODELS, LayerArrays, layer_arrays
+from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.memory import OPTIMIZER_STATES, plan_stage_memory, stage_memory_bytes
-from pipeplan.planner.pipedream_dp import PipeDreamSettings, pipedream_data_parallel_ms, solve_pipedream
+from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import FlatStage, flatten
 
-__all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures"]
+__all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer"]
 
 
 @dataclass(frozen=True)
 class PartitionOptions:
-    schedule: str = "1f1b-rr"  # one of pipeplan.plan.SCHEDULES
+    schedule: str = "1f1b-rr"  # one of pipeplan.schedule.SCHEDULE_NAMES
     cost_model: str = "pipeplan"  # "pipeplan" | "pipedream"
     optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
     straight: bool = False  # one device per stage
     max_stages: int | None = None
     use_fewer_devices: bool = False
-    microbatches: int = 1  # for 1f1b-flush / gpipe
+    microbatches: int = 1  # micro-batches per minibatch (schedules that split minibatches)
     memory_check: bool = True
     activation_compression_ratio: float | None = None  # PipeDream mode only
+    virtual_stages: int | None = None  # interleaved-1f1b: chunks per device (None: the planner picks)
 
     def validate(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
         if self.cost_model not in COST_MODELS:
             raise InputError(f"cost model {self.cost_model!r} is not one of {', '.join(COST_MODELS)}")
         if self.optimizer not in OPTIMIZER_STATES:
@@ -55,84 +57,51 @@ class PartitionOptions:
         ratio = self.activation_compression_ratio
         if ratio is not None and not ratio > 0:
             raise InputError(f"activation compression ratio must be positive (got {ratio})")
+        kind = schedule_kind(self.schedule)
+        if self.virtual_stages is not None and (self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1):
+            raise InputError(
+                f"schedule {self.schedule} runs "
+                + ("v >= 2" if kind.virtual_stages else "one") + f" chunk(s) per device (got --virtual-stages {self.virtual_stages})"
+            )
+        if kind.whole_minibatches and self.microbatches != 1:
+            raise InputError(f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})")
 
 
-def data_parallel_ms(arrays: LayerArrays, topology: Topology, cost_model: str = "pipeplan") -> float:
+def data_parallel_ms(arrays: LayerArrays, topology: Topology, cost_model_name: str = "pipeplan") -> float:
     """Pure data parallelism on every device: the whole model as one stage at each level."""
-    if cost_model == "pipedream":
-        return pipedream_data_parallel_ms(arrays, topology)
-    time = arrays.compute(0, arrays.layers)
-    params = float(arrays.param_bytes[-1])
-    for level in topology.levels:
-        allreduce = float(ring_allreduce_ms(params, level.count, level.bandwidth_bytes_per_s, level.latency_ms))
-        time = max(time / level.count, allreduce)
-    return time
-
-
-def _outgoing_level(flat: tuple[FlatStage, ...], index: int) -> int:
-    """Level (1-based) of the cut after stage ``index``: where its path and the next diverge."""
-    here, nxt = flat[index].path, flat[index + 1].path
-    for a, b in zip(here, nxt):
-        if a is not b:
-            return a.level
-    return here[-1].level
+    return cost_model(cost_model_name).data_parallel_ms(arrays, topology)
 
 
 def stage_figures(
     flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions,
     single_nodes: frozenset = frozenset(),
 ) -> list[tuple[float, float, float, float]]:
-    """(compute, all-reduce, communication, time per minibatch) in ms for each stage.
+    """(compute, all-reduce, communication, time per minibatch) in ms for each stage (the cost model's)."""
+    return cost_model(options.cost_model).stage_figures(
+        flat, arrays, topology, options.activation_compression_ratio, single_nodes
+    )
 
-    pipeplan: every term of the stage's path, each divided by the replication above it;
-    the stage's time is the largest. pipedream: PipeDream's additive formulas.
-    """
-    out = []
-    for q, stage in enumerate(flat):
-        compute = arrays.compute(stage.start, stage.end)
-        comm_level = _outgoing_level(flat, q) if q + 1 < len(flat) else None
-        if options.cost_model == "pipeplan":
-            terms, allreduce, comm = [], 0.0, 0.0
-            above = 1
-            for node in stage.path:  # top first
-                lv = topology.levels[node.level - 1]
-                ar = float(ring_allreduce_ms(arrays.params(node.start, node.end), node.units,
-                                             lv.bandwidth_bytes_per_s, lv.latency_ms)) / above
-                allreduce = max(allreduce, ar)
-                if comm_level == node.level:
-                    comm = float(transfer_ms(arrays.cut_bytes[stage.end], lv.bandwidth_bytes_per_s, lv.latency_ms)) / above
-                above *= node.units
-            terms = [compute / above, allreduce, comm]
-            out.append((compute, allreduce, comm, max(terms)))
-        else:
-            time = compute / 1000.0
-            allreduce = 0.0
-            comm = 0.0
-            ratio = options.activation_compression_ratio
-            within_of = {k + 1: (topology.levels[k - 1].count if k >= 1 else 1) for k in range(len(topology.levels))}
-            for node in reversed(stage.path):  # innermost first
-                lv = topology.levels[node.level - 1]
-                params = arrays.params(node.start, node.end)
-                ar = 4 * (node.units - 1) * params / (lv.bandwidth_bytes_per_s * node.units)
-                if (node.level, node.start, node.end) in single_nodes:
-                    ar /= within_of[node.level]
-                allreduce += ar * 1000.0
-                if ratio is not None and comm_level == node.level:
-                    comm = 2.0 * arrays.frontier_bytes[stage.end] / (lv.bandwidth_bytes_per_s * node.units) / ratio * 1000.0
-                time = max((time + ar) / node.units, comm / 1000.0)
-            out.append((compute, allreduce, comm, time * 1000.0))
-    return out
+
+def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
+    """Fewest minibatches of activations the schedule charges any stage: its last stage's."""
+    kind = schedule_kind(options.schedule)
+    depth = max(world_size, 2 if kind.virtual_stages else 1)
+    micro = options.microbatches
+    if kind.virtual_stages:
+        micro = depth * math.ceil(micro / depth)
+    elif kind.gradients == "delayed":
+        micro = max(micro, depth)
+    virtual = 2 if kind.virtual_stages else 1
+    return min(kind.in_flight_by_chunk((1,) * depth, depth - 1, micro, virtual))
 
 
 def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions) -> str:
     """Name the layer that needs the most memory even in the most favourable position."""
-    need = []
-    for i, layer in enumerate(profile.layers):
-        params, saved = float(layer.param_bytes), float(layer.saved_bytes)
-        # the planner charges 1F1B-RR and GPipe a whole minibatch of activations at least,
-        # 1F1B-flush one micro-batch's share at best
-        least_in_flight = 1.0 / options.microbatches if options.schedule == "1f1b-flush" else 1.0
-        need.append(stage_memory_bytes(params, saved, 1, least_in_flight, options.optimizer))
+    least_in_flight = _least_in_flight(options, topology.world_size)
+    need = [
+        stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer)
+        for layer in profile.layers
+    ]
     worst = max(range(len(need)), key=lambda i: need[i])
     memory = topology.device.memory_bytes
     if need[worst] > memory:
@@ -150,21 +119,22 @@ def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topolog
 
 
 def _infeasible_hint(options: PartitionOptions) -> str:
-    if options.schedule == "1f1b-rr":
-        return "try --schedule 1f1b-flush or more devices"
-    if options.schedule == "1f1b-flush":
-        return "try more --microbatches or more devices"
-    return "try --schedule 1f1b-flush or more devices"
+    kind = schedule_kind(options.schedule)
+    if kind.whole_minibatches:
+        return "try --schedule auto, a schedule with micro-batches, or more devices"
+    return "try more --microbatches, --schedule auto or more devices"
 
 
-def _solve(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
-    if options.cost_model == "pipedream":
-        result = solve_pipedream(
-            arrays, topology,
-            PipeDreamSettings(options.straight, options.use_fewer_devices, options.memory_check,
-                              options.activation_compression_ratio),
-        )
-        return result.time_ms, result.stages, result.single_stage_nodes
+def _solve_pipedream(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
+    result = solve_pipedream(
+        arrays, topology,
+        PipeDreamSettings(options.straight, options.use_fewer_devices, options.memory_check,
+                          options.activation_compression_ratio),
+    )
+    return result.time_ms, result.stages, result.single_stage_nodes
+
+
+def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
     settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
                           options.use_fewer_devices, options.memory_check)
     solution = solve(arrays, topology, settings)
@@ -173,25 +143,41 @@ def _solve(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -
     return solution.time_ms, reconstruct(solution), frozenset()
 
 
+_SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
+
+
 def charged_optimizer(options: PartitionOptions) -> str | None:
     """The optimizer whose measured step counts as compute (none in PipeDream's own model)."""
-    return options.optimizer if options.cost_model == "pipeplan" else None
+    return cost_model(options.cost_model).charged_optimizer(options.optimizer)
 
 
 def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions()) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``.
 
+    Its predicted time, throughput and per-stage figures are those of its own schedule,
+    bubble included (``planner.predict``). ``interleaved-1f1b`` plans come from
+    ``planner.interleave`` (the planner picks v unless ``options.virtual_stages``).
     Raises ``InputError`` for bad options and ``InfeasibleError`` (one line) when no plan
     fits device memory.
     """
+    from pipeplan.planner.predict import predict
+    from pipeplan.planner.simulate import SimulationTooLarge
+
     options.validate()
+    kind = schedule_kind(options.schedule)
+    if kind.virtual_stages:
+        from pipeplan.planner.interleave import partition_interleaved
+
+        return partition_interleaved(profile, topology, options)
+    model = cost_model(options.cost_model)
     family = cut_family(profile)
-    arrays = layer_arrays(profile, charged_optimizer(options), family)
-    time_ms, tree, single_nodes = _solve(arrays, topology, options)
+    arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)
+    time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options)
     if not math.isfinite(time_ms):
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
     flat = flatten(tree, topology)
     replicas = [stage.replicas for stage in flat]
+    kind.check(replicas, options.microbatches)
     figures = stage_figures(flat, arrays, topology, options, single_nodes)
     stages = []
     for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
@@ -199,9 +185,11 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             options.schedule, replicas, q, arrays.params(stage.start, stage.end),
             arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
         )
-        if options.memory_check and options.cost_model == "pipeplan" and memory > topology.device.memory_bytes:
+        if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
             raise InfeasibleError(
-                f"internal: stage {q} needs {format_bytes(memory)} > {format_bytes(topology.device.memory_bytes)}"
+                f"no plan fits in {format_bytes(topology.device.memory_bytes)} per device with schedule "
+                f"{options.schedule}: stage {q} of the fastest split needs {format_bytes(memory)} "
+                f"({_infeasible_hint(options)})"
             )
         layers = family.stage_layers(stage.start, stage.end)
         stages.append(StagePlan(
@@ -210,6 +198,22 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             time_per_minibatch_ms=stage_time, memory_bytes=memory, weight_versions=versions,
             in_flight=int(math.ceil(in_flight)),
         ))
+    plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)
+    if not model.predicts_by_simulation(kind):
+        return plan
+    try:
+        return predict(plan, profile)
+    except SimulationTooLarge:  # keeps the cost model's figures, marked not simulated
+        return plan
+
+
+def assemble_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
+                  stages: tuple[StagePlan, ...], time_ms: float, virtual_stages: int = 1,
+                  family: CutFamily | None = None) -> Plan:
+    """A ``Plan`` of ``stages`` predicting ``time_ms`` per minibatch (baselines from ``arrays``,
+    cut at the states of ``family``; default: the prefixes of the layer order)."""
+    if family is None:
+        family = CutFamily("prefix", len(profile.layers))
     single = arrays.compute(0, arrays.layers)
     dp_ms = data_parallel_ms(arrays, topology, options.cost_model)
     predicted = Predicted(
@@ -219,13 +223,17 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         speedup_vs_single_device=single / time_ms if time_ms > 0 else math.inf,
         data_parallel_ms=dp_ms,
         single_device_ms=single,
+        stage_bound_ms=time_ms,
     )
+    positions = len(stages) // virtual_stages
+    replicas = [stage.replicas for stage in stages[:positions]]
     bottleneck = max(range(len(stages)), key=lambda q: stages[q].time_per_minibatch_ms)
     return Plan(
         profile_fingerprint=profile.fingerprint, model=profile.model, batch_size=profile.batch_size,
         dtype=profile.dtype, topology=topology, schedule=options.schedule, cost_model=options.cost_model,
-        optimizer=options.optimizer, world_size=topology.world_size, in_flight=noam(replicas) if options.schedule == "1f1b-rr" else 1,
-        stages=tuple(stages), predicted=predicted, bottleneck_stage=bottleneck,
-        microbatches=options.microbatches, leaf_modules=profile.leaf_modules,
-        cut_family=family.name, cut_candidates=family.states,
+        optimizer=options.optimizer, world_size=topology.world_size,
+        in_flight=schedule_kind(options.schedule).minibatches_in_flight(replicas),
+        stages=stages, predicted=predicted, bottleneck_stage=bottleneck,
+        microbatches=options.microbatches, virtual_stages=virtual_stages,
+        leaf_modules=profile.leaf_modules, cut_family=family.name, cut_candidates=family.states,
     )

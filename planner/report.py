@@ -1,7 +1,7 @@
 """Predicted vs measured: read a run's metrics.json and compare it with the plan.
 
-The metrics format (``pipeplan.metrics/1``) is described in ``docs/metrics.md``. The
-reader is tolerant: unknown keys are ignored, missing predictions are taken from the
+Reads the typed metrics contract (``pipeplan.metrics.Metrics``, format in
+``docs/metrics.md``): unknown keys are ignored, missing predictions are taken from the
 embedded plan, and a value that is absent stays ``None`` (printed as "-").
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pipeplan.errors import InputError
-from pipeplan.jsonio import read_json
+from pipeplan.metrics import METRICS_SCHEMA, Metrics
 
 __all__ = [
     "METRICS_SCHEMA",
@@ -26,7 +26,6 @@ __all__ = [
     "load_report",
 ]
 
-METRICS_SCHEMA = "pipeplan.metrics/1"
 OFF_THRESHOLD = 0.20  # flag a measurement more than 20 % away from its prediction
 
 
@@ -68,6 +67,7 @@ class MetricsReport:
     time_per_minibatch: Comparison
     stages: tuple[StageComparison, ...]
     losses: tuple[float, ...]
+    predicted_for: str | None = None  # the schedule the predictions are for, when re-predicted
 
     @property
     def flagged(self) -> tuple[StageComparison, ...]:
@@ -75,13 +75,12 @@ class MetricsReport:
         return tuple(s for s in self.stages if s.time_per_minibatch.off)
 
 
-def read_metrics(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metrics object of ``path``; ``InputError`` on a bad file or another schema."""
-    obj = read_json(path, METRICS_SCHEMA)
-    return obj
+def read_metrics(path: str | os.PathLike[str]) -> Metrics:
+    """The metrics of ``path``; ``InputError`` on a bad file, another schema or a bad value."""
+    return Metrics.load(path)
 
 
-def _number(obj: Mapping[str, Any], key: str, where: str) -> float | None:
+def _plan_number(obj: Mapping[str, Any], key: str, where: str) -> float | None:
     value = obj.get(key)
     if value is None:
         return None
@@ -90,56 +89,43 @@ def _number(obj: Mapping[str, Any], key: str, where: str) -> float | None:
     return float(value)
 
 
-def compare(metrics: Mapping[str, Any], where: str = "metrics") -> MetricsReport:
+def compare(metrics: Metrics | Mapping[str, Any], where: str = "metrics") -> MetricsReport:
     """Pair every measured figure with its prediction (from the metrics or its plan)."""
-    plan = metrics.get("plan") if isinstance(metrics.get("plan"), dict) else {}
-    plan_stages = {s.get("index"): s for s in plan.get("stages", []) if isinstance(s, dict)}
-    predicted_period = _number(metrics, "predicted_time_per_minibatch_ms", where)
-    if predicted_period is None and isinstance(plan.get("predicted"), dict):
-        predicted_period = _number(plan["predicted"], "time_per_minibatch_ms", f"{where}: plan")
+    if not isinstance(metrics, Metrics):
+        metrics = Metrics.from_dict(metrics, where)
+    plan = metrics.plan if isinstance(metrics.plan, Mapping) else {}
+    plan_stages = {s.get("index"): s for s in plan.get("stages", []) if isinstance(s, Mapping)}
+    predicted_period = metrics.predicted_time_per_minibatch_ms
+    if predicted_period is None and isinstance(plan.get("predicted"), Mapping):
+        predicted_period = _plan_number(plan["predicted"], "time_per_minibatch_ms", f"{where}: plan")
     stages = []
-    raw_stages = metrics.get("stages", [])
-    if not isinstance(raw_stages, list):
-        raise InputError(f"{where}: 'stages' must be a list (got {type(raw_stages).__name__})")
-    for position, raw in enumerate(raw_stages):
-        here = f"{where}: stages[{position}]"
-        if not isinstance(raw, dict) or "stage" not in raw:
-            raise InputError(f"{here} has no 'stage'")
-        stage = _integer(raw, "stage", -1, here)
-        planned = plan_stages.get(stage, {})
-        predicted_time = _number(raw, "predicted_time_per_minibatch_ms", here)
+    for raw in metrics.stages:
+        planned = plan_stages.get(raw.stage, {})
+        predicted_time = raw.predicted_time_per_minibatch_ms
         if predicted_time is None:
-            predicted_time = _number(planned, "time_per_minibatch_ms", f"{where}: plan stage {stage}")
-        predicted_compute = _number(raw, "predicted_compute_ms", here)
+            predicted_time = _plan_number(planned, "time_per_minibatch_ms", f"{where}: plan stage {raw.stage}")
+        predicted_compute = raw.predicted_compute_ms
         if predicted_compute is None:
-            predicted_compute = _number(planned, "compute_ms", f"{where}: plan stage {stage}")
+            predicted_compute = _plan_number(planned, "compute_ms", f"{where}: plan stage {raw.stage}")
         stages.append(
             StageComparison(
-                stage=stage,
-                replica=_integer(raw, "replica", 0, here),
-                rank=_integer(raw, "rank", -1, here),
-                time_per_minibatch=Comparison(predicted_time, _number(raw, "time_per_minibatch_ms", here)),
-                compute=Comparison(predicted_compute, _number(raw, "compute_ms", here)),
-                wait_ms=_number(raw, "wait_ms", here),
+                stage=raw.stage,
+                replica=raw.replica,
+                rank=raw.rank,
+                time_per_minibatch=Comparison(predicted_time, raw.time_per_minibatch_ms),
+                compute=Comparison(predicted_compute, raw.compute_ms),
+                wait_ms=raw.wait_ms,
             )
         )
     stages.sort(key=lambda s: (s.stage, s.replica))
-    losses = metrics.get("losses") or []
     return MetricsReport(
-        schedule=str(metrics.get("schedule") or plan.get("schedule") or "?"),
-        samples_per_s=_number(metrics, "samples_per_s", where),
-        time_per_minibatch=Comparison(predicted_period, _number(metrics, "time_per_minibatch_ms", where)),
+        schedule=metrics.schedule_name,
+        samples_per_s=metrics.samples_per_s,
+        time_per_minibatch=Comparison(predicted_period, metrics.time_per_minibatch_ms),
         stages=tuple(stages),
-        losses=tuple(float(x) for x in losses if isinstance(x, (int, float))),
+        losses=metrics.losses,
+        predicted_for=metrics.predicted_schedule,
     )
-
-
-def _integer(obj: Mapping[str, Any], key: str, default: int, where: str) -> int:
-    """``obj[key]`` as an int (``default`` when absent); ``InputError`` naming it otherwise."""
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where}: {key!r} must be an integer (got {value!r})")
-    return value
 
 
 def load_report(path: str | os.PathLike[str]) -> MetricsReport:

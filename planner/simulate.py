@@ -1,30 +1,26 @@
 """Discrete-event simulation of a plan running a schedule on its topology.
 
-Every worker (stage, replica) runs its ``pipeplan.schedule`` actions in order. A forward
-starts when its worker is free and every input activation has arrived; a backward when
-the gradients from every consuming stage have arrived; an "S" when all replicas of the
-stage reach it (ring all-reduce, then the optimizer step). A send occupies the directed
-link between the two ranks for ``bytes / bandwidth`` (messages on a link go in the
-sender's order) and arrives ``latency`` later; sends do not block compute.
-
-Because each worker's order is fixed, the timeline is the longest path through a DAG of
-tasks: a worklist sweep (a blocked worker waits on the one key it needs and is woken
-when that key completes) computes it in O(actions + sends), with no priority queue.
+Every worker (position, replica) runs its ``pipeplan.schedule`` actions in order; the
+timing rules (forwards wait for activations, backwards for gradients, "S" for every
+replica; sends occupy links) and the sweep live in ``planner.engine``. This module turns
+a plan and a profile into per-stage durations and the engine's timeline into steady-state
+figures: the pipeline period, each model stage's busy time and bubble, and peak memory.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.errors import InputError
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
-from pipeplan.plan import SCHEDULES, Plan
+from pipeplan.plan import Plan
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.engine import Durations, Timeline, run_schedule
 from pipeplan.profile import Profile
-from pipeplan.schedule import Schedule, build_schedule, warmup_forwards, weight_versions
+from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
 from pipeplan.units import format_bytes
@@ -41,10 +37,18 @@ __all__ = [
     "default_minibatches",
     "simulate",
     "simulate_plan",
+    "SimulationTooLarge",
     "choose_schedule",
 ]
 
 MAX_UNITS = 2_000_000  # refuse to simulate more (minibatches x micro-batches x stages)
+
+
+class SimulationTooLarge(InputError):
+    """The plan needs more than ``MAX_UNITS`` simulated tasks."""
+
+
+INPUT_GRAD_SHARE = 0.5  # of a backward, the part an "I" takes (the rest is its "W")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class StageCosts:
     saved_bytes: int  # activations autograd keeps for backward, one minibatch
     sends: tuple[tuple[int, int], ...]  # (consumer stage, bytes) of activations sent forward
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
+    allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on param_bytes
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class StageSim:
     stage: int
     replicas: int
     busy_ms: float  # compute + all-reduce per pipeline period, per replica
-    idle_ms: float  # period - busy
+    idle_ms: float  # period - the device's busy time (over all its chunks)
     bubble_fraction: float  # idle / period
     comm_ms: float  # busiest outgoing link's occupancy per minibatch of the pipeline
     memory_bytes: int  # peak per device: weights x versions, gradients, optimizer, activations
@@ -85,6 +90,15 @@ class SimResult:
     memory_limit_bytes: int
     window: tuple[int, int]  # minibatch ids whose completions bound the steady-state window
     tasks: tuple[tuple[Any, ...], ...] = field(default=(), repr=False)  # raw, see events()
+    virtual_stages: int = 1  # model stages q and q + p share the devices of position q % p
+
+    @property
+    def device_memory_bytes(self) -> tuple[int, ...]:
+        """Peak bytes per device of each pipeline position: the sum over its model stages."""
+        positions = len(self.stages) // self.virtual_stages
+        return tuple(
+            sum(stage.memory_bytes for stage in self.stages[i::positions]) for i in range(positions)
+        )
 
     @property
     def samples_per_s(self) -> float:
@@ -92,7 +106,7 @@ class SimResult:
 
     @property
     def peak_memory_bytes(self) -> int:
-        return max(stage.memory_bytes for stage in self.stages)
+        return max(self.device_memory_bytes)
 
     @property
     def fits_memory(self) -> bool:
@@ -130,14 +144,14 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     # every stage hands something to the next one (at least the order of the pipeline)
     cut: dict[tuple[int, int], int] = {(s, s + 1): 0 for s in range(len(plan.stages) - 1)}
     sent: set[tuple[int, int]] = set()
-    for layer in profile.layers:
-        for producer in layer.inputs:
-            key = (producer, stage_of[layer.index])
-            if stage_of[producer] != stage_of[layer.index] and key not in sent:
+    for consumer in profile.layers:
+        for producer in consumer.inputs:
+            key = (producer, stage_of[consumer.index])
+            if stage_of[producer] != stage_of[consumer.index] and key not in sent:
                 sent.add(key)
-                edge = (stage_of[producer], stage_of[layer.index])
+                edge = (stage_of[producer], stage_of[consumer.index])
                 cut[edge] = cut.get(edge, 0) + profile.layers[producer].output_bytes
-    charged = plan.optimizer if plan.cost_model == "pipeplan" else None
+    charged = cost_model(plan.cost_model).charged_optimizer(plan.optimizer)
     update = update_ms(profile, charged)
     # the loss and the minibatch draw: charged here to the stage's forwards
     extra = [c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)]
@@ -162,17 +176,22 @@ def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> li
 
     Splits ``compute_ms`` into forward : backward as ``forward_fraction`` (backward about
     twice the forward), and turns ``communication_ms`` (activations out + gradients
-    back) into bytes at the bandwidth joining the stage to the next one. Parameters and
-    activations are not in a plan, so memory is the plan's own prediction.
+    back) into bytes at the bandwidth joining the stage to the next one; the all-reduce
+    is the plan's ``allreduce_ms``. Parameters and activations are not in a plan, so
+    memory is the plan's own prediction.
     """
     out = []
     for stage in plan.stages:
         sends: tuple[tuple[int, int], ...] = ()
         if stage.index + 1 < len(plan.stages):
             nxt = plan.stages[stage.index + 1]
-            level = plan.topology.levels[plan.topology.level_joining(stage.ranks[0], nxt.ranks[0])]
-            one_way_ms = max(0.0, stage.communication_ms / 2.0 - level.latency_ms)
-            sends = ((stage.index + 1, int(one_way_ms * level.bandwidth_bytes_per_s / 1e3)),)
+            joining = plan.topology.level_joining(stage.ranks[0], nxt.ranks[0])
+            size = 0
+            if joining >= 0:
+                level = plan.topology.levels[joining]
+                one_way_ms = max(0.0, stage.communication_ms / 2.0 - level.latency_ms)
+                size = int(one_way_ms * level.bandwidth_bytes_per_s / 1e3)
+            sends = ((stage.index + 1, size),)
         out.append(
             StageCosts(
                 forward_ms=stage.compute_ms * forward_fraction,
@@ -180,6 +199,7 @@ def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> li
                 param_bytes=0,
                 saved_bytes=0,
                 sends=sends,
+                allreduce_ms=stage.allreduce_ms,
             )
         )
     return out
@@ -213,18 +233,68 @@ def allreduce_ms(topology: Topology, ranks: Sequence[int], param_bytes: float) -
 def default_minibatches(schedule: str, stage_replicas: Sequence[int], steady: int = 8) -> tuple[int, int, int]:
     """(total, warm-up, window) minibatches to simulate ``steady`` rounds of steady state.
 
-    1f1b-rr: the warm-up and the drain each cover the in-flight minibatches of every
-    worker, max_s n_s (W_s + 1), the window ``steady`` minibatches per replica of the most
-    replicated stage; all rounded up to lcm(replicas). Flush schedules: one minibatch
-    each side, ``steady`` in the window.
+    Stashed gradients (1f1b-rr): the warm-up and the drain each cover the in-flight
+    minibatches of every worker, max_s n_s (W_s + 1), the window ``steady`` minibatches
+    per replica of the most replicated stage; all rounded up to lcm(replicas). Flush
+    schedules: one minibatch each side, ``steady`` in the window. Others (2bw): the
+    minibatches in flight each side.
     """
-    if schedule != "1f1b-rr":
+    kind = schedule_kind(schedule)
+    if kind.flushes:
         return steady + 2, 1, steady
+    if kind.gradients != "stashed":
+        warm = kind.minibatches_in_flight(stage_replicas)
+        return 2 * warm + steady, warm, steady
     period = math.lcm(*stage_replicas)
     ahead = max(n * (warmup_forwards(stage_replicas, s) + 1) for s, n in enumerate(stage_replicas))
     warm = period * math.ceil(ahead / period)
     window = period * math.ceil(steady * max(stage_replicas) / period)
     return 2 * warm + window, warm, window
+
+
+def plan_positions(plan: Plan) -> int:
+    """Pipeline positions (device groups) of ``plan``: its model stages / virtual stages."""
+    return len(plan.stages) // plan.virtual_stages
+
+
+def simulation_shape(plan: Plan, schedule: str | None = None, microbatches: int | None = None) -> tuple[str, int, int]:
+    """(schedule, micro-batches, virtual stages) that simulating ``plan`` under ``schedule`` uses.
+
+    The plan's own by default; micro-batches default to the plan's (1 for a schedule of
+    whole minibatches). Raises a one-line ``InputError`` when the plan's chunks do not
+    suit the schedule or the counts break its rules.
+    """
+    name = schedule or plan.schedule
+    kind = schedule_kind(name)
+    virtual = plan.virtual_stages
+    if kind.virtual_stages != (virtual > 1):
+        raise InputError(
+            f"plan has {virtual} virtual stage(s) per device; schedule {name} "
+            + ("needs at least 2 (partition with --schedule " + name + ")" if kind.virtual_stages
+               else "runs one (partition again for it)")
+        )
+    micro = 1 if kind.whole_minibatches else (microbatches or max(plan.microbatches, 1))
+    replicas = tuple(stage.replicas for stage in plan.stages[: plan_positions(plan)])
+    kind.check(replicas, micro, virtual)
+    return name, micro, virtual
+
+
+def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Durations:
+    """Per micro-batch durations of every model stage; I and W split B as ``INPUT_GRAD_SHARE``."""
+    ranks = [stage.ranks for stage in plan.stages]
+    reduce = [
+        c.allreduce_ms if c.allreduce_ms is not None else allreduce_ms(plan.topology, ranks[q], c.param_bytes)
+        for q, c in enumerate(costs)
+    ]
+    return Durations(
+        forward_ms=tuple(c.forward_ms / microbatches for c in costs),
+        backward_ms=tuple(c.backward_ms / microbatches for c in costs),
+        backward_input_ms=tuple(c.backward_ms * INPUT_GRAD_SHARE / microbatches for c in costs),
+        backward_weight_ms=tuple(c.backward_ms * (1.0 - INPUT_GRAD_SHARE) / microbatches for c in costs),
+        allreduce_ms=tuple(reduce),
+        step_ms=tuple(c.step_ms for c in costs),
+        sends=tuple(tuple((t, b / microbatches) for t, b in c.sends) for c in costs),
+    )
 
 
 def simulate(
@@ -237,29 +307,31 @@ def simulate(
 ) -> SimResult:
     """Simulate ``plan`` under ``schedule`` (default: the plan's) with per-stage ``costs``.
 
-    Flush schedules split each minibatch into ``microbatches`` (default: the plan's, at
-    least the stage count for a pipeline) of 1/M of the compute and bytes. Returns the
-    steady-state period over ``steady`` rounds after the warm-up, the bubble fraction
-    and peak memory per stage; with ``record`` the task timeline too.
-    Time O(stages x minibatches x micro-batches), plus the sends.
+    Micro-batch schedules split each minibatch into ``microbatches`` (default: the
+    plan's) of 1/M of the compute and bytes. Returns the steady-state period over
+    ``steady`` rounds after the warm-up, the bubble fraction and peak memory per model
+    stage; with ``record`` the task timeline too. Time O(stages x minibatches x
+    micro-batches), plus the sends (``planner.engine``).
     """
-    name = schedule or plan.schedule
-    if name not in SCHEDULES:
-        raise InputError(f"unknown schedule {name!r} (expected one of {', '.join(SCHEDULES)})")
+    name, micro, virtual = simulation_shape(plan, schedule, microbatches)
     if len(costs) != len(plan.stages):
         raise InputError(f"{len(costs)} stage costs for a plan of {len(plan.stages)} stages")
-    replicas = tuple(stage.replicas for stage in plan.stages)
-    micro = 1 if name == "1f1b-rr" else (microbatches or max(plan.microbatches, 1))
+    positions = plan_positions(plan)
+    replicas = tuple(stage.replicas for stage in plan.stages[:positions])
     total, warm, window = default_minibatches(name, replicas, steady)
-    if total * micro * len(replicas) > MAX_UNITS:
-        raise InputError(
+    if total * micro * len(plan.stages) > MAX_UNITS:
+        raise SimulationTooLarge(
             f"simulating {name} on replicas {list(replicas)} needs {total} minibatches x "
-            f"{micro} micro-batches x {len(replicas)} stages > {MAX_UNITS} tasks "
+            f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
         )
-    built = build_schedule(name, replicas, total, micro)
-    timeline = _run(plan, costs, built, record)
-    done = timeline["completion"]
+    built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
+    ranks = [stage.ranks for stage in plan.stages[:positions]]
+    timeline = run_schedule(
+        built, durations(plan, costs, micro), ranks,
+        lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
+    )
+    done = timeline.completion
     first, last = warm - 1, warm - 1 + window
     period = (done[last] - done[first]) / window
     stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
@@ -269,11 +341,12 @@ def simulate(
         microbatches=micro,
         batch_size=plan.batch_size,
         time_per_minibatch_ms=period,
-        makespan_ms=timeline["makespan"],
+        makespan_ms=timeline.makespan,
         stages=tuple(stages),
         memory_limit_bytes=plan.topology.device.memory_bytes,
         window=(first, last),
-        tasks=tuple(timeline["tasks"]),
+        tasks=tuple(timeline.tasks),
+        virtual_stages=virtual,
     )
 
 
@@ -298,179 +371,47 @@ def simulate_plan(
     return result
 
 
-def _run(plan: Plan, costs: Sequence[StageCosts], schedule: Schedule, record: bool) -> dict[str, Any]:
-    """The worklist sweep: start/end of every task; completion time of every minibatch."""
-    topology = plan.topology
-    micro = schedule.microbatches
-    replicas = schedule.stage_replicas
-    ranks = [stage.ranks for stage in plan.stages]
-    fwd = [c.forward_ms / micro for c in costs]
-    bwd = [c.backward_ms / micro for c in costs]
-    sends = [tuple((t, b / micro) for t, b in c.sends) for c in costs]
-    producers: list[list[tuple[int, float]]] = [[] for _ in costs]
-    for s, out in enumerate(sends):
-        for t, size in out:
-            producers[t].append((s, size))
-    n_in = [len(p) for p in producers]
-    n_out = [len(o) for o in sends]
-    reduce_ms = [allreduce_ms(topology, ranks[s], costs[s].param_bytes) for s in range(len(costs))]
-    step_ms = [cost.step_ms for cost in costs]
-    link_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
-
-    def link(a: int, b: int, size: float) -> tuple[float, float]:
-        key = (a, b, size)
-        if key not in link_cache:
-            link_cache[key] = link_time_ms(topology, a, b, size)
-        return link_cache[key]
-
-    arrive_f: dict[tuple[int, int], float] = {}  # (stage, unit) -> latest activation arrival
-    count_f: dict[tuple[int, int], int] = defaultdict(int)
-    arrive_b: dict[tuple[int, int], float] = {}  # (stage, unit) -> latest gradient arrival
-    count_b: dict[tuple[int, int], int] = defaultdict(int)
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    link_busy: dict[tuple[int, int], float] = defaultdict(float)
-    waiting: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
-    arrived: dict[tuple[int, int], list[float]] = {}
-    steps_done: dict[tuple[int, int], int] = defaultdict(int)
-    position = dict.fromkeys(schedule.actions, 0)
-    free = dict.fromkeys(schedule.actions, 0.0)
-    busy: dict[tuple[int, int], list[tuple[float, float]]] = {w: [] for w in schedule.actions}
-    completion = [0.0] * schedule.minibatches
-    tasks: list[tuple[Any, ...]] = []
-    ready = list(schedule.actions)
-
-    def send(src: int, dst: int, size: float, at: float, name: str, k: int, m: int, s: int, r: int) -> float:
-        occupy, latency = link(src, dst, size)
-        start = max(link_free[(src, dst)], at)
-        link_free[(src, dst)] = start + occupy
-        link_busy[(src, dst)] += occupy
-        if record and occupy + latency > 0:
-            tasks.append((src, "send", f"send {name} ->r{dst}", start, occupy + latency, k, m, s, r))
-        return start + occupy + latency
-
-    while ready:
-        worker = ready.pop()
-        s, r = worker
-        rank = ranks[s][r]
-        actions = schedule.actions[worker]
-        while position[worker] < len(actions):
-            action = actions[position[worker]]
-            k, m = action.minibatch, action.microbatch
-            unit = k * micro + m
-            if action.kind == "S":
-                group = (s, steps_done[worker])
-                members = arrived.setdefault(group, [])
-                members.append(free[worker])
-                if len(members) < replicas[s]:
-                    waiting.setdefault(("S", *group), []).append(worker)
-                    break
-                start = max(members)
-                end = start + reduce_ms[s] + step_ms[s]
-                for peer in [*waiting.pop(("S", *group), []), worker]:
-                    step_of = schedule.actions[peer][position[peer]].minibatch  # this peer's own
-                    if s == 0:
-                        completion[step_of] = max(completion[step_of], end)
-                    free[peer] = end
-                    position[peer] += 1
-                    steps_done[peer] += 1
-                    if end > start:
-                        busy[peer].append((start, end))
-                    if record and reduce_ms[s] > 0:
-                        tasks.append(
-                            (ranks[s][peer[1]], "allreduce", f"allreduce S{step_of}", start, reduce_ms[s],
-                             step_of, 0, s, peer[1])
-                        )
-                    if record and step_ms[s] > 0:
-                        tasks.append(
-                            (ranks[s][peer[1]], "step", f"S{step_of}", start + reduce_ms[s], step_ms[s],
-                             step_of, 0, s, peer[1])
-                        )
-                    if peer != worker:
-                        ready.append(peer)
-                continue
-            key = (s, unit)
-            if action.kind == "F":
-                if count_f[key] < n_in[s]:
-                    waiting.setdefault(("F", s, unit), []).append(worker)
-                    break
-                start = max(free[worker], arrive_f.get(key, 0.0))
-                end = start + fwd[s]
-                for t, size in sends[s]:
-                    dst = ranks[t][unit % replicas[t]]
-                    at = send(rank, dst, size, end, str(action), k, m, s, r)
-                    target = (t, unit)
-                    arrive_f[target] = max(arrive_f.get(target, 0.0), at)
-                    count_f[target] += 1
-                    if count_f[target] == n_in[t]:
-                        ready.extend(waiting.pop(("F", t, unit), []))
-            else:
-                if count_b[key] < n_out[s]:
-                    waiting.setdefault(("B", s, unit), []).append(worker)
-                    break
-                start = max(free[worker], arrive_b.get(key, 0.0))
-                end = start + bwd[s]
-                for p, size in producers[s]:
-                    dst = ranks[p][unit % replicas[p]]
-                    at = send(rank, dst, size, end, str(action), k, m, s, r)
-                    target = (p, unit)
-                    arrive_b[target] = max(arrive_b.get(target, 0.0), at)
-                    count_b[target] += 1
-                    if count_b[target] == n_out[p]:
-                        ready.extend(waiting.pop(("B", p, unit), []))
-            free[worker] = end
-            position[worker] += 1
-            busy[worker].append((start, end))
-            if record:
-                category = "forward" if action.kind == "F" else "backward"
-                tasks.append((rank, category, str(action), start, end - start, k, m, s, r))
-    stuck = [w for w in schedule.actions if position[w] < len(schedule.actions[w])]
-    if stuck:
-        where = ", ".join(f"s{w[0]}r{w[1]} at {schedule.actions[w][position[w]]}" for w in stuck[:4])
-        raise InfeasibleError(f"schedule {schedule.name} deadlocks in simulation: {where}")
-    makespan = max([end for intervals in busy.values() for _, end in intervals[-1:]] + [0.0])
-    makespan = max([makespan, *completion, *link_free.values()])
-    return {
-        "completion": completion,
-        "busy": busy,
-        "link_busy": link_busy,
-        "makespan": makespan,
-        "tasks": sorted(tasks, key=lambda t: (t[3], t[0])),
-    }
-
-
 def _stage_figures(
     plan: Plan,
     costs: Sequence[StageCosts],
     schedule: Schedule,
-    timeline: dict[str, Any],
+    timeline: Timeline,
     span: tuple[float, float],
     period: float,
 ) -> list[StageSim]:
-    """Busy/idle/bubble within the steady window; peak memory from the action order."""
+    """Busy/idle/bubble of every model stage within the steady window; peak memory from the order."""
     t0, t1 = span
     minibatches = max((t1 - t0) / period, 1e-12) if period > 0 else 1.0
+    positions = schedule.stages
+    kind = schedule_kind(schedule.name)
+    held = {
+        (i, r): _held_at_peak(schedule, i, schedule.actions[(i, r)], costs)
+        for i, n in enumerate(schedule.stage_replicas) for r in range(n)
+    }
+    device_busy_ms: dict[tuple[int, int], float] = {}
+    for (q, r), spans in timeline.busy.items():
+        inside = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in spans)
+        key = (q % positions, r)
+        device_busy_ms[key] = device_busy_ms.get(key, 0.0) + inside / minibatches
     out = []
     for stage in plan.stages:
-        s = stage.index
+        q = stage.index
+        i = q % positions
         busy_total = 0.0
         for r in range(stage.replicas):
-            for start, end in timeline["busy"][(s, r)]:
+            for start, end in timeline.busy.get((q, r), []):
                 busy_total += max(0.0, min(end, t1) - max(start, t0))
         busy_ms = busy_total / stage.replicas / minibatches
-        comm = [
-            occupied
-            for (src, _), occupied in timeline["link_busy"].items()
-            if src in stage.ranks
-        ]
+        comm = [occupied for (src, _), occupied in timeline.link_busy.items() if src in stage.ranks]
         comm_ms = max(comm, default=0.0) / schedule.minibatches
-        peak = max(_peak_outstanding(schedule.actions[(s, r)]) for r in range(stage.replicas))
-        in_flight = peak / schedule.microbatches
-        versions = weight_versions(schedule.name, schedule.stage_replicas, s)
-        memory = stage_memory_bytes(costs[s].param_bytes, costs[s].saved_bytes, versions, in_flight, plan.optimizer)
-        idle = max(0.0, period - busy_ms)
+        in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
+        versions = kind.weight_versions(schedule.stage_replicas, i)
+        memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer)
+        device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
+        idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(
             StageSim(
-                stage=s,
+                stage=q,
                 replicas=stage.replicas,
                 busy_ms=busy_ms,
                 idle_ms=idle,
@@ -483,78 +424,49 @@ def _stage_figures(
     return out
 
 
-def _peak_outstanding(actions: Sequence[Any]) -> int:
-    outstanding = peak = 0
+def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]) -> list[int]:
+    """Units of each chunk a worker holds when its saved activation bytes peak.
+
+    A unit is held from its "F" to its "B" (or its "W" when the backward is split).
+    """
+    chunks = len(costs) // schedule.stages
+    count = [0] * chunks
+    best = list(count)
+    held_bytes = best_bytes = 0.0
     for action in actions:
-        outstanding += (action.kind == "F") - (action.kind == "B")
-        peak = max(peak, outstanding)
-    return peak
+        if action.kind not in ("F", "B", "W"):
+            continue
+        c = getattr(action, "chunk", 0)
+        step = 1 if action.kind == "F" else -1
+        count[c] += step
+        held_bytes += step * max(costs[c * schedule.stages + position].saved_bytes, 1)
+        if held_bytes > best_bytes:
+            best_bytes, best = held_bytes, list(count)
+    return best
 
 
 # --------------------------------------------------------------------------- choice
 
 
-def _candidates(options: Any, batch_size: int, world_size: int) -> list[tuple[str, int]]:
-    """(schedule, micro-batches) pairs to try: flush schedules need M > 1 to pipeline at all.
-
-    Unless the user fixed ``options.microbatches``, flush schedules try the powers of two
-    M = 2, 4, ... that divide the batch, up to 4 micro-batches per device (at most 64).
-
-    >>> from types import SimpleNamespace
-    >>> _candidates(SimpleNamespace(microbatches=1), batch_size=24, world_size=2)
-    [('1f1b-rr', 1), ('1f1b-flush', 2), ('1f1b-flush', 4), ('1f1b-flush', 8), ('gpipe', 2), ('gpipe', 4), ('gpipe', 8)]
-    """
-    if options.microbatches > 1:
-        counts = [options.microbatches]
-    else:
-        limit = min(batch_size, 4 * world_size, 64)
-        counts = [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
-    return [("1f1b-rr", 1)] + [(name, m) for name in SCHEDULES if name != "1f1b-rr" for m in counts]
-
-
 def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:
     """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
 
-    For each schedule, plans with ``pipeplan.planner.partition.partition`` (``options``
-    with its ``schedule`` replaced), simulates the plan and drops those whose simulated
-    peak memory exceeds the device's. Raises ``InfeasibleError`` when none fits.
+    ``planner.auto.search`` over schedule x micro-batches x virtual stages; raises
+    ``InfeasibleError`` when none fits.
     """
-    from dataclasses import replace as replace_options
+    from pipeplan.planner.auto import search
 
-    from pipeplan.planner.partition import partition
-
-    results: list[tuple[str, int, SimResult]] = []
-    refused: list[str] = []
-    for name, microbatches in _candidates(options, profile.batch_size, topology.world_size):
-        label = name if microbatches == options.microbatches or name == "1f1b-rr" else f"{name} (M={microbatches})"
-        try:
-            plan = partition(
-                profile, topology, replace_options(options, schedule=name, microbatches=microbatches)
-            )
-        except InfeasibleError as exc:
-            refused.append(f"{label}: {exc}")
-            continue
-        result = simulate_plan(plan, profile)
-        if result.fits_memory:
-            results.append((label, microbatches, result))
-        else:
-            refused.append(
-                f"{label}: needs {format_bytes(result.peak_memory_bytes)} > "
-                f"{format_bytes(result.memory_limit_bytes)} per device"
-            )
-    if not results:
-        raise InfeasibleError("no schedule fits memory (" + "; ".join(refused) + ")")
-    results.sort(key=lambda item: item[2].time_per_minibatch_ms)
-    label, microbatches, result = results[0]
-    best = label.split(" ")[0]
-    others = ", ".join(f"{n} {r.time_per_minibatch_ms:.3f} ms" for n, _, r in results[1:])
+    found = search(profile, topology, options)
+    best = found.best
+    others = ", ".join(
+        f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
+        for i, c in enumerate(found.candidates) if i != found.chosen and c.fits
+    )
     reason = (
-        f"{label} simulates {result.time_per_minibatch_ms:.3f} ms/minibatch "
-        f"({result.samples_per_s:.1f} samples/s) in {format_bytes(result.peak_memory_bytes)} "
-        f"of {format_bytes(result.memory_limit_bytes)} per device"
+        f"{best.schedule} (M={best.microbatches}, v={best.virtual_stages}) simulates "
+        f"{best.time_per_minibatch_ms:.3f} ms/minibatch in {format_bytes(best.peak_memory_bytes)} "
+        f"of {format_bytes(topology.device.memory_bytes)} per device"
     )
     if others:
         reason += f"; vs {others}"
-    if refused:
-        reason += "; refused " + "; ".join(refused)
-    return best, microbatches, reason
+    return best.schedule, best.microbatches, reason

@@ -14,6 +14,11 @@ the cached header. Gradients need no header: their producer knows the activation
 
 Every wait is bounded (``timeout_s``); a failure or timeout raises ``RuntimeFailure``
 naming this rank, the peer rank and the message.
+
+A message to this rank itself (two chunks of an interleaved schedule on one rank) never
+touches the backend: ``send`` leaves a copy in a local mailbox and ``wait`` takes it, so
+it cannot deadlock and does not enter any pair's posting order. The schedule runs the
+sending action first on this rank, so the mail is always there when waited for.
 """
 
 from __future__ import annotations
@@ -158,10 +163,14 @@ class P2P:
         self._specs: dict[tuple[int, int], TensorSpec] = {}  # (peer, value) -> header
         self._header_work: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._sends: list[_PendingSend] = []
+        self._mailbox: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # to this rank itself
 
     # ------------------------------------------------------------------ sending
     def send(self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str) -> None:
         """Start sending ``tensor``; the first activation on a channel carries a header."""
+        if peer == self.rank:
+            self._mailbox.setdefault((value, unit, direction), []).append(tensor.detach().clone())
+            return
         tensor = tensor.detach().contiguous()
         start = time.perf_counter() * 1000.0
         if direction == FORWARD and (peer, value) not in self._sent_header:
@@ -205,12 +214,20 @@ class P2P:
              spec: TensorSpec | None = None) -> PendingRecv:
         """Post a receive now where possible (gloo, header known); ``wait`` completes it."""
         pending = PendingRecv(peer, value, unit, direction, label, spec)
-        if self.tagged:
+        if self.tagged and peer != self.rank:
             self._advance(pending, block=False)
         return pending
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         """The received tensor; blocks at most ``timeout_s`` per message."""
+        if pending.peer == self.rank:
+            mail = self._mailbox.get((pending.value, pending.unit, pending.direction))
+            if not mail:
+                raise RuntimeFailure(f"rank {self.rank}: {pending.label}: nothing was sent to this rank itself")
+            value = mail.pop(0)
+            if not mail:
+                del self._mailbox[(pending.value, pending.unit, pending.direction)]
+            return value
         self._advance(pending, block=True)
         self._wait(pending.work, f"receiving {pending.label}", pending.peer)
         assert pending.buffer is not None

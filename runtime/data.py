@@ -16,7 +16,7 @@ A minibatch is split into ``microbatches`` equal chunks along dim 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -53,7 +53,26 @@ class BatchSource:
         chunk = tuple(t.tensor_split(m, dim=0)[microbatch] for t in inputs)
         return chunk, targets.tensor_split(m, dim=0)[microbatch]
 
-    def _minibatch(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    def draw_ahead(self, minibatches: Iterable[int], budget_bytes: int = 256 << 20) -> int:
+        """Draw ``minibatches`` (global ids, in order) now, before the timed loop, while
+        their tensors fit in ``budget_bytes``; returns how many were drawn.
+
+        The run then takes them from the cache, as a training loop over a pre-built list
+        of batches does; the draws are deterministic, so results do not change.
+        """
+        drawn = held = 0
+        for k in minibatches:
+            if drawn and held * (drawn + 1) > budget_bytes * drawn:  # the next would exceed it
+                break
+            inputs, targets = self._minibatch(k, evict=False)
+            held += sum(t.numel() * t.element_size() for t in (*inputs, targets))
+            drawn += 1
+        return drawn
+
+    def _minibatch(self, k: int, evict: bool = True) -> tuple[tuple[torch.Tensor, ...], Any]:
+        if evict:  # minibatches before k - 1 are done with (k - 1 may still be in flight)
+            for old in [key for key in self._cache if key < k - 1]:
+                del self._cache[old]
         if k not in self._cache:
             inputs, targets = self._draw(k)
             if not isinstance(targets, torch.Tensor):
@@ -61,8 +80,6 @@ class BatchSource:
                     f"{self.model_file.path}: minibatch {k} targets are {type(targets).__name__}; "
                     f"pipeplan run splits and places targets, so they must be a Tensor"
                 )
-            for old in [key for key in self._cache if key < k - 1]:
-                del self._cache[old]
             for position, t in enumerate((*inputs, targets)):
                 if t.shape[0] != self.batch_size:
                     raise InputError(

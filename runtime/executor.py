@@ -1,15 +1,19 @@
 """The schedule executor: one worker walks its ``Action`` list (``pipeplan.schedule``).
 
-- ``F`` (unit u = minibatch * M + microbatch): wait for the inputs (received from the
-  producing stage's replica ``u % n``, or drawn from the data for a model input), run the
-  stage forward (on a stashed weight version for 1F1B-RR), start sending each output to
-  every consuming stage's replica ``u % n``; the loss stage computes the loss (scaled by
-  1/M for micro-batches).
+- ``F`` (unit u = minibatch * M + microbatch, chunk c = model stage c*P + position): wait
+  for the inputs (received from the producing model stage's replica ``u % n``, or drawn
+  from the data for a model input), run the chunk forward (on a weight version for
+  1F1B-RR and 2BW), start sending each output to every consuming stage's replica
+  ``u % n``; the loss stage computes the loss (scaled by 1/M for micro-batches).
 - ``B``: wait for the gradients of the outputs (summed over consumers; the loss stage
   differentiates its loss), backward, start sending each received input's gradient back
   to its producer. With ``recompute`` (GPipe re-materialisation) the forward kept only
   its inputs and RNG state and is re-run here.
-- ``S``: all-reduce gradients (replicas, tied stages), optimizer step.
+- ``I`` / ``W`` (zero bubble): ``I`` computes and sends the input gradients only,
+  keeping the graph and the gradients at the weight-consuming nodes
+  (``pipeplan.runtime.split_backward``); ``W`` computes the weight gradients from them.
+- ``S``: all-reduce gradients (replicas, tied stages), optimizer step. With weight
+  versions, the gradients of the minibatch's units (coalesced, 2BW) go on the live weights first.
 
 Receives are posted ahead (``lookahead`` actions, gloo) so no wait is for a message the
 schedule could have asked for earlier; sends never block the worker.
@@ -25,16 +29,19 @@ from typing import Any, Callable
 import torch
 
 from pipeplan.errors import RuntimeFailure
-from pipeplan.graph import MODEL_OUTPUT
+from pipeplan.graph import MODEL_OUTPUT, StageModule
 from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpec
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.recorder import Recorder, now_ms
+from pipeplan.runtime.split_backward import WeightGradients, backward_input, backward_weight
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash, WeightVersion
 from pipeplan.runtime.sync import GradSync
-from pipeplan.schedule import Action
+from pipeplan.schedule import Action, ScheduleKind, schedule_kind
 
 __all__ = ["Executor", "UnitRecord"]
+
+_Key = tuple[int, int]  # (unit, chunk)
 
 
 @dataclass
@@ -44,6 +51,7 @@ class _Saved:
     loss: torch.Tensor | None
     version: WeightVersion | None
     rng: Any = None  # CPU (and CUDA) RNG state for re-materialisation
+    weight_work: WeightGradients | None = None  # after "I": what "W" still computes
 
 
 @dataclass
@@ -67,40 +75,46 @@ class Executor:
     optimizer: torch.optim.Optimizer | None
     sync: GradSync
     recorder: Recorder
-    stash: WeightStash | None = None  # 1F1B-RR weight stashing
+    stash: WeightStash | None = None  # weight versions (1F1B-RR stashing, 2BW)
     recompute: bool = False
     minibatch_offset: int = 0
     lookahead: int = 6
     on_step: Callable[[int], None] | None = None  # called with the global minibatch after its S
+    schedule: str = "1f1b-flush"  # the schedule's name: which weight version a forward runs on
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
-    _saved: dict[int, _Saved] = field(default_factory=dict)
-    _posted: dict[tuple[str, int], dict[str, list[PendingRecv]]] = field(default_factory=dict)
-    _unit_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)
+    _kind: ScheduleKind | None = None
+    _steps: int = 0  # "S" done
+    _saved: dict[_Key, _Saved] = field(default_factory=dict)
+    _posted: dict[tuple[str, int, int], dict[str, list[PendingRecv]]] = field(default_factory=dict)
+    _minibatch_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # summed per minibatch
+    # A value crosses to a rank once per unit, however many of its chunks read it:
+    _inbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [pending|tensor, uses left]
+    _outbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [grad sum, grads left]
+    _readers: dict[str, int] = field(default_factory=dict)  # value name -> this rank's chunks reading it
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
+        self._kind = schedule_kind(self.schedule)
+        for chunk in self.spec.chunks:
+            for name in chunk.input_names:
+                self._readers[name] = self._readers.get(name, 0) + 1
+        handlers = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights,
+                    "S": self._step}
         for position, action in enumerate(self.actions):
             self._prefetch(position)
-            if action.kind == "F":
-                self._forward(action)
-            elif action.kind == "B":
-                self._backward(action)
-            else:
-                self._step(action)
+            handlers[action.kind](action)
             self.comm.reap()
         self.comm.finish()
         if self._saved:
             raise RuntimeFailure(f"units {sorted(self._saved)[:5]} ran forward but no backward")
 
-    @property
-    def _stage(self) -> Any:
-        return self.spec.stage
+    def _chunk(self, action: Action) -> StageModule:
+        return self.spec.chunks[action.chunk]
 
-    @property
-    def _is_loss_stage(self) -> bool:
-        return MODEL_OUTPUT in self._stage.output_names
+    def _is_loss_stage(self, stage: StageModule) -> bool:
+        return MODEL_OUTPUT in stage.output_names
 
     def _unit(self, action: Action) -> int:
         return action.minibatch * self.microbatches + action.microbatch
@@ -118,37 +132,52 @@ class Executor:
     def _prefetch(self, position: int) -> None:
         for action in self.actions[position : position + self.lookahead]:
             unit = self._unit(action)
-            key = (action.kind, unit)
-            if action.kind == "S" or key in self._posted:
+            key = (action.kind, unit, action.chunk)
+            if action.kind in ("S", "W") or key in self._posted:
                 continue
             if action.kind == "F":
                 self._posted[key] = self._post_inputs(action, unit)
-            elif unit in self._saved:
+            elif (unit, action.chunk) in self._saved:
                 self._posted[key] = self._post_grads(action, unit)
 
     def _post_inputs(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
-        posted = {}
-        for name in self._in_message_order(self._stage.input_names):
-            producer = self._stage.producers[name]
-            if producer < 0:
+        """Post the chunk's input receives; a value another chunk here also reads is posted once."""
+        stage = self._chunk(action)
+        for name in self._in_message_order(stage.input_names):
+            producer = stage.producers[name]
+            if producer < 0 or (name, unit) in self._inbound:
                 continue
             peer = self.spec.rank_of(producer, unit)
-            posted[name] = [self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
-                                           f"{name!r} of {action} from rank {peer}")]
-        return posted
+            pending = self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
+                                     f"{name!r} of {action} from rank {peer}")
+            self._inbound[(name, unit)] = [pending, self._readers[name]]
+        return {}
+
+    def _take_input(self, name: str, unit: int, action: Action) -> torch.Tensor:
+        """The received value (waited for by its first reader on this rank), as a fresh leaf."""
+        entry = self._inbound[(name, unit)]
+        if isinstance(entry[0], PendingRecv):
+            entry[0] = self._wait(entry[0], action)
+        entry[1] -= 1
+        value = entry[0] if entry[1] == 0 else entry[0].detach()
+        if entry[1] == 0:
+            del self._inbound[(name, unit)]
+        return value
 
     def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
-        saved = self._saved[unit]
+        stage = self._chunk(action)
+        saved = self._saved[(unit, action.chunk)]
         posted = {}
-        for name in self._in_message_order(self._stage.output_names):
+        for name in self._in_message_order(stage.output_names):
             value = saved.outputs[name]
             if name == MODEL_OUTPUT or not value.is_floating_point():
                 continue
             spec = TensorSpec.of(value)
+            peers = dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name])
             posted[name] = [
                 self.comm.post(peer, self.spec.value_ids[name], unit, BACKWARD,
                                f"gradient of {name!r} for {action} from rank {peer}", spec)
-                for peer in (self.spec.rank_of(c, unit) for c in self._stage.consumers[name])
+                for peer in peers  # one gradient per consuming rank, summed over its chunks
             ]
         return posted
 
@@ -162,52 +191,59 @@ class Executor:
     # ----------------------------------------------------------------- forward
     def _forward(self, action: Action) -> None:
         unit = self._unit(action)
-        posted = self._posted.pop(("F", unit), None) or self._post_inputs(action, unit)
+        stage = self._chunk(action)
+        if ("F", unit, action.chunk) not in self._posted:
+            self._post_inputs(action, unit)
+        self._posted.pop(("F", unit, action.chunk), None)
         minibatch = action.minibatch + self.minibatch_offset
-        needs_data = self._is_loss_stage or any(p < 0 for p in self._stage.producers.values())
+        needs_data = self._is_loss_stage(stage) or any(p < 0 for p in stage.producers.values())
         data_inputs, targets = (
             self.data.microbatch(minibatch, action.microbatch) if needs_data else ((), None)
         )
         received: dict[str, torch.Tensor] = {}
-        for name in posted:  # in message order
-            value = self._wait(posted[name][0], action)
+        for name in self._in_message_order(stage.input_names):
+            if stage.producers[name] < 0:
+                continue
+            value = self._take_input(name, unit, action)
             if value.is_floating_point():
                 value.requires_grad_(True)
             received[name] = value
         inputs: list[torch.Tensor] = [
-            data_inputs[int(name.split(":")[1])] if self._stage.producers[name] < 0 else received[name]
-            for name in self._stage.input_names
+            data_inputs[int(name.split(":")[1])] if stage.producers[name] < 0 else received[name]
+            for name in stage.input_names
         ]
         with self.recorder.span("forward", str(action), minibatch, action.microbatch):
             rng = _rng_state() if self.recompute else None
-            version = self.stash.acquire() if self.stash is not None else None
+            version = None
+            if self.stash is not None:
+                assert self._kind is not None
+                version = self.stash.acquire(self._kind.forward_version(action.minibatch, self._steps))
             with torch.set_grad_enabled(not self.recompute):
-                outputs, loss = self._run_stage(inputs, targets, version)
+                outputs, loss = self._run_stage(stage, inputs, targets, version)
         if version is not None:
             self.units[unit] = UnitRecord(action.minibatch, action.microbatch, version.id)
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
-        for name in self._in_message_order(self._stage.output_names):
-            for consumer in self._stage.consumers[name]:
-                peer = self.spec.rank_of(consumer, unit)
+        for name in self._in_message_order(stage.output_names):
+            for peer in dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name]):
                 self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
                                f"send {action} ->r{peer}")
         if self.recompute:
             outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
             loss = None
-        self._saved[unit] = _Saved(inputs, outputs, loss, version, rng)
+        self._saved[(unit, action.chunk)] = _Saved(inputs, outputs, loss, version, rng)
 
-    def _run_stage(self, inputs: list[torch.Tensor], targets: Any,
+    def _run_stage(self, stage: StageModule, inputs: list[torch.Tensor], targets: Any,
                    version: WeightVersion | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         if version is not None:
             assert self.stash is not None
             result = self.stash.forward(version, tuple(inputs))
         else:
-            result = self._stage.module(*inputs)
+            result = stage.module(*inputs)
         values = result if isinstance(result, tuple) else (result,)
-        outputs = dict(zip(self._stage.output_names, values))
+        outputs = dict(zip(stage.output_names, values))
         loss = None
-        if self._is_loss_stage:
+        if self._is_loss_stage(stage):
             loss = self.loss_fn(outputs[MODEL_OUTPUT], targets)
             if self.microbatches > 1:
                 loss = loss / self.microbatches
@@ -215,9 +251,11 @@ class Executor:
 
     # ---------------------------------------------------------------- backward
     def _backward(self, action: Action) -> None:
+        """"B" (whole backward) or "I" (input gradients now, weight gradients at "W")."""
         unit = self._unit(action)
-        saved = self._saved[unit]
-        posted = self._posted.pop(("B", unit), None) or self._post_grads(action, unit)
+        stage = self._chunk(action)
+        saved = self._saved[(unit, action.chunk)]
+        posted = self._posted.pop((action.kind, unit, action.chunk), None) or self._post_grads(action, unit)
         grads_in: dict[str, torch.Tensor] = {}
         for name, pendings in posted.items():
             total = None
@@ -226,12 +264,11 @@ class Executor:
                 total = g if total is None else total + g
             if total is not None:
                 grads_in[name] = total
-        del self._saved[unit]
         minibatch = action.minibatch + self.minibatch_offset
         with self.recorder.span("backward", str(action), minibatch, action.microbatch):
             outputs, loss = saved.outputs, saved.loss
             if self.recompute:
-                outputs, loss = self._rematerialise(saved, minibatch, action.microbatch)
+                outputs, loss = self._rematerialise(stage, saved, minibatch, action.microbatch)
             tensors, grads = [], []
             if loss is not None:
                 tensors.append(loss)
@@ -240,44 +277,81 @@ class Executor:
                 if outputs[name].requires_grad:
                     tensors.append(outputs[name])
                     grads.append(g)
-            if tensors:
-                torch.autograd.backward(tensors, grads)
-            if saved.version is not None:
-                assert self.stash is not None
-                self._unit_grads[unit] = self.stash.collect_grads(saved.version)
-                self.units[unit].backward_version = saved.version.id
-        inputs_by_name = dict(zip(self._stage.input_names, saved.inputs))
-        for name in self._in_message_order(self._stage.input_names):
+            if action.kind == "I":
+                params = list(saved.version.params.values()) if saved.version is not None else list(stage.module.parameters())
+                input_grads, saved.weight_work = backward_input(tensors, grads, saved.inputs, params)
+            else:
+                del self._saved[(unit, action.chunk)]
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+                input_grads = [x.grad for x in saved.inputs]
+                self._weights_done(action, saved)
+        inputs_by_name = dict(zip(stage.input_names, saved.inputs))
+        grad_by_name = dict(zip(stage.input_names, input_grads))
+        for name in self._in_message_order(stage.input_names):
             value = inputs_by_name[name]
-            producer = self._stage.producers[name]
+            producer = stage.producers[name]
             if producer < 0 or not value.is_floating_point():
                 continue
-            grad = value.grad if value.grad is not None else torch.zeros_like(value)
+            grad = grad_by_name[name]
+            grad = grad if grad is not None else torch.zeros_like(value)
+            if self._readers[name] > 1:  # several chunks here read it: send their sum once
+                entry = self._outbound.setdefault((name, unit), [None, self._readers[name]])
+                entry[0] = grad if entry[0] is None else entry[0] + grad
+                entry[1] -= 1
+                if entry[1]:
+                    continue
+                grad = self._outbound.pop((name, unit))[0]
             peer = self.spec.rank_of(producer, unit)
             self.comm.send(grad, peer, self.spec.value_ids[name], unit, BACKWARD,
                            f"send {action} ->r{peer}")
 
-    def _rematerialise(self, saved: _Saved, minibatch: int, microbatch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        targets = self.data.microbatch(minibatch, microbatch)[1] if self._is_loss_stage else None
+    def _weights(self, action: Action) -> None:
+        """"W": the weight gradients an earlier "I" of the same unit deferred."""
+        saved = self._saved.pop((self._unit(action), action.chunk))
+        with self.recorder.span("backward", str(action), action.minibatch + self.minibatch_offset,
+                                action.microbatch):
+            if saved.weight_work is not None:
+                backward_weight(saved.weight_work)
+            self._weights_done(action, saved)
+
+    def _weights_done(self, action: Action, saved: _Saved) -> None:
+        """The unit's weight gradients are complete: move them out of its version."""
+        if saved.version is None:
+            return
+        assert self.stash is not None
+        grads = self.stash.collect_grads(saved.version)
+        total = self._minibatch_grads.setdefault(action.minibatch, {})
+        for name, g in grads.items():
+            if g is not None:
+                total[name] = g if total.get(name) is None else total[name] + g  # type: ignore[operator]
+        self.units[self._unit(action)].backward_version = saved.version.id
+
+    def _rematerialise(self, stage: StageModule, saved: _Saved, minibatch: int,
+                       microbatch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        targets = self.data.microbatch(minibatch, microbatch)[1] if self._is_loss_stage(stage) else None
         with torch.random.fork_rng(devices=_cuda_devices()):
             _set_rng_state(saved.rng)
             with torch.enable_grad():
-                return self._run_stage(saved.inputs, targets, saved.version)
+                return self._run_stage(stage, saved.inputs, targets, saved.version)
 
     # -------------------------------------------------------------------- step
     def _step(self, action: Action) -> None:
         minibatch = action.minibatch + self.minibatch_offset
         start = now_ms()
         if self.stash is not None:
-            self.stash.load_grads(self._unit_grads.pop(self._unit(action), {}))
+            self.stash.load_grads(self._minibatch_grads.pop(action.minibatch, {}))
         self.sync.reduce()
         self.recorder.add("allreduce", f"allreduce {action}", start, now_ms(), minibatch)
         if self.optimizer is not None:
             with self.recorder.span("step", str(action), minibatch):
+                if self.stash is not None:
+                    self.stash.before_step()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         if self.stash is not None:
             self.stash.stepped()
+        self._steps += 1
         self.done_ms[minibatch] = now_ms() - self.recorder.t0_ms
         if self.on_step is not None:
             self.on_step(minibatch)

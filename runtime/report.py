@@ -12,14 +12,13 @@ completions on the input stage (the first ``noam`` minibatches are warm-up).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from pipeplan.jsonio import write_json_atomic
-from pipeplan.schedule import noam
+from pipeplan.metrics import METRICS_SCHEMA, Metrics, StageMetrics
+from pipeplan.schedule import schedule_kind
 
 __all__ = [
     "METRICS_SCHEMA",
@@ -27,12 +26,12 @@ __all__ = [
     "rank_report",
     "gather_reports",
     "write_outputs",
+    "prediction_for_run",
     "steady_period_ms",
     "warmup_minibatches",
 ]
 
 
-METRICS_SCHEMA = "pipeplan.metrics/1"  # docs/metrics.md; read by `pipeplan report`
 
 
 @dataclass
@@ -55,7 +54,7 @@ def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> 
     >>> warmup_minibatches("1f1b-rr", (1, 1), 20), warmup_minibatches("gpipe", (1, 1), 20)
     (2, 1)
     """
-    fill = noam(replicas) if schedule == "1f1b-rr" else 1
+    fill = schedule_kind(schedule).minibatches_in_flight(replicas)
     return min(fill, max(total - 1, 0))
 
 
@@ -97,6 +96,27 @@ def steady_period_ms(done_ms: list[float], warmup: int) -> float:
     return (times[-1] - times[start]) / (len(times) - 1 - start)
 
 
+def prediction_for_run(plan: Any, schedule: str, microbatches: int) -> Any:
+    """``plan`` predicted for the ``schedule`` and ``microbatches`` that ran.
+
+    The plan itself when they are its own; else re-predicted from the plan's per-stage
+    figures (``pipeplan.planner.predict``), so a run is never reported against another
+    schedule's number. A schedule the plan cannot be simulated with (its chunks do not
+    suit it) keeps the plan's figures, and ``predicted_schedule`` in the metrics says so.
+    """
+    from pipeplan.errors import InputError
+    from pipeplan.planner.predict import predict
+
+    kind = schedule_kind(schedule)
+    same_micro = kind.whole_minibatches or microbatches == plan.microbatches
+    if schedule == plan.schedule and same_micro:
+        return plan
+    try:
+        return predict(plan, schedule=schedule, microbatches=microbatches)
+    except InputError:
+        return plan
+
+
 def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankReport], period: int,
                   offset: int) -> dict[str, Any]:
     """Build the metrics summary (and write --metrics / --trace files); returns it."""
@@ -123,6 +143,7 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
     period_ms = steady_period_ms(input_done, warmup_minibatches(config.schedule, spec.replicas, len(input_done)))
     wall_ms = max(r.wall_ms for r in reports)
     minibatches = len(losses_by_minibatch)
+    predicted = prediction_for_run(plan, config.schedule, config.microbatches)
     stages = []
     for r in sorted(reports, key=lambda r: r.rank):
         if r.stage < 0:
@@ -131,44 +152,47 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
         replicas = len(spec.ranks[r.stage])
         compute = sum(r.totals_ms.get(c, 0.0) for c in ("forward", "backward", "step"))
         wait = sum(r.totals_ms.get(c, 0.0) for c in ("recv", "allreduce"))
-        predicted = plan.stages[r.stage]
-        stages.append({
-            "stage": r.stage,
-            "replica": r.replica,
-            "rank": r.rank,
-            "time_per_minibatch_ms": (compute + r.totals_ms.get("allreduce", 0.0)) / handled / replicas,
-            "compute_ms": compute / handled,
-            "wait_ms": wait / handled,
-            "forward_ms": r.totals_ms.get("forward", 0.0) / handled,
-            "backward_ms": r.totals_ms.get("backward", 0.0) / handled,
-            "allreduce_ms": r.totals_ms.get("allreduce", 0.0) / handled,
-            "minibatches": r.minibatches,
-            "weight_versions_used": r.peak_versions,
-            "predicted_time_per_minibatch_ms": predicted.time_per_minibatch_ms,
-            "predicted_compute_ms": predicted.compute_ms,
-            "predicted_weight_versions": predicted.weight_versions,
-        })
-    summary = {
-        "schema": METRICS_SCHEMA,
-        "plan": plan.to_dict(),
-        "schedule": config.schedule,
-        "microbatches": config.microbatches,
-        "steps": len(step_losses),
-        "first_step": offset // period,
-        "minibatches_per_step": period,
-        "losses": step_losses,
-        "minibatch_losses": [losses_by_minibatch[k] for k in ordered],
-        "samples_per_s": plan.batch_size * 1000.0 / period_ms if period_ms > 0 else float("nan"),
-        "wall_samples_per_s": minibatches * plan.batch_size * 1000.0 / wall_ms if wall_ms > 0 else 0.0,
-        "wall_ms": wall_ms,
-        "time_per_minibatch_ms": period_ms,
-        "predicted_time_per_minibatch_ms": plan.predicted.time_per_minibatch_ms,
-        "predicted_samples_per_s": plan.predicted.samples_per_s,
-        "stages": stages,
-    }
-    summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+        # a worker runs every model stage of its position (q = chunk * p + position)
+        positions = len(predicted.stages) // predicted.virtual_stages
+        chunks = predicted.stages[r.stage::positions]
+        stages.append(StageMetrics(
+            stage=r.stage,
+            replica=r.replica,
+            rank=r.rank,
+            time_per_minibatch_ms=(compute + r.totals_ms.get("allreduce", 0.0)) / handled / replicas,
+            compute_ms=compute / handled,
+            wait_ms=wait / handled,
+            forward_ms=r.totals_ms.get("forward", 0.0) / handled,
+            backward_ms=r.totals_ms.get("backward", 0.0) / handled,
+            allreduce_ms=r.totals_ms.get("allreduce", 0.0) / handled,
+            minibatches=r.minibatches,
+            weight_versions_used=r.peak_versions,
+            predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
+            predicted_compute_ms=sum(s.compute_ms for s in chunks),
+            predicted_weight_versions=chunks[0].weight_versions,
+        ))
+    metrics = Metrics(
+        schedule=config.schedule,
+        microbatches=config.microbatches,
+        plan=plan.to_dict(),
+        steps=len(step_losses),
+        first_step=offset // period,
+        minibatches_per_step=period,
+        losses=tuple(step_losses),
+        minibatch_losses=tuple(losses_by_minibatch[k] for k in ordered),
+        samples_per_s=plan.batch_size * 1000.0 / period_ms if period_ms > 0 else float("nan"),
+        wall_samples_per_s=minibatches * plan.batch_size * 1000.0 / wall_ms if wall_ms > 0 else 0.0,
+        wall_ms=wall_ms,
+        time_per_minibatch_ms=period_ms,
+        predicted_time_per_minibatch_ms=predicted.predicted.time_per_minibatch_ms,
+        predicted_samples_per_s=predicted.predicted.samples_per_s,
+        predicted_schedule=predicted.schedule,
+        predicted_microbatches=predicted.microbatches,
+        stages=tuple(stages),
+    )
+    summary = metrics.to_dict()
     if config.metrics_path:
-        write_json_atomic(config.metrics_path, summary)
+        metrics.save(config.metrics_path)
     if config.trace_path:
         from pipeplan.trace import merge_events, write_chrome_trace
 

@@ -13,45 +13,82 @@ itself (``pipeplan.runtime.data``), so model inputs are never sent.
 A parameter held by several stages (a tied embedding and head) is *tied*: the stages
 holding it sum its gradient each step, replica by replica (``tie_groups``), so their
 copies stay identical. Tied stages must have equal replica counts.
+
+Virtual stages (interleaved 1F1B): the plan lists v*P model stages; model stage q runs
+on the ranks of pipeline position q % P, so a rank holds v *chunks* (model stages
+i, i+P, ...). ``stage`` is the rank's first chunk, ``chunks`` all of them;
+``rank_module`` is the one module whose parameters the rank's optimizer steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import torch
+from torch import nn
 
 from pipeplan.errors import InputError
 from pipeplan.graph import MODEL_OUTPUT, StageModule, build_layer_graph
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
 
-__all__ = ["PipelineSpec", "build_pipeline", "stage_of_layers"]
+__all__ = ["PipelineSpec", "build_pipeline", "stage_of_layers", "local_names_of", "rank_names_of"]
 
 
 @dataclass
 class PipelineSpec:
     """What every rank knows about the pipeline, plus this rank's own stage."""
 
-    stage: StageModule | None  # None on a rank the plan leaves idle
-    stage_index: int  # -1 when idle
+    stage: StageModule | None  # None on a rank the plan leaves idle; the first chunk
+    stage_index: int  # pipeline position; -1 when idle
     replica: int
-    ranks: tuple[tuple[int, ...], ...]  # ranks[s][j]: global rank of replica j of stage s
+    ranks: tuple[tuple[int, ...], ...]  # ranks[q][j]: global rank of replica j of model stage q
     value_ids: dict[str, int]  # every value crossing a cut -> message id (same on all ranks)
-    tie_groups: dict[tuple[int, ...], tuple[str, ...]]  # stages -> tied qualified names
+    tie_groups: dict[tuple[int, ...], tuple[str, ...]]  # model stages -> tied qualified names
     fingerprint: str
+    virtual_stages: int = 1  # chunks per rank
+    chunks: tuple[StageModule, ...] = ()  # this rank's model stages, chunk c = stage c*P + i
+    _rank_module: nn.Module | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.chunks and self.stage is not None:
+            self.chunks = (self.stage,)
 
     @property
     def stages(self) -> int:
-        return len(self.ranks)
+        """Pipeline positions P (model stages / virtual stages)."""
+        return len(self.ranks) // self.virtual_stages
 
     @property
     def replicas(self) -> tuple[int, ...]:
-        return tuple(len(r) for r in self.ranks)
+        """Replicas of each pipeline position."""
+        return tuple(len(r) for r in self.ranks[: self.stages])
 
     def rank_of(self, stage: int, unit: int) -> int:
-        """The rank running work unit ``unit`` on ``stage`` (round-robin over replicas)."""
+        """The rank running work unit ``unit`` on model stage ``stage`` (round-robin over replicas)."""
         ranks = self.ranks[stage]
         return ranks[unit % len(ranks)]
+
+    @property
+    def rank_module(self) -> nn.Module | None:
+        """The module holding every parameter of this rank: the stage's, or its chunks' in a list."""
+        if self.stage is None:
+            return None
+        if self.virtual_stages == 1:
+            return self.stage.module
+        if self._rank_module is None:
+            self._rank_module = nn.ModuleList([chunk.module for chunk in self.chunks])
+        return self._rank_module
+
+    @property
+    def qualified_names(self) -> dict[str, str]:
+        """``rank_module`` parameter name -> qualified name in the user's model."""
+        if self.stage is None:
+            return {}
+        if self.virtual_stages == 1:
+            return dict(self.stage.parameter_names)
+        return {f"{c}.{local}": qualified for c, chunk in enumerate(self.chunks)
+                for local, qualified in chunk.parameter_names.items()}
 
 
 def stage_of_layers(plan: Plan, layers: int) -> list[int]:
@@ -92,19 +129,22 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
         raise InputError(f"the plan has {len(plan.stages)} stages, the split gave {len(modules)}")
     ranks = tuple(tuple(stage.ranks) for stage in plan.stages)
     values = sorted({name for m in modules for name in m.output_names if name != MODEL_OUTPUT})
-    own = None
+    positions = len(plan.stages) // plan.virtual_stages
+    chunks: tuple[StageModule, ...] = ()
     stage_index, replica = -1, -1
     if rank in plan.used_ranks:
         stage_index, replica = plan.stage_of_rank(rank)
-        own = modules[stage_index]
+        chunks = tuple(modules[c * positions + stage_index] for c in range(plan.virtual_stages))
     return PipelineSpec(
-        stage=own,
+        stage=chunks[0] if chunks else None,
         stage_index=stage_index,
         replica=replica,
         ranks=ranks,
         value_ids={name: i for i, name in enumerate(values)},
         tie_groups=_tie_groups(modules, ranks),
         fingerprint=graph.fingerprint,
+        virtual_stages=plan.virtual_stages,
+        chunks=chunks,
     )
 
 
@@ -117,12 +157,12 @@ def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...]) 
     for qualified, stages in holders.items():
         if len(stages) > 1:
             groups.setdefault(tuple(sorted(stages)), []).append(qualified)
-    for group in groups:
-        counts = {len(ranks[s]) for s in group}
+    for tied in groups:
+        counts = {len(ranks[s]) for s in tied}
         if len(counts) > 1:
             raise InputError(
-                f"parameter {groups[group][0]} is tied across stages {list(group)} with replica "
-                f"counts {[len(ranks[s]) for s in group]}; tied stages need equal replica counts"
+                f"parameter {groups[tied][0]} is tied across stages {list(tied)} with replica "
+                f"counts {[len(ranks[s]) for s in tied]}; tied stages need equal replica counts"
             )
     return {stages: tuple(sorted(names)) for stages, names in sorted(groups.items())}
 
@@ -134,3 +174,17 @@ def local_names_of(stage: StageModule, qualified: tuple[str, ...]) -> list[str]:
         q: local for local, q in stage.parameter_names.items() if local in deduplicated
     }
     return [local_of[q] for q in qualified]
+
+
+def rank_names_of(spec: PipelineSpec, stages: tuple[int, ...], qualified: tuple[str, ...]) -> list[list[str]]:
+    """For each qualified name, its ``rank_module`` names on this rank's chunks among ``stages``.
+
+    One entry per chunk holding it (several when tied model stages share this rank).
+    """
+    positions = spec.stages
+    held = [(c, chunk) for c, chunk in enumerate(spec.chunks) if c * positions + spec.stage_index in stages]
+    names: list[list[str]] = [[] for _ in qualified]
+    for c, chunk in held:
+        for i, local in enumerate(local_names_of(chunk, qualified)):
+            names[i].append(local if spec.virtual_stages == 1 else f"{c}.{local}")
+    return names

@@ -11,6 +11,11 @@ replica of stage s keeps at most ``weight_versions = W_s + 1`` versions (plus th
 weights the optimizer writes).
 
 Version ids count optimizer steps: version v holds the weights after v steps.
+
+PipeDream-2BW (``delayed``): a forward of minibatch t runs on version t - 1 (chosen by
+the caller from ``ScheduleKind.forward_version``), so the version that the newest step
+replaces stays needed: ``before_step`` snapshots the live weights first when no forward
+has yet. Versions older than ``steps - 1`` are dropped once unused: at most two exist.
 """
 
 from __future__ import annotations
@@ -38,19 +43,31 @@ class WeightStash:
     """Versions of one stage module's parameters (see the module docstring)."""
 
     module: nn.Module
-    max_versions: int  # W_s + 1: more versions in use at once is a schedule error
+    max_versions: int  # W_s + 1 (1F1B-RR), 2 (2BW): more versions in use at once is a schedule error
+    delayed: bool = False  # 2BW: forwards of minibatch t run on version t - 1
     steps: int = 0  # optimizer steps applied to the live weights
     versions: dict[int, WeightVersion] = field(default_factory=dict)
-    peak_versions: int = 0
+    peak_versions: int = 0  # most versions in use at once
+    peak_kept: int = 0  # most versions held at once (in use or kept for later forwards)
 
-    def acquire(self) -> WeightVersion:
-        """The newest version (snapshotted on first use after a step), for one forward."""
-        version = self.versions.get(self.steps)
+    def acquire(self, version_id: int | None = None) -> WeightVersion:
+        """Version ``version_id`` (default: the newest) for one forward.
+
+        The newest is snapshotted on first use after a step; an older one must still be
+        held (``RuntimeFailure`` otherwise: the schedule needs more versions).
+        """
+        wanted = self.steps if version_id is None else version_id
+        version = self.versions.get(wanted)
+        if version is None and wanted != self.steps:
+            raise RuntimeFailure(
+                f"weight version {wanted} is gone (live weights are version {self.steps}, "
+                f"held: {sorted(self.versions)})"
+            )
         if version is None:
             if self.max_versions == 1:
                 # One version in use at a time: no optimizer step can come between its
                 # forward and its backward, so it may be the live weights (no copy).
-                params = dict(self.module.named_parameters())
+                params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
             else:
                 params = {
                     name: p.detach().clone().requires_grad_(p.requires_grad)
@@ -58,6 +75,7 @@ class WeightStash:
                 }
             version = WeightVersion(self.steps, params)
             self.versions[self.steps] = version
+            self.peak_kept = max(self.peak_kept, len(self.versions))
         version.users += 1
         in_use = sum(1 for v in self.versions.values() if v.users > 0)
         self.peak_versions = max(self.peak_versions, in_use)
@@ -79,9 +97,22 @@ class WeightStash:
             grads[name] = tensor.grad
             tensor.grad = None
         version.users -= 1
-        if version.users == 0 and version.id != self.steps:
+        if version.users == 0 and version.id < self._oldest_needed():
             del self.versions[version.id]
         return grads
+
+    def _oldest_needed(self) -> int:
+        """Oldest version a later forward may still ask for: steps - 1 with 2BW, else steps."""
+        return self.steps - 1 if self.delayed else self.steps
+
+    def before_step(self) -> None:
+        """2BW: keep the weights the step is about to overwrite (the next minibatch runs on them)."""
+        if self.delayed and self.steps not in self.versions:
+            self.versions[self.steps] = WeightVersion(self.steps, {
+                name: p.detach().clone().requires_grad_(p.requires_grad)
+                for name, p in self.module.named_parameters()
+            })
+            self.peak_kept = max(self.peak_kept, len(self.versions))
 
     def load_grads(self, grads: dict[str, torch.Tensor | None]) -> None:
         """Put one unit's gradients on the live parameters, for the optimizer step."""
@@ -92,6 +123,6 @@ class WeightStash:
     def stepped(self) -> None:
         """The optimizer updated the live weights: later forwards get a new version."""
         self.steps += 1
-        stale = [vid for vid, v in self.versions.items() if v.users == 0]
+        stale = [vid for vid, v in self.versions.items() if v.users == 0 and vid < self._oldest_needed()]
         for vid in stale:
             del self.versions[vid]

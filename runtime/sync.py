@@ -6,7 +6,9 @@
    losses are already scaled by 1/M).
 2. Parameters tied across stages (a tied embedding and head) sum their gradients over
    the stages holding them (as Megatron does), replica j with replica j, so each copy
-   takes the identical optimizer step.
+   takes the identical optimizer step. With virtual stages a rank may hold several
+   copies (two chunks of one tie): it sums them locally first, all-reduces the sum
+   among the distinct ranks, and gives every copy the result.
 
 Every process group is created on all ranks in one fixed order (``dist.new_group`` is
 collective), replica groups first (by stage), then tie groups (by sorted stage tuple,
@@ -25,7 +27,7 @@ from torch import nn
 
 from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
-from pipeplan.runtime.stage import PipelineSpec, local_names_of
+from pipeplan.runtime.stage import PipelineSpec, rank_names_of
 
 __all__ = ["GradSync", "make_grad_sync"]
 
@@ -37,7 +39,8 @@ class GradSync:
     average_replicas: bool
     replica_group: Any = None  # this stage's replica group (None: one replica)
     replica_ranks: tuple[int, ...] = ()
-    tie_groups: list[tuple[Any, tuple[int, ...], list[str]]] = field(default_factory=list)  # (group, ranks, local names)
+    # (group or None when all copies are on this rank, ranks, per tied parameter its local copies)
+    tie_groups: list[tuple[Any, tuple[int, ...], list[list[str]]]] = field(default_factory=list)
 
     def reduce(self) -> None:
         """All-reduce this stage's gradients (replicas), then the tied ones (stages)."""
@@ -52,14 +55,25 @@ class GradSync:
             self._all_reduce([params[n] for n in names], self.replica_group, self.replica_ranks,
                              scale=1.0 / len(self.replica_ranks) if self.average_replicas else 1.0,
                              what="replica gradients")
-        for group, ranks, names in self.tie_groups:
-            self._all_reduce([params[n] for n in names], group, ranks, 1.0, "tied-parameter gradients")
+        for group, ranks, copies in self.tie_groups:
+            grads = {name: _grad(params[name]) for names in copies for name in names}
+            local_sums = [sum(grads[name] for name in names[1:]) + grads[names[0]] if len(names) > 1
+                          else grads[names[0]] for names in copies]
+            if group is not None:
+                self._all_reduce_grads(local_sums, group, ranks, 1.0, "tied-parameter gradients")
+            for names, total in zip(copies, local_sums):
+                for name in names:
+                    if grads[name] is not total:
+                        grads[name].copy_(total)
 
     def _all_reduce(self, params: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
                     scale: float, what: str) -> None:
-        if not params:  # a stage without parameters (pooling, activations): nothing to sum
+        self._all_reduce_grads([p.grad for p in params], group, ranks, scale, what)  # type: ignore[misc]
+
+    def _all_reduce_grads(self, grads: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
+                          scale: float, what: str) -> None:
+        if not grads:  # a stage without parameters (pooling, activations): nothing to sum
             return
-        grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
         try:
             dist.all_reduce(flat, group=group)
@@ -77,21 +91,25 @@ class GradSync:
             offset += n
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    if param.grad is None:
+        raise RuntimeFailure("a parameter has no gradient at the step")
+    return param.grad
+
+
 def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float) -> GradSync:
     """Create every replica and tie group (collective: all ranks, same order)."""
     timeout = timedelta(seconds=timeout_s)
-    module = spec.stage.module if spec.stage is not None else None
-    sync = GradSync(rank, module, average_replicas)
-    for stage_ranks in spec.ranks:
+    sync = GradSync(rank, spec.rank_module, average_replicas)
+    for stage_ranks in spec.ranks[: spec.stages]:  # one replica group per pipeline position
         if len(stage_ranks) > 1:
             group = dist.new_group(list(stage_ranks), timeout=timeout)
             if rank in stage_ranks:
                 sync.replica_group, sync.replica_ranks = group, stage_ranks
     for stages, qualified in spec.tie_groups.items():
         for j in range(len(spec.ranks[stages[0]])):
-            ranks = tuple(spec.ranks[s][j] for s in stages)
-            group = dist.new_group(list(ranks), timeout=timeout)
+            ranks = tuple(dict.fromkeys(spec.ranks[s][j] for s in stages))
+            group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks and spec.stage is not None:
-                names = local_names_of(spec.stage, qualified)
-                sync.tie_groups.append((group, ranks, names))
+                sync.tie_groups.append((group, ranks, rank_names_of(spec, stages, qualified)))
     return sync

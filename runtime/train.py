@@ -26,7 +26,6 @@ one; 1F1B-Flush and GPipe resume exactly.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -73,7 +72,9 @@ def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
     >>> steps_period("1f1b-rr", (2, 1, 3)), steps_period("1f1b-flush", (2, 1))
     (6, 1)
     """
-    return math.lcm(*replicas) if schedule == "1f1b-rr" else 1
+    from pipeplan.schedule import schedule_kind
+
+    return schedule_kind(schedule).minibatches_per_step(replicas)
 
 
 def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
@@ -101,8 +102,6 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
             raise InputError(f"--lr must be a finite number > 0 (got {config.lr})")
         if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
             raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
-        if config.schedule == "1f1b-rr" and config.microbatches != 1:
-            raise InputError(f"1f1b-rr runs whole minibatches; got {config.microbatches} micro-batches")
         if config.recompute and config.schedule != "gpipe":
             raise InputError(f"--recompute applies to gpipe, not {config.schedule}")
         if config.plan.batch_size % config.microbatches:
@@ -115,7 +114,8 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
                               config.plan.batch_size // config.microbatches)
         replicas = spec.replicas
         period = steps_period(config.schedule, replicas)
-        schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches)
+        schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches,
+                                  config.plan.virtual_stages)
         identity = RunIdentity(plan=plan_fingerprint(config.plan, config.schedule, config.microbatches),
                                model=spec.fingerprint, optimizer=config.optimizer, lr=config.lr,
                                seed=config.seed)
@@ -204,32 +204,34 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
-    from pipeplan.schedule import build_schedule, weight_versions
+    from pipeplan.schedule import build_schedule, peak_in_flight, schedule_kind
 
     plan = config.plan
-    rr = config.schedule == "1f1b-rr"
-    sync = make_grad_sync(spec, env.rank, average_replicas=rr, timeout_s=config.timeout_s)
+    kind = schedule_kind(config.schedule)
+    sync = make_grad_sync(spec, env.rank, average_replicas=kind.gradients == "stashed", timeout_s=config.timeout_s)
     worker = (spec.stage_index, spec.replica)
     stage = spec.stage
     dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
-    module = stage.module.to(device=env.device, dtype=dtype) if stage is not None else None
+    module = spec.rank_module.to(device=env.device, dtype=dtype) if spec.rank_module is not None else None
     optimizer = make_optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
     period = steps_period(config.schedule, spec.replicas)
 
     done_steps = 0
     if config.resume and config.checkpoint_dir:
         done_steps = _agreed_resume_step(config, spec, identity)
-        if done_steps > 0 and stage is not None:
+        if done_steps > 0 and module is not None:
             _restore(config, spec, identity, module, optimizer, done_steps)
     remaining = config.steps - done_steps
     if remaining > 0 and done_steps > 0:
-        schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches)
+        schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches,
+                                  plan.virtual_stages)
     actions = schedule.actions.get(worker, ()) if remaining > 0 else ()
     offset = done_steps * period
 
     stash = None
-    if rr and module is not None:
-        stash = WeightStash(module, weight_versions(config.schedule, spec.replicas, spec.stage_index))
+    if kind.gradients != "exact" and module is not None:  # weight versions: stashed or delayed
+        stash = WeightStash(module, kind.weight_versions(spec.replicas, spec.stage_index),
+                            delayed=kind.gradients == "delayed")
     recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.trace_path),
                         cuda=env.device.startswith("cuda"))
     recorder.count_from = offset + warmup_minibatches(config.schedule, spec.replicas, max(remaining, 0) * period)
@@ -244,7 +246,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     def on_step(minibatch: int) -> None:
         step = minibatch // period  # global step index
         last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
-        if stage is not None and MODEL_OUTPUT in stage.output_names:
+        if any(MODEL_OUTPUT in chunk.output_names for chunk in spec.chunks):
             loss = executor.losses.get(minibatch, float("nan"))
             watchdog.publish(f"loss/{minibatch}", f"{loss!r}")
             if not config.allow_nonfinite:
@@ -264,9 +266,10 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         spec=spec, actions=actions, microbatches=config.microbatches, comm=comm, data=data,
         loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder,
         stash=stash, recompute=config.recompute, minibatch_offset=offset,
-        lookahead=2 * (weight_versions("1f1b-rr", spec.replicas, max(spec.stage_index, 0)) + 1),
-        on_step=on_step,
+        lookahead=2 * (peak_in_flight(actions) + 1), on_step=on_step, schedule=config.schedule,
     )
+    if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
+        data.draw_ahead(dict.fromkeys(a.minibatch + offset for a in actions if a.kind == "F"))
     dist.barrier()
     recorder.start()
     progress.start()
@@ -367,17 +370,18 @@ def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any,
 
     from pipeplan.jsonio import write_atomic
 
-    stage = spec.stage
-    params = {stage.parameter_names[n]: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    names = spec.qualified_names
+    params = {names[n]: p.detach().cpu().clone() for n, p in module.named_parameters()}
     obj = {
         "rank": rank,
         "stage": spec.stage_index,
         "replica": spec.replica,
         "params": params,
-        "digests": [{stage.parameter_names[n]: v for n, v in d.items()} for d in record["digests"]],
+        "digests": [{names[n]: v for n, v in d.items()} for d in record["digests"]],
         "units": {u: (r.minibatch, r.microbatch, r.forward_version, r.backward_version)
                   for u, r in executor.units.items()},
         "peak_versions": stash.peak_versions if stash is not None else 1,
+        "peak_kept_versions": stash.peak_kept if stash is not None else 1,
         "losses": dict(executor.losses),
     }
     buffer = io.BytesIO()

@@ -17,7 +17,7 @@ def test_partition_pipedream_graph(tmp_path):
     assert json.loads(out.read_text())["schema"] == "pipeplan.plan/1"
     assert plan.world_size == 16 and plan.cost_model == "pipedream"
     assert abs(plan.predicted.time_per_minibatch_ms - 44.12107431111115) < 1e-9
-    assert "bottleneck" in result.output and "x faster" in result.output and "GiB" in result.output
+    assert "bottleneck" in result.output and "pipeline speed-up" in result.output and "GiB" in result.output
 
 
 def test_partition_default_model_fits_memory(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
@@ -99,3 +100,41 @@ def test_a_non_integer_stage_is_a_one_line_input_error() -> None:
     metrics = {"schema": "pipeplan.metrics/1", "stages": [{"stage": "zero", "time_per_minibatch_ms": 1.0}]}
     with pytest.raises(InputError, match=r"stages\[0\]: 'stage' must be an integer \(got 'zero'\)"):
         compare(metrics, where="m.json")
+
+
+def test_metrics_contract_round_trips(tmp_path) -> None:
+    from pipeplan.metrics import Metrics, StageMetrics
+
+    metrics = Metrics(
+        schedule="1f1b-flush", microbatches=2, plan={"schedule": "1f1b-rr"}, steps=3, losses=(2.5, 2.0, 1.5),
+        samples_per_s=812.5, time_per_minibatch_ms=float("nan"), predicted_time_per_minibatch_ms=9.0,
+        predicted_schedule="1f1b-flush", predicted_microbatches=2,
+        stages=(StageMetrics(stage=0, rank=0, time_per_minibatch_ms=8.5, compute_ms=8.0, minibatches=4,
+                             weight_versions_used=1, predicted_time_per_minibatch_ms=9.0),),
+    )
+    path = tmp_path / "metrics.json"
+    metrics.save(path)
+    obj = json.loads(path.read_text())
+    assert obj["schema"] == "pipeplan.metrics/1" and obj["time_per_minibatch_ms"] is None  # NaN -> null
+    back = Metrics.load(path)
+    assert back == replace(metrics, time_per_minibatch_ms=None)
+    assert back.plan == {"schedule": "1f1b-rr"} and back.schedule_name == "1f1b-flush"
+    assert Metrics.from_dict(back.to_dict()) == back
+    with pytest.raises(InputError, match=r"m.json: 'steps' must be an integer \(got 2.5\)"):
+        Metrics.from_dict({**obj, "steps": 2.5}, where="m.json")
+
+
+def test_a_run_of_another_schedule_is_reported_against_its_own_prediction() -> None:
+    from pipeplan.planner.partition import PartitionOptions, partition
+    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.runtime.report import prediction_for_run
+    from test_simulate import make_profile, make_topology
+
+    plan = partition(make_profile([1.0] * 4), make_topology(per_server=2, servers=1), PartitionOptions(straight=True))
+    assert prediction_for_run(plan, "1f1b-rr", 1) is plan
+    flush = prediction_for_run(plan, "1f1b-flush", 2)
+    assert (flush.schedule, flush.microbatches) == ("1f1b-flush", 2)
+    assert plan.predicted.time_per_minibatch_ms == pytest.approx(6.0)
+    expected = simulate_plan(plan, None, "1f1b-flush", 2).time_per_minibatch_ms
+    assert flush.predicted.time_per_minibatch_ms == pytest.approx(expected, rel=1e-12)
+    assert flush.predicted.time_per_minibatch_ms == pytest.approx(9.0, rel=1e-9)

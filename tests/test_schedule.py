@@ -9,27 +9,25 @@ import pytest
 
 import pipeplan.schedule as schedule_module
 from pipeplan.errors import InputError
+from pipeplan.plan import SCHEDULES
 from pipeplan.schedule import (
+    SCHEDULE_KINDS,
     SCHEDULE_NAMES,
     Action,
     Schedule,
     activations_in_flight,
     build_schedule,
+    interleaved_warmup,
+    peak_in_flight,
+    schedule_kind,
     validate,
     warmup_forwards,
+    weight_versions,
 )
 
 
 def orders(schedule: Schedule) -> list[str]:
     return [" ".join(map(str, schedule.actions[w])) for w in schedule.workers]
-
-
-def peak_in_flight(actions: tuple[Action, ...]) -> int:
-    outstanding = peak = 0
-    for action in actions:
-        outstanding += (action.kind == "F") - (action.kind == "B")
-        peak = max(peak, outstanding)
-    return peak
 
 
 def test_doctests() -> None:
@@ -279,6 +277,226 @@ def test_validate_catches_deadlock() -> None:
         validate(Schedule("1f1b-rr", (1, 1), 2, 1, crossed))
 
 
+EVERY_KIND_ARGS = {  # name -> (microbatches, virtual stages) that fit replicas (2, 2, 1)
+    "1f1b-rr": (1, 1), "1f1b-flush": (2, 1), "gpipe": (2, 1), "interleaved-1f1b": (6, 2),
+    "2bw": (6, 1), "zb-h1": (2, 1),
+}
+
+
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_every_built_schedule_validates(name: str) -> None:
-    validate(build_schedule(name, (2, 2, 1), 4, 1 if name == "1f1b-rr" else 2))
+    micro, virtual = EVERY_KIND_ARGS[name]
+    validate(build_schedule(name, (2, 2, 1), 4, micro, virtual))
+
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_names_and_facts() -> None:
+    assert SCHEDULE_NAMES == ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
+    assert SCHEDULES == SCHEDULE_NAMES
+    facts = {
+        name: (k.flushes, k.gradients, k.split_backward, k.virtual_stages, k.whole_minibatches)
+        for name, k in SCHEDULE_KINDS.items()
+    }
+    assert facts == {
+        "1f1b-rr": (False, "stashed", False, False, True),
+        "1f1b-flush": (True, "exact", False, False, False),
+        "gpipe": (True, "exact", False, False, False),
+        "interleaved-1f1b": (True, "exact", False, True, False),
+        "2bw": (False, "delayed", False, False, False),
+        "zb-h1": (True, "exact", True, False, False),
+    }
+    with pytest.raises(InputError, match="unknown schedule 'pipedream' .*interleaved-1f1b, 2bw, zb-h1"):
+        schedule_kind("pipedream")
+
+
+@pytest.mark.parametrize(
+    "name, replicas, micro, virtual, match",
+    [
+        ("interleaved-1f1b", (1, 1), 3, 2, r"micro-batches \(3\) to be a multiple of the 2 pipeline positions"),
+        ("interleaved-1f1b", (1, 1), 4, 1, r"virtual stages >= 2 \(got 1\)"),
+        ("zb-h1", (1, 1), 4, 2, r"one model chunk per device \(got virtual stages 2\)"),
+        ("2bw", (1, 1, 1), 2, 1, r"micro-batches \(2\) >= 3"),
+        ("2bw", (2, 3), 3, 1, r"micro-batches \(3\) >= 6"),
+    ],
+)
+def test_kind_rules_refuse_in_one_line(
+    name: str, replicas: tuple[int, ...], micro: int, virtual: int, match: str
+) -> None:
+    with pytest.raises(InputError, match=match) as caught:
+        build_schedule(name, replicas, 2, micro, virtual)
+    assert "\n" not in str(caught.value)
+
+
+# Megatron's interleaved 1F1B, P = 2 devices, v = 2 chunks (model stages 0..3: device 0
+# holds chunks c0 = stage 0 and c1 = stage 2), m = 4: device 0 warms up with
+# (2-0-1)*2 + (2-1)*2 = 4 forwards, device 1 with 2.
+INTERLEAVED_2x2_M4 = """\
+step  s0r0    s1r0
+   0  F0.0c0  .
+   1  F0.1c0  F0.0c0
+   2  F0.0c1  F0.1c0
+   3  F0.1c1  F0.0c1
+   4  F0.2c0  B0.0c1
+   5  B0.0c1  F0.1c1
+   6  F0.3c0  B0.1c1
+   7  B0.1c1  F0.2c0
+   8  F0.2c1  B0.0c0
+   9  B0.0c0  F0.3c0
+  10  F0.3c1  B0.1c0
+  11  B0.1c0  F0.2c1
+  12  .       B0.2c1
+  13  B0.2c1  F0.3c1
+  14  .       B0.3c1
+  15  B0.3c1  B0.2c0
+  16  B0.2c0  B0.3c0
+  17  B0.3c0  ."""
+
+
+def test_interleaved_timetable() -> None:
+    schedule = build_schedule("interleaved-1f1b", (1, 1), 1, 4, virtual_stages=2)
+    validate(schedule)
+    assert schedule.grid() == INTERLEAVED_2x2_M4
+    assert orders(schedule) == [
+        "F0 F0.1 F0c1 F0.1c1 F0.2 B0c1 F0.3 B0.1c1 F0.2c1 B0 F0.3c1 B0.1 B0.2c1 B0.3c1 B0.2 B0.3 S0",
+        "F0 F0.1 F0c1 B0c1 F0.1c1 B0.1c1 F0.2 B0 F0.3 B0.1 F0.2c1 B0.2c1 F0.3c1 B0.3c1 B0.2 B0.3 S0",
+    ]
+    assert [schedule.model_stage(p, c) for c in range(2) for p in range(2)] == [0, 1, 2, 3]
+    assert [interleaved_warmup(4, i, 2) for i in range(4)] == [10, 8, 6, 4]
+
+
+@pytest.mark.parametrize("positions, virtual, micro", [(2, 2, 4), (2, 3, 6), (4, 2, 8), (3, 2, 6)])
+def test_interleaved_in_flight_is_megatron_warmup(positions: int, virtual: int, micro: int) -> None:
+    replicas = (1,) * positions
+    schedule = build_schedule("interleaved-1f1b", replicas, 2, micro, virtual)
+    validate(schedule)
+    for (p, _), actions in schedule.actions.items():
+        peak = min(interleaved_warmup(positions, p, virtual) + 1, micro * virtual)
+        assert peak_in_flight(actions) == peak
+        in_flight = activations_in_flight("interleaved-1f1b", replicas, p, micro, virtual)
+        assert in_flight == pytest.approx(peak / micro)
+
+
+def test_interleaved_replicated_runs_the_positions_order() -> None:
+    schedule = build_schedule("interleaved-1f1b", (1, 2), 1, 4, virtual_stages=2)
+    validate(schedule)
+    # units 0, 2 on replica 0 and 1, 3 on replica 1 of position 1, in the unreplicated order
+    assert orders(schedule)[1:] == [
+        "F0 F0c1 B0c1 F0.2 B0 F0.2c1 B0.2c1 B0.2 S0",
+        "F0.1 F0.1c1 B0.1c1 F0.3 B0.1 F0.3c1 B0.3c1 B0.3 S0",
+    ]
+
+
+# ZB-H1, 3 stages, 4 micro-batches, F = I = W = one step: 1F1B's order with B replaced by
+# I, and position s deferring s weight-gradient actions W into its bubble. The whole
+# minibatch takes 14 steps = 3 * M + (S - 1) (1F1B with B = I + W: 3 * M + 3 * (S - 1)).
+ZB_H1_3x4 = """\
+step  s0r0  s1r0  s2r0
+   0  F0.0  .     .
+   1  F0.1  F0.0  .
+   2  F0.2  F0.1  F0.0
+   3  .     .     I0.0
+   4  .     I0.0  F0.1
+   5  I0.0  F0.2  I0.1
+   6  W0.0  I0.1  F0.2
+   7  F0.3  W0.0  I0.2
+   8  I0.1  F0.3  W0.0
+   9  W0.1  I0.2  F0.3
+  10  I0.2  W0.1  I0.3
+  11  W0.2  I0.3  W0.1
+  12  I0.3  W0.2  W0.2
+  13  W0.3  W0.3  W0.3"""
+
+
+def test_zb_h1_timetable() -> None:
+    schedule = build_schedule("zb-h1", (1, 1, 1), 1, 4)
+    validate(schedule)
+    assert schedule.grid() == ZB_H1_3x4
+    assert orders(schedule) == [
+        "F0 F0.1 F0.2 I0 W0 F0.3 I0.1 W0.1 I0.2 W0.2 I0.3 W0.3 S0",
+        "F0 F0.1 I0 F0.2 I0.1 W0 F0.3 I0.2 W0.1 I0.3 W0.2 W0.3 S0",
+        "F0 I0 F0.1 I0.1 F0.2 I0.2 W0 F0.3 I0.3 W0.1 W0.2 W0.3 S0",
+    ]
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 4), (3, 4), (4, 8), (4, 2)])
+def test_zb_h1_memory_is_1f1b_peak(stages: int, micro: int) -> None:
+    replicas = (1,) * stages
+    zb = build_schedule("zb-h1", replicas, 1, micro)
+    flush = build_schedule("1f1b-flush", replicas, 1, micro)
+    validate(zb)
+    peaks = [peak_in_flight(zb.actions[w]) for w in zb.workers]
+    assert max(peaks) == max(peak_in_flight(flush.actions[w]) for w in flush.workers)
+    for s in range(stages):
+        assert activations_in_flight("zb-h1", replicas, s, micro) == pytest.approx(peaks[s] / micro)
+    if micro >= stages:  # bubble S - 1 steps (1F1B with B = I + W: 3 (S - 1))
+        assert zb.steps()[(0, 0)][-1] == 3 * micro + stages - 1
+
+
+# PipeDream-2BW, 2 stages, 2 micro-batches, 3 minibatches: 1F1B over the stream of
+# micro-batches with no flush; "S" of minibatch t right after the worker's last B of t.
+TWO_BW_2x2 = """\
+step  s0r0  s1r0
+   0  F0.0  .
+   1  F0.1  F0.0
+   2  .     B0.0
+   3  B0.0  F0.1
+   4  F1.0  B0.1
+   5  B0.1  F1.0
+   6  F1.1  B1.0
+   7  B1.0  F1.1
+   8  F2.0  B1.1
+   9  B1.1  F2.0
+  10  F2.1  B2.0
+  11  B2.0  F2.1
+  12  .     B2.1
+  13  B2.1  ."""
+
+
+def test_2bw_timetable_and_versions() -> None:
+    schedule = build_schedule("2bw", (1, 1), 3, 2)
+    validate(schedule)
+    assert schedule.grid() == TWO_BW_2x2
+    assert orders(schedule) == [
+        "F0 F0.1 B0 F1 B0.1 S0 F1.1 B1 F2 B1.1 S1 F2.1 B2 B2.1 S2",
+        "F0 B0 F0.1 B0.1 S0 F1 B1 F1.1 B1.1 S1 F2 B2 F2.1 B2.1 S2",
+    ]
+    kind = schedule_kind("2bw")
+    # minibatch t runs on the weights after t - 1 steps (0 for the first two)
+    assert [kind.forward_version(t, steps_done=t) for t in range(4)] == [0, 0, 1, 2]
+    assert weight_versions("2bw", (1, 1), 0) == 2
+    assert kind.minibatches_in_flight((1, 1)) == 2
+
+
+@pytest.mark.parametrize("replicas, micro", [((1, 1, 1, 1), 4), ((2, 1), 4), ((1, 2, 1), 4), ((2, 3), 6)])
+def test_2bw_keeps_two_versions(replicas: tuple[int, ...], micro: int) -> None:
+    schedule = build_schedule("2bw", replicas, 6, micro)
+    validate(schedule)  # includes: versions in use <= 2, each exists when needed
+    for worker, actions in schedule.actions.items():
+        assert [a.minibatch for a in actions if a.kind == "S"] == list(range(6))
+
+
+def test_validate_catches_a_third_weight_version() -> None:
+    # one stage stepping twice before any backward: F0, F1 on version 0, F2 on 1, F3 on 2
+    order = tuple(Action.parse(t) for t in "F0 S0 F1 S1 F2 S2 F3 B0 B1 B2 B3 S3".split())
+    with pytest.raises(InputError, match="s0r0: F3 makes 3 weight versions in use, more than the 2 2bw keeps"):
+        validate(Schedule("2bw", (1,), 4, 1, {(0, 0): order}))
+    early = tuple(Action.parse(t) for t in "F0 F1 F2 S0 B0 B1 B2 S1 S2".split())
+    with pytest.raises(InputError, match="s0r0: F2 needs weight version 1 but only 0 steps ran"):
+        validate(Schedule("2bw", (1,), 3, 1, {(0, 0): early}))
+
+
+def test_validate_catches_weight_before_input_gradient() -> None:
+    good = build_schedule("zb-h1", (1, 1), 1, 2)
+    bad = dict(good.actions)
+    bad[(1, 0)] = tuple(Action.parse(t) for t in "F0 W0 I0 F0.1 I0.1 W0.1 S0".split())
+    with pytest.raises(InputError, match="s1r0: W0 at position 1 has no earlier input gradient"):
+        validate(Schedule("zb-h1", (1, 1), 1, 2, bad))
+
+
+def test_action_with_chunk_round_trips() -> None:
+    for text in ("F0c1", "I3.2c3", "W0.1", "S4"):
+        assert str(Action.parse(text)) == text
+    assert Action.parse("I3.2c3") == Action("I", 3, 2, 3)

@@ -319,28 +319,32 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
     profile = make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000)
     options = partition_module.PartitionOptions(microbatches=4, straight=True)
     name, microbatches, reason = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
-    assert microbatches == 1  # 1F1B-RR needs no micro-batches
-    # balanced straight pipeline: 1F1B-RR has no bubble, flush schedules (4+4-1)/4
-    assert name == "1f1b-rr"
-    assert reason.startswith("1f1b-rr simulates 6.000 ms/minibatch")
-    assert "1f1b-flush 10.500 ms" in reason and "gpipe 10.500 ms" in reason
+    # balanced straight pipeline: 1F1B-RR and 2BW have no bubble (1F1B-RR, with fewer
+    # micro-batches, wins the tie), flush schedules (4+4-1)/4, interleaved (v=2) 6 (1 + 3/8),
+    # ZB-H1 7.5
+    assert (name, microbatches) == ("1f1b-rr", 1)
+    assert reason.startswith("1f1b-rr (M=1, v=1) simulates 6.000 ms/minibatch")
+    for text in ("1f1b-flush M=4 10.500 ms", "gpipe M=4 10.500 ms", "interleaved-1f1b M=4 8.250 ms",
+                 "2bw M=4 6.000 ms", "zb-h1 M=4 7.500 ms"):
+        assert text in reason
     # activations dominate (1 GiB per layer): 1F1B-RR keeps 4 minibatches on stage 0,
-    # the flush schedules one; with 3 GiB per device no 1F1B-RR plan fits
+    # the others at most one; with 3 GiB per device no 1F1B-RR plan fits, 2BW does
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     tight = make_topology(per_server=4, servers=1, memory_bytes=3 << 30)
     name, _, reason = choose_schedule(heavy, tight, options)
-    assert name in ("1f1b-flush", "gpipe")
-    assert "10.500 ms" in reason and "refused 1f1b-rr:" in reason
+    assert name == "2bw" and "1f1b-rr M=1" not in reason
+    assert "1f1b-flush M=4 10.500 ms" in reason
 
 
 def test_choose_schedule_tries_micro_batch_counts_when_not_given() -> None:
     from pipeplan.planner.simulate import choose_schedule
 
     # Two devices, activations too big for 1F1B-RR's two minibatches in flight on stage 0:
-    # a flush schedule must win, and with M > 1 so that it pipelines at all.
+    # a micro-batch schedule must win, and with M > 1 so that it pipelines at all.
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     tight = make_topology(per_server=2, servers=1, memory_bytes=5 << 30)
     options = partition_module.PartitionOptions(straight=True)
     name, microbatches, reason = choose_schedule(heavy, tight, options)
-    assert name in ("1f1b-flush", "gpipe") and microbatches > 1
-    assert f"(M={microbatches}) simulates" in reason
+    assert name == "2bw" and microbatches == 2  # every 2BW count takes 12 ms: the fewest wins
+    assert reason.startswith("2bw (M=2, v=1) simulates 12.000 ms/minibatch")
+    assert "1f1b-flush M=8 13.500 ms" in reason and "zb-h1 M=8 12.500 ms" in reason

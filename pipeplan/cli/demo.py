@@ -66,6 +66,7 @@ Examples:
 )
 @click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1), help="Samples per minibatch.")
 @click.option("--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Training steps of the run.")
+@click.option("--lr", default=0.1, show_default=True, type=float, help="SGD learning rate of the run.")
 @click.option(
     "--topology",
     default="local-cpu",
@@ -80,11 +81,12 @@ Examples:
     help="Let the planner replicate stages (on 2 CPUs it picks data parallelism) instead of a pipeline.",
 )
 def demo(
-    model: str, batch_size: int, steps: int, topology: str, out_dir: str, repeats: int, data_parallel: bool
+    model: str, batch_size: int, steps: int, lr: float, topology: str, out_dir: str, repeats: int, data_parallel: bool
 ) -> None:
     """Profile a model on the CPU, partition it, show the timeline, train it with torchrun.
 
-    Writes profile.json, plan.json, timeline.svg and metrics.json into OUT_DIR and
+    The partition step searches every schedule x micro-batch count x virtual stages
+    (``--schedule auto``), prints the candidates it compared and marks its choice. Writes profile.json, plan.json, timeline.svg and metrics.json into OUT_DIR and
     ends with predicted against measured time per minibatch. The profile runs one CPU
     thread, as each torchrun worker does (OMP_NUM_THREADS=1), so the two agree.
     """
@@ -111,7 +113,8 @@ def demo(
     )
     run_step(
         "2/5 partition",
-        [*pipeplan, "partition", str(profile), "--topology", topology, *partition_flags, "-o", str(plan)],
+        [*pipeplan, "partition", str(profile), "--topology", topology, *partition_flags, "--schedule", "auto",
+         "-o", str(plan)],
         env, timeout_s=120,
     )
     run_step(
@@ -124,7 +127,7 @@ def demo(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
          "-m", "pipeplan", "run", str(plan), "--model", model_path, "--steps", str(steps),
-         "--metrics", str(metrics)],
+         "--lr", str(lr), "--metrics", str(metrics)],
         env, timeout_s=600,
     )
     run_step("5/5 report", [*pipeplan, "report", str(metrics)], env, timeout_s=60)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from pipeplan.schedule import SCHEDULE_NAMES
+
 __all__ = ["partition"]
 
 
@@ -30,6 +32,33 @@ def _layer_text(stage) -> str:
     text = f"{stage.layer_start}-{stage.layer_end - 1}"
     gaps = stage.layer_end - stage.layer_start != len(stage.layers)
     return f"{text} ({len(stage.layers)} layers)" if gaps else text
+def _print_candidates(found, memory_bytes: int) -> None:
+    """The auto search's candidates, the chosen one marked."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeplan.units import format_bytes
+
+    table = Table(title=f"schedule auto: candidates ({format_bytes(memory_bytes)} per device)",
+                  caption="ms per minibatch simulated with each schedule's bubble; memory per device")
+    for column in ("", "schedule", "micro-batches", "v", "ms/minibatch", "peak memory", "fits"):
+        table.add_column(column, justify="left" if column in ("", "schedule") else "right")
+    for i, c in enumerate(found.candidates):
+        chosen = i == found.chosen
+        time = f"{c.time_per_minibatch_ms:.3f}" if c.peak_memory_bytes else "-"
+        memory = format_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-"
+        fits = "yes" if c.fits else ("no" if c.peak_memory_bytes else "no plan (below)")
+        style = "bold green" if chosen else None
+        table.add_row("*" if chosen else "", c.schedule, str(c.microbatches), str(c.virtual_stages),
+                      time, memory, fits, style=style)
+    console = Console()
+    console.print(table)
+    for c in found.candidates:
+        if not c.peak_memory_bytes:
+            console.print(f"no plan for {c.schedule}, {c.microbatches} micro-batches, v={c.virtual_stages}: {c.note}")
+    best = found.best
+    console.print(f"* chosen: {best.schedule}, {best.microbatches} micro-batches, v={best.virtual_stages}: "
+                  f"the fastest that fits (equal times: fewer micro-batches, then less memory)")
 
 
 def _print_plan(plan) -> None:
@@ -38,9 +67,12 @@ def _print_plan(plan) -> None:
 
     from pipeplan.units import format_bytes, format_ms
 
+    shape = f"{plan.schedule}, {plan.microbatches} micro-batches" if plan.microbatches > 1 else plan.schedule
+    if plan.virtual_stages > 1:
+        shape += f", {plan.virtual_stages} chunks per device"
     table = Table(title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
-                        f"{plan.schedule}, {plan.cost_model} cost model)")
-    for column in ("stage", "layers", "replicas", "ranks", "compute", "comm", "all-reduce", "time/minibatch", "memory"):
+                        f"{shape}, {plan.cost_model} cost model)")
+    for column in ("stage", "layers", "replicas", "ranks", "compute", "comm", "all-reduce", "busy/minibatch", "memory"):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
         ranks = stage.ranks if len(stage.ranks) <= 6 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
@@ -68,10 +100,11 @@ def _print_plan(plan) -> None:
                 style="yellow", markup=False, soft_wrap=True)
     p = plan.predicted
     console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
+    how = "simulated with its schedule's bubble" if p.simulated else "the cost model's formula"
     console.print(
-        f"pipeline {format_ms(p.time_per_minibatch_ms)}/minibatch ({p.samples_per_s:.1f} samples/s) | "
-        f"data parallel {format_ms(p.data_parallel_ms)} ({p.speedup_vs_data_parallel:.2f}x faster) | "
-        f"one device {format_ms(p.single_device_ms)} ({p.speedup_vs_single_device:.2f}x faster)"
+        f"pipeline {format_ms(p.time_per_minibatch_ms)}/minibatch ({p.samples_per_s:.1f} samples/s, {how}) | "
+        f"data parallel {format_ms(p.data_parallel_ms)} (pipeline speed-up {p.speedup_vs_data_parallel:.2f}x) | "
+        f"one device {format_ms(p.single_device_ms)} (pipeline speed-up {p.speedup_vs_single_device:.2f}x)"
     )
 
 
@@ -79,20 +112,22 @@ def _print_plan(plan) -> None:
 @click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
 @click.option("--topology", "topology_arg", required=True, help="Topology YAML file or preset name (cluster-a, cluster-b, dgx-h100-pod, local-cpu).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write plan.json.")
-@click.option("--schedule", type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe", "auto"]), default="1f1b-rr", show_default=True)
+@click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default="1f1b-rr", show_default=True,
+              help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits.")
 @click.option("--cost-model", type=click.Choice(["pipeplan", "pipedream"]), default="pipeplan", show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
 @click.option("--max-stages", type=int, default=None, help="At most this many pipeline stages.")
 @click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")
-@click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (1f1b-flush, gpipe).")
+@click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (every schedule but 1f1b-rr; auto tries several when 1).")
+@click.option("--virtual-stages", type=int, default=None, help="interleaved-1f1b: model chunks per device (default: the planner picks).")
 @click.option("--memory-check/--no-memory-check", default=True, show_default=True, help="Drop stages that do not fit device memory.")
 @click.option("--activation-compression", type=float, default=None, help="PipeDream mode: count activation transfers, divided by this ratio.")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).")
 def partition(
     profile_path: str, topology_arg: str, output: str, schedule: str, cost_model: str, optimizer: str,
     straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
-    memory_check: bool, activation_compression: float | None, batch_size: int,
+    virtual_stages: int | None, memory_check: bool, activation_compression: float | None, batch_size: int,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
 
@@ -116,16 +151,16 @@ def partition(
         schedule="1f1b-rr" if schedule == "auto" else schedule, cost_model=cost_model, optimizer=optimizer,
         straight=straight, max_stages=max_stages, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
+        virtual_stages=virtual_stages,
     )
     if schedule == "auto":
-        from pipeplan.planner.simulate import choose_schedule
+        from pipeplan.planner.auto import search
 
-        name, chosen_microbatches, reason = choose_schedule(profile, topology, options)
-        click.echo(f"schedule auto -> {name}: {reason}")
-        from dataclasses import replace
-
-        options = replace(options, schedule=name, microbatches=chosen_microbatches)
-    plan = run_partition(profile, topology, options)
+        found = search(profile, topology, options)
+        _print_candidates(found, topology.device.memory_bytes)
+        plan = found.plan
+    else:
+        plan = run_partition(profile, topology, options)
     plan.save(output)
     _print_plan(plan)
     click.echo(f"wrote {output}")

@@ -46,6 +46,8 @@ def report(metrics_path: str, strict: bool) -> None:
     summary.add_row("pipeline", ms(result.time_per_minibatch.predicted_ms),
                     ms(result.time_per_minibatch.measured_ms), ratio(result.time_per_minibatch))
     console.print(summary)
+    if result.predicted_for:
+        console.print(f"predictions are for the schedule that ran: {result.predicted_for}")
     if result.samples_per_s is not None:
         console.print(f"measured throughput: {result.samples_per_s:.1f} samples/s")
     if result.losses:

@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from pipeplan.schedule import SCHEDULE_NAMES
+
 __all__ = ["run"]
 
 
@@ -26,12 +28,12 @@ Examples:
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
 @click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
               help="model.py (build_model, sample_batch[, loss_fn, data_loader]) or a bundled model: mlp, vgg, resnet, gpt.")
-@click.option("--schedule", type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe"]), default=None,
+@click.option("--schedule", type=click.Choice(SCHEDULE_NAMES), default=None,
               help="Override the plan's schedule.")
 @click.option("--steps", type=int, default=10, show_default=True,
               help="Total optimizer steps (1F1B-RR: lcm(replicas) minibatches per step).")
 @click.option("--microbatches", type=int, default=None,
-              help="Micro-batches per minibatch for 1f1b-flush/gpipe [default: the plan's].")
+              help="Micro-batches per minibatch (all but 1f1b-rr) [default: the plan's].")
 @click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate.")
 @click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default=None,
               help="Optimizer [default: the plan's].")
@@ -66,6 +68,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
     from pipeplan.errors import InputError, PipeplanError
     from pipeplan.plan import Plan
     from pipeplan.runtime.train import PrepareError, RunConfig, run_training
+    from pipeplan.schedule import schedule_kind
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -74,7 +77,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
         config = RunConfig(
             plan=plan, model_path=model_path, schedule=chosen, steps=steps, lr=lr,
             optimizer=optimizer or plan.optimizer,
-            microbatches=1 if chosen == "1f1b-rr" else (microbatches or plan.microbatches),
+            microbatches=1 if schedule_kind(chosen).whole_minibatches else (microbatches or plan.microbatches),
             recompute=recompute, seed=seed, timeout_s=timeout_s, metrics_path=metrics_path,
             trace_path=trace_path, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, record_dir=record_dir, progress=not no_progress,

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from pipeplan.schedule import SCHEDULE_NAMES
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -33,11 +35,13 @@ Examples:
               help="Profile the plan was made from (per-layer times and bytes). Without it "
                    "the plan's per-stage figures are used (forward:backward = 1:2).")
 @click.option("--schedule", "-s", "schedules", multiple=True,
-              type=click.Choice(["1f1b-rr", "1f1b-flush", "gpipe", "all"]),
-              help="Schedule(s) to simulate side by side (repeatable; default: the plan's).")
+              type=click.Choice([*SCHEDULE_NAMES, "all"]),
+              help="Schedule(s) to simulate side by side (repeatable; default: the plan's). "
+                   "interleaved-1f1b on a one-chunk plan re-cuts it into 2 chunks per device "
+                   "(needs --profile).")
 @click.option("--microbatches", "-m", type=int, default=None,
-              help="Micro-batches per minibatch for 1f1b-flush/gpipe (default: the plan's "
-                   "when it uses one of them, else twice the stage count).")
+              help="Micro-batches per minibatch for schedules that split minibatches (default: "
+                   "the plan's when it uses one, else twice the stage count).")
 @click.option("--steady", type=click.IntRange(1, 1000), default=8, show_default=True,
               help="Minibatches per replica in the steady-state window.")
 @click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
@@ -55,8 +59,9 @@ def simulate(
     from rich.console import Console
 
     from pipeplan.errors import InputError
-    from pipeplan.plan import SCHEDULES, Plan
+    from pipeplan.plan import Plan
     from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.schedule import schedule_kind
     from pipeplan.planner.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.profile import Profile
 
@@ -66,7 +71,7 @@ def simulate(
     if profile is None:
         console.print("[yellow]no --profile: costs from the plan's per-stage figures "
                       "(forward:backward = 1:2), memory from the plan[/]")
-    names = list(SCHEDULES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
+    names = list(SCHEDULE_NAMES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
     if microbatches is not None and microbatches < 1:
         raise InputError(f"--microbatches must be >= 1 (got {microbatches})")
     if timeline_path and Path(timeline_path).suffix.lower() not in TIMELINE_SUFFIXES:
@@ -75,12 +80,28 @@ def simulate(
         )
     results = []
     for name in names:
+        kind = schedule_kind(name)
         micro = microbatches
-        if micro is None and name != "1f1b-rr":
+        if micro is None and not kind.whole_minibatches:
             micro = plan.microbatches if plan.schedule == name and plan.microbatches > 1 else 2 * len(plan.stages)
-        result = simulate_plan(plan, profile, name, micro, steady, record=bool(timeline_path))
+        shown = plan
+        if kind.virtual_stages and plan.virtual_stages == 1:
+            if profile is None:
+                console.print(f"[yellow]{name}: skipped, re-cutting the plan into chunks needs --profile[/]")
+                continue
+            from pipeplan.planner.interleave import rechunk
+
+            try:
+                shown = rechunk(plan, profile, name, 2, micro)
+            except InputError as exc:
+                console.print(f"[yellow]{name}: skipped, {exc}[/]")
+                continue
+        elif plan.virtual_stages > 1 and not kind.virtual_stages:
+            console.print(f"[yellow]{name}: skipped, the plan runs {plan.virtual_stages} chunks per device[/]")
+            continue
+        result = simulate_plan(shown, profile, name, micro, steady, record=bool(timeline_path))
         results.append(result)
-        console.print(_stage_table(plan, result))
+        console.print(_stage_table(shown, result))
         if timeline_path:
             target = Path(timeline_path)
             if len(names) > 1:
@@ -100,7 +121,9 @@ def simulate(
 def _stage_table(plan: "Plan", result: "SimResult") -> "Table":  # noqa: F821
     from rich.table import Table
 
-    micro = f", {result.microbatches} micro-batches" if result.schedule != "1f1b-rr" else ""
+    micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
+    if result.virtual_stages > 1:
+        micro += f", {result.virtual_stages} chunks per device"
     table = Table(
         title=f"{result.schedule}{micro}: {result.time_per_minibatch_ms:.3f} ms/minibatch, "
         f"{result.samples_per_s:.1f} samples/s (simulated)",

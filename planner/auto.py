@@ -1,0 +1,153 @@
+"""``partition --schedule auto``: search schedule x micro-batches x virtual stages.
+
+Every candidate is planned by ``planner.partition.partition`` (the split and the
+replication under that schedule's own memory: weight versions and activations in flight
+from the registry) and predicted by simulating its own schedule, so candidates compare on
+the same footing. The fastest that fits device memory wins; when none fits, the error
+names the smallest memory in which one of them would. Equally fast candidates (within
+``TIE_REL``) go to the one with fewer micro-batches, then the least memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.plan import Plan
+from pipeplan.profile import Profile
+from pipeplan.schedule import SCHEDULE_KINDS, schedule_kind
+from pipeplan.topology import Topology
+from pipeplan.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipeplan.planner.partition import PartitionOptions
+
+__all__ = ["Candidate", "SearchResult", "candidate_shapes", "device_peak_bytes", "search"]
+
+MAX_MICROBATCHES = 64
+TIE_REL = 1e-6  # simulated times this close are a tie: fewer micro-batches, then less memory
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (schedule, micro-batches, v) the search planned; times in ms, memory in bytes."""
+
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    time_per_minibatch_ms: float  # simulated, bubble included (inf: no plan)
+    peak_memory_bytes: int  # per device (0: no plan)
+    fits: bool
+    note: str = ""  # why it has no plan, when it has none
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    candidates: tuple[Candidate, ...]
+    chosen: int  # index into candidates
+    plan: Plan
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+
+def device_peak_bytes(plan: Plan) -> int:
+    """Peak bytes on the fullest device: the sum over the model stages a device runs."""
+    positions = len(plan.stages) // plan.virtual_stages
+    return max(sum(stage.memory_bytes for stage in plan.stages[i::positions]) for i in range(positions))
+
+
+def _counts(options: PartitionOptions, batch_size: int, world_size: int) -> list[int]:
+    """Micro-batch counts to try: the user's, or powers of two dividing the batch up to
+    4 per device (at most ``MAX_MICROBATCHES``).
+
+    >>> from types import SimpleNamespace
+    >>> _counts(SimpleNamespace(microbatches=1), 24, 2)
+    [2, 4, 8]
+    """
+    if options.microbatches > 1:
+        return [options.microbatches]
+    limit = min(batch_size, 4 * world_size, MAX_MICROBATCHES)
+    return [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
+
+
+def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int) -> list[tuple[str, int, int | None]]:
+    """(schedule, micro-batches, virtual stages) to plan, in registry order.
+
+    Schedules of whole minibatches try M = 1 only; virtual-stage schedules each v of
+    ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with micro-batch counts
+    that are multiples of the device count (Megatron's rule).
+    """
+    from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
+
+    counts = _counts(options, batch_size, world_size)
+    out: list[tuple[str, int, int | None]] = []
+    for name, kind in SCHEDULE_KINDS.items():
+        if kind.whole_minibatches:
+            out.append((name, 1, 1))
+        elif kind.virtual_stages:
+            virtuals = [options.virtual_stages] if options.virtual_stages else list(VIRTUAL_CANDIDATES)
+            out += [(name, m, v) for v in virtuals for m in counts if m % world_size == 0]
+        else:
+            out += [(name, m, 1) for m in counts]
+    return out
+
+
+def search(profile: Profile, topology: Topology, options: PartitionOptions) -> SearchResult:
+    """Plan every candidate shape; the fastest that fits (ties within ``TIE_REL``: fewer
+    micro-batches, whose per-message costs the time model leaves out, then the smaller
+    peak memory, then the earlier candidate).
+
+    Raises ``InfeasibleError`` naming the smallest per-device memory that one of the
+    candidates' plans needs when none fits. Time: one partition and one simulation per
+    candidate.
+    """
+    from pipeplan.planner.partition import partition
+
+    candidates: list[Candidate] = []
+    plans: list[Plan | None] = []
+    for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size):
+        shape = replace(options, schedule=name, microbatches=micro,
+                        virtual_stages=virtual if schedule_kind(name).virtual_stages else None)
+        plan: Plan | None = None
+        note = ""
+        fits = True
+        try:
+            plan = partition(profile, topology, shape)
+        except InputError as exc:
+            note = str(exc)
+        except InfeasibleError:
+            fits = False
+            try:
+                plan = partition(profile, topology, replace(shape, memory_check=False))
+            except (InputError, InfeasibleError) as exc:
+                note = str(exc)
+        if plan is None:
+            candidates.append(Candidate(name, micro, virtual or 1, math.inf, 0, False, note))
+        else:
+            peak = device_peak_bytes(plan)
+            fits = fits and peak <= topology.device.memory_bytes
+            candidates.append(Candidate(name, micro, plan.virtual_stages,
+                                        plan.predicted.time_per_minibatch_ms, peak, fits))
+        plans.append(plan)
+    fitting = [i for i, c in enumerate(candidates) if c.fits]
+    if not fitting:
+        planned = [c for c in candidates if c.peak_memory_bytes > 0]
+        if not planned:
+            raise InfeasibleError("no schedule can be planned: " + "; ".join(
+                f"{c.schedule} M={c.microbatches}: {c.note}" for c in candidates[:3]))
+        least = min(planned, key=lambda c: c.peak_memory_bytes)
+        raise InfeasibleError(
+            f"no schedule fits in {format_bytes(topology.device.memory_bytes)} per device; the smallest "
+            f"that would fit is {format_bytes(least.peak_memory_bytes)} per device ({least.schedule}, "
+            f"{least.microbatches} micro-batches, v={least.virtual_stages})"
+        )
+    fastest = min(candidates[i].time_per_minibatch_ms for i in fitting)
+    tied = [i for i in fitting if candidates[i].time_per_minibatch_ms <= fastest * (1 + TIE_REL)]
+    chosen = min(tied, key=lambda i: (candidates[i].microbatches, candidates[i].peak_memory_bytes, i))
+    plan = plans[chosen]
+    assert plan is not None  # a fitting candidate has a plan
+    return SearchResult(tuple(candidates), chosen, plan)

@@ -1,0 +1,175 @@
+"""Planning ``interleaved-1f1b``: the planner picks v and the chunk boundaries.
+
+With p pipeline positions (one device each, in rank order) and v chunks per device, the
+layer chain (the profile's topological order) is cut into v * p contiguous chunks of
+balanced compute (``balanced_cuts``: the smallest largest chunk); chunk q runs on
+position q % p. Each v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
+fastest plan that fits device memory (the sum over a device's chunks, with the
+registry's activations in flight per chunk) is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.plan import Plan, StagePlan
+from pipeplan.profile import Profile
+from pipeplan.schedule import schedule_kind
+from pipeplan.topology import Topology
+from pipeplan.units import format_bytes
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
+from pipeplan.planner.memory import plan_stage_memory
+
+if TYPE_CHECKING:
+    from pipeplan.planner.partition import PartitionOptions
+
+__all__ = ["VIRTUAL_CANDIDATES", "balanced_cuts", "interleaved_plan", "partition_interleaved", "rechunk"]
+
+VIRTUAL_CANDIDATES = (2, 3, 4)  # chunks per device the planner tries
+
+
+def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
+    """Boundaries ``[0, c1, ..., n]`` of ``parts`` contiguous non-empty pieces of ``costs``
+    whose largest sum is smallest (to 1e-9 relative). O(n log(1/eps)).
+
+    >>> balanced_cuts([1, 1, 1, 1, 4], 2)
+    [0, 4, 5]
+    >>> balanced_cuts([1, 2, 3, 4], 4)
+    [0, 1, 2, 3, 4]
+    """
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise InputError(f"cannot cut {n} layers into {parts} non-empty chunks")
+
+    def greedy(limit: float) -> list[int]:
+        cuts, total = [0], 0.0
+        for i, c in enumerate(costs):
+            if total + c > limit and i > cuts[-1]:
+                cuts.append(i)
+                total = 0.0
+            total += c
+        return cuts + [n]
+
+    low, high = max(costs), max(sum(costs), max(costs))
+    for _ in range(100):
+        if high - low <= 1e-9 * max(high, 1e-12):
+            break
+        mid = (low + high) / 2.0
+        if len(greedy(mid)) - 1 <= parts:
+            high = mid
+        else:
+            low = mid
+    cuts = greedy(high)
+    while len(cuts) - 1 < parts:  # split the longest piece (never raises the largest sum)
+        q = max(range(len(cuts) - 1), key=lambda k: cuts[k + 1] - cuts[k])
+        cuts.insert(q + 1, cuts[q] + 1)
+    return cuts
+
+
+def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
+                     positions: int, virtual: int, ranks: Sequence[int] | None = None) -> tuple[Plan, int]:
+    """(plan before simulation, peak bytes per device) of v * p balanced chunks.
+
+    Position i runs on ``ranks[i]`` (default: rank i).
+    """
+    from pipeplan.planner.partition import assemble_plan
+
+    micro = options.microbatches
+    optimizer = options.optimizer
+    chunks = positions * virtual
+    per_layer = [arrays.compute(i, i + 1) for i in range(arrays.layers)]
+    cuts = balanced_cuts(per_layer, chunks)
+    replicas = (1,) * positions
+    rank_of = list(ranks) if ranks is not None else list(range(positions))
+    device_bytes = [0.0] * positions
+    stages = []
+    for q in range(chunks):
+        i, c = q % positions, q // positions
+        start, end = cuts[q], cuts[q + 1]
+        comm = 0.0
+        if q + 1 < chunks:
+            level = topology.levels[topology.level_joining(rank_of[i], rank_of[(q + 1) % positions])]
+            comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
+        memory, versions, in_flight = plan_stage_memory(
+            options.schedule, replicas, i, arrays.params(start, end), arrays.saved(start, end), optimizer,
+            micro, virtual, chunk=c)
+        device_bytes[i] += memory
+        compute = arrays.compute(start, end)
+        stages.append(StagePlan(
+            index=q, layer_start=start, layer_end=end, replicas=1, ranks=(rank_of[i],), compute_ms=compute,
+            allreduce_ms=0.0, communication_ms=comm, time_per_minibatch_ms=max(compute, comm),
+            memory_bytes=memory, weight_versions=versions, in_flight=max(1, math.ceil(in_flight)),
+        ))
+    time_ms = max(stage.time_per_minibatch_ms for stage in stages)
+    plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, virtual)
+    return plan, int(max(device_bytes))
+
+
+def partition_interleaved(profile: Profile, topology: Topology, options: PartitionOptions) -> Plan:
+    """The fastest interleaved plan that fits, over v (``options.virtual_stages`` or the candidates).
+
+    Positions p: every device (or ``max_stages``), at most half the layers. Raises a
+    one-line ``InputError`` when micro-batches break Megatron's rule, ``InfeasibleError``
+    naming the smallest memory that would fit when no v fits.
+    """
+    from pipeplan.planner.predict import predict
+
+    kind = schedule_kind(options.schedule)
+    model = cost_model(options.cost_model)
+    arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer))
+    max_stages = options.max_stages
+    positions = min(topology.world_size, max_stages or topology.world_size, arrays.layers // 2)
+    if positions < 2:
+        raise InputError(
+            f"{kind.name} needs at least 2 devices and 4 layers (got {topology.world_size} devices, "
+            f"{arrays.layers} layers)"
+        )
+    wanted = options.virtual_stages
+    virtuals = [wanted] if wanted else [v for v in VIRTUAL_CANDIDATES if v * positions <= arrays.layers]
+    kind.check((1,) * positions, options.microbatches, max(virtuals))
+    if wanted and wanted * positions > arrays.layers:
+        raise InputError(f"{wanted} chunks on {positions} devices need {wanted * positions} layers (got {arrays.layers})")
+    best: Plan | None = None
+    smallest = math.inf
+    memory = topology.device.memory_bytes
+    for v in virtuals:
+        plan, peak = interleaved_plan(profile, topology, options, arrays, positions, v)
+        smallest = min(smallest, peak)
+        if options.memory_check and peak > memory:
+            continue
+        plan = predict(plan, profile)
+        if best is None or plan.predicted.time_per_minibatch_ms < best.predicted.time_per_minibatch_ms:
+            best = plan
+    if best is None:
+        raise InfeasibleError(
+            f"no {kind.name} plan fits in {format_bytes(memory)} per device on {positions} devices "
+            f"(v in {virtuals}); the smallest needs {format_bytes(smallest)}"
+        )
+    return best
+
+
+def rechunk(plan: Plan, profile: Profile, schedule: str, virtual: int = 2, microbatches: int | None = None) -> Plan:
+    """``plan``'s devices running ``schedule`` (one of virtual stages): v * p balanced chunks, simulated.
+
+    For comparing a one-chunk plan with interleaving on the same devices (``pipeplan
+    simulate -s all``). Needs a straight plan (one device per stage): ``InputError`` else.
+    """
+    from pipeplan.planner.partition import PartitionOptions
+    from pipeplan.planner.predict import predict
+
+    if any(stage.replicas != 1 for stage in plan.stages) or plan.virtual_stages != 1:
+        raise InputError("interleaving needs a straight plan of one chunk per device (partition with --straight)")
+    positions = len(plan.stages)
+    micro = microbatches or positions * max(1, math.ceil(plan.microbatches / positions))
+    options = PartitionOptions(schedule=schedule, cost_model=plan.cost_model, optimizer=plan.optimizer,
+                               microbatches=micro, virtual_stages=virtual)
+    arrays = layer_arrays(profile, cost_model(plan.cost_model).charged_optimizer(plan.optimizer))
+    schedule_kind(options.schedule).check((1,) * positions, micro, virtual)
+    if virtual * positions > arrays.layers:
+        raise InputError(f"{virtual} chunks on {positions} devices need {virtual * positions} layers (got {arrays.layers})")
+    chunked, _ = interleaved_plan(profile, plan.topology, options, arrays, positions, virtual,
+                                  [stage.ranks[0] for stage in plan.stages])
+    return predict(chunked, profile)
