@@ -53,16 +53,16 @@ class BatchSource:
         chunk = tuple(t.tensor_split(m, dim=0)[microbatch] for t in inputs)
         return chunk, targets.tensor_split(m, dim=0)[microbatch]
 
-    def draw_ahead(self, minibatches: Iterable[int], budget_bytes: int = 256 << 20) -> int:
-        """Draw ``minibatches`` (global ids, in order) now, before the timed loop, while
-        their tensors fit in ``budget_bytes``; returns how many were drawn.
+    def draw_ahead(self, minibatches: Iterable[int], most: int = 64, budget_bytes: int = 256 << 20) -> int:
+        """Draw ``minibatches`` (global ids, in order) now, before the timed loop: at most
+        ``most`` of them, while their tensors fit in ``budget_bytes``; returns how many.
 
         The run then takes them from the cache, as a training loop over a pre-built list
         of batches does; the draws are deterministic, so results do not change.
         """
         drawn = held = 0
         for k in minibatches:
-            if drawn and held * (drawn + 1) > budget_bytes * drawn:  # the next would exceed it
+            if drawn == most or (drawn and held * (drawn + 1) > budget_bytes * drawn):  # the next would exceed it
                 break
             inputs, targets = self._minibatch(k, evict=False)
             held += sum(t.numel() * t.element_size() for t in (*inputs, targets))

@@ -87,6 +87,18 @@ def test_batch_source_microbatches_and_seeds() -> None:
         BatchSource(model_file, batch_size=8, microbatches=3, seed=0, loader_replicas=1)
 
 
+def test_batch_source_draws_ahead_within_its_bounds() -> None:
+    model_file = load_model_file(FIXTURES / "mlp.py")
+    source = BatchSource(model_file, batch_size=8, microbatches=2, seed=10, loader_replicas=1)
+    assert source.draw_ahead(range(5, 1000), most=4) == 4 and sorted(source._cache) == [5, 6, 7, 8]
+    one = sum(t.numel() * t.element_size() for t in (*source.microbatch(5, 0)[0], source.microbatch(5, 0)[1]))
+    assert BatchSource(model_file, 8, 2, 10, 1).draw_ahead(range(100), budget_bytes=3 * 2 * one) == 3
+    for k in range(5, 9):  # the drawn ones are the minibatches an on-demand draw gives
+        inputs, targets = model_file.batch(8, seed=10 + k)
+        torch.testing.assert_close(torch.cat([source.microbatch(k, m)[1] for m in range(2)]), targets)
+    assert sorted(source._cache) == [7, 8]  # taking minibatch 8 let go of those before 7
+
+
 def test_batch_source_shards_a_data_loader_like_pipedream(tmp_path: Path) -> None:
     path = tmp_path / "loader.py"
     path.write_text(

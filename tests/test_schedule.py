@@ -500,3 +500,23 @@ def test_action_with_chunk_round_trips() -> None:
     for text in ("F0c1", "I3.2c3", "W0.1", "S4"):
         assert str(Action.parse(text)) == text
     assert Action.parse("I3.2c3") == Action("I", 3, 2, 3)
+
+
+def test_plan_virtual_stages_share_the_positions_ranks() -> None:
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "runtime"))
+    from plans import make_plan
+
+    model = str(Path(__file__).parent / "fixtures" / "runtime" / "dag.py")
+    plan = make_plan(model, [[0], [1, 2], [3], [4, 5]], [1] * 4, "interleaved-1f1b",
+                     microbatches=2, virtual_stages=2)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)] and plan.world_size == 2
+    assert plan.to_dict()["virtual_stages"] == 2
+    moved = dataclasses.replace(plan.stages[2], ranks=(1,))
+    with pytest.raises(InputError, match=r"stage 2: ranks \[1\] differ from those of stage 0"):
+        dataclasses.replace(plan, stages=(*plan.stages[:2], moved, plan.stages[3]))
+    with pytest.raises(InputError, match="4 stages, not a multiple of its 3 virtual stages"):
+        dataclasses.replace(plan, virtual_stages=3)
