@@ -26,6 +26,7 @@ one; 1F1B-Flush and GPipe resume exactly.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
