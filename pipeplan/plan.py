@@ -211,10 +211,11 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
 
 def _check_stage_ranks(plan: Plan) -> None:
     """Replica counts, rank ranges, one pipeline position per rank (interleaved: q % p)."""
-    virtual = getattr(plan, "virtual_stages", 1)
+    virtual = plan.virtual_stages
     if not isinstance(virtual, int) or virtual < 1 or len(plan.stages) % virtual:
         raise InputError(
-            f"plan virtual_stages {virtual!r} does not divide its {len(plan.stages)} stages"
+            f"plan has {len(plan.stages)} stages, not a multiple of its {virtual!r} virtual stages "
+            f"per device"
         )
     positions = len(plan.stages) // virtual
     seen: set[int] = set()
