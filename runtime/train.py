@@ -218,7 +218,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
 
     done_steps = 0
     if config.resume and config.checkpoint_dir:
-        done_steps = _agreed_resume_step(config, spec, identity)
+        done_steps = _agreed_resume_step(config, spec, identity, env.device)
         if done_steps > 0 and stage is not None:
             _restore(config, spec, identity, module, optimizer, done_steps)
     remaining = config.steps - done_steps
@@ -296,7 +296,7 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
         )
 
 
-def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:
+def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any, device: str) -> int:
     """The newest step complete on every rank's view of the directory (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
@@ -309,7 +309,7 @@ def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:
 
     latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas,
                                        identity.fingerprint)
-    agreed = torch.tensor([latest or 0], dtype=torch.int64)
+    agreed = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return int(agreed.item())
 
