@@ -133,7 +133,7 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from pipeplan.host_memory import keep_freed_blocks
-    from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
+    from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog
     from pipeplan.runtime.launch import init_distributed
 
     keep_freed_blocks()  # as the profiler does: no page faults per minibatch
@@ -149,14 +149,16 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc
     watchdog.stop()
-    _finish(env.rank, config.timeout_s, deadline)
+    _finish(env.rank, config.timeout_s)
     return summary
 
 
-def _finish(rank: int, timeout_s: float, deadline: Any) -> None:
+def _finish(rank: int, timeout_s: float) -> None:
     """The final barrier and group teardown, bounded; a rank whose peer failed while writing
     its outputs gets one line, not the barrier's traceback."""
     import torch.distributed as dist
+
+    from pipeplan.runtime.failure import deadline
 
     with deadline(timeout_s + 5.0, f"rank {rank}: the final barrier did not complete within "
                                    f"{timeout_s:.0f} s (another rank failed after training)"):
