@@ -134,7 +134,7 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from pipeplan.host_memory import keep_freed_blocks
-    from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
+    from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog
     from pipeplan.runtime.launch import init_distributed
 
     keep_freed_blocks()  # as the profiler does: no page faults per minibatch
@@ -150,14 +150,16 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc
     watchdog.stop()
-    _finish(env.rank, config.timeout_s, deadline)
+    _finish(env.rank, config.timeout_s)
     return summary
 
 
-def _finish(rank: int, timeout_s: float, deadline: Any) -> None:
+def _finish(rank: int, timeout_s: float) -> None:
     """The final barrier and group teardown, bounded; a rank whose peer failed while writing
     its outputs gets one line, not the barrier's traceback."""
     import torch.distributed as dist
+
+    from pipeplan.runtime.failure import deadline
 
     with deadline(timeout_s + 5.0, f"rank {rank}: the final barrier did not complete within "
                                    f"{timeout_s:.0f} s (another rank failed after training)"):
@@ -219,7 +221,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
 
     done_steps = 0
     if config.resume and config.checkpoint_dir:
-        done_steps = _agreed_resume_step(config, spec, identity)
+        done_steps = _agreed_resume_step(config, spec, identity, env.device)
         if done_steps > 0 and module is not None:
             _restore(config, spec, identity, module, optimizer, done_steps)
     remaining = config.steps - done_steps
@@ -300,7 +302,7 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
         )
 
 
-def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:
+def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any, device: str) -> int:
     """The newest step complete on every rank's view of the directory (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
@@ -313,7 +315,7 @@ def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any) -> int:
 
     latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas,
                                        identity.fingerprint)
-    agreed = torch.tensor([latest or 0], dtype=torch.int64)
+    agreed = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return int(agreed.item())
 

@@ -398,7 +398,6 @@ def wait_for_training(folder: Path, procs: list[subprocess.Popen[str]], limit_s:
     steps are pruned within milliseconds, so any step counts); fails at once, with their
     stderr, if a process ended first."""
     end = time.monotonic() + limit_s
-    path = folder / "step-*"
     while not any(folder.glob("step-*")):
         ended = [p for p in procs if p.poll() is not None]
         assert not ended, [(p.returncode, p.communicate()[1][-2000:]) for p in ended]
@@ -406,7 +405,7 @@ def wait_for_training(folder: Path, procs: list[subprocess.Popen[str]], limit_s:
             for proc in procs:
                 os.kill(proc.pid, signal.SIGABRT)
             stacks = [p.communicate(timeout=30)[1][-6000:] for p in procs]
-            raise AssertionError(f"{path} did not appear within {limit_s} s: {stacks}")
+            raise AssertionError(f"no step folder in {folder} within {limit_s} s: {stacks}")
         time.sleep(0.1)
 
 
@@ -503,22 +502,22 @@ def test_two_runs_cannot_clobber_each_others_checkpoints_and_the_last_step_is_ke
     before = {p: p.read_bytes() for p in ckpt.rglob("*.pt")}
 
     # another run (seed 7, lr 0.2) into the same directory: refused without --resume ...
-    other = launch.plain(2, [*common, "--steps", "6", "--lr", "0.2", "--seed", "7"])
-    outs = [finish(p) for p in other]
+    both = launch.plain(2, [*common, "--steps", "6", "--lr", "0.2", "--seed", "7"])
+    outs = [finish(p) for p in both]
     assert [code for code, _ in outs] == [2, 2]
     assert_one_error_line(outs[0][1], f"checkpoint directory {ckpt} already holds checkpoints (steps up to 5")
     assert outs[1][1] == ""
     # ... and with --resume, because it is another run (the seed differs); the refusal comes
     # before any communication, so rank 0 alone shows it
-    (other,) = launch.plain(2, [*common, "--steps", "6", "--lr", "0.2", "--seed", "7", "--resume"], ranks=[0])
-    code, err = finish(other)
+    (seed7,) = launch.plain(2, [*common, "--steps", "6", "--lr", "0.2", "--seed", "7", "--resume"], ranks=[0])
+    code, err = finish(seed7)
     assert code == 2
     assert_one_error_line(err, "holds another run (seed 0 (saved) != 7 (this run))")
     # another split or optimizer: one line, not a state_dict error or KeyError
     split = rr_plan(tmp_path, layers=[[0, 1], [2, 3, 4, 5]], optimizer="momentum", name="split.json")
-    (other,) = launch.plain(2, [split, *common[1:], "--steps", "6", "--resume", "--optimizer", "momentum"],
-                            ranks=[0])
-    code, err = finish(other)
+    (resplit,) = launch.plain(2, [split, *common[1:], "--steps", "6", "--resume", "--optimizer", "momentum"],
+                              ranks=[0])
+    code, err = finish(resplit)
     assert code == 2
     assert_one_error_line(err, "holds another run (plan ")
     assert "optimizer 'sgd' (saved) != 'momentum' (this run)" in err
