@@ -146,6 +146,10 @@ def _level(compute, act, params, out_act, units, within, bandwidth, memory, sett
             last[(m, m_prime)] = cost
             first = time[m - m_prime]
             extra = first_extra[m_prime]
+            if rows == 1:  # final level: one (split k, end j) matrix for the range starting at 0
+                head = np.maximum(first[0, : n - 1], extra[: n - 1])
+                np.minimum(best[0], np.maximum(head[:, None], cost[1:, :]).min(axis=0, initial=INF), out=best[0])
+                continue
             for k in range(n - 1):
                 top = min(rows, k + 1)
                 head = np.maximum(first[:top, k], extra[k])
