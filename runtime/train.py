@@ -219,7 +219,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     def on_step(minibatch: int) -> None:
         step = minibatch // period  # global step index
         last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
-        if any(MODEL_OUTPUT in chunk.output_names for chunk in spec.chunks):
+        if config.progress and any(MODEL_OUTPUT in chunk.output_names for chunk in spec.chunks):
+            # for rank 0's progress line only: a store round trip per minibatch
             watchdog.publish(f"loss/{minibatch}", f"{executor.losses.get(minibatch, float('nan'))!r}")
         if not last_of_step:
             return
