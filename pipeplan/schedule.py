@@ -276,6 +276,8 @@ class ScheduleKind:
     virtual_stages: bool  # more than one model chunk per device (then v >= 2 is required)
     whole_minibatches: bool  # micro-batches must be 1
     generate: Generator
+    # closed form of activations_in_flight (replicas, stage, microbatches); None: the action list's peak
+    in_flight: Callable[[Sequence[int], int, int], float] | None = None
 
     # ------------------------------------------------------------ rules
     def check(
@@ -364,12 +366,8 @@ class ScheduleKind:
         (interleaved-1f1b summed over the device's chunks, 2bw, zb-h1 held until "W"):
         the peak of their action list (``in_flight_by_chunk``).
         """
-        if self.name == "1f1b-rr":
-            return float(warmup_forwards(stage_replicas, stage) + 1)
-        if self.name == "1f1b-flush":
-            return min(microbatches, len(stage_replicas) - stage) / microbatches
-        if self.name == "gpipe":
-            return 1.0
+        if self.in_flight is not None:
+            return self.in_flight(stage_replicas, stage, microbatches)
         return sum(self.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages))
 
     # ------------------------------------------------------------ pacing facts
@@ -572,18 +570,30 @@ def _worker_zb_h1(
     return out
 
 
+def _rr_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return float(warmup_forwards(stage_replicas, stage) + 1)  # W_s + 1 whole minibatches
+
+
+def _flush_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return min(microbatches, len(stage_replicas) - stage) / microbatches  # S - s micro-batches
+
+
+def _gpipe_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return 1.0  # all M micro-batches: one whole minibatch
+
+
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {
     kind.name: kind
     for kind in (
         ScheduleKind("1f1b-rr", "PipeDream 1F1B-RR: weight stashing, no flush", flushes=False,
                      gradients="stashed", split_backward=False, virtual_stages=False,
-                     whole_minibatches=True, generate=_worker_1f1b_rr),
+                     whole_minibatches=True, generate=_worker_1f1b_rr, in_flight=_rr_in_flight),
         ScheduleKind("1f1b-flush", "1F1B with a flush per minibatch (PipeDream-Flush)", flushes=True,
                      gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=_worker_1f1b_flush),
+                     whole_minibatches=False, generate=_worker_1f1b_flush, in_flight=_flush_in_flight),
         ScheduleKind("gpipe", "GPipe: all forwards, then all backwards, per minibatch", flushes=True,
                      gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=_worker_gpipe),
+                     whole_minibatches=False, generate=_worker_gpipe, in_flight=_gpipe_in_flight),
         ScheduleKind("interleaved-1f1b", "Megatron interleaved 1F1B: v model chunks per device",
                      flushes=True, gradients="exact", split_backward=False, virtual_stages=True,
                      whole_minibatches=False, generate=_worker_interleaved),

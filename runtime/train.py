@@ -251,7 +251,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
         if any(MODEL_OUTPUT in chunk.output_names for chunk in spec.chunks):
             loss = executor.losses.get(minibatch, float("nan"))
-            watchdog.publish(f"loss/{minibatch}", f"{loss!r}")
+            if config.progress:  # for rank 0's progress line only: a store round trip per minibatch
+                watchdog.publish(f"loss/{minibatch}", f"{loss!r}")
             if not config.allow_nonfinite:
                 check_loss(loss, step + 1, minibatch, spec.stage_index, env.rank)
         if not last_of_step:
