@@ -150,7 +150,7 @@ def test_dp_equals_brute_force_over_every_downset(case):
     except InfeasibleError:
         assert best == math.inf
         return
-    got = plan.predicted.time_per_minibatch_ms
+    got = plan.predicted.stage_bound_ms
     assert got == pytest.approx(best, rel=1e-9)
     assert plan.cut_family == "all-downsets" and plan.cut_candidates == len(brute_downsets(profile))
     owner = {layer: s.index for s in plan.stages for layer in s.layers}
@@ -176,7 +176,7 @@ def test_a_non_prefix_cut_beats_every_prefix():
     plan = partition(profile, topology, PartitionOptions(straight=True))
     assert [s.layers for s in plan.stages] == [(0, 2), (1, 3)]
     assert (plan.stages[0].layer_start, plan.stages[0].layer_end) == (0, 3)
-    assert plan.predicted.time_per_minibatch_ms == pytest.approx(8.0)
+    assert plan.predicted.stage_bound_ms == pytest.approx(8.0)
     assert plan.stages[0].communication_ms == pytest.approx(2 * 11_000 / 1e8 * 1e3)
 
 
@@ -214,7 +214,7 @@ def test_pipedream_mode_is_never_worse_than_pipedream(model: str, shape: str):
         plan = partition(profile, topology, PartitionOptions(cost_model="pipedream", activation_compression_ratio=ratio))
         assert plan.cut_family == "all-downsets" and plan.cut_candidates == states + 1  # + the empty set
         assert math.isfinite(want)
-        assert plan.predicted.time_per_minibatch_ms <= want * (1 + 1e-12)
+        assert plan.predicted.stage_bound_ms <= want * (1 + 1e-12)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -241,4 +241,4 @@ def test_refuses_in_one_line_before_allocating_tables_over_the_limit(monkeypatch
     with pytest.raises(InfeasibleError, match=r"^planning 4 cut states on 4 devices .* over the planner's limit"):
         partition(HAND, two_by_two(), PartitionOptions())
     monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need))
-    assert partition(HAND, two_by_two(), PartitionOptions()).predicted.time_per_minibatch_ms == pytest.approx(4.0)
+    assert partition(HAND, two_by_two(), PartitionOptions()).predicted.stage_bound_ms == pytest.approx(4.0)

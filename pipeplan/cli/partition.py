@@ -32,6 +32,8 @@ def _layer_text(stage) -> str:
     text = f"{stage.layer_start}-{stage.layer_end - 1}"
     gaps = stage.layer_end - stage.layer_start != len(stage.layers)
     return f"{text} ({len(stage.layers)} layers)" if gaps else text
+
+
 def _print_candidates(found, memory_bytes: int) -> None:
     """The auto search's candidates, the chosen one marked."""
     from rich.console import Console
