@@ -97,6 +97,12 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
         _die(str(exc))  # after the group started: exit at once, whatever threads hold
     if summary is not None:
         _print_summary(summary)
+    # Outputs are written and the group is destroyed: leave without interpreter teardown, whose
+    # C++ destructors can abort ("terminate called ...") while a watchdog thread is still
+    # inside a store call on a loaded machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die(message: str) -> None:
