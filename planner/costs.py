@@ -19,6 +19,7 @@ bandwidths bytes/s.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -190,7 +191,8 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
     )
 
 
-def ring_allreduce_ms(param_bytes, replicas, bandwidth_bytes_per_s: float, latency_ms: float = 0.0):
+def ring_allreduce_ms(param_bytes: Any, replicas: Any, bandwidth_bytes_per_s: float,
+                      latency_ms: float = 0.0) -> Any:
     """Ring all-reduce of ``param_bytes`` among ``replicas``: 2(m-1)/m * P / B (+ 2(m-1) latencies).
 
     Works elementwise on numpy arrays. 0 for one replica.
@@ -199,6 +201,6 @@ def ring_allreduce_ms(param_bytes, replicas, bandwidth_bytes_per_s: float, laten
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
 
 
-def transfer_ms(cut_bytes, bandwidth_bytes_per_s: float, latency_ms: float = 0.0):
+def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> Any:
     """Activations forward plus gradients back over one cut: 2 a / B (+ 2 latencies) in ms."""
     return 2.0 * cut_bytes / bandwidth_bytes_per_s * 1e3 + np.where(cut_bytes > 0, 2.0 * latency_ms, 0.0)

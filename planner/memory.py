@@ -16,7 +16,7 @@ lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
@@ -40,7 +40,7 @@ def optimizer_states(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
-def stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer: str):
+def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_flight: Any, optimizer: str) -> Any:
     """Bytes one replica keeps; elementwise on numpy arrays.
 
     >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")

@@ -103,7 +103,9 @@ class _LevelTables:
     fewer: bool
 
 
-def _level(compute, act, params, out_act, units, within, bandwidth, memory, settings, final) -> _LevelTables:
+def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, out_act: np.ndarray, units: int,
+           within: float, bandwidth: float, memory: float, settings: PipeDreamSettings,
+           final: bool) -> _LevelTables:
     """One level's table. O(u^2 n^3 / 6) numpy work (n^2 u^2 at the final level, whose
     ranges all start at state 0), O(u^2 n) Python steps."""
     n = compute.shape[0]

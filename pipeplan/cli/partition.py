@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from pipeplan.schedule import SCHEDULE_NAMES
 
+if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
+    from pipeplan.plan import Plan, StagePlan
+    from pipeplan.planner.auto import SearchResult
+    from pipeplan.profile import Profile
+
 __all__ = ["partition"]
 
 
-def _load_profile(path: str, batch_size: int):
+def _load_profile(path: str, batch_size: int) -> Profile:
     from pathlib import Path
 
     from pipeplan.errors import InputError
@@ -27,14 +34,14 @@ def _load_profile(path: str, batch_size: int):
     return Profile.load(path)
 
 
-def _layer_text(stage) -> str:
+def _layer_text(stage: StagePlan) -> str:
     """``first-last``, with the count when the set is not contiguous (a DAG cut at downsets)."""
     text = f"{stage.layer_start}-{stage.layer_end - 1}"
     gaps = stage.layer_end - stage.layer_start != len(stage.layers)
     return f"{text} ({len(stage.layers)} layers)" if gaps else text
 
 
-def _print_candidates(found, memory_bytes: int) -> None:
+def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
     """The auto search's candidates, the chosen one marked."""
     from rich.console import Console
     from rich.table import Table
@@ -63,7 +70,7 @@ def _print_candidates(found, memory_bytes: int) -> None:
                   f"the fastest that fits (equal times: fewer micro-batches, then less memory)")
 
 
-def _print_plan(plan) -> None:
+def _print_plan(plan: Plan) -> None:
     from rich.console import Console
     from rich.table import Table
 
