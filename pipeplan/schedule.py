@@ -206,7 +206,9 @@ class Schedule:
         from its "B" or "I", all replicas' matching "S"). Raises ``InputError`` when the
         order deadlocks.
         """
-        return _unit_clock(self)
+        from pipeplan.engine import unit_clock
+
+        return unit_clock(self)
 
     def grid(self) -> str:
         """Step x worker timetable of the compute actions ("S" steps are not drawn).
@@ -727,7 +729,7 @@ def validate(schedule: Schedule) -> None:
         counts = [sum(a.kind == "S" for a in schedule.actions[(s, r)]) for r in range(n)]
         if len(set(counts)) > 1:
             raise InputError(f"stage {s}: replicas run different numbers of steps {counts}")
-    _unit_clock(schedule)
+    schedule.steps()  # raises on deadlock
 
 
 def _units(schedule: Schedule, items: set[tuple[int, int, int]]) -> list[tuple[int, ...]]:
@@ -763,68 +765,3 @@ def _check_versions(schedule: Schedule, worker: Worker) -> None:
         elif action.kind in ("B", "W"):
             version_of.pop(item, None)
 
-
-def _unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
-    """Start step of every action, F/B/I/W one step each, S zero; InputError on deadlock.
-
-    A worklist sweep over the dependency DAG: a blocked worker waits on the one key it
-    needs and is woken when that key completes. Keys name model stages, so chunks of
-    interleaved schedules depend on the right neighbour. O(actions).
-    """
-    positions = schedule.stages
-    last = schedule.model_stages - 1
-    done: dict[tuple[str, int, int, int], int] = {}  # (F|G, model stage, minibatch, micro) -> end
-    waiting: dict[tuple[Any, ...], list[Worker]] = {}
-    arrived: dict[tuple[int, int], list[int]] = {}  # (position, step ordinal) -> ready steps
-    position = dict.fromkeys(schedule.actions, 0)
-    free = dict.fromkeys(schedule.actions, 0)
-    steps_done = dict.fromkeys(schedule.actions, 0)
-    starts: dict[Worker, list[int]] = {w: [] for w in schedule.actions}
-    ready = list(schedule.actions)
-
-    def advance(worker: Worker, start: int, duration: int) -> None:
-        starts[worker].append(start)
-        free[worker] = start + duration
-        position[worker] += 1
-
-    while ready:
-        worker = ready.pop()
-        s = worker[0]
-        actions = schedule.actions[worker]
-        while position[worker] < len(actions):
-            action = actions[position[worker]]
-            k, m = action.minibatch, action.microbatch
-            if action.kind == "S":
-                group = (s, steps_done[worker])
-                members = arrived.setdefault(group, [])
-                members.append(free[worker])
-                if len(members) < schedule.stage_replicas[s]:
-                    waiting.setdefault(("S", *group), []).append(worker)
-                    break
-                at = max(members)
-                for peer in [*waiting.pop(("S", *group), []), worker]:
-                    advance(peer, at, 0)
-                    steps_done[peer] += 1
-                    if peer != worker:
-                        ready.append(peer)
-                continue
-            q = action.chunk * positions + s
-            need: tuple[str, int, int, int] | None = None
-            if action.kind == "F" and q > 0:
-                need = ("F", q - 1, k, m)
-            elif action.kind in ("B", "I") and q < last:
-                need = ("G", q + 1, k, m)
-            if need is not None and need not in done:
-                waiting.setdefault(need, []).append(worker)
-                break
-            advance(worker, max(free[worker], done[need] if need is not None else 0), 1)
-            if action.kind == "W":
-                continue
-            key = ("F" if action.kind == "F" else "G", q, k, m)
-            done[key] = free[worker]
-            ready.extend(waiting.pop(key, []))
-    stuck = [w for w in schedule.actions if position[w] < len(schedule.actions[w])]
-    if stuck:
-        where = ", ".join(f"{_label(w)} at {schedule.actions[w][position[w]]}" for w in stuck[:4])
-        raise InputError(f"schedule {schedule.name} deadlocks: {where}")
-    return {w: tuple(v) for w, v in starts.items()}

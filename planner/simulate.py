@@ -2,7 +2,7 @@
 
 Every worker (position, replica) runs its ``pipeplan.schedule`` actions in order; the
 timing rules (forwards wait for activations, backwards for gradients, "S" for every
-replica; sends occupy links) and the sweep live in ``planner.engine``. This module turns
+replica; sends occupy links) and the sweep live in ``pipeplan.engine``. This module turns
 a plan and a profile into per-stage durations and the engine's timeline into steady-state
 figures: the pipeline period, each model stage's busy time and bubble, and peak memory.
 """
@@ -18,7 +18,7 @@ from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_m
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.engine import Durations, Timeline, run_schedule
+from pipeplan.engine import Durations, Timeline, run_schedule
 from pipeplan.profile import Profile
 from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
@@ -311,7 +311,7 @@ def simulate(
     plan's) of 1/M of the compute and bytes. Returns the steady-state period over
     ``steady`` rounds after the warm-up, the bubble fraction and peak memory per model
     stage; with ``record`` the task timeline too. Time O(stages x minibatches x
-    micro-batches), plus the sends (``planner.engine``).
+    micro-batches), plus the sends (``pipeplan.engine``).
     """
     name, micro, virtual = simulation_shape(plan, schedule, microbatches)
     if len(costs) != len(plan.stages):

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError
 from pipeplan.planner.auto import search
-from pipeplan.planner.engine import unit_clock
+from pipeplan.engine import unit_clock
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import simulate_plan, stage_costs_from_plan

@@ -1,8 +1,8 @@
 """The event engine: start and end of every action of a schedule, given durations.
 
-One sweep serves the simulator (``planner.simulate``), the planner's schedule choice and
-the timelines; with unit durations (``unit_clock``) it is the step clock of
-``Schedule.grid()``.
+One sweep serves the simulator (``planner.simulate``), the planner's schedule choice, the
+timelines and the schedules themselves: with unit durations (``unit_clock``) it is the
+step clock of ``Schedule.steps()`` / ``grid()`` and the deadlock check of ``validate``.
 
 Model. Worker ``(i, r)`` is replica r of pipeline position i (p positions). An action
 with chunk c runs model stage ``q = c * p + i`` (``v`` chunks per worker, ``v * p``
@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipeplan.errors import InputError
-from pipeplan.schedule import Schedule
+
+if TYPE_CHECKING:  # pipeplan.schedule calls this engine for its own clock
+    from pipeplan.schedule import Schedule
 
 __all__ = ["Durations", "Timeline", "LinkTime", "model_stage", "run_schedule", "unit_clock"]
 
