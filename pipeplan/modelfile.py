@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pipeplan.errors import InputError
+from pipeplan.errors import InputError, one_line
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -103,7 +103,7 @@ class ModelFile:
             try:
                 inputs, targets = self.sample_batch(batch_size)
             except Exception as exc:  # the user's code: report it in one line
-                raise InputError(f"{self.path}: sample_batch({batch_size}) raised {_one_line(exc)}") from exc
+                raise InputError(f"{self.path}: sample_batch({batch_size}) raised {one_line(exc)}") from exc
         return as_tuple(inputs, self.path), targets
 
     def build(self) -> Any:
@@ -112,7 +112,7 @@ class ModelFile:
         try:
             model = self.build_model()
         except Exception as exc:
-            raise InputError(f"{self.path}: build_model() raised {_one_line(exc)}") from exc
+            raise InputError(f"{self.path}: build_model() raised {one_line(exc)}") from exc
         if not isinstance(model, torch.nn.Module):
             raise InputError(
                 f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
@@ -132,10 +132,6 @@ def as_tuple(inputs: Any, where: str) -> tuple[Any, ...]:
     return tuple(values)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
 
 def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     """Import the user's model file and check its names."""
@@ -153,7 +149,7 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     except Exception as exc:
         sys.modules.pop(module_name, None)
         line = _user_line(exc, file)
-        raise InputError(f"{path}{line}: cannot import: {_one_line(exc)}") from exc
+        raise InputError(f"{path}{line}: cannot import: {one_line(exc)}") from exc
     names: dict[str, Any] = {}
     for name, required in (
         ("build_model", True),

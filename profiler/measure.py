@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from pipeplan.errors import InputError
+from pipeplan.errors import InputError, one_line
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
@@ -108,11 +108,7 @@ def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     try:
         outputs = stage.module(*args)
     except Exception as exc:
-        text = str(exc).strip().splitlines()
-        raise InputError(
-            f"layer {stage.index} raised when run on its own: {type(exc).__name__}: "
-            f"{text[0] if text else ''}"
-        ) from exc
+        raise InputError(f"layer {stage.index} raised when run on its own: {one_line(exc)}") from exc
     if len(outputs) != len(stage.output_names):
         raise RuntimeError(
             f"layer {stage.index} returned {len(outputs)} values for output names {stage.output_names}"
@@ -163,11 +159,7 @@ def run_pass(
         try:
             loss = loss_fn(result, targets)
         except Exception as exc:
-            text = str(exc).strip().splitlines()
-            raise LossError(
-                f"loss_fn raised on the output of the captured layers: {type(exc).__name__}: "
-                f"{text[0] if text else ''}"
-            ) from exc
+            raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
         if loss.requires_grad:
             loss.backward()
         sample.loss_ms = timer.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-from pipeplan.errors import InputError
+from pipeplan.errors import InputError, one_line
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
@@ -34,10 +34,6 @@ def prepare_batch(
     return tuple(move(tensor) for tensor in inputs), move(targets)
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
 
 def check_model_runs(
     model_file: ModelFile, model: Any, inputs: tuple[Any, ...], targets: Any, batch_size: int,
@@ -51,12 +47,12 @@ def check_model_runs(
         output = model(*inputs)
     except Exception as exc:
         raise InputError(
-            f"{model_file.path}: the model raised on sample_batch({batch_size}): {_one_line(exc)}"
+            f"{model_file.path}: the model raised on sample_batch({batch_size}): {one_line(exc)}"
         ) from exc
     try:
         loss = model_file.loss_fn(output, targets)
     except Exception as exc:
-        raise InputError(f"{model_file.path}: loss_fn raised on the model output: {_one_line(exc)}") from exc
+        raise InputError(f"{model_file.path}: loss_fn raised on the model output: {one_line(exc)}") from exc
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise InputError(f"{model_file.path}: loss_fn returned {shape}, expected a scalar Tensor")
@@ -68,7 +64,7 @@ def check_model_runs(
     try:
         loss.backward()
     except Exception as exc:
-        raise InputError(f"{model_file.path}: backward through the loss raised {_one_line(exc)}") from exc
+        raise InputError(f"{model_file.path}: backward through the loss raised {one_line(exc)}") from exc
     model.zero_grad(set_to_none=True)
 
 

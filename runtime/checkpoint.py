@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from pipeplan.errors import InputError
+from pipeplan.errors import InputError, first_line
 from pipeplan.jsonio import write_atomic
 
 __all__ = [
@@ -169,7 +169,7 @@ def load_stage_checkpoint(
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as exc:  # a verified payload that torch refuses: report in one line
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise InputError(f"checkpoint {path} cannot be loaded: {first}") from exc
     return StageCheckpoint(stage=stage, step=step, state=state)
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipeplan.errors import RuntimeFailure
+from pipeplan.errors import RuntimeFailure, first_line
 
 __all__ = [
     "FORWARD", "BACKWARD", "TensorSpec", "PendingRecv", "P2P", "PeerFailure", "message_tag",
@@ -57,7 +57,7 @@ def short_reason(exc: BaseException) -> str:
     ...                           "This is typically caused by a remote worker crashing."))
     'Connection closed by peer [1.2.3.4]:5'
     """
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    text = first_line(exc)
     text = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
     return text.split(". This is typically")[0].strip()[:200]
 

@@ -37,7 +37,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
-from pipeplan.errors import RuntimeFailure
+from pipeplan.errors import RuntimeFailure, first_line
 
 __all__ = ["Watchdog", "HEARTBEAT_TIMEOUT_S", "deadline", "exit_now"]
 
@@ -66,8 +66,8 @@ def deadline(seconds: float, message: str, on_expiry: Callable[[str], None] = ex
         timer.cancel()
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+def _brief(exc: BaseException) -> str:
+    return first_line(exc)[:120]
 
 
 def _connect(host: str, port: int, timeout_s: float) -> Any:
@@ -93,7 +93,7 @@ def _bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     if thread.is_alive():
         raise RuntimeFailure(f"{what}: no answer within {seconds:.0f} s")
     if "error" in box:
-        raise RuntimeFailure(f"{what}: {_first_line(box['error'])}") from box["error"]
+        raise RuntimeFailure(f"{what}: {_brief(box['error'])}") from box["error"]
     return box["value"]
 
 
@@ -227,7 +227,7 @@ class Watchdog:
             except Exception as exc:
                 self._fail(
                     f"rank {self.rank}: lost the rendezvous store at {self._where} (hosted by "
-                    f"rank 0 or the torchrun agent): {_first_line(exc)}"
+                    f"rank 0 or the torchrun agent): {_brief(exc)}"
                 )
                 return
             now = time.monotonic()

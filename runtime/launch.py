@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
-from pipeplan.errors import InputError, RuntimeFailure
+from pipeplan.errors import InputError, RuntimeFailure, first_line
 from pipeplan.plan import Plan
 
 __all__ = ["DistEnv", "read_env", "choose_backend", "check_world_size", "init_distributed"]
@@ -115,7 +115,7 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
                 timeout=timedelta(seconds=timeout_s),
             )
     except Exception as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_line(exc)
         raise RuntimeFailure(
             f"rank {env.rank}: cannot join the process group at "
             f"{env.master_addr}:{env.master_port} within {timeout_s:.0f} s: {reason}"

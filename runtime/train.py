@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeplan.errors import InputError, PipeplanError, RuntimeFailure
+from pipeplan.errors import InputError, PipeplanError, RuntimeFailure, first_line
 from pipeplan.plan import Plan
 
 __all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS", "check_loss"]
@@ -168,7 +168,7 @@ def _finish(rank: int, timeout_s: float) -> None:
         except Exception as exc:
             raise RuntimeFailure(
                 f"rank {rank}: another rank failed after training (see its error): "
-                f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]}"
+                f"{first_line(exc)[:120]}"
             ) from exc
         finally:
             dist.destroy_process_group()
@@ -177,7 +177,7 @@ def _finish(rank: int, timeout_s: float) -> None:
 def _report_failure(watchdog: Any, rank: int, exc: BaseException) -> None:
     from pipeplan.runtime.comm import PeerFailure
 
-    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    message = first_line(exc)
     if isinstance(exc, PeerFailure):
         # first reporter names the peer it lost, not itself
         watchdog.report(message, rank=exc.peer)
@@ -188,7 +188,7 @@ def _report_failure(watchdog: Any, rank: int, exc: BaseException) -> None:
 def _as_failure(rank: int, exc: BaseException) -> PipeplanError:
     if isinstance(exc, PipeplanError):
         return exc
-    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    message = first_line(exc)
     return RuntimeFailure(f"rank {rank} failed: {type(exc).__name__}: {message}")
 
 
@@ -337,7 +337,7 @@ def _restore(config: RunConfig, spec: Any, identity: Any, module: Any, optimizer
             for group in optimizer.param_groups:  # the optimizer state's lr must not win
                 group["lr"] = config.lr
     except (KeyError, RuntimeError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        first = first_line(exc)[:160]
         raise InputError(f"checkpoint {path} does not fit this run's stage {spec.stage_index}: {first}") from exc
     if "rng" in state:  # dropout continues as it would have
         torch.set_rng_state(state["rng"])
