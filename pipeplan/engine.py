@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from pipeplan.errors import InputError
 
 if TYPE_CHECKING:  # pipeplan.schedule calls this engine for its own clock
-    from pipeplan.schedule import Schedule
+    from pipeplan.schedule import Action, Schedule
 
 __all__ = ["Durations", "Timeline", "LinkTime", "model_stage", "run_schedule", "unit_clock"]
 
@@ -82,9 +82,9 @@ class Timeline:
     tasks: list[tuple[Any, ...]] = field(default_factory=list)  # (rank, category, name, start, dur, k, m, q, r)
 
 
-def model_stage(schedule: Schedule, position: int, action: Any) -> int:
+def model_stage(schedule: Schedule, position: int, action: Action) -> int:
     """Model stage an action of pipeline ``position`` runs: chunk * positions + position."""
-    return getattr(action, "chunk", 0) * schedule.stages + position
+    return action.chunk * schedule.stages + position
 
 
 def run_schedule(
@@ -99,12 +99,11 @@ def run_schedule(
     Raises ``InputError`` when the order deadlocks. Time O(actions + sends).
     """
     positions = schedule.stages
-    virtual = getattr(schedule, "virtual_stages", 1)
-    stages = positions * virtual
+    stages = schedule.model_stages
     if len(durations.forward_ms) != stages:
         raise InputError(
             f"durations for {len(durations.forward_ms)} model stages, schedule {schedule.name} has "
-            f"{positions} positions x {virtual} virtual stages"
+            f"{positions} positions x {schedule.virtual_stages} virtual stages"
         )
     micro = schedule.microbatches
     replicas = schedule.stage_replicas
@@ -254,7 +253,7 @@ def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
     >>> clock[(0, 0)], clock[(1, 0)]
     ((0, 1, 3, 5, 6), (1, 2, 3, 4, 5))
     """
-    stages = schedule.stages * getattr(schedule, "virtual_stages", 1)
+    stages = schedule.model_stages
     one = (1.0,) * stages
     zero = (0.0,) * stages
     chain = tuple(((q + 1, 0.0),) if q + 1 < stages else () for q in range(stages))

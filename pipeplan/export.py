@@ -309,7 +309,7 @@ def _flush_of(schedule: str) -> str:
 
 def _positions(plan: Plan) -> int:
     """Pipeline ranks: model stages / virtual stages per rank."""
-    return len(plan.stages) // max(1, int(getattr(plan, "virtual_stages", 1)))
+    return len(plan.stages) // plan.virtual_stages
 
 
 def _check_microbatches(plan: Plan) -> None:
@@ -497,9 +497,7 @@ def action_table_csv(plan: Plan) -> str:
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = _positions(plan)
-    virtual = max(1, int(getattr(plan, "virtual_stages", 1)))
-    extra = {"virtual_stages": virtual} if virtual > 1 else {}
-    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, **extra)
+    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
     clock = schedule.steps()
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -511,7 +509,7 @@ def action_table_csv(plan: Plan) -> str:
             if action.kind not in _CSV_KINDS:
                 raise InputError(f"plan action {action} has no torch.distributed.pipelining counterpart")
             row += [""] * (step - len(row))
-            stage = int(getattr(action, "chunk", 0)) * ranks + rank
+            stage = action.chunk * ranks + rank
             row.append(f"{stage}{action.kind}{action.microbatch}")
         writer.writerow(row)
     return buffer.getvalue()

@@ -436,7 +436,7 @@ def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], cos
     for action in actions:
         if action.kind not in ("F", "B", "W"):
             continue
-        c = getattr(action, "chunk", 0)
+        c = action.chunk
         step = 1 if action.kind == "F" else -1
         count[c] += step
         held_bytes += step * max(costs[c * schedule.stages + position].saved_bytes, 1)

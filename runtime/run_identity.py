@@ -27,7 +27,7 @@ def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
     """16 hex digits over what decides the checkpoint layout and the training math."""
     stages = [[sorted(stage.layers), list(stage.ranks)] for stage in plan.stages]
     basis = [stages, schedule, microbatches, plan.batch_size, plan.dtype,
-             getattr(plan, "virtual_stages", 1)]
+             plan.virtual_stages]
     return hashlib.sha256(json.dumps(basis).encode()).hexdigest()[:16]
 
 

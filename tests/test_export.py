@@ -29,7 +29,6 @@ from pipeplan.export import (
     torchtitan_parts,
 )
 from pipeplan.plan import Plan
-from pipeplan.schedule import SCHEDULE_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -267,7 +266,7 @@ def test_refuses_1f1b_rr(tmp_path: Path, target: str) -> None:
 
 def test_refuses_2bw() -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", microbatches=2)
-    object.__setattr__(plan, "schedule", "2bw")  # a schedule of issue 12's registry
+    object.__setattr__(plan, "schedule", "2bw")  # a registered schedule export refuses
     with pytest.raises(InputError) as error:
         check_plan(plan)
     assert str(error.value).startswith(
@@ -363,7 +362,6 @@ def test_action_table_loads_and_runs_in_torchs_simulator(schedule: str, stages: 
     assert {rank: [a for a in row if a is not None and a.is_compute_op] for rank, row in simulated.items()} == compute
 
 
-@pytest.mark.skipif("zb-h1" not in SCHEDULE_NAMES, reason="needs issue 12's interleaved-1f1b and zb-h1 schedules")
 @pytest.mark.parametrize("schedule, virtual, ranks, microbatches",
                          [("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 2, 2, 2), ("zb-h1", 1, 2, 4),
                           ("zb-h1", 1, 3, 6)])
