@@ -27,7 +27,6 @@ computes it in O(actions + sends), with no priority queue.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -96,150 +95,311 @@ def run_schedule(
 ) -> Timeline:
     """Start/end of every action of ``schedule``; ``ranks[i][r]`` is worker (i, r)'s rank.
 
-    Raises ``InputError`` when the order deadlocks. Time O(actions + sends).
+    Actions name minibatches in ``range(schedule.minibatches)`` and micro-batches in
+    ``range(schedule.microbatches)`` (``build_schedule`` and ``validate`` ensure it).
+    Raises ``InputError`` when the order deadlocks. Time O(actions + sends), space
+    O(model stages x work units) for the arrivals.
     """
-    positions = schedule.stages
-    stages = schedule.model_stages
-    if len(durations.forward_ms) != stages:
+    if len(durations.forward_ms) != schedule.model_stages:
         raise InputError(
             f"durations for {len(durations.forward_ms)} model stages, schedule {schedule.name} has "
-            f"{positions} positions x {schedule.virtual_stages} virtual stages"
+            f"{schedule.stages} positions x {schedule.virtual_stages} virtual stages"
         )
-    micro = schedule.microbatches
-    replicas = schedule.stage_replicas
-    producers: list[list[tuple[int, float]]] = [[] for _ in range(stages)]
-    for q, out in enumerate(durations.sends):
-        for t, size in out:
-            producers[t].append((q, size))
-    n_in = [len(p) for p in producers]
-    n_out = [len(o) for o in durations.sends]
-    s_ms = [0.0] * positions
-    for q in range(stages):
-        s_ms[q % positions] += durations.allreduce_ms[q] + durations.step_ms[q]
-    link_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
+    sweep = _Sweep(schedule, durations, ranks, link, record)
+    try:
+        sweep.run()
+    except IndexError as exc:
+        raise InputError(
+            f"schedule {schedule.name} names a minibatch or micro-batch outside its "
+            f"{schedule.minibatches} x {schedule.microbatches}"
+        ) from exc
+    return sweep.timeline()
 
-    arrive: dict[tuple[str, int, int], float] = {}  # ("F"|"B", q, unit) -> latest arrival
-    count: dict[tuple[str, int, int], int] = defaultdict(int)
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    link_busy: dict[tuple[int, int], float] = defaultdict(float)
-    waiting: dict[tuple[Any, ...], list[Worker]] = {}
-    arrived: dict[tuple[int, int], list[float]] = {}
-    steps_done: dict[Worker, int] = defaultdict(int)
-    position = dict.fromkeys(schedule.actions, 0)
-    free = dict.fromkeys(schedule.actions, 0.0)
-    starts: dict[Worker, list[float]] = {w: [] for w in schedule.actions}
-    ends: dict[Worker, list[float]] = {w: [] for w in schedule.actions}
-    busy: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
-    completion = [0.0] * schedule.minibatches
-    tasks: list[tuple[Any, ...]] = []
-    ready = list(schedule.actions)
 
-    def send(src: int, dst: int, size: float, at: float, label: str, k: int, m: int, q: int, r: int) -> float:
-        key = (src, dst, size)
-        if key not in link_cache:
-            link_cache[key] = link(src, dst, size)
-        occupy, latency = link_cache[key]
-        start = max(link_free[(src, dst)], at)
-        link_free[(src, dst)] = start + occupy
-        link_busy[(src, dst)] += occupy
-        if record and occupy + latency > 0:
-            tasks.append((src, "send", f"send {label} ->r{dst}", start, occupy + latency, k, m, q, r))
-        return start + occupy + latency
+class _Link:
+    """A directed link between two ranks: when it is next free and how long it was occupied (ms)."""
 
-    def deliver(kind: str, targets: Sequence[tuple[int, float]], needed: Sequence[int], rank: int,
-                end: float, label: str, k: int, m: int, q: int, r: int) -> None:
-        unit = k * micro + m
+    __slots__ = ("free", "busy")
+
+    def __init__(self) -> None:
+        self.free = 0.0
+        self.busy = 0.0
+
+
+class _Edge:
+    """One destination of a worker's sends from one chunk: the consumer (or producer) model stage.
+
+    ``slots[replica of the destination]`` is (occupy ms, latency ms, link), made at the
+    first send; ``needed`` is how many messages the destination waits for; ``base`` the
+    destination's first key in the sweep's arrival arrays.
+    """
+
+    __slots__ = ("stage", "replicas", "ranks", "bytes", "needed", "base", "slots")
+
+    def __init__(self, stage: int, replicas: int, ranks: Sequence[int], size: float, needed: int, base: int) -> None:
+        self.stage = stage
+        self.replicas = replicas
+        self.ranks = ranks
+        self.bytes = size
+        self.needed = needed
+        self.base = base
+        self.slots: dict[int, tuple[float, float, _Link]] = {}
+
+
+class _Sweep:
+    """The worklist sweep of ``run_schedule``, on integer-indexed state.
+
+    Workers are numbered in ``schedule.actions`` order. The key of the activations
+    (gradients) model stage q awaits for work unit u is ``q * units + u`` (``(stages + q)
+    * units + u``); ``arrive`` and ``count`` are flat lists over those keys. A blocked
+    worker waits on one key and is woken, in the order it blocked, when the key's last
+    message is counted; the ready list is a stack. Every figure is computed with the
+    same operations in the same order as the rules in the module docstring state, so the
+    timeline is exactly that of a sweep over tuple-keyed dicts.
+    """
+
+    def __init__(self, schedule: Schedule, durations: Durations, ranks: Sequence[Sequence[int]], link: LinkTime,
+                 record: bool) -> None:
+        self.schedule = schedule
+        self.durations = durations
+        self.link = link
+        self.record = record
+        positions = schedule.stages
+        stages = schedule.model_stages
+        self.units = schedule.minibatches * schedule.microbatches
+        self.workers: list[Worker] = list(schedule.actions)
+        self.rank_of = [ranks[i][r] for i, r in self.workers]
+        producers: list[list[tuple[int, float]]] = [[] for _ in range(stages)]
+        for q, out in enumerate(durations.sends):
+            for t, size in out:
+                producers[t].append((q, size))
+        self.n_in = [len(p) for p in producers]
+        self.n_out = [len(o) for o in durations.sends]
+        self.producers = producers
+        self.ranks = ranks
+        self.s_ms = [0.0] * positions
+        for q in range(stages):
+            self.s_ms[q % positions] += durations.allreduce_ms[q] + durations.step_ms[q]
+        self.link_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
+        self.links: dict[tuple[int, int], _Link] = {}  # in the order of their first send
+        self.arrive = [0.0] * (2 * stages * self.units)
+        self.count = [0] * (2 * stages * self.units)
+        self.position = [0] * len(self.workers)
+        self.free = [0.0] * len(self.workers)
+        self.steps_done = [0] * len(self.workers)
+        self.starts: list[list[float]] = [[] for _ in self.workers]
+        self.ends: list[list[float]] = [[] for _ in self.workers]
+        self.busy: dict[tuple[int, int], list[tuple[float, float]]] = {}  # in the order of their first span
+        # spans[worker][chunk] is busy[(model stage, replica)], entered in busy at its first span
+        self.spans: list[list[list[tuple[float, float]]]] = [
+            [[] for _ in range(schedule.virtual_stages)] for _ in self.workers
+        ]
+        self.completion = [0.0] * schedule.minibatches
+        self.tasks: list[tuple[Any, ...]] = []
+
+    # ------------------------------------------------------------ tables
+    def edges(self, worker: int, chunk: int, backward: bool) -> list[_Edge]:
+        """Destinations of worker's sends from ``chunk``: consumers (forward) or producers. O(sends of q)."""
+        schedule = self.schedule
+        positions, stages = schedule.stages, schedule.model_stages
+        q = chunk * positions + self.workers[worker][0]
+        targets = self.producers[q] if backward else self.durations.sends[q]
+        needed = self.n_out if backward else self.n_in
+        offset = stages if backward else 0
+        out = []
         for t, size in targets:
             i = t % positions
-            dst = ranks[i][unit % replicas[i]]
-            at = send(rank, dst, size, end, label, k, m, q, r)
-            key = (kind, t, unit)
-            arrive[key] = max(arrive.get(key, 0.0), at)
-            count[key] += 1
-            if count[key] == needed[t]:
-                ready.extend(waiting.pop(key, []))
+            n = schedule.stage_replicas[i]
+            out.append(_Edge(t, n, self.ranks[i], size, needed[t], (offset + t) * self.units))
+        return out
 
-    def finish(worker: Worker, start: float, end: float) -> None:
-        starts[worker].append(start)
-        ends[worker].append(end)
-        free[worker] = end
-        position[worker] += 1
+    def slot(self, src: int, edge: _Edge, replica: int) -> tuple[float, float, _Link]:
+        """(occupy ms, latency ms, link) of sending ``edge.bytes`` from rank ``src`` to ``replica``."""
+        dst = edge.ranks[replica]
+        key = (src, dst, edge.bytes)
+        if key not in self.link_cache:
+            self.link_cache[key] = self.link(src, dst, edge.bytes)
+        occupy, latency = self.link_cache[key]
+        pair = self.links.get((src, dst))
+        if pair is None:
+            pair = self.links[(src, dst)] = _Link()
+        made = edge.slots[replica] = (occupy, latency, pair)
+        return made
 
-    while ready:
-        worker = ready.pop()
-        i, r = worker
-        rank = ranks[i][r]
-        actions = schedule.actions[worker]
-        while position[worker] < len(actions):
-            action = actions[position[worker]]
-            k, m = action.minibatch, action.microbatch
-            if action.kind == "S":
-                group = (i, steps_done[worker])
-                members = arrived.setdefault(group, [])
-                members.append(free[worker])
-                if len(members) < replicas[i]:
-                    waiting.setdefault(("S", *group), []).append(worker)
-                    break
-                start = max(members)
-                end = start + s_ms[i]
-                for peer in [*waiting.pop(("S", *group), []), worker]:
-                    own = schedule.actions[peer][position[peer]].minibatch
-                    if i == 0:
-                        completion[own] = max(completion[own], end)
-                    finish(peer, start, end)
-                    steps_done[peer] += 1
-                    at = start
-                    for q in range(i, stages, positions):  # each model stage's share, in order
-                        share = durations.allreduce_ms[q] + durations.step_ms[q]
-                        if share > 0:
-                            busy[(q, peer[1])].append((at, at + share))
-                        if record and durations.allreduce_ms[q] > 0:
-                            tasks.append((ranks[i][peer[1]], "allreduce", f"allreduce S{own}", at,
-                                          durations.allreduce_ms[q], own, 0, q, peer[1]))
-                        if record and durations.step_ms[q] > 0:
-                            tasks.append((ranks[i][peer[1]], "step", f"S{own}", at + durations.allreduce_ms[q],
-                                          durations.step_ms[q], own, 0, q, peer[1]))
-                        at += share
-                    if peer != worker:
-                        ready.append(peer)
-                continue
-            q = model_stage(schedule, i, action)
-            unit = k * micro + m
-            if action.kind == "F":
-                key = ("F", q, unit)
-                if count[key] < n_in[q]:
-                    waiting.setdefault(key, []).append(worker)
-                    break
-                start = max(free[worker], arrive.get(key, 0.0))
-                end = start + durations.forward_ms[q]
-                deliver("F", durations.sends[q], n_in, rank, end, str(action), k, m, q, r)
-            elif action.kind in ("B", "I"):
-                key = ("B", q, unit)
-                if count[key] < n_out[q]:
-                    waiting.setdefault(key, []).append(worker)
-                    break
-                start = max(free[worker], arrive.get(key, 0.0))
-                took = durations.backward_ms[q] if action.kind == "B" else durations.backward_input_ms[q]
-                end = start + took
-                deliver("B", producers[q], n_out, rank, end, str(action), k, m, q, r)
-            elif action.kind == "W":
-                start = free[worker]
-                end = start + durations.backward_weight_ms[q]
-            else:
-                raise InputError(f"worker s{i}r{r}: unknown action kind {action.kind!r} in {action}")
-            finish(worker, start, end)
-            if end > start:
-                busy[(q, r)].append((start, end))
-            if record:
-                category = "forward" if action.kind == "F" else "backward"
-                tasks.append((rank, category, str(action), start, end - start, k, m, q, r))
-    stuck = [w for w in schedule.actions if position[w] < len(schedule.actions[w])]
-    if stuck:
-        where = ", ".join(f"s{w[0]}r{w[1]} at {schedule.actions[w][position[w]]}" for w in stuck[:4])
-        raise InputError(f"schedule {schedule.name} deadlocks: {where}")
-    makespan = max([e[-1] for e in ends.values() if e] + completion + list(link_free.values()) + [0.0])
-    return Timeline(starts, ends, completion, dict(busy), dict(link_busy), makespan,
-                    sorted(tasks, key=lambda t: (t[3], t[0])))
+    def shares(self, position: int) -> list[tuple[int, float, float, float]]:
+        """(chunk, S share, all-reduce ms, step ms) of each model stage of ``position``, in order."""
+        d = self.durations
+        return [
+            (q // self.schedule.stages, d.allreduce_ms[q] + d.step_ms[q], d.allreduce_ms[q], d.step_ms[q])
+            for q in range(position, self.schedule.model_stages, self.schedule.stages)
+        ]
+
+    # ------------------------------------------------------------ sweep
+    def run(self) -> None:
+        """Run every worker as far as it can until none is ready. O(actions + sends).
+
+        The hot loop binds its state to locals and inlines the sends (one call per
+        action costs as much as the action's arithmetic).
+        """
+        schedule, record, tasks = self.schedule, self.record, self.tasks
+        positions, stages, micro, units = schedule.stages, schedule.model_stages, schedule.microbatches, self.units
+        replicas = schedule.stage_replicas
+        d = self.durations
+        forward_ms, backward_ms = d.forward_ms, d.backward_ms
+        input_ms, weight_ms = d.backward_input_ms, d.backward_weight_ms
+        n_in, n_out = self.n_in, self.n_out
+        arrive, count, busy = self.arrive, self.count, self.busy
+        position, free, steps_done = self.position, self.free, self.steps_done
+        starts, ends, spans_of, completion = self.starts, self.ends, self.spans, self.completion
+        workers, rank_of, s_ms = self.workers, self.rank_of, self.s_ms
+        all_actions = [schedule.actions[w] for w in workers]
+        shares = [self.shares(i) for i in range(positions)]
+        chunks = schedule.virtual_stages
+        forward_edges: list[list[list[_Edge] | None]] = [[None] * chunks for _ in workers]  # made at first use
+        backward_edges: list[list[list[_Edge] | None]] = [[None] * chunks for _ in workers]
+        waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers
+        stepping: dict[int, list[int]] = {}  # (position, step) -> workers waiting in that "S"
+        members_of: dict[int, list[float]] = {}  # (position, step) -> free times of the arrived
+        group_stride = schedule.minibatches + 1
+        ready = list(range(len(workers)))
+        while ready:
+            w = ready.pop()
+            i, r = workers[w]
+            rank = rank_of[w]
+            actions = all_actions[w]
+            pos, at_free = position[w], free[w]
+            while pos < len(actions):
+                action = actions[pos]
+                kind = action.kind
+                k, m = action.minibatch, action.microbatch
+                if kind == "S":
+                    group = i * group_stride + steps_done[w]
+                    if replicas[i] == 1:
+                        start = at_free
+                        peers = [w]
+                    else:
+                        members = members_of.setdefault(group, [])
+                        members.append(at_free)
+                        if len(members) < replicas[i]:
+                            stepping.setdefault(group, []).append(w)
+                            break
+                        del members_of[group]
+                        start = max(members)
+                        peers = [*stepping.pop(group, []), w]
+                    end = start + s_ms[i]
+                    for peer in peers:
+                        own = all_actions[peer][pos if peer == w else position[peer]].minibatch
+                        if i == 0 and end > completion[own]:
+                            completion[own] = end
+                        starts[peer].append(start)
+                        ends[peer].append(end)
+                        steps_done[peer] += 1
+                        p_r = workers[peer][1]
+                        at = start
+                        for chunk, share, reduce_ms, step_ms in shares[i]:
+                            if share > 0:
+                                spans = spans_of[peer][chunk]
+                                if not spans:
+                                    busy[(chunk * positions + i, p_r)] = spans
+                                spans.append((at, at + share))
+                            if record and reduce_ms > 0:
+                                tasks.append((rank_of[peer], "allreduce", f"allreduce S{own}", at, reduce_ms, own, 0,
+                                              chunk * positions + i, p_r))
+                            if record and step_ms > 0:
+                                tasks.append((rank_of[peer], "step", f"S{own}", at + reduce_ms, step_ms, own, 0,
+                                              chunk * positions + i, p_r))
+                            at += share
+                        if peer != w:
+                            position[peer] += 1
+                            free[peer] = end
+                            ready.append(peer)
+                    pos += 1
+                    at_free = end
+                    continue
+                chunk = action.chunk
+                q = chunk * positions + i
+                unit = k * micro + m
+                if kind == "F":
+                    key = q * units + unit
+                    if count[key] < n_in[q]:
+                        waiting.setdefault(key, []).append(w)
+                        break
+                    start = arrive[key]
+                    if not start > at_free:
+                        start = at_free
+                    end = start + forward_ms[q]
+                    edges = forward_edges[w][chunk]
+                    if edges is None:
+                        edges = forward_edges[w][chunk] = self.edges(w, chunk, False)
+                elif kind == "B" or kind == "I":
+                    key = (stages + q) * units + unit
+                    if count[key] < n_out[q]:
+                        waiting.setdefault(key, []).append(w)
+                        break
+                    start = arrive[key]
+                    if not start > at_free:
+                        start = at_free
+                    end = start + (backward_ms[q] if kind == "B" else input_ms[q])
+                    edges = backward_edges[w][chunk]
+                    if edges is None:
+                        edges = backward_edges[w][chunk] = self.edges(w, chunk, True)
+                elif kind == "W":
+                    start = at_free
+                    end = start + weight_ms[q]
+                    edges = []
+                else:
+                    raise InputError(f"worker s{i}r{r}: unknown action kind {kind!r} in {action}")
+                label = str(action) if record else ""
+                for edge in edges:  # send at the end: each message queues on its link
+                    replica = unit % edge.replicas
+                    slot = edge.slots.get(replica)
+                    if slot is None:
+                        slot = self.slot(rank, edge, replica)
+                    occupy, latency, pair = slot
+                    sent = pair.free
+                    if end > sent:
+                        sent = end
+                    pair.free = sent + occupy
+                    pair.busy += occupy
+                    if record and occupy + latency > 0:
+                        tasks.append((rank, "send", f"send {label} ->r{edge.ranks[replica]}", sent, occupy + latency,
+                                      k, m, q, r))
+                    arrival = sent + occupy + latency
+                    target = edge.base + unit
+                    if arrival > arrive[target]:
+                        arrive[target] = arrival
+                    count[target] += 1
+                    if count[target] == edge.needed and target in waiting:
+                        ready.extend(waiting.pop(target))
+                starts[w].append(start)
+                ends[w].append(end)
+                at_free = end
+                pos += 1
+                if end > start:
+                    spans = spans_of[w][chunk]
+                    if not spans:
+                        busy[(q, r)] = spans
+                    spans.append((start, end))
+                if record:
+                    category = "forward" if kind == "F" else "backward"
+                    tasks.append((rank, category, label, start, end - start, k, m, q, r))
+            position[w], free[w] = pos, at_free
+
+    # ------------------------------------------------------------ answer
+    def timeline(self) -> Timeline:
+        """The ``Timeline`` of the finished sweep; ``InputError`` naming stuck workers. O(actions)."""
+        schedule = self.schedule
+        stuck = [(w, at) for w, at in zip(self.workers, self.position) if at < len(schedule.actions[w])]
+        if stuck:
+            where = ", ".join(f"s{w[0]}r{w[1]} at {schedule.actions[w][at]}" for w, at in stuck[:4])
+            raise InputError(f"schedule {schedule.name} deadlocks: {where}")
+        starts = dict(zip(self.workers, self.starts))
+        ends = dict(zip(self.workers, self.ends))
+        link_free = [pair.free for pair in self.links.values()]
+        makespan = max([e[-1] for e in ends.values() if e] + self.completion + link_free + [0.0])
+        link_busy = {key: pair.busy for key, pair in self.links.items()}
+        return Timeline(starts, ends, self.completion, dict(self.busy), link_busy, makespan,
+                        sorted(self.tasks, key=lambda t: (t[3], t[0])))
 
 
 def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
