@@ -247,29 +247,32 @@ class _Sweep:
         waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers, in the order they blocked
         steps_done = [0] * len(workers)
         group_stride = schedule.minibatches + 1  # "S" group key: position * stride + step
-        stepping: dict[int, list[int]] = {}  # group -> workers waiting in that "S"
-        members_of: dict[int, list[float]] = {}  # group -> free times of the arrived replicas
+        stepping: dict[int, list[int]] = {}  # group -> replicas waiting in that "S", in the order they came
         ready = list(range(len(workers)))
         while ready:
             w = ready.pop()
             i, r = workers[w]
             rank, actions, pos, at_free = rank_of[w], all_actions[w], position[w], free[w]
             start_of, end_of, w_spans = starts[w].append, ends[w].append, spans_of[w]
-            while pos < len(actions):
+            w_forward, w_backward, n_replicas = forward_edges[w], backward_edges[w], replicas[i]
+            n_actions = len(actions)
+            while pos < n_actions:
                 action = actions[pos]
                 kind = action.kind
                 if kind == "S":
-                    if replicas[i] == 1:
+                    if n_replicas == 1:
                         start, peers = at_free, [w]
                     else:
                         group = i * group_stride + steps_done[w]
-                        members = members_of.setdefault(group, [])
-                        members.append(at_free)
-                        if len(members) < replicas[i]:
-                            stepping.setdefault(group, []).append(w)
+                        peers = stepping.setdefault(group, [])
+                        if len(peers) + 1 < n_replicas:
+                            peers.append(w)
                             break
-                        del members_of[group]
-                        start, peers = max(members), [*stepping.pop(group, []), w]
+                        del stepping[group]
+                        start = max(map(free.__getitem__, peers), default=at_free)  # the last to come
+                        if at_free > start:
+                            start = at_free
+                        peers.append(w)
                     end = start + s_ms[i]
                     for peer in peers:  # the waiting replicas in the order they came, then this one
                         own = all_actions[peer][pos if peer == w else position[peer]].minibatch
@@ -312,7 +315,7 @@ class _Sweep:
                     if not start > at_free:  # max(free, arrival)
                         start = at_free
                     end = start + forward_ms[q]
-                    edges = forward_edges[w][chunk]
+                    edges = w_forward[chunk]
                 elif kind == "B" or kind == "I":
                     key = (stages + q) * units + unit
                     if count[key] < n_out[q]:
@@ -322,17 +325,17 @@ class _Sweep:
                     if not start > at_free:
                         start = at_free
                     end = start + (backward_ms[q] if kind == "B" else input_ms[q])
-                    edges = backward_edges[w][chunk]
+                    edges = w_backward[chunk]
                 elif kind == "W":
                     start = at_free
                     end = start + weight_ms[q]
                     edges = []
                 else:
                     raise InputError(f"worker s{i}r{r}: unknown action kind {kind!r} in {action}")
-                label = str(action) if record else ""
                 for edge in edges:  # at the end, one message to each destination, queued on its link
-                    replica = unit % edge[0]
-                    slot = edge[1].get(replica)
+                    target_replicas, slots, base, needed, target_ranks, _ = edge
+                    replica = unit % target_replicas
+                    slot = slots.get(replica)
                     if slot is None:
                         slot = self.slot(rank, edge, replica)
                     occupy, latency, pair = slot
@@ -342,15 +345,15 @@ class _Sweep:
                     pair.free = sent + occupy
                     pair.busy += occupy
                     if record and occupy + latency > 0:
-                        tasks.append((rank, "send", f"send {label} ->r{edge[4][replica]}", sent, occupy + latency,
+                        tasks.append((rank, "send", f"send {action} ->r{target_ranks[replica]}", sent, occupy + latency,
                                       action.minibatch, action.microbatch, q, r))
                     arrival = sent + occupy + latency
-                    target = edge[2] + unit
+                    target = base + unit
                     if arrival > arrive[target]:
                         arrive[target] = arrival
                     arrived = count[target] + 1
                     count[target] = arrived
-                    if arrived == edge[3] and target in waiting:
+                    if arrived == needed and target in waiting:
                         ready.extend(waiting.pop(target))
                 start_of(start)
                 end_of(end)
@@ -362,7 +365,7 @@ class _Sweep:
                         busy[(q, r)] = spans
                     spans.append((start, end))
                 if record:
-                    tasks.append((rank, "forward" if kind == "F" else "backward", label, start, end - start,
+                    tasks.append((rank, "forward" if kind == "F" else "backward", str(action), start, end - start,
                                   action.minibatch, action.microbatch, q, r))
             position[w], free[w] = pos, at_free
 
