@@ -27,8 +27,10 @@ computes it in O(actions + sends), with no priority queue.
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipeplan.errors import InputError
 
@@ -105,15 +107,33 @@ def run_schedule(
             f"durations for {len(durations.forward_ms)} model stages, schedule {schedule.name} has "
             f"{schedule.stages} positions x {schedule.virtual_stages} virtual stages"
         )
-    sweep = _Sweep(schedule, durations, ranks, link, record)
+    with _collector_paused():
+        sweep = _Sweep(schedule, durations, ranks, link, record)
+        try:
+            sweep.run()
+        except IndexError as exc:
+            raise InputError(
+                f"schedule {schedule.name} names a minibatch or micro-batch outside its "
+                f"{schedule.minibatches} x {schedule.microbatches}"
+            ) from exc
+        return sweep.timeline()
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector inside the block; restore it after.
+
+    The sweep makes millions of lasting objects (spans, times) and no reference cycles;
+    each full collection would walk the whole growing timeline again (4 of 14 s for 185
+    stages x 8,400 minibatches). Reference counting still frees everything as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        sweep.run()
-    except IndexError as exc:
-        raise InputError(
-            f"schedule {schedule.name} names a minibatch or micro-batch outside its "
-            f"{schedule.minibatches} x {schedule.microbatches}"
-        ) from exc
-    return sweep.timeline()
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Link:
