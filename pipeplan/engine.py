@@ -240,6 +240,14 @@ class _Sweep:
             for q in range(position, self.schedule.model_stages, self.schedule.stages)
         ]
 
+    def record_step(self, worker: int, q: int, minibatch: int, at: float, reduce_ms: float, step_ms: float) -> None:
+        """Record model stage q's all-reduce and optimizer step tasks of one "S" (those that take time)."""
+        rank, replica = self.rank_of[worker], self.workers[worker][1]
+        if reduce_ms > 0:
+            self.tasks.append((rank, "allreduce", f"allreduce S{minibatch}", at, reduce_ms, minibatch, 0, q, replica))
+        if step_ms > 0:
+            self.tasks.append((rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica))
+
     # ------------------------------------------------------------ sweep
     def run(self) -> None:
         """Run every worker as far as it can until none is ready. O(actions + sends).
@@ -284,7 +292,9 @@ class _Sweep:
                         start, peers = at_free, [w]
                     else:
                         group = i * group_stride + steps_done[w]
-                        peers = stepping.setdefault(group, [])
+                        peers = stepping.get(group)
+                        if peers is None:
+                            peers = stepping[group] = []
                         if len(peers) + 1 < n_replicas:
                             peers.append(w)
                             break
@@ -295,26 +305,22 @@ class _Sweep:
                         peers.append(w)
                     end = start + s_ms[i]
                     for peer in peers:  # the waiting replicas in the order they came, then this one
-                        own = all_actions[peer][pos if peer == w else position[peer]].minibatch
-                        if i == 0 and end > completion[own]:
-                            completion[own] = end
+                        if i == 0 or record:
+                            own = all_actions[peer][pos if peer == w else position[peer]].minibatch
+                            if i == 0 and end > completion[own]:
+                                completion[own] = end
                         starts[peer].append(start)
                         ends[peer].append(end)
                         steps_done[peer] += 1
-                        p_r = workers[peer][1]
                         at = start
                         for chunk, share, reduce_ms, step_ms in shares[i]:  # each model stage's share
                             if share > 0:
                                 spans = spans_of[peer][chunk]
                                 if not spans:
-                                    busy[(chunk * positions + i, p_r)] = spans
+                                    busy[(chunk * positions + i, workers[peer][1])] = spans
                                 spans.append((at, at + share))
-                            if record and reduce_ms > 0:
-                                tasks.append((rank_of[peer], "allreduce", f"allreduce S{own}", at, reduce_ms, own, 0,
-                                              chunk * positions + i, p_r))
-                            if record and step_ms > 0:
-                                tasks.append((rank_of[peer], "step", f"S{own}", at + reduce_ms, step_ms, own, 0,
-                                              chunk * positions + i, p_r))
+                            if record:
+                                self.record_step(peer, chunk * positions + i, own, at, reduce_ms, step_ms)
                             at += share
                         if peer != w:
                             position[peer] += 1
