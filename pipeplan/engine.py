@@ -292,9 +292,10 @@ class _Sweep:
                         start, peers = at_free, [w]
                     else:
                         group = i * group_stride + steps_done[w]
-                        peers = stepping.get(group)
-                        if peers is None:
-                            peers = stepping[group] = []
+                        came = stepping.get(group)
+                        if came is None:
+                            came = stepping[group] = []
+                        peers = came
                         if len(peers) + 1 < n_replicas:
                             peers.append(w)
                             break
