@@ -37,7 +37,7 @@ from pipeplan.errors import InputError
 if TYPE_CHECKING:  # pipeplan.schedule calls this engine for its own clock
     from pipeplan.schedule import Action, Schedule
 
-__all__ = ["Durations", "Timeline", "LinkTime", "model_stage", "run_schedule", "unit_clock"]
+__all__ = ["Durations", "Timeline", "LinkTime", "collector_paused", "model_stage", "run_schedule", "unit_clock"]
 
 Worker = tuple[int, int]  # (pipeline position, replica)
 LinkTime = Callable[[int, int, float], tuple[float, float]]  # (src rank, dst rank, bytes) -> (occupy, latency) ms
@@ -107,7 +107,7 @@ def run_schedule(
             f"durations for {len(durations.forward_ms)} model stages, schedule {schedule.name} has "
             f"{schedule.stages} positions x {schedule.virtual_stages} virtual stages"
         )
-    with _collector_paused():
+    with collector_paused():
         sweep = _Sweep(schedule, durations, ranks, link, record)
         try:
             sweep.run()
@@ -120,12 +120,14 @@ def run_schedule(
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector inside the block; restore it after.
 
     The sweep makes millions of lasting objects (spans, times) and no reference cycles;
     each full collection would walk the whole growing timeline again (4 of 14 s for 185
-    stages x 8,400 minibatches). Reference counting still frees everything as usual.
+    stages x 8,400 minibatches), and so would the first one after the pause if the
+    timeline were still alive: a caller that drops the timeline (``planner.simulate``)
+    keeps the pause until then. Reference counting frees everything as usual.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -276,6 +278,7 @@ class _Sweep:
         steps_done = [0] * len(workers)
         group_stride = schedule.minibatches + 1  # "S" group key: position * stride + step
         stepping: dict[int, list[int]] = {}  # group -> replicas waiting in that "S", in the order they came
+        lengths = [len(actions) for actions in all_actions]
         ready = list(range(len(workers)))
         while ready:
             w = ready.pop()
@@ -283,7 +286,7 @@ class _Sweep:
             rank, actions, pos, at_free = rank_of[w], all_actions[w], position[w], free[w]
             start_of, end_of, w_spans = starts[w].append, ends[w].append, spans_of[w]
             w_forward, w_backward, n_replicas = forward_edges[w], backward_edges[w], replicas[i]
-            n_actions = len(actions)
+            n_actions = lengths[w]
             while pos < n_actions:
                 action = actions[pos]
                 kind = action.kind
@@ -362,10 +365,10 @@ class _Sweep:
                 for edge in edges:  # at the end, one message to each destination, queued on its link
                     target_replicas, slots, base, needed, target_ranks, _ = edge
                     replica = unit % target_replicas
-                    slot = slots.get(replica)
-                    if slot is None:
-                        slot = self.slot(rank, edge, replica)
-                    occupy, latency, pair = slot
+                    try:
+                        occupy, latency, pair = slots[replica]
+                    except KeyError:  # the first message to that replica
+                        occupy, latency, pair = self.slot(rank, edge, replica)
                     sent = pair.free
                     if end > sent:  # max(link free, end)
                         sent = end

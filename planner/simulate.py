@@ -22,7 +22,7 @@ from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_m
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.engine import Durations, Timeline, run_schedule
+from pipeplan.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.profile import Profile
 from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
@@ -329,27 +329,30 @@ def simulate(
             f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
         )
-    built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
     ranks = [stage.ranks for stage in plan.stages[:positions]]
-    timeline = run_schedule(
-        built, durations(plan, costs, micro), ranks,
-        lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
-    )
-    done = timeline.completion
-    first, last = warm - 1, warm - 1 + window
-    period = (done[last] - done[first]) / window
-    stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
+    with collector_paused():  # until the timeline is dropped (see collector_paused)
+        built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
+        timeline = run_schedule(
+            built, durations(plan, costs, micro), ranks,
+            lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
+        )
+        done = timeline.completion
+        first, last = warm - 1, warm - 1 + window
+        period = (done[last] - done[first]) / window
+        stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
+        makespan, tasks = timeline.makespan, tuple(timeline.tasks)
+        del built, timeline, done
     return SimResult(
         schedule=name,
         minibatches=total,
         microbatches=micro,
         batch_size=plan.batch_size,
         time_per_minibatch_ms=period,
-        makespan_ms=timeline.makespan,
+        makespan_ms=makespan,
         stages=tuple(stages),
         memory_limit_bytes=plan.topology.device.memory_bytes,
         window=(first, last),
-        tasks=tuple(timeline.tasks),
+        tasks=tasks,
         virtual_stages=virtual,
     )
 
@@ -494,7 +497,7 @@ def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], cos
     if not held_bytes[peak] > 0.0:
         return [0] * chunks
     counts = np.bincount(chunk[: peak + 1], weights=step[: peak + 1], minlength=chunks)
-    return [int(round(count)) for count in counts]
+    return [int(count) for count in counts.astype(np.int64)]  # whole numbers, exact in float64
 
 
 _kind_of = attrgetter("kind")
