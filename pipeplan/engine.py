@@ -153,6 +153,11 @@ Slot = tuple[float, float, _Link]  # (occupy ms, latency ms, link) of one (messa
 # slots by destination replica (made at the first send), the destination's first arrival key,
 # messages the destination waits for, the destination position's ranks, bytes per message)
 Edge = tuple[int, dict[int, Slot], int, int, Sequence[int], float]
+# One worker, as the sweep binds it at each switch: (position, replica, rank, actions, their
+# count, append to its starts, append to its ends, its spans by chunk, its forward and its
+# backward send edges by chunk)
+Context = tuple[int, int, int, "Sequence[Action]", int, Callable[[float], None], Callable[[float], None],
+                list[list[tuple[float, float]]], list[list[Edge]], list[list[Edge]]]
 
 
 class _Sweep:
@@ -250,6 +255,15 @@ class _Sweep:
         if step_ms > 0:
             self.tasks.append((rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica))
 
+    def context(self, worker: int) -> Context:
+        """What the sweep binds when it switches to ``worker`` (see ``Context``). O(sends of its stages)."""
+        i, r = self.workers[worker]
+        actions = self.schedule.actions[(i, r)]
+        chunks = range(self.schedule.virtual_stages)
+        return (i, r, self.rank_of[worker], actions, len(actions), self.starts[worker].append,
+                self.ends[worker].append, self.spans[worker], [self.edges(worker, c, False) for c in chunks],
+                [self.edges(worker, c, True) for c in chunks])
+
     # ------------------------------------------------------------ sweep
     def run(self) -> None:
         """Run every worker as far as it can until none is ready. O(actions + sends).
@@ -271,22 +285,17 @@ class _Sweep:
         workers, rank_of, s_ms = self.workers, self.rank_of, self.s_ms
         all_actions = [schedule.actions[w] for w in workers]
         shares = [self.shares(i) for i in range(positions)]
-        chunks = range(schedule.virtual_stages)
-        forward_edges = [[self.edges(w, c, False) for c in chunks] for w in range(len(workers))]
-        backward_edges = [[self.edges(w, c, True) for c in chunks] for w in range(len(workers))]
+        contexts = [self.context(w) for w in range(len(workers))]
         waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers, in the order they blocked
         steps_done = [0] * len(workers)
         group_stride = schedule.minibatches + 1  # "S" group key: position * stride + step
         stepping: dict[int, list[int]] = {}  # group -> replicas waiting in that "S", in the order they came
-        lengths = [len(actions) for actions in all_actions]
         ready = list(range(len(workers)))
         while ready:
             w = ready.pop()
-            i, r = workers[w]
-            rank, actions, pos, at_free = rank_of[w], all_actions[w], position[w], free[w]
-            start_of, end_of, w_spans = starts[w].append, ends[w].append, spans_of[w]
-            w_forward, w_backward, n_replicas = forward_edges[w], backward_edges[w], replicas[i]
-            n_actions = lengths[w]
+            pos, at_free = position[w], free[w]
+            i, r, rank, actions, n_actions, start_of, end_of, w_spans, w_forward, w_backward = contexts[w]
+            n_replicas = replicas[i]
             while pos < n_actions:
                 action = actions[pos]
                 kind = action.kind
