@@ -209,6 +209,7 @@ class _Sweep:
         ]
         self.completion = [0.0] * schedule.minibatches
         self.tasks: list[tuple[Any, ...]] = []
+        self.step_shares = [self.shares(i) for i in range(positions)]
 
     # ------------------------------------------------------------ tables
     def edges(self, worker: int, chunk: int, backward: bool) -> list[Edge]:
@@ -247,13 +248,29 @@ class _Sweep:
             for q in range(position, self.schedule.model_stages, self.schedule.stages)
         ]
 
-    def record_step(self, worker: int, q: int, minibatch: int, at: float, reduce_ms: float, step_ms: float) -> None:
-        """Record model stage q's all-reduce and optimizer step tasks of one "S" (those that take time)."""
-        rank, replica = self.rank_of[worker], self.workers[worker][1]
-        if reduce_ms > 0:
-            self.tasks.append((rank, "allreduce", f"allreduce S{minibatch}", at, reduce_ms, minibatch, 0, q, replica))
-        if step_ms > 0:
-            self.tasks.append((rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica))
+    def step_spans(self, position: int, start: float) -> list[tuple[int, tuple[float, float]]]:
+        """(chunk, busy span) of each model stage of ``position`` whose "S" share takes time,
+        for an "S" starting at ``start``: the shares run back to back in model-stage order. O(chunks)."""
+        out = []
+        at = start
+        for chunk, share, _, _ in self.step_shares[position]:
+            if share > 0:
+                out.append((chunk, (at, at + share)))
+            at += share
+        return out
+
+    def record_step(self, worker: int, minibatch: int, start: float) -> None:
+        """Record the all-reduce and optimizer step tasks (those that take time) of one "S" of ``worker``."""
+        i, replica = self.workers[worker]
+        rank = self.rank_of[worker]
+        at = start
+        for chunk, share, reduce_ms, step_ms in self.step_shares[i]:
+            q = chunk * self.schedule.stages + i
+            if reduce_ms > 0:
+                self.tasks.append((rank, "allreduce", f"allreduce S{minibatch}", at, reduce_ms, minibatch, 0, q, replica))
+            if step_ms > 0:
+                self.tasks.append((rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica))
+            at += share
 
     def context(self, worker: int) -> Context:
         """What the sweep binds when it switches to ``worker`` (see ``Context``). O(sends of its stages)."""
@@ -284,7 +301,6 @@ class _Sweep:
         starts, ends, spans_of, completion = self.starts, self.ends, self.spans, self.completion
         workers, rank_of, s_ms = self.workers, self.rank_of, self.s_ms
         all_actions = [schedule.actions[w] for w in workers]
-        shares = [self.shares(i) for i in range(positions)]
         contexts = [self.context(w) for w in range(len(workers))]
         waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers, in the order they blocked
         steps_done = [0] * len(workers)
@@ -317,6 +333,7 @@ class _Sweep:
                             start = at_free
                         peers.append(w)
                     end = start + s_ms[i]
+                    step_spans = self.step_spans(i, start)  # one tuple per share, shared by the replicas
                     for peer in peers:  # the waiting replicas in the order they came, then this one
                         if i == 0 or record:
                             own = all_actions[peer][pos if peer == w else position[peer]].minibatch
@@ -325,16 +342,13 @@ class _Sweep:
                         starts[peer].append(start)
                         ends[peer].append(end)
                         steps_done[peer] += 1
-                        at = start
-                        for chunk, share, reduce_ms, step_ms in shares[i]:  # each model stage's share
-                            if share > 0:
-                                spans = spans_of[peer][chunk]
-                                if not spans:
-                                    busy[(chunk * positions + i, workers[peer][1])] = spans
-                                spans.append((at, at + share))
-                            if record:
-                                self.record_step(peer, chunk * positions + i, own, at, reduce_ms, step_ms)
-                            at += share
+                        for chunk, span in step_spans:
+                            spans = spans_of[peer][chunk]
+                            if not spans:
+                                busy[(chunk * positions + i, workers[peer][1])] = spans
+                            spans.append(span)
+                        if record:
+                            self.record_step(peer, own, start)
                         if peer != w:
                             position[peer] += 1
                             free[peer] = end
