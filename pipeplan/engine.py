@@ -97,10 +97,11 @@ def run_schedule(
 ) -> Timeline:
     """Start/end of every action of ``schedule``; ``ranks[i][r]`` is worker (i, r)'s rank.
 
-    Actions name minibatches in ``range(schedule.minibatches)`` and micro-batches in
-    ``range(schedule.microbatches)`` (``build_schedule`` and ``validate`` ensure it).
-    Raises ``InputError`` when the order deadlocks. Time O(actions + sends), space
-    O(model stages x work units) for the arrivals.
+    Actions must name minibatches in ``range(schedule.minibatches)`` and micro-batches
+    in ``range(schedule.microbatches)``, as ``build_schedule`` makes them and ``validate``
+    checks (arrivals are kept in flat arrays over those work units). Raises
+    ``InputError`` when the order deadlocks. Time O(actions + sends), space O(model
+    stages x work units).
     """
     if len(durations.forward_ms) != schedule.model_stages:
         raise InputError(
@@ -109,13 +110,7 @@ def run_schedule(
         )
     with collector_paused():
         sweep = _Sweep(schedule, durations, ranks, link, record)
-        try:
-            sweep.run()
-        except IndexError as exc:
-            raise InputError(
-                f"schedule {schedule.name} names a minibatch or micro-batch outside its "
-                f"{schedule.minibatches} x {schedule.microbatches}"
-            ) from exc
+        sweep.run()
         return sweep.timeline()
 
 
@@ -304,7 +299,7 @@ class _Sweep:
         contexts = [self.context(w) for w in range(len(workers))]
         waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers, in the order they blocked
         steps_done = [0] * len(workers)
-        group_stride = schedule.minibatches + 1  # "S" group key: position * stride + step
+        group_stride = 1 + max(context[4] for context in contexts)  # "S" group key: position * stride + step
         stepping: dict[int, list[int]] = {}  # group -> replicas waiting in that "S", in the order they came
         ready = list(range(len(workers)))
         while ready:
