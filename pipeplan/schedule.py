@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Sequence, Tuple, TypeVar
 
 from pipeplan.errors import InputError
 
@@ -49,6 +49,7 @@ __all__ = [
 
 ACTION_KINDS = ("F", "B", "I", "W", "S")
 Worker = Tuple[int, int]  # (position, replica)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- counts
@@ -465,7 +466,7 @@ def _minibatch_actions(kind: str, minibatches: int) -> tuple[Action, ...]:
     return tuple(Action(kind, k) for k in range(minibatches))
 
 
-def _interleave(*columns: Sequence[Action]) -> list[Action]:
+def _interleave(*columns: Sequence[T]) -> list[T]:
     """``[a0, b0, c0, a1, b1, c1, ...]`` of equally long columns a, b, c. O(total).
 
     >>> _interleave("abc", "xyz")
