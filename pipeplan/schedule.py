@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Tuple
+from functools import lru_cache
+from typing import Any, Callable, Sequence, Tuple, TypeVar
 
 from pipeplan.errors import InputError
 
@@ -48,6 +49,7 @@ __all__ = [
 
 ACTION_KINDS = ("F", "B", "I", "W", "S")
 Worker = Tuple[int, int]  # (position, replica)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- counts
@@ -406,11 +408,14 @@ class ScheduleKind:
         """Every worker's ordered actions (after ``check``)."""
         replicas = _replicas(stage_replicas)
         self.check(replicas, microbatches, virtual_stages, minibatches)
-        return {
-            (s, r): tuple(self.generate(replicas, s, r, minibatches, microbatches, virtual_stages))
-            for s, n in enumerate(replicas)
-            for r in range(n)
-        }
+        try:
+            return {
+                (s, r): tuple(self.generate(replicas, s, r, minibatches, microbatches, virtual_stages))
+                for s, n in enumerate(replicas)
+                for r in range(n)
+            }
+        finally:
+            _minibatch_actions.cache_clear()  # keep no Actions beyond the schedule that holds them
 
 
 def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
@@ -434,14 +439,43 @@ def _worker_1f1b_rr(
     replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
-    """W_s + 1 forwards, then B (+S), F alternating, then drain the backwards (+S)."""
-    units = range(replica, minibatches, replicas[stage])
-    ahead = min(len(units), warmup_forwards(replicas, stage) + 1)
-    out = [Action("F", k) for k in units[:ahead]]
-    for i, k in enumerate(units):
-        out += [Action("B", k), Action("S", k)]
-        if i + ahead < len(units):
-            out.append(Action("F", units[i + ahead]))
+    """W_s + 1 forwards, then B (+S), F alternating, then drain the backwards (+S).
+
+    The replica's minibatches are ``replica, replica + n, ...``; its Actions are taken
+    from tables shared by every worker (``_minibatch_actions``) and laid out with slices,
+    so a worker costs O(its actions) at C speed.
+    """
+    n = replicas[stage]
+    forwards, backwards, steps = (_minibatch_actions(kind, minibatches)[replica::n] for kind in "FBS")
+    ahead = min(len(forwards), warmup_forwards(replicas, stage) + 1)
+    steady = len(forwards) - ahead  # minibatches whose B, S are followed by a later F
+    return (
+        list(forwards[:ahead])
+        + _interleave(backwards[:steady], steps[:steady], forwards[ahead:])
+        + _interleave(backwards[steady:], steps[steady:])
+    )
+
+
+@lru_cache(maxsize=3)
+def _minibatch_actions(kind: str, minibatches: int) -> tuple[Action, ...]:
+    """``Action(kind, k)`` for every minibatch k < ``minibatches``, shared by the workers of a build.
+
+    An Action is immutable, so one object can stand in every worker's order. Cleared
+    at the end of each ``ScheduleKind.actions``. O(minibatches).
+    """
+    return tuple(Action(kind, k) for k in range(minibatches))
+
+
+def _interleave(*columns: Sequence[T]) -> list[T]:
+    """``[a0, b0, c0, a1, b1, c1, ...]`` of equally long columns a, b, c. O(total).
+
+    >>> _interleave("abc", "xyz")
+    ['a', 'x', 'b', 'y', 'c', 'z']
+    """
+    width = len(columns)
+    out = list(columns[0]) * width  # any list of the right length: every slot is written below
+    for j, column in enumerate(columns):
+        out[j::width] = column
     return out
 
 

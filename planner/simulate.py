@@ -10,15 +10,19 @@ figures: the pipeline period, each model stage's busy time and bubble, and peak 
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any, Sequence
+
+import numpy as np
 
 from pipeplan.errors import InputError
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.engine import Durations, Timeline, run_schedule
+from pipeplan.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.profile import Profile
 from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
@@ -325,27 +329,30 @@ def simulate(
             f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
         )
-    built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
     ranks = [stage.ranks for stage in plan.stages[:positions]]
-    timeline = run_schedule(
-        built, durations(plan, costs, micro), ranks,
-        lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
-    )
-    done = timeline.completion
-    first, last = warm - 1, warm - 1 + window
-    period = (done[last] - done[first]) / window
-    stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
+    with collector_paused():  # until the timeline is dropped (see collector_paused)
+        built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
+        timeline = run_schedule(
+            built, durations(plan, costs, micro), ranks,
+            lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
+        )
+        done = timeline.completion
+        first, last = warm - 1, warm - 1 + window
+        period = (done[last] - done[first]) / window
+        stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
+        makespan, tasks = timeline.makespan, tuple(timeline.tasks)
+        del built, timeline, done
     return SimResult(
         schedule=name,
         minibatches=total,
         microbatches=micro,
         batch_size=plan.batch_size,
         time_per_minibatch_ms=period,
-        makespan_ms=timeline.makespan,
+        makespan_ms=makespan,
         stages=tuple(stages),
         memory_limit_bytes=plan.topology.device.memory_bytes,
         window=(first, last),
-        tasks=tuple(timeline.tasks),
+        tasks=tasks,
         virtual_stages=virtual,
     )
 
@@ -379,7 +386,11 @@ def _stage_figures(
     span: tuple[float, float],
     period: float,
 ) -> list[StageSim]:
-    """Busy/idle/bubble of every model stage within the steady window; peak memory from the order."""
+    """Busy/idle/bubble of every model stage within the steady window; peak memory from the order.
+
+    O(actions) for the memory peaks (vectorised), O(spans in the window + (q, r) log spans)
+    for the busy times, O(links) for the communication.
+    """
     t0, t1 = span
     minibatches = max((t1 - t0) / period, 1e-12) if period > 0 else 1.0
     positions = schedule.stages
@@ -388,22 +399,22 @@ def _stage_figures(
         (i, r): _held_at_peak(schedule, i, schedule.actions[(i, r)], costs)
         for i, n in enumerate(schedule.stage_replicas) for r in range(n)
     }
+    inside = {key: _inside_ms(spans, t0, t1) for key, spans in timeline.busy.items()}
     device_busy_ms: dict[tuple[int, int], float] = {}
-    for (q, r), spans in timeline.busy.items():
-        inside = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in spans)
+    for (q, r), parts in inside.items():
         key = (q % positions, r)
-        device_busy_ms[key] = device_busy_ms.get(key, 0.0) + inside / minibatches
+        device_busy_ms[key] = device_busy_ms.get(key, 0.0) + sum(parts) / minibatches
+    busiest = _busiest_link_ms(timeline.link_busy)
     out = []
     for stage in plan.stages:
         q = stage.index
         i = q % positions
         busy_total = 0.0
         for r in range(stage.replicas):
-            for start, end in timeline.busy.get((q, r), []):
-                busy_total += max(0.0, min(end, t1) - max(start, t0))
+            for part in inside.get((q, r), []):
+                busy_total += part
         busy_ms = busy_total / stage.replicas / minibatches
-        comm = [occupied for (src, _), occupied in timeline.link_busy.items() if src in stage.ranks]
-        comm_ms = max(comm, default=0.0) / schedule.minibatches
+        comm_ms = max((busiest[rank] for rank in stage.ranks if rank in busiest), default=0.0) / schedule.minibatches
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
         memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer)
@@ -424,25 +435,73 @@ def _stage_figures(
     return out
 
 
+def _inside_ms(spans: Sequence[tuple[float, float]], t0: float, t1: float) -> list[float]:
+    """Time (ms) each span spends inside [t0, t1], for the spans that overlap it, in order.
+
+    The spans of one (model stage, replica) come from one worker in its order, so they
+    are sorted and disjoint: two bisections find the overlapping run, and the spans left
+    out would each add exactly 0.0. O(log spans + overlapping spans).
+
+    >>> _inside_ms([(0.0, 1.0), (1.0, 2.5), (3.0, 4.0), (5.0, 6.0)], 2.0, 3.5)
+    [0.5, 0.5]
+    """
+    lo = bisect_right(spans, t0, key=_span_end)  # first span ending after t0
+    hi = bisect_left(spans, t1, lo=lo, key=_span_start)  # first span starting at or after t1
+    return [max(0.0, min(end, t1) - max(start, t0)) for start, end in spans[lo:hi]]
+
+
+def _span_start(span: tuple[float, float]) -> float:
+    return span[0]
+
+
+def _span_end(span: tuple[float, float]) -> float:
+    return span[1]
+
+
+def _busiest_link_ms(link_busy: dict[tuple[int, int], float]) -> dict[int, float]:
+    """Occupancy (ms) of each sending rank's busiest outgoing link. O(links)."""
+    busiest: dict[int, float] = {}
+    for (src, _), occupied in link_busy.items():
+        if src not in busiest or occupied > busiest[src]:
+            busiest[src] = occupied
+    return busiest
+
+
 def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]) -> list[int]:
     """Units of each chunk a worker holds when its saved activation bytes peak.
 
-    A unit is held from its "F" to its "B" (or its "W" when the backward is split).
+    A unit is held from its "F" to its "B" (or its "W" when the backward is split); a
+    unit of chunk c weighs max(saved bytes of c, 1). The peak is the first maximum of the
+    running sum of held bytes, taken only when positive. O(actions), vectorised with
+    numpy (the running sum adds in the actions' order, as a loop would).
+
+    >>> from pipeplan.schedule import Action
+    >>> costs = [StageCosts(1.0, 2.0, 0, 8, ())]
+    >>> _held_at_peak(build_schedule("gpipe", (1,), 1, 2), 0, [Action.parse(t) for t in "F0 F0.1 B0.1 B0".split()], costs)
+    [2]
     """
     chunks = len(costs) // schedule.stages
-    count = [0] * chunks
-    best = list(count)
-    held_bytes = best_bytes = 0.0
-    for action in actions:
-        if action.kind not in ("F", "B", "W"):
-            continue
-        c = action.chunk
-        step = 1 if action.kind == "F" else -1
-        count[c] += step
-        held_bytes += step * max(costs[c * schedule.stages + position].saved_bytes, 1)
-        if held_bytes > best_bytes:
-            best_bytes, best = held_bytes, list(count)
-    return best
+    if not actions:
+        return [0] * chunks
+    codes = np.frombuffer("".join(map(_kind_of, actions)).encode(), dtype=np.uint8)
+    if len(codes) != len(actions):
+        raise InputError(f"worker of position {position}: action kinds must be one letter each")
+    step = (codes == ord("F")).astype(np.int64) - (codes == ord("B")) - (codes == ord("W"))
+    if chunks == 1:
+        chunk = np.zeros(len(actions), dtype=np.int64)
+    else:
+        chunk = np.fromiter(map(_chunk_of, actions), dtype=np.int64, count=len(actions))
+    unit_bytes = np.array([float(max(costs[c * schedule.stages + position].saved_bytes, 1)) for c in range(chunks)])
+    held_bytes = np.cumsum(step * unit_bytes[chunk])
+    peak = int(held_bytes.argmax())
+    if not held_bytes[peak] > 0.0:
+        return [0] * chunks
+    counts = np.bincount(chunk[: peak + 1], weights=step[: peak + 1], minlength=chunks)
+    return [int(count) for count in counts.astype(np.int64)]  # whole numbers, exact in float64
+
+
+_kind_of = attrgetter("kind")
+_chunk_of = attrgetter("chunk")
 
 
 # --------------------------------------------------------------------------- choice
