@@ -148,6 +148,7 @@ class _Context:
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
         self.alive: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # level -> (stage, pipeline) masks
+        self.regions: dict[int, tuple[int, int]] | None = None  # tau -> states read by the top (``_top_regions``)
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
         self.opt = optimizer_states(settings.optimizer)
         self.limit_ms = limit_ms
@@ -353,17 +354,63 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
     """A_level[m, q, l, i] at ``tau`` (memoised; shared across tau when it cannot matter)."""
     key = ctx.tau_key(tau)
     if ctx.track_tau and level not in ctx.tau_cache:
-        low = _fill_level(ctx, level, 0)
-        high = _fill_level(ctx, level, ctx.tau_key(ctx.world - 1))
-        same = np.array_equal(low, high)
-        ctx.tau_cache[level] = same
-        ctx.tables[(level, 0)] = low
-        ctx.tables[(level, ctx.tau_key(ctx.world - 1))] = high
+        highest = ctx.tau_key(ctx.world - 1)
+        if np.array_equal(_unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)):
+            ctx.tau_cache[level] = True  # memory never binds: no table depends on tau
+            ctx.tables[(level, 0)] = _fill_level(ctx, level, 0)
+        else:
+            low = _fill_level(ctx, level, 0)
+            high = _fill_level(ctx, level, highest)
+            ctx.tau_cache[level] = np.array_equal(low, high)
+            ctx.tables[(level, 0)] = low
+            ctx.tables[(level, highest)] = high
     if ctx.track_tau and ctx.tau_cache.get(level):
         key = 0
     if (level, key) not in ctx.tables:
-        ctx.tables[(level, key)] = _fill_level(ctx, level, key)
+        region = _top_regions(ctx).get(key) if level == len(ctx.levels) - 1 else None
+        ctx.tables[(level, key)] = _fill_level(ctx, level, key, region)
     return ctx.tables[(level, key)]
+
+
+def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
+    """tau -> states [a, b): the ranges of the level below the top that the top fill
+    reads at that tau, other than tau 0, lie inside [a, b) (memoised).
+
+    The top fill reads the table at tau = ceil((m - f) D / f) for a first top stage on f
+    of m units (D devices per unit), starting where a suffix on m units starts and at
+    most ``Lt(f)`` long. In a plan of time <= V a suffix from state i on m units has
+    compute <= V m D and the states before it run on at most (u - m) D devices, so its
+    prefix compute is <= V (u - m) D. Entries outside [a, b) belong to no such plan and
+    are left partial (never below their exact value). O(u^2 + u N).
+    """
+    if ctx.regions is not None:
+        return ctx.regions
+    top = len(ctx.levels)
+    u, per_unit, n = ctx.levels[-1].count, ctx.devices_per_unit(top - 1), ctx.n
+    prefix = ctx.arrays.compute_ms[:n]
+    total = float(ctx.arrays.compute_ms[-1])
+    v = ctx.limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    tolerance = 1e-9 * max(1.0, total)
+    regions: dict[int, tuple[int, int]] = {}
+    for m in range(1, u + 1):
+        if math.isfinite(v):
+            fits = (prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance)
+            starts = np.nonzero(fits)[0]
+        else:
+            starts = np.arange(n)
+        if len(starts) == 0:
+            continue
+        for first_units in _split_choices(ctx, m):
+            if m - first_units < 1:
+                continue
+            key = ctx.tau_key(math.ceil((m - first_units) * per_unit / first_units))
+            reach = min(ctx.band, ctx.first_len[top][first_units])
+            a, b = regions.get(key, (n, 0))
+            regions[key] = (min(a, int(starts[0])), max(b, min(n, int(starts[-1]) + reach)))
+    regions.pop(0, None)
+    regions.pop(ctx.tau_key(ctx.world - 1), None)  # compared whole with tau 0 (``_level_table``)
+    ctx.regions = regions
+    return regions
 
 
 def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
@@ -420,8 +467,9 @@ def _split_choices(ctx: _Context, m: int) -> range:
     return range(1, 2) if ctx.settings.straight else range(1, m)
 
 
-def _fill_level(ctx: _Context, level: int, tau: int) -> np.ndarray:
-    """A_level[m, q, l, i] over every range of the level's width, for 1..u units.
+def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | None = None) -> np.ndarray:
+    """A_level[m, q, l, i] over every range of the level's width, for 1..u units; with
+    ``region = (a, b)`` exact only for ranges inside states [a, b) (``_top_regions``).
 
     O(sum_{f < m <= u} N Lt(f) Lr(m - f) Q^2): first stages longer than Lt(f) and
     pipelines longer than Lr(m) are pruned (left at their single-stage value or inf).
@@ -451,11 +499,13 @@ def _fill_level(ctx: _Context, level: int, tau: int) -> np.ndarray:
                                                  m, first_longest, longest):
                 continue
             first = _stage_table(ctx, level, first_units, inner_tau)
-            for begin in range(0, n, COLUMN_BLOCK):  # blocks of starts: the rows stay in cache
-                end = min(n, begin + COLUMN_BLOCK)
-                for t in range(1, first_longest + 1):
+            low, high = region if region is not None else (0, n)
+            for begin in range(low, high, COLUMN_BLOCK):  # blocks of starts: the rows stay in cache
+                end = min(high, begin + COLUMN_BLOCK)
+                block_longest = min(longest, high - begin)
+                for t in range(1, min(first_longest, block_longest - 1) + 1):
                     # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
-                    hi = min(longest, t + rest_len[after])
+                    hi = min(block_longest, t + rest_len[after])
                     head = np.maximum(first[:, t, begin:end], cut[t + begin : t + end])[:, None, :]
                     _combine(table[m, :, t + 1 : hi + 1, begin:end], head,
                              rest[:, 1 : hi - t + 1, t + begin : t + end], ctx.bounded, scratch)
