@@ -148,6 +148,7 @@ class _Context:
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
         self.alive: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # level -> (stage, pipeline) masks
+        self.live_by_start: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.regions: dict[int, tuple[int, int]] | None = None  # tau -> states read by the top (``_top_regions``)
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
         self.opt = optimizer_states(settings.optimizer)
@@ -480,7 +481,7 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
     u, per_unit, n, width = lv.count, ctx.devices_per_unit(level - 1), ctx.n, ctx.width[level]
     rest_len, first_len = ctx.rest_len[level], ctx.first_len[level]
     table = np.full((u + 1, ctx.q, width + 1, ctx.rows), INF)
-    scratch = np.empty((width + 1, min(n, COLUMN_BLOCK)))
+    scratch = np.empty((width + 1, n))
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
@@ -500,8 +501,9 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
                 continue
             first = _stage_table(ctx, level, first_units, inner_tau)
             low, high = region if region is not None else (0, n)
-            for begin in range(low, high, COLUMN_BLOCK):  # blocks of starts: the rows stay in cache
-                end = min(high, begin + COLUMN_BLOCK)
+            block = COLUMN_BLOCK if longest > SHORT_RANGES else n  # blocks of starts keep long rows in cache
+            for begin in range(low, high, block):
+                end = min(high, begin + block)
                 block_longest = min(longest, high - begin)
                 for t in range(1, min(first_longest, block_longest - 1) + 1):
                     # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
@@ -517,6 +519,7 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
 
 COLUMN_BLOCK = 512  # starts per block of the dense combine (about 1.4x faster than whole rows)
 SPARSE_SPEEDUP = 8  # a live choice costs about this many dense elements (gather + scatter-min)
+SHORT_RANGES = 64  # pipelines at most this long: whole rows (no blocks) and no sparse combine
 
 
 def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -557,6 +560,17 @@ def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]
     return ctx.alive[level]
 
 
+def _live_by_start(ctx: _Context, level: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """The live pipelines on ``units`` units of ``level`` by start: (lengths, offsets),
+    start i's lengths ascending in ``lengths[offsets[i] : offsets[i + 1]]`` (memoised)."""
+    key = (level, units)
+    if key not in ctx.live_by_start:
+        starts, lengths = np.nonzero(_live(ctx, level)[1][units][1:, : ctx.n].T)
+        offsets = np.concatenate(([0], np.cumsum(np.bincount(starts, minlength=ctx.n))))
+        ctx.live_by_start[key] = (lengths + 1, offsets)
+    return ctx.live_by_start[key]
+
+
 def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple[int, int], cut: np.ndarray,
                   rest: np.ndarray, m: int, first_longest: int, longest: int) -> bool:
     """``_fill_level``'s combine of a pipeline on m units, first stage on f units at
@@ -568,19 +582,19 @@ def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple
     f, tau = first_stage
     n, after = ctx.n, m - f
     rest_longest = ctx.rest_len[level][after]
-    dense = sum((min(longest, t + rest_longest) - t) * n for t in range(1, first_longest + 1))
-    if dense == 0:
+    if first_longest < 1:
         return True
+    if longest <= SHORT_RANGES:
+        return False
+    dense = sum((min(longest, t + rest_longest) - t) * n for t in range(1, first_longest + 1))
     stages, pipelines = _live(ctx, level)
     lengths, starts = np.nonzero(stages[f][1 : first_longest + 1, :n])
     lengths += 1
     mids = starts + lengths
     keep = mids < n
     lengths, starts, mids = lengths[keep], starts[keep], mids[keep]
-    rest_starts, rest_lengths = np.nonzero(pipelines[after][1 : rest_longest + 1, :n].T)
-    rest_lengths += 1
-    per_start = np.bincount(rest_starts, minlength=n)
-    offsets = np.concatenate(([0], np.cumsum(per_start)))
+    rest_lengths, offsets = _live_by_start(ctx, level, after)
+    per_start = np.diff(offsets)
     counts = per_start[mids]
     total = int(counts.sum())
     if total * SPARSE_SPEEDUP > dense:
@@ -589,7 +603,7 @@ def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple
     within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     tail = rest_lengths[offsets[mids][pair] + within]
     whole = lengths[pair] + tail
-    pick = whole <= longest
+    pick = (whole <= longest) & (tail <= rest_longest)
     pair, tail, whole = pair[pick], tail[pick], whole[pick]
     begin = starts[pair]
     pick = pipelines[m][whole, begin]

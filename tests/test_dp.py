@@ -196,12 +196,13 @@ def test_pruned_equals_unpruned(case):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(large_world_cases(), st.integers(1, 4))
 def test_sparse_and_blocked_combines_equal_unpruned(case, block):
-    """Every live-choice combine taken sparsely (``SPARSE_SPEEDUP`` 0) and the dense one in
-    blocks of a few starts: still the unpruned optimum and plan."""
+    """Every live-choice combine taken sparsely (``SPARSE_SPEEDUP`` 0, ``SHORT_RANGES`` 0)
+    and the dense one in blocks of a few starts: still the unpruned optimum and plan."""
     profile, topology, dp_settings = case
     arrays = layer_arrays(profile)
     full = solve(arrays, topology, dp_settings, prune=False)
-    with mock.patch.object(dp, "SPARSE_SPEEDUP", 0), mock.patch.object(dp, "COLUMN_BLOCK", block):
+    with mock.patch.object(dp, "SPARSE_SPEEDUP", 0), mock.patch.object(dp, "COLUMN_BLOCK", block), \
+            mock.patch.object(dp, "SHORT_RANGES", 0):
         pruned = solve(arrays, topology, dp_settings)
     assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):
