@@ -359,6 +359,8 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
         if np.array_equal(_unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)):
             ctx.tau_cache[level] = True  # memory never binds: no table depends on tau
             ctx.tables[(level, 0)] = _fill_level(ctx, level, 0)
+        elif level == len(ctx.levels) - 1:
+            ctx.tau_cache[level] = False  # the top reads few taus, most in narrow regions: fill those
         else:
             low = _fill_level(ctx, level, 0)
             high = _fill_level(ctx, level, highest)
@@ -408,8 +410,7 @@ def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
             reach = min(ctx.band, ctx.first_len[top][first_units])
             a, b = regions.get(key, (n, 0))
             regions[key] = (min(a, int(starts[0])), max(b, min(n, int(starts[-1]) + reach)))
-    regions.pop(0, None)
-    regions.pop(ctx.tau_key(ctx.world - 1), None)  # compared whole with tau 0 (``_level_table``)
+    regions.pop(0, None)  # suffixes from every start read it
     ctx.regions = regions
     return regions
 
