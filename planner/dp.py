@@ -25,8 +25,10 @@ is itself one of m' replicas of an outer stage with ``tail`` devices behind it, 
 ceil(ceil(x) / r) = ceil(x / r)), so the tables of level k are computed per ``tau``.
 ``tau`` is exact when the topology has at most ``EXACT_TAU_WORLD`` devices; beyond that
 it is rounded up to a power of two (conservative: a plan that fits under the rounded
-count fits). Tables are monotone in ``tau``; when those at tau = 0 and at the largest tau
-agree, one table serves all. 1F1B-flush is charged one whole minibatch of activations
+count fits). Tables are monotone in ``tau``: when the device tables at tau = 0 and at
+the largest tau agree, one table serves all; otherwise the level below the top fills
+the taus the top reads, and a lower level shares one table when its tables at tau = 0
+and at the largest tau agree. 1F1B-flush is charged one whole minibatch of activations
 (an upper bound); the final plan's memory is recomputed exactly (``partition``).
 
 Pruning (exact). Every formula is a min of maxes, so given a limit ``V`` >= the optimum
@@ -37,17 +39,29 @@ bound (``compute / devices``, with the all-reduce for one stage) exceeds their l
 left at inf: entries <= their limit stay exact and the others can only grow, so the
 optimum and every tie the reconstruction compares are unchanged. This bounds the range
 length per unit count: ``Lt(f)`` for one stage on f units, ``Lr(m)`` for a pipeline on
-m units, ``width[k]`` for a whole table. ``V`` starts at a lower bound and grows until
-a pass proves its own answer (``_exact_pass``; a finite answer of a pruned pass is the
-time of a real plan, so it is a limit that succeeds). The top band (longest top-level
-stage) is chosen as without pruning: a pass limited to ``guess`` layers per top stage
-bounds the optimum, which bounds the useful band (``solve``).
+m units, ``width[k]`` for a whole table. Two more bounds of the same kind skip work:
+
+- *Complement* (``_live``): a range on d devices (R copies) leaves the rest of the
+  compute C to the other W - dR devices, so it needs C - c <= V (W - dR) as well as
+  c <= V d R. Near a balanced plan (V close to C / W) few ranges pass both, and a
+  (units, first-stage units) pair with few live choices is combined sparsely
+  (``_combine_live``) instead of densely.
+- *Regions* (``_top_regions``): the level below the top is read at tau > 0 only by
+  first top stages after a suffix start that a plan <= V allows, so those tables are
+  filled only over the states such stages span.
+
+``solve`` runs a pass at a lower bound of the answer (cheap: balanced plans leave few
+live choices), and if that does not prove its answer, one pass at the best plan known
+(its answer, or pure data parallelism's time, ``_data_parallel_bound_ms``), which is
+exact (a finite answer of a pruned pass is the time of a real plan). The top band
+(longest top-level stage) follows from that bound (``_band_bound``).
 
 The reconstruction follows the tau each table was filled with (rounded, or 0 for a
 table shared across tau), so it retraces exactly the choices the tables hold.
 
 Running time O(sum_k T_k sum_{f < m <= u_k} N Lt(f) Lr(m - f) Q^2), T_k the number of
-tau tables of level k, numpy over (length, start) with the start innermost; memory
+tau tables of level k, numpy over (length, start) with the start innermost, in blocks
+of ``COLUMN_BLOCK`` starts; memory
 O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). ``solve`` estimates the
 tables' bytes before a pass allocates them (``table_bytes``) and refuses in one line
 above ``PIPEPLAN_PLANNER_MEMORY`` (default 8 GiB): a 20,000-layer chain on 4,096
