@@ -437,7 +437,9 @@ def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
     key = (level, units, 0 if shared else ctx.tau_key(tau))
     if key not in ctx.stage_tables:
         allreduce = ctx.allreduce_ms(level, units)[: unit.shape[1]]
-        ctx.stage_tables[key] = np.maximum(unit / units, allreduce[None, :, :])
+        values = unit / units
+        np.maximum(values, allreduce[None, :, :], out=values)
+        ctx.stage_tables[key] = values
     return ctx.stage_tables[key]
 
 
@@ -495,14 +497,17 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
     lv = ctx.levels[level - 1]
     u, per_unit, n, width = lv.count, ctx.devices_per_unit(level - 1), ctx.n, ctx.width[level]
     rest_len, first_len = ctx.rest_len[level], ctx.first_len[level]
-    table = np.full((u + 1, ctx.q, width + 1, ctx.rows), INF)
+    table = np.empty((u + 1, ctx.q, width + 1, ctx.rows))
+    table[0] = INF
     scratch = np.empty((width + 1, n))
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for m in range(1, u + 1):
+        columns = 0
         if m == 1 or not ctx.settings.straight:
             single = _stage_table(ctx, level, m, math.ceil(tau / m))
             columns = min(width + 1, single.shape[1])
             table[m, :, :columns] = single[:, :columns]
+        table[m, :, columns:] = INF
         longest = rest_len[m]
         for first_units in _split_choices(ctx, m):
             if m - first_units < 1:
@@ -533,8 +538,9 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
 
 
 COLUMN_BLOCK = 512  # starts per block of the dense combine (about 1.4x faster than whole rows)
-SPARSE_SPEEDUP = 8  # a live choice costs about this many dense elements (gather + scatter-min)
+SPARSE_SPEEDUP = 4  # a live choice costs about this many dense elements (gather + scatter-min)
 SHORT_RANGES = 64  # pipelines at most this long: whole rows (no blocks) and no sparse combine
+SPARSE_MAX_CHOICES = 4_000_000  # beyond this the gathers outgrow the caches: dense is faster
 
 
 def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -612,7 +618,7 @@ def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple
     per_start = np.diff(offsets)
     counts = per_start[mids]
     total = int(counts.sum())
-    if total * SPARSE_SPEEDUP > dense:
+    if total * SPARSE_SPEEDUP > dense or total > SPARSE_MAX_CHOICES:
         return False
     pair = np.repeat(np.arange(len(starts)), counts)
     within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
