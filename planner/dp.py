@@ -26,9 +26,9 @@ ceil(ceil(x) / r) = ceil(x / r)), so the tables of level k are computed per ``ta
 ``tau`` is exact when the topology has at most ``EXACT_TAU_WORLD`` devices; beyond that
 it is rounded up to a power of two (conservative: a plan that fits under the rounded
 count fits). Tables are monotone in ``tau``: when the device tables at tau = 0 and at
-the largest tau agree, one table serves all; otherwise the level below the top fills
-the taus the top reads, and a lower level shares one table when its tables at tau = 0
-and at the largest tau agree. 1F1B-flush is charged one whole minibatch of activations
+the largest tau agree, one table serves all. Otherwise level 1 of a two-level topology
+fills just the taus the top reads, and every other level shares one table when its
+tables at tau = 0 and at the largest tau agree. 1F1B-flush is charged one whole minibatch of activations
 (an upper bound); the final plan's memory is recomputed exactly (``partition``).
 
 Pruning (exact). Every formula is a min of maxes, so given a limit ``V`` >= the optimum
@@ -373,8 +373,10 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
         if np.array_equal(_unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)):
             ctx.tau_cache[level] = True  # memory never binds: no table depends on tau
             ctx.tables[(level, 0)] = _fill_level(ctx, level, 0)
-        elif level == len(ctx.levels) - 1:
-            ctx.tau_cache[level] = False  # the top reads few taus, most in narrow regions: fill those
+        elif level == len(ctx.levels) - 1 == 1:
+            # two levels: the top reads few taus, most over narrow regions (``_top_regions``),
+            # and a fill of level 1 reads only device tables: fill those taus, no whole-table check
+            ctx.tau_cache[level] = False
         else:
             low = _fill_level(ctx, level, 0)
             high = _fill_level(ctx, level, highest)
@@ -705,16 +707,61 @@ def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int
     return max(_longest_prefix(fits, n - starts, arrays), 1)
 
 
-def _lower_bound_ms(arrays: LayerArrays, topology: Topology) -> float:
+def _lower_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings | None = None) -> float:
     """A lower bound (ms) on the answer, the first pruning limit: total compute over every
-    device, and either one top stage of every layer or at least one top-level cut."""
+    device, and either one top stage of every layer or at least one top-level cut; with
+    ``settings``, also the top level's own DP over relaxed units (``_relaxed_top_ms``)."""
     n = arrays.layers
     lv = topology.levels[-1]
     spread = float(arrays.compute_ms[-1]) / topology.world_size
     single = float(_top_stage_bound(arrays, topology, np.array([0]), np.array([n]))[0])
     cuts = transfer_ms(arrays.cut_bytes[1:n], lv.bandwidth_bytes_per_s, lv.latency_ms)
     cheapest_cut = float(cuts.min()) if n > 1 and lv.count > 1 else INF
-    return max(spread, min(single, cheapest_cut))
+    relaxed = _relaxed_top_ms(arrays, topology, settings) if settings is not None else 0.0
+    return max(spread, min(single, cheapest_cut), relaxed)
+
+
+FIRST_BAND_GROWTH = 2  # the first pass searches top stages up to this many times its guess
+RELAXED_MAX_WORK = 30_000_000  # (unit-count pairs) x states^2 of the relaxed top DP: skipped above
+
+
+def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+    """The top level's DP with each unit below relaxed to its compute / devices (no memory
+    limit, free links inside): a top stage of compute c and parameters P on f units takes
+    max(c / (f D), all-reduce of P on f). Every inner value is at least c / D, so this is a
+    lower bound on the answer, and close to it when the top level's links bind (NASNet
+    on 4 x 4). O(u^2 F^2) for F states: 0 when that exceeds ``RELAXED_MAX_WORK``."""
+    n = arrays.layers
+    lv = topology.levels[-1]
+    if lv.count * (lv.count + 1) // 2 * (n + 1) ** 2 > RELAXED_MAX_WORK:
+        return 0.0
+    per_unit = topology.world_size // lv.count
+    lengths, starts = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    ends = np.minimum(starts + lengths, n)
+    ok = (starts + lengths <= n) & (lengths >= 1)
+    if not arrays.cut_family.is_prefix:
+        ok &= nested_states(arrays)[: n + 1, : n + 1]
+    compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+    params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+    transfer = np.full(2 * n + 2, INF)
+    transfer[: n + 1] = transfer_ms(arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
+    cut = sliding_window_view(transfer, n + 1)[: n + 1]  # [t, i]: the cut at state i + t
+    suffix = np.full((lv.count + 1, 2 * n + 2), INF)  # [m, i]: states from i on m units
+    for m in range(1, lv.count + 1):
+        best = np.full(n + 1, INF)
+        if m == 1 or not settings.straight:
+            whole = np.maximum(compute / (m * per_unit), ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms))
+            best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
+        for first_units in range(1, 2) if settings.straight else range(1, m):
+            stage = np.maximum(compute / (first_units * per_unit),
+                               ring_allreduce_ms(params, first_units, lv.bandwidth_bytes_per_s, lv.latency_ms))
+            rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
+            split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
+            np.minimum(best, split.min(axis=0), out=best)
+        suffix[m, : n + 1] = best
+        if settings.use_fewer_devices and m > 1:
+            np.minimum(suffix[m], suffix[m - 1], out=suffix[m])
+    return float(suffix[lv.count, 0])
 
 
 def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
@@ -806,7 +853,7 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
     most two passes; at most ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the
     only one when not ``prune``).
     """
-    start = upper_ms if start_at_upper and math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology)
+    start = upper_ms if start_at_upper and math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology, settings)
     limit = min(start, upper_ms) if prune else INF
     _check_memory(arrays, topology, settings, band)
     attempt = 0
@@ -824,10 +871,10 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
 def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
     """Fill the tables and return the optimum (``time_ms`` is inf when nothing fits).
 
-    A first pass at a lower bound of the answer (``_lower_bound_ms``: cheap, its live
-    choices are few) limits top-level stages to a short band (``guess`` layers). If it
-    proves its answer and no longer top stage can beat it (``_band_bound``), that is the
-    optimum. Otherwise the best plan known, its answer or pure data parallelism
+    A first pass runs at a lower bound of the answer (``_lower_bound_ms``; with few
+    live choices it is cheap) over top stages as long as that bound allows
+    (``_band_bound``) if that is at most ``FIRST_BAND_GROWTH`` times a short ``guess``,
+    else over the guess. If it proves its answer within its band, that is the optimum. Otherwise the best plan known, its answer or pure data parallelism
     (``_data_parallel_bound_ms``), bounds the answer and so the longest useful top stage,
     and one pass at that bound over that band is exact. Passes run on pruned tables
     (``_exact_pass``). ``prune=False`` fills every entry of one pass over every band
@@ -838,20 +885,22 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     if not prune:
         return _exact_pass(arrays, topology, settings, n, prune=False)
     whole = _data_parallel_bound_ms(arrays, topology, settings)
+    lower = _lower_bound_ms(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
-    _check_memory(arrays, topology, settings, guess)
-    limit = min(_lower_bound_ms(arrays, topology), whole if guess == n else INF)
-    first = _solution(_Context(arrays, topology, settings, guess, limit), guess)
-    proven = first.time_ms <= limit
-    if proven and (guess == n or _band_bound(arrays, topology, first.time_ms) <= guess):
+    reach = _band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
+    band = min(n, reach if reach <= FIRST_BAND_GROWTH * guess else guess)
+    _check_memory(arrays, topology, settings, band)
+    limit = min(lower, whole if band == n else INF)
+    first = _solution(_Context(arrays, topology, settings, band, limit), band)
+    if first.time_ms <= limit and (band == n or _band_bound(arrays, topology, first.time_ms) <= band):
         return first
     bound = min(first.time_ms, whole)
-    if not math.isfinite(bound):  # no plan known yet: grow the limit on the short band first
-        first = _exact_pass(arrays, topology, settings, guess)
-        if guess == n or _band_bound(arrays, topology, first.time_ms) <= guess:
+    if not math.isfinite(bound):  # no plan known yet: grow the limit on this band first
+        first = _exact_pass(arrays, topology, settings, band)
+        if band == n or _band_bound(arrays, topology, first.time_ms) <= band:
             return first
         bound = first.time_ms
-    band = min(n, max(guess, _band_bound(arrays, topology, bound)))
+    band = min(n, max(band, _band_bound(arrays, topology, bound)))
     return _exact_pass(arrays, topology, settings, band, bound, start_at_upper=True)
 
 

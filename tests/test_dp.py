@@ -189,7 +189,7 @@ def test_pruned_equals_unpruned(case):
     assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):
         assert reconstruct(pruned) == reconstruct(full)
-        assert _lower_bound_ms(arrays, topology) <= full.time_ms * (1 + 1e-12)
+        assert _lower_bound_ms(arrays, topology, dp_settings) <= full.time_ms * (1 + 1e-12)
     assert _data_parallel_bound_ms(arrays, topology, dp_settings) >= full.time_ms * (1 - 1e-12)
 
 
