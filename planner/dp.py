@@ -888,7 +888,7 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     lower = _lower_bound_ms(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
     reach = _band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
-    band = min(n, reach if reach <= FIRST_BAND_GROWTH * guess else guess)
+    band = min(n, max(guess, reach) if reach <= FIRST_BAND_GROWTH * guess else guess)
     _check_memory(arrays, topology, settings, band)
     limit = min(lower, whole if band == n else INF)
     first = _solution(_Context(arrays, topology, settings, band, limit), band)
