@@ -25,8 +25,10 @@ is itself one of m' replicas of an outer stage with ``tail`` devices behind it, 
 ceil(ceil(x) / r) = ceil(x / r)), so the tables of level k are computed per ``tau``.
 ``tau`` is exact when the topology has at most ``EXACT_TAU_WORLD`` devices; beyond that
 it is rounded up to a power of two (conservative: a plan that fits under the rounded
-count fits). Tables are monotone in ``tau``; when those at tau = 0 and at the largest tau
-agree, one table serves all. 1F1B-flush is charged one whole minibatch of activations
+count fits). Tables are monotone in ``tau``: when the device tables at tau = 0 and at
+the largest tau agree, one table serves all. Otherwise level 1 of a two-level topology
+fills just the taus the top reads, and every other level shares one table when its
+tables at tau = 0 and at the largest tau agree. 1F1B-flush is charged one whole minibatch of activations
 (an upper bound); the final plan's memory is recomputed exactly (``partition``).
 
 Pruning (exact). Every formula is a min of maxes, so given a limit ``V`` >= the optimum
@@ -37,17 +39,29 @@ bound (``compute / devices``, with the all-reduce for one stage) exceeds their l
 left at inf: entries <= their limit stay exact and the others can only grow, so the
 optimum and every tie the reconstruction compares are unchanged. This bounds the range
 length per unit count: ``Lt(f)`` for one stage on f units, ``Lr(m)`` for a pipeline on
-m units, ``width[k]`` for a whole table. ``V`` starts at a lower bound and grows until
-a pass proves its own answer (``_exact_pass``; a finite answer of a pruned pass is the
-time of a real plan, so it is a limit that succeeds). The top band (longest top-level
-stage) is chosen as without pruning: a pass limited to ``guess`` layers per top stage
-bounds the optimum, which bounds the useful band (``solve``).
+m units, ``width[k]`` for a whole table. Two more bounds of the same kind skip work:
+
+- *Complement* (``_live``): a range on d devices (R copies) leaves the rest of the
+  compute C to the other W - dR devices, so it needs C - c <= V (W - dR) as well as
+  c <= V d R. Near a balanced plan (V close to C / W) few ranges pass both, and a
+  (units, first-stage units) pair with few live choices is combined sparsely
+  (``_combine_live``) instead of densely.
+- *Regions* (``_top_regions``): the level below the top is read at tau > 0 only by
+  first top stages after a suffix start that a plan <= V allows, so those tables are
+  filled only over the states such stages span.
+
+``solve`` runs a pass at a lower bound of the answer (cheap: balanced plans leave few
+live choices), and if that does not prove its answer, one pass at the best plan known
+(its answer, or pure data parallelism's time, ``_data_parallel_bound_ms``), which is
+exact (a finite answer of a pruned pass is the time of a real plan). The top band
+(longest top-level stage) follows from that bound (``_band_bound``).
 
 The reconstruction follows the tau each table was filled with (rounded, or 0 for a
 table shared across tau), so it retraces exactly the choices the tables hold.
 
 Running time O(sum_k T_k sum_{f < m <= u_k} N Lt(f) Lr(m - f) Q^2), T_k the number of
-tau tables of level k, numpy over (length, start) with the start innermost; memory
+tau tables of level k, numpy over (length, start) with the start innermost, in blocks
+of ``COLUMN_BLOCK`` starts; memory
 O(N width_k u_k Q) per table; Q = max stages (1 when unbounded). ``solve`` estimates the
 tables' bytes before a pass allocates them (``table_bytes``) and refuses in one line
 above ``PIPEPLAN_PLANNER_MEMORY`` (default 8 GiB): a 20,000-layer chain on 4,096
@@ -143,10 +157,13 @@ class _Context:
         self.world = topology.world_size
         self.bounded = settings.max_stages is not None
         self.q: int = settings.max_stages if settings.max_stages is not None else 1
-        self.track_tau = settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
+        self.track_tau = _tracks_tau(settings)
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
+        self.alive: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # level -> (stage, pipeline) masks
+        self.live_by_start: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.regions: dict[int, tuple[int, int]] | None = None  # tau -> states read by the top (``_top_regions``)
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
         self.opt = optimizer_states(settings.optimizer)
         self.limit_ms = limit_ms
@@ -314,16 +331,26 @@ def _entry(table: np.ndarray, q: int, length: int, start: int) -> float:
     return float(table[q, length, start]) if length < table.shape[1] else INF
 
 
+def _tracks_tau(settings: DPSettings) -> bool:
+    """Whether a stage's memory depends on the devices after it (stashed weights)."""
+    return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
+
+
+def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int) -> np.ndarray:
+    """Bytes one device needs for ranges of ``params`` and ``saved`` bytes at ``tau``."""
+    if _tracks_tau(settings):
+        versions, in_flight = tau + 1, float(tau + 1)
+    else:
+        versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), 1.0
+    return params * (versions + 1 + optimizer_states(settings.optimizer)) + saved * in_flight
+
+
 def _device_table(ctx: _Context, tau: int) -> np.ndarray:
     """U_0[q, l, i]: compute of each range on one device, inf where it does not fit in memory."""
     width = ctx.width[0] + 1
     time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
     if ctx.settings.memory_check:
-        if ctx.track_tau:
-            versions, in_flight = tau + 1, float(tau + 1)
-        else:
-            versions, in_flight = schedule_kind(ctx.settings.schedule).weight_versions((1,), 0), 1.0
-        need = ctx.params[:width] * (versions + 1 + ctx.opt) + ctx.saved[:width] * in_flight
+        need = _device_need_bytes(ctx.settings, ctx.params[:width], ctx.saved[:width], tau)
         time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
     return np.repeat(time[None, :, :], ctx.q, axis=0)
 
@@ -342,17 +369,66 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
     """A_level[m, q, l, i] at ``tau`` (memoised; shared across tau when it cannot matter)."""
     key = ctx.tau_key(tau)
     if ctx.track_tau and level not in ctx.tau_cache:
-        low = _fill_level(ctx, level, 0)
-        high = _fill_level(ctx, level, ctx.tau_key(ctx.world - 1))
-        same = np.array_equal(low, high)
-        ctx.tau_cache[level] = same
-        ctx.tables[(level, 0)] = low
-        ctx.tables[(level, ctx.tau_key(ctx.world - 1))] = high
+        highest = ctx.tau_key(ctx.world - 1)
+        if np.array_equal(_unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)):
+            ctx.tau_cache[level] = True  # memory never binds: no table depends on tau
+            ctx.tables[(level, 0)] = _fill_level(ctx, level, 0)
+        elif level == len(ctx.levels) - 1 == 1:
+            # two levels: the top reads few taus, most over narrow regions (``_top_regions``),
+            # and a fill of level 1 reads only device tables: fill those taus, no whole-table check
+            ctx.tau_cache[level] = False
+        else:
+            low = _fill_level(ctx, level, 0)
+            high = _fill_level(ctx, level, highest)
+            ctx.tau_cache[level] = np.array_equal(low, high)
+            ctx.tables[(level, 0)] = low
+            ctx.tables[(level, highest)] = high
     if ctx.track_tau and ctx.tau_cache.get(level):
         key = 0
     if (level, key) not in ctx.tables:
-        ctx.tables[(level, key)] = _fill_level(ctx, level, key)
+        region = _top_regions(ctx).get(key) if level == len(ctx.levels) - 1 else None
+        ctx.tables[(level, key)] = _fill_level(ctx, level, key, region)
     return ctx.tables[(level, key)]
+
+
+def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
+    """tau -> states [a, b): the ranges of the level below the top that the top fill
+    reads at that tau, other than tau 0, lie inside [a, b) (memoised).
+
+    The top fill reads the table at tau = ceil((m - f) D / f) for a first top stage on f
+    of m units (D devices per unit), starting where a suffix on m units starts and at
+    most ``Lt(f)`` long. In a plan of time <= V a suffix from state i on m units has
+    compute <= V m D and the states before it run on at most (u - m) D devices, so its
+    prefix compute is <= V (u - m) D. Entries outside [a, b) belong to no such plan and
+    are left partial (never below their exact value). O(u^2 + u N).
+    """
+    if ctx.regions is not None:
+        return ctx.regions
+    top = len(ctx.levels)
+    u, per_unit, n = ctx.levels[-1].count, ctx.devices_per_unit(top - 1), ctx.n
+    prefix = ctx.arrays.compute_ms[:n]
+    total = float(ctx.arrays.compute_ms[-1])
+    v = ctx.limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    tolerance = 1e-9 * max(1.0, total)
+    regions: dict[int, tuple[int, int]] = {}
+    for m in range(1, u + 1):
+        if math.isfinite(v):
+            fits = (prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance)
+            starts = np.nonzero(fits)[0]
+        else:
+            starts = np.arange(n)
+        if len(starts) == 0:
+            continue
+        for first_units in _split_choices(ctx, m):
+            if m - first_units < 1:
+                continue
+            key = ctx.tau_key(math.ceil((m - first_units) * per_unit / first_units))
+            reach = min(ctx.band, ctx.first_len[top][first_units])
+            a, b = regions.get(key, (n, 0))
+            regions[key] = (min(a, int(starts[0])), max(b, min(n, int(starts[-1]) + reach)))
+    regions.pop(0, None)  # suffixes from every start read it
+    ctx.regions = regions
+    return regions
 
 
 def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
@@ -363,8 +439,30 @@ def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
     key = (level, units, 0 if shared else ctx.tau_key(tau))
     if key not in ctx.stage_tables:
         allreduce = ctx.allreduce_ms(level, units)[: unit.shape[1]]
-        ctx.stage_tables[key] = np.maximum(unit / units, allreduce[None, :, :])
+        values = unit / units
+        np.maximum(values, allreduce[None, :, :], out=values)
+        ctx.stage_tables[key] = values
     return ctx.stage_tables[key]
+
+
+def _stage_values(ctx: _Context, level: int, units: int, tau: int, lengths: np.ndarray,
+                  starts: np.ndarray) -> np.ndarray:
+    """``_stage_table(ctx, level, units, tau)[0, lengths, starts]`` (unbounded), computed at
+    those points only unless the table exists: the same operations, so the same values."""
+    below = level - 1
+    shared = below >= 1 and ctx.track_tau and ctx.tau_cache.get(below, False)
+    key = (level, units, 0 if shared else ctx.tau_key(tau))
+    if key in ctx.stage_tables:
+        return ctx.stage_tables[key][0, lengths, starts]
+    if below == 0 and (0, ctx.tau_key(tau)) not in ctx.tables:
+        unit = np.where(ctx.valid[lengths, starts], ctx.compute[lengths, starts], INF)
+        if ctx.settings.memory_check:
+            need = _device_need_bytes(ctx.settings, ctx.params[lengths, starts], ctx.saved[lengths, starts],
+                                      ctx.tau_key(tau))
+            unit = np.where(need <= ctx.topology.device.memory_bytes, unit, INF)
+    else:
+        unit = _unit_table(ctx, below, tau)[0, lengths, starts]
+    return np.maximum(unit / units, ctx.allreduce_ms(level, units)[lengths, starts])
 
 
 def _combine(out: np.ndarray, head: np.ndarray, rest: np.ndarray, bounded: bool, scratch: np.ndarray) -> None:
@@ -389,40 +487,154 @@ def _split_choices(ctx: _Context, m: int) -> range:
     return range(1, 2) if ctx.settings.straight else range(1, m)
 
 
-def _fill_level(ctx: _Context, level: int, tau: int) -> np.ndarray:
-    """A_level[m, q, l, i] over every range of the level's width, for 1..u units.
+def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | None = None) -> np.ndarray:
+    """A_level[m, q, l, i] over every range of the level's width, for 1..u units; with
+    ``region = (a, b)`` exact only for ranges inside states [a, b) (``_top_regions``).
 
     O(sum_{f < m <= u} N Lt(f) Lr(m - f) Q^2): first stages longer than Lt(f) and
     pipelines longer than Lr(m) are pruned (left at their single-stage value or inf).
+    Unbounded, a (units, first-stage units) pair whose live choices (``_live``) are few
+    enough is combined sparsely (``_combine_live``), in time proportional to them.
     """
     lv = ctx.levels[level - 1]
     u, per_unit, n, width = lv.count, ctx.devices_per_unit(level - 1), ctx.n, ctx.width[level]
     rest_len, first_len = ctx.rest_len[level], ctx.first_len[level]
-    table = np.full((u + 1, ctx.q, width + 1, ctx.rows), INF)
+    table = np.empty((u + 1, ctx.q, width + 1, ctx.rows))
+    table[0] = INF
     scratch = np.empty((width + 1, n))
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for m in range(1, u + 1):
+        columns = 0
         if m == 1 or not ctx.settings.straight:
             single = _stage_table(ctx, level, m, math.ceil(tau / m))
             columns = min(width + 1, single.shape[1])
             table[m, :, :columns] = single[:, :columns]
+        table[m, :, columns:] = INF
         longest = rest_len[m]
         for first_units in _split_choices(ctx, m):
             if m - first_units < 1:
                 continue
             after = m - first_units
             inner_tau = math.ceil((tau + after * per_unit) / first_units)
-            first = _stage_table(ctx, level, first_units, inner_tau)
             rest = table[after]
-            for t in range(1, min(first_len[first_units], longest - 1) + 1):
-                # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
-                hi = min(longest, t + rest_len[after])
-                head = np.maximum(first[:, t, :n], cut[t : n + t])[:, None, :]
-                _combine(table[m, :, t + 1 : hi + 1, :n], head, rest[:, 1 : hi - t + 1, t : n + t], ctx.bounded, scratch)
+            first_longest = min(first_len[first_units], longest - 1)
+            if not ctx.bounded and _combine_live(ctx, level, table[m, 0], (first_units, inner_tau), cut, rest[0],
+                                                 m, first_longest, longest):
+                continue
+            first = _stage_table(ctx, level, first_units, inner_tau)
+            low, high = region if region is not None else (0, n)
+            block = COLUMN_BLOCK if longest > SHORT_RANGES else n  # blocks of starts keep long rows in cache
+            for begin in range(low, high, block):
+                end = min(high, begin + block)
+                block_longest = min(longest, high - begin)
+                for t in range(1, min(first_longest, block_longest - 1) + 1):
+                    # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
+                    hi = min(block_longest, t + rest_len[after])
+                    head = np.maximum(first[:, t, begin:end], cut[t + begin : t + end])[:, None, :]
+                    _combine(table[m, :, t + 1 : hi + 1, begin:end], head,
+                             rest[:, 1 : hi - t + 1, t + begin : t + end], ctx.bounded, scratch)
         if ctx.settings.use_fewer_devices and m > 1:
             np.minimum(table[m], table[m - 1], out=table[m])
     table[:, :, ~ctx.valid[: width + 1]] = INF
     return table
+
+
+COLUMN_BLOCK = 512  # starts per block of the dense combine (about 1.4x faster than whole rows)
+SPARSE_SPEEDUP = 4  # a live choice costs about this many dense elements (gather + scatter-min)
+SHORT_RANGES = 64  # pipelines at most this long: whole rows (no blocks) and no sparse combine
+SPARSE_MAX_CHOICES = 4_000_000  # beyond this the gathers outgrow the caches: dense is faster
+
+
+def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(stage[f], pipeline[m]): masks ``[l, i]`` of the level's ranges that a plan of time
+    <= the pruning limit V can use as a stage on f units / a pipeline on m units (memoised).
+
+    Besides the per-entry limit, a complement bound: a range of compute c on d devices
+    (``units * devices_per_unit(level - 1)``), R copies of it (R <= W / D_level, W devices),
+    leaves the other layers' compute C - c to at most W - dR devices. Every stage of a plan
+    takes at least its compute over its devices, so a plan of time <= V needs c <= V d R and
+    C - c <= V (W - d R) for some integer R: R in [c / (V d), (V W - C + c) / (V d)]. With V
+    near C / W (a balanced plan) only ranges of compute near a multiple of V d stay live.
+    Entries a plan <= V uses stay exact (their own choices are live), so the optimum and
+    the reconstruction's ties are unchanged. O(u width N).
+    """
+    if level in ctx.alive:
+        return ctx.alive[level]
+    columns = ctx.width[level] + 1
+    per_unit = ctx.devices_per_unit(level - 1)
+    valid, compute = ctx.valid[:columns], ctx.compute[:columns]
+    limit = ctx.limits[level] * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    v = ctx.limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    spare = v * ctx.world - float(ctx.arrays.compute_ms[-1])
+    copies = ctx.world // ctx.devices_per_unit(level)
+    stages, pipelines = [valid], [valid]
+    for units in range(1, ctx.levels[level - 1].count + 1):
+        devices = units * per_unit
+        if math.isfinite(v) and v > 0:
+            low = np.maximum(1.0, np.ceil(compute / (v * devices) - 1e-7))
+            high = np.minimum(float(copies), np.floor((spare + compute) / (v * devices) + 1e-7))
+            fits = valid & (low <= high)
+        else:
+            fits = valid
+        spread = compute / devices
+        pipelines.append(fits & (spread <= limit))
+        stages.append(fits & (np.maximum(spread, ctx.allreduce_ms(level, units)[:columns]) <= limit))
+    ctx.alive[level] = (stages, pipelines)
+    return ctx.alive[level]
+
+
+def _live_by_start(ctx: _Context, level: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """The live pipelines on ``units`` units of ``level`` by start: (lengths, offsets),
+    start i's lengths ascending in ``lengths[offsets[i] : offsets[i + 1]]`` (memoised)."""
+    key = (level, units)
+    if key not in ctx.live_by_start:
+        starts, lengths = np.nonzero(_live(ctx, level)[1][units][1:, : ctx.n].T)
+        offsets = np.concatenate(([0], np.cumsum(np.bincount(starts, minlength=ctx.n))))
+        ctx.live_by_start[key] = (lengths + 1, offsets)
+    return ctx.live_by_start[key]
+
+
+def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple[int, int], cut: np.ndarray,
+                  rest: np.ndarray, m: int, first_longest: int, longest: int) -> bool:
+    """``_fill_level``'s combine of a pipeline on m units, first stage on f units at
+    ``tau`` (``first_stage = (f, tau)``), over live choices only, unbounded:
+    out[l, i] = min(out[l, i], max(T(t, i), cut[i + t], rest[l - t, i + t])) for every live
+    first stage (t, i), live rest and live pipeline (``_live``); T from ``_stage_values``.
+    Returns False, doing nothing, when the live choices are not at least
+    ``SPARSE_SPEEDUP`` times fewer than the dense loop's elements. O(live choices)."""
+    f, tau = first_stage
+    n, after = ctx.n, m - f
+    rest_longest = ctx.rest_len[level][after]
+    if first_longest < 1:
+        return True
+    if longest <= SHORT_RANGES:
+        return False
+    dense = sum((min(longest, t + rest_longest) - t) * n for t in range(1, first_longest + 1))
+    stages, pipelines = _live(ctx, level)
+    lengths, starts = np.nonzero(stages[f][1 : first_longest + 1, :n])
+    lengths += 1
+    mids = starts + lengths
+    keep = mids < n
+    lengths, starts, mids = lengths[keep], starts[keep], mids[keep]
+    rest_lengths, offsets = _live_by_start(ctx, level, after)
+    per_start = np.diff(offsets)
+    counts = per_start[mids]
+    total = int(counts.sum())
+    if total * SPARSE_SPEEDUP > dense or total > SPARSE_MAX_CHOICES:
+        return False
+    pair = np.repeat(np.arange(len(starts)), counts)
+    within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    tail = rest_lengths[offsets[mids][pair] + within]
+    whole = lengths[pair] + tail
+    pick = (whole <= longest) & (tail <= rest_longest)
+    pair, tail, whole = pair[pick], tail[pick], whole[pick]
+    begin = starts[pair]
+    pick = pipelines[m][whole, begin]
+    pair, tail, whole, begin = pair[pick], tail[pick], whole[pick], begin[pick]
+    head = np.maximum(_stage_values(ctx, level, f, tau, lengths, starts), cut[mids])
+    value = np.maximum(head[pair], rest[tail, mids[pair]])
+    np.minimum.at(out, (whole, begin), value)
+    return True
 
 
 def _fill_top(ctx: _Context, band: int) -> np.ndarray:
@@ -495,16 +707,77 @@ def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int
     return max(_longest_prefix(fits, n - starts, arrays), 1)
 
 
-def _lower_bound_ms(arrays: LayerArrays, topology: Topology) -> float:
+def _lower_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings | None = None) -> float:
     """A lower bound (ms) on the answer, the first pruning limit: total compute over every
-    device, and either one top stage of every layer or at least one top-level cut."""
+    device, and either one top stage of every layer or at least one top-level cut; with
+    ``settings``, also the top level's own DP over relaxed units (``_relaxed_top_ms``)."""
     n = arrays.layers
     lv = topology.levels[-1]
     spread = float(arrays.compute_ms[-1]) / topology.world_size
     single = float(_top_stage_bound(arrays, topology, np.array([0]), np.array([n]))[0])
     cuts = transfer_ms(arrays.cut_bytes[1:n], lv.bandwidth_bytes_per_s, lv.latency_ms)
     cheapest_cut = float(cuts.min()) if n > 1 and lv.count > 1 else INF
-    return max(spread, min(single, cheapest_cut))
+    relaxed = _relaxed_top_ms(arrays, topology, settings) if settings is not None else 0.0
+    return max(spread, min(single, cheapest_cut), relaxed)
+
+
+FIRST_BAND_GROWTH = 2  # the first pass searches top stages up to this many times its guess
+RELAXED_MAX_WORK = 30_000_000  # (unit-count pairs) x states^2 of the relaxed top DP: skipped above
+
+
+def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+    """The top level's DP with each unit below relaxed to its compute / devices (no memory
+    limit, free links inside): a top stage of compute c and parameters P on f units takes
+    max(c / (f D), all-reduce of P on f). Every inner value is at least c / D, so this is a
+    lower bound on the answer, and close to it when the top level's links bind (NASNet
+    on 4 x 4). O(u^2 F^2) for F states: 0 when that exceeds ``RELAXED_MAX_WORK``."""
+    n = arrays.layers
+    lv = topology.levels[-1]
+    if lv.count * (lv.count + 1) // 2 * (n + 1) ** 2 > RELAXED_MAX_WORK:
+        return 0.0
+    per_unit = topology.world_size // lv.count
+    lengths, starts = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    ends = np.minimum(starts + lengths, n)
+    ok = (starts + lengths <= n) & (lengths >= 1)
+    if not arrays.cut_family.is_prefix:
+        ok &= nested_states(arrays)[: n + 1, : n + 1]
+    compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+    params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+    transfer = np.full(2 * n + 2, INF)
+    transfer[: n + 1] = transfer_ms(arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
+    cut = sliding_window_view(transfer, n + 1)[: n + 1]  # [t, i]: the cut at state i + t
+    suffix = np.full((lv.count + 1, 2 * n + 2), INF)  # [m, i]: states from i on m units
+    for m in range(1, lv.count + 1):
+        best = np.full(n + 1, INF)
+        if m == 1 or not settings.straight:
+            whole = np.maximum(compute / (m * per_unit), ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms))
+            best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
+        for first_units in range(1, 2) if settings.straight else range(1, m):
+            stage = np.maximum(compute / (first_units * per_unit),
+                               ring_allreduce_ms(params, first_units, lv.bandwidth_bytes_per_s, lv.latency_ms))
+            rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
+            split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
+            np.minimum(best, split.min(axis=0), out=best)
+        suffix[m, : n + 1] = best
+        if settings.use_fewer_devices and m > 1:
+            np.minimum(suffix[m], suffix[m - 1], out=suffix[m])
+    return float(suffix[lv.count, 0])
+
+
+def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+    """The DP's own value of pure data parallelism (every layer in one stage on every unit
+    at every level, tau 0): an upper bound on the answer with top stages of any length;
+    inf when that plan is not a candidate (``straight``) or does not fit. O(levels)."""
+    if settings.straight and topology.world_size > 1:
+        return INF
+    params, saved = arrays.param_bytes[-1:] - arrays.param_bytes[:1], arrays.saved_bytes[-1:] - arrays.saved_bytes[:1]
+    if settings.memory_check and float(_device_need_bytes(settings, params, saved, 0)[0]) > topology.device.memory_bytes:
+        return INF
+    value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
+    for level in topology.levels:
+        allreduce = ring_allreduce_ms(params, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
+        value = max(value / level.count, float(allreduce[0]))
+    return value
 
 
 def _next_limit(limit_ms: float, found_ms: float, attempt: int) -> float:
@@ -570,16 +843,18 @@ def _check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings,
 
 
 def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
-                upper_ms: float = INF, prune: bool = True) -> DPSolution:
+                upper_ms: float = INF, prune: bool = True, start_at_upper: bool = False) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
 
-    The limit starts at a lower bound of the answer and grows (``_next_limit``, capped
-    by ``upper_ms``, a known upper bound) until a pass proves its answer: at most
-    ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the only one when not ``prune``).
+    The limit starts at a lower bound of the answer (the strongest pruning: a pass near
+    a balanced plan's time keeps few live choices, ``_live``), or at ``upper_ms`` (the
+    time of a plan within the band) with ``start_at_upper``, and grows (``_next_limit``,
+    capped by ``upper_ms``) until a pass proves its answer: with a finite ``upper_ms`` at
+    most two passes; at most ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the
+    only one when not ``prune``).
     """
-    # without a known upper bound, start at a lower bound (strongest pruning); with one
-    # (the second pass of ``solve``), start there: that pass then proves its answer at once
-    limit = (upper_ms if math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology)) if prune else INF
+    start = upper_ms if start_at_upper and math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology, settings)
+    limit = min(start, upper_ms) if prune else INF
     _check_memory(arrays, topology, settings, band)
     attempt = 0
     while True:
@@ -596,22 +871,37 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
 def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
     """Fill the tables and return the optimum (``time_ms`` is inf when nothing fits).
 
-    A first pass limits top-level stages to a short band (``guess`` layers); its
-    optimum bounds the answer, which bounds the longest useful top stage
-    (``_band_bound``); a second pass with that band is exact. Each pass runs on pruned
-    tables (``_exact_pass``); the second is pruned under the first's optimum.
-    ``prune=False`` fills every entry (same answer and plan, slower: for tests).
+    A first pass runs at a lower bound of the answer (``_lower_bound_ms``; with few
+    live choices it is cheap) over top stages as long as that bound allows
+    (``_band_bound``) if that is at most ``FIRST_BAND_GROWTH`` times a short ``guess``,
+    else over the guess. If it proves its answer within its band, that is the optimum. Otherwise the best plan known, its answer or pure data parallelism
+    (``_data_parallel_bound_ms``), bounds the answer and so the longest useful top stage,
+    and one pass at that bound over that band is exact. Passes run on pruned tables
+    (``_exact_pass``). ``prune=False`` fills every entry of one pass over every band
+    (same answer and plan, slower: for tests).
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
+    if not prune:
+        return _exact_pass(arrays, topology, settings, n, prune=False)
+    whole = _data_parallel_bound_ms(arrays, topology, settings)
+    lower = _lower_bound_ms(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
-    first = _exact_pass(arrays, topology, settings, guess, prune=prune)
-    if guess == n:
+    reach = _band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
+    band = min(n, max(guess, reach) if reach <= FIRST_BAND_GROWTH * guess else guess)
+    _check_memory(arrays, topology, settings, band)
+    limit = min(lower, whole if band == n else INF)
+    first = _solution(_Context(arrays, topology, settings, band, limit), band)
+    if first.time_ms <= limit and (band == n or _band_bound(arrays, topology, first.time_ms) <= band):
         return first
-    needed = _band_bound(arrays, topology, first.time_ms)
-    if needed <= guess:
-        return first
-    return _exact_pass(arrays, topology, settings, min(n, needed), first.time_ms, prune)
+    bound = min(first.time_ms, whole)
+    if not math.isfinite(bound):  # no plan known yet: grow the limit on this band first
+        first = _exact_pass(arrays, topology, settings, band)
+        if band == n or _band_bound(arrays, topology, first.time_ms) <= band:
+            return first
+        bound = first.time_ms
+    band = min(n, max(band, _band_bound(arrays, topology, bound)))
+    return _exact_pass(arrays, topology, settings, band, bound, start_at_upper=True)
 
 
 def _close(a: float, b: float) -> bool:

@@ -220,7 +220,7 @@ def test_pipedream_mode_is_never_worse_than_pipedream(model: str, shape: str):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dag_cases(), st.integers(4, 9))
 def test_pruning_over_downsets_changes_nothing(case, extra):
-    """Pruned and unpruned DP over every downset: same optimum, band and plan (sums over
+    """Pruned and unpruned DP over every downset: same optimum and plan (sums over
     states need not grow with the state index, so the pruning bounds scan every length)."""
     from pipeplan.planner.dp import DPSettings, reconstruct, solve
 
@@ -232,6 +232,6 @@ def test_pruning_over_downsets_changes_nothing(case, extra):
     arrays = layer_arrays(profile, None, cut_family(profile))
     dp_settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages)
     pruned, full = solve(arrays, topology, dp_settings), solve(arrays, topology, dp_settings, prune=False)
-    assert pruned.time_ms == full.time_ms and pruned.band == full.band
+    assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):
         assert reconstruct(pruned) == reconstruct(full)

@@ -1,6 +1,7 @@
 """The hierarchical DP against hand-derived optima and against brute force."""
 
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from pipeplan.errors import InfeasibleError
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology
+from pipeplan.planner.costs import ring_allreduce_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, partition
@@ -143,7 +145,8 @@ def test_dp_equals_exhaustive(case):
 import numpy as np
 
 from pipeplan.planner.costs import layer_arrays
-from pipeplan.planner.dp import DPSettings, _band_bound, _lower_bound_ms, reconstruct, solve
+from pipeplan.planner import dp
+from pipeplan.planner.dp import DPSettings, _band_bound, _data_parallel_bound_ms, _lower_bound_ms, reconstruct, solve
 
 
 @st.composite
@@ -177,16 +180,49 @@ def large_world_cases(draw):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(large_world_cases())
 def test_pruned_equals_unpruned(case):
-    """Same optimum, band and plan (ties included) with and without pruning."""
+    """Same optimum and plan (ties included) with and without pruning; the bounds that
+    steer the passes hold."""
     profile, topology, dp_settings = case
     arrays = layer_arrays(profile)
     pruned = solve(arrays, topology, dp_settings)
     full = solve(arrays, topology, dp_settings, prune=False)
     assert pruned.time_ms == full.time_ms
-    assert pruned.band == full.band
     if math.isfinite(full.time_ms):
         assert reconstruct(pruned) == reconstruct(full)
-        assert _lower_bound_ms(arrays, topology) <= full.time_ms * (1 + 1e-12)
+        assert _lower_bound_ms(arrays, topology, dp_settings) <= full.time_ms * (1 + 1e-12)
+    assert _data_parallel_bound_ms(arrays, topology, dp_settings) >= full.time_ms * (1 - 1e-12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(large_world_cases(), st.integers(1, 4))
+def test_sparse_and_blocked_combines_equal_unpruned(case, block):
+    """Every live-choice combine taken sparsely (``SPARSE_SPEEDUP`` 0, ``SHORT_RANGES`` 0)
+    and the dense one in blocks of a few starts: still the unpruned optimum and plan."""
+    profile, topology, dp_settings = case
+    arrays = layer_arrays(profile)
+    full = solve(arrays, topology, dp_settings, prune=False)
+    with mock.patch.object(dp, "SPARSE_SPEEDUP", 0), mock.patch.object(dp, "COLUMN_BLOCK", block), \
+            mock.patch.object(dp, "SHORT_RANGES", 0):
+        pruned = solve(arrays, topology, dp_settings)
+    assert pruned.time_ms == full.time_ms
+    if math.isfinite(full.time_ms):
+        assert reconstruct(pruned) == reconstruct(full)
+
+
+def test_data_parallel_bound_is_the_whole_model_on_every_device():
+    """One stage of every layer on all 4 devices: compute / 4, or the all-reduce when it is
+    slower; inf when straight (no replication) or when the model does not fit."""
+    profile = chain([1.0, 3.0], [4 * 10**5, 4 * 10**5], [0, 0], [10**5, 10**5])
+    arrays = layer_arrays(profile)
+    topology = two_by_two()
+    top, inner = topology.levels[-1], topology.levels[0]
+    params = 8 * 10**5
+    inner_ms = max(4.0 / inner.count, ring_allreduce_ms(params, inner.count, inner.bandwidth_bytes_per_s, inner.latency_ms))
+    want = max(inner_ms / top.count, ring_allreduce_ms(params, top.count, top.bandwidth_bytes_per_s, top.latency_ms))
+    assert _data_parallel_bound_ms(arrays, topology, DPSettings()) == pytest.approx(want, rel=1e-12)
+    assert _data_parallel_bound_ms(arrays, topology, DPSettings(straight=True)) == math.inf
+    tiny = Topology("t", DeviceSpec("d", 10**6), topology.levels)
+    assert _data_parallel_bound_ms(arrays, tiny, DPSettings()) == math.inf
 
 
 def test_band_bound_matches_a_scan():
