@@ -94,6 +94,7 @@ DEFAULT_PLANNER_MEMORY = 8 * 2**30  # bytes of DP tables before ``solve`` refuse
 INF = math.inf
 PRUNE_SLACK = 1e-9  # relative and absolute (ms) slack added to every pruning limit
 LIMIT_ATTEMPTS = 3  # pruned passes before one without pruning
+LIMIT_GROWTH = 1.25  # the second round's first limit over the lower bound (a tighter pass is cheaper)
 
 
 @dataclass(frozen=True)
@@ -780,16 +781,11 @@ def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: D
     return value
 
 
-def _next_limit(limit_ms: float, found_ms: float, attempt: int) -> float:
-    """Limit of pass ``attempt`` (1, 2, ...) after one under ``limit_ms`` could not prove its answer.
-
-    A finite ``found_ms`` (the pruned pass's answer) is the time of a real plan, so a
-    limit of it succeeds; otherwise the limit grows fourfold. The last attempt prunes nothing.
-    """
+def _next_limit(limit_ms: float, attempt: int) -> float:
+    """Limit of pass ``attempt`` (1, 2, ...) after one under ``limit_ms`` found no plan and
+    none is known: fourfold, and the last attempt prunes nothing."""
     if attempt >= LIMIT_ATTEMPTS:
         return INF
-    if math.isfinite(found_ms):
-        return found_ms
     return max(4.0 * limit_ms, 1e-3)
 
 
@@ -843,17 +839,17 @@ def _check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings,
 
 
 def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
-                upper_ms: float = INF, prune: bool = True, start_at_upper: bool = False) -> DPSolution:
+                upper_ms: float = INF, prune: bool = True, start_ms: float | None = None) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
 
-    The limit starts at a lower bound of the answer (the strongest pruning: a pass near
-    a balanced plan's time keeps few live choices, ``_live``), or at ``upper_ms`` (the
-    time of a plan within the band) with ``start_at_upper``, and grows (``_next_limit``,
-    capped by ``upper_ms``) until a pass proves its answer: with a finite ``upper_ms`` at
-    most two passes; at most ``LIMIT_ATTEMPTS`` + 1 passes, the last without pruning (the
-    only one when not ``prune``).
+    The limit starts at ``start_ms`` (default: a lower bound of the answer, the
+    strongest pruning) and grows until a pass proves its answer. Once a plan within the
+    band is known (``upper_ms``, or a pruned pass's finite answer, the time of a real
+    plan), the next pass runs at that plan's time and proves; with none known the limit
+    grows fourfold (``_next_limit``), the last attempt without pruning (the only one
+    when not ``prune``).
     """
-    start = upper_ms if start_at_upper and math.isfinite(upper_ms) else _lower_bound_ms(arrays, topology, settings)
+    start = start_ms if start_ms is not None else _lower_bound_ms(arrays, topology, settings)
     limit = min(start, upper_ms) if prune else INF
     _check_memory(arrays, topology, settings, band)
     attempt = 0
@@ -865,7 +861,8 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
         if not math.isfinite(solution.time_ms) and _some_layer_never_fits(ctx):
             return solution  # infeasible under any limit
         attempt += 1
-        limit = min(_next_limit(limit, solution.time_ms, attempt), upper_ms)
+        upper_ms = min(upper_ms, solution.time_ms)
+        limit = upper_ms if math.isfinite(upper_ms) else _next_limit(limit, attempt)
 
 
 def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
@@ -901,7 +898,7 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
             return first
         bound = first.time_ms
     band = min(n, max(band, _band_bound(arrays, topology, bound)))
-    return _exact_pass(arrays, topology, settings, band, bound, start_at_upper=True)
+    return _exact_pass(arrays, topology, settings, band, bound, start_ms=min(bound, lower * LIMIT_GROWTH))
 
 
 def _close(a: float, b: float) -> bool:
