@@ -166,7 +166,6 @@ class _Context:
         self.live_by_start: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.regions: dict[int, tuple[int, int]] | None = None  # tau -> states read by the top (``_top_regions``)
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
-        self.opt = optimizer_states(settings.optimizer)
         self.limit_ms = limit_ms
         top = len(self.levels)
         limit = limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
@@ -346,13 +345,19 @@ def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarr
     return params * (versions + 1 + optimizer_states(settings.optimizer)) + saved * in_flight
 
 
+def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
+    """Compute (ms) of the ranges ``[l, i]`` at ``where`` (an index into the band arrays)
+    on one device at ``tau``; inf where the range is no stage or does not fit in memory."""
+    time = np.where(ctx.valid[where], ctx.compute[where], INF)
+    if ctx.settings.memory_check:
+        need = _device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau)
+        time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
+    return time
+
+
 def _device_table(ctx: _Context, tau: int) -> np.ndarray:
     """U_0[q, l, i]: compute of each range on one device, inf where it does not fit in memory."""
-    width = ctx.width[0] + 1
-    time = np.where(ctx.valid[:width], ctx.compute[:width], INF)
-    if ctx.settings.memory_check:
-        need = _device_need_bytes(ctx.settings, ctx.params[:width], ctx.saved[:width], tau)
-        time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
+    time = _device_time(ctx, tau, (slice(0, ctx.width[0] + 1),))
     return np.repeat(time[None, :, :], ctx.q, axis=0)
 
 
@@ -456,11 +461,7 @@ def _stage_values(ctx: _Context, level: int, units: int, tau: int, lengths: np.n
     if key in ctx.stage_tables:
         return ctx.stage_tables[key][0, lengths, starts]
     if below == 0 and (0, ctx.tau_key(tau)) not in ctx.tables:
-        unit = np.where(ctx.valid[lengths, starts], ctx.compute[lengths, starts], INF)
-        if ctx.settings.memory_check:
-            need = _device_need_bytes(ctx.settings, ctx.params[lengths, starts], ctx.saved[lengths, starts],
-                                      ctx.tau_key(tau))
-            unit = np.where(need <= ctx.topology.device.memory_bytes, unit, INF)
+        unit = _device_time(ctx, ctx.tau_key(tau), (lengths, starts))
     else:
         unit = _unit_table(ctx, below, tau)[0, lengths, starts]
     return np.maximum(unit / units, ctx.allreduce_ms(level, units)[lengths, starts])
@@ -794,7 +795,7 @@ def _some_layer_never_fits(ctx: _Context) -> bool:
     if not ctx.settings.memory_check:
         return False
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
-    need = params * (2 + ctx.opt) + saved  # _device_table at tau = 0 for single layers
+    need = _device_need_bytes(ctx.settings, params, saved, 0)  # _device_table at tau = 0 for single layers
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
