@@ -51,9 +51,11 @@ m units, ``width[k]`` for a whole table. Two more bounds of the same kind skip w
   filled only over the states such stages span.
 
 ``solve`` runs a pass at a lower bound of the answer (cheap: balanced plans leave few
-live choices), and if that does not prove its answer, one pass at the best plan known
-(its answer, or pure data parallelism's time, ``_data_parallel_bound_ms``), which is
-exact (a finite answer of a pruned pass is the time of a real plan). The top band
+live choices; the bound is the top level's own DP over relaxed units, ``_relaxed_top_ms``),
+and if that does not prove its answer, a pass at 1.25 times that bound, then one at the
+best plan known (its answer, or pure data parallelism's time,
+``_data_parallel_bound_ms``), which is exact (a finite answer of a pruned pass is the
+time of a real plan). The top band
 (longest top-level stage) follows from that bound (``_band_bound``).
 
 The reconstruction follows the tau each table was filled with (rounded, or 0 for a
@@ -82,7 +84,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.schedule import schedule_kind
-from pipeplan.topology import Topology
+from pipeplan.topology import Level, Topology
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
 from pipeplan.planner.memory import optimizer_states
 
@@ -425,7 +427,7 @@ def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
             starts = np.arange(n)
         if len(starts) == 0:
             continue
-        for first_units in _split_choices(ctx, m):
+        for first_units in _split_choices(ctx.settings, m):
             if m - first_units < 1:
                 continue
             key = ctx.tau_key(math.ceil((m - first_units) * per_unit / first_units))
@@ -485,8 +487,9 @@ def _combine(out: np.ndarray, head: np.ndarray, rest: np.ndarray, bounded: bool,
             np.minimum(out[q], tmp, out=out[q])
 
 
-def _split_choices(ctx: _Context, m: int) -> range:
-    return range(1, 2) if ctx.settings.straight else range(1, m)
+def _split_choices(settings: DPSettings, m: int) -> range:
+    """Units of a first stage split off m units: 1 only when ``straight`` (no replicas)."""
+    return range(1, 2) if settings.straight else range(1, m)
 
 
 def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | None = None) -> np.ndarray:
@@ -513,7 +516,7 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
             table[m, :, :columns] = single[:, :columns]
         table[m, :, columns:] = INF
         longest = rest_len[m]
-        for first_units in _split_choices(ctx, m):
+        for first_units in _split_choices(ctx.settings, m):
             if m - first_units < 1:
                 continue
             after = m - first_units
@@ -655,7 +658,7 @@ def _fill_top(ctx: _Context, band: int) -> np.ndarray:
             whole = _stage_table(ctx, top, m, 0)
             fits = lengths <= min(band, whole.shape[1] - 1)
             suffix[m][:, starts[fits]] = whole[:, lengths[fits], starts[fits]]
-        for first_units in _split_choices(ctx, m):
+        for first_units in _split_choices(ctx.settings, m):
             if m - first_units < 1:
                 continue
             longest = min(band, ctx.first_len[top][first_units])
@@ -688,9 +691,16 @@ def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray
     params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
     low = np.full(len(starts), INF)
     for m in range(1, lv.count + 1):
-        ar = ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms)
-        low = np.minimum(low, np.maximum(compute / (m * per_unit), ar))
+        low = np.minimum(low, _relaxed_stage_ms(compute, params, m, per_unit, lv))
     return low
+
+
+def _relaxed_stage_ms(compute: np.ndarray, params: np.ndarray, units: int, per_unit: int, level: Level) -> np.ndarray:
+    """Lower bound (ms) of ranges of ``compute`` ms and ``params`` bytes as one stage on
+    ``units`` units of ``level`` (``per_unit`` devices each): max(compute over the devices,
+    the ring all-reduce among the units)."""
+    allreduce = ring_allreduce_ms(params, units, level.bandwidth_bytes_per_s, level.latency_ms)
+    return np.maximum(compute / (units * per_unit), allreduce)
 
 
 def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
@@ -752,11 +762,10 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     for m in range(1, lv.count + 1):
         best = np.full(n + 1, INF)
         if m == 1 or not settings.straight:
-            whole = np.maximum(compute / (m * per_unit), ring_allreduce_ms(params, m, lv.bandwidth_bytes_per_s, lv.latency_ms))
+            whole = _relaxed_stage_ms(compute, params, m, per_unit, lv)
             best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
-        for first_units in range(1, 2) if settings.straight else range(1, m):
-            stage = np.maximum(compute / (first_units * per_unit),
-                               ring_allreduce_ms(params, first_units, lv.bandwidth_bytes_per_s, lv.latency_ms))
+        for first_units in _split_choices(settings, m):
+            stage = _relaxed_stage_ms(compute, params, first_units, per_unit, lv)
             rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
             split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
             np.minimum(best, split.min(axis=0), out=best)
@@ -872,9 +881,11 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     A first pass runs at a lower bound of the answer (``_lower_bound_ms``; with few
     live choices it is cheap) over top stages as long as that bound allows
     (``_band_bound``) if that is at most ``FIRST_BAND_GROWTH`` times a short ``guess``,
-    else over the guess. If it proves its answer within its band, that is the optimum. Otherwise the best plan known, its answer or pure data parallelism
-    (``_data_parallel_bound_ms``), bounds the answer and so the longest useful top stage,
-    and one pass at that bound over that band is exact. Passes run on pruned tables
+    else over the guess. If it proves its answer within its band, that is the optimum.
+    Otherwise the best plan known, its answer or pure data parallelism
+    (``_data_parallel_bound_ms``), bounds the answer and so the longest useful top stage;
+    over that band a pass at ``LIMIT_GROWTH`` times the lower bound (cheap, and often
+    enough), else one at that plan's time, proves the exact optimum. Passes run on pruned tables
     (``_exact_pass``). ``prune=False`` fills every entry of one pass over every band
     (same answer and plan, slower: for tests).
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
@@ -941,7 +952,7 @@ def _pick(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q:
             inner = _reconstruct_level(ctx, band, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau)
             return (StageNode(level, start, end, m, inner),)
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
-    for first_units in _split_choices(ctx, m):
+    for first_units in _split_choices(ctx.settings, m):
         if m - first_units < 1:
             continue
         inner_tau = math.ceil((tau + (m - first_units) * per_unit) / first_units)
