@@ -22,7 +22,7 @@ from pipeplan.jsonio import write_json_atomic
 from pipeplan.plan import Plan, Predicted, StagePlan
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.schedule import noam
+from pipeplan.schedules import noam
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 TARGET_S = 30.0

@@ -17,13 +17,13 @@ from typing import Any
 from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
-from pipeplan.schedule import SCHEDULE_NAMES
 from pipeplan.topology import DeviceSpec, Level, Topology
 
-__all__ = ["PLAN_SCHEMA", "SCHEDULES", "StagePlan", "Predicted", "Plan"]
+__all__ = ["PLAN_SCHEMA", "SCHEDULE_NAMES", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/1"
-SCHEDULES = SCHEDULE_NAMES  # the registry in pipeplan.schedule
+# The schedules a plan may name; pipeplan.schedules registers exactly these (checked at import).
+SCHEDULE_NAMES = ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Plan:
     batch_size: int  # samples per minibatch (as profiled)
     dtype: str
     topology: Topology
-    schedule: str  # one of SCHEDULES
+    schedule: str  # one of SCHEDULE_NAMES
     cost_model: str  # "pipeplan" | "pipedream"
     optimizer: str  # "sgd" | "momentum" | "adam"
     world_size: int
@@ -163,8 +163,8 @@ def validate(plan: Plan) -> None:
     need not be contiguous), ``layer_start``/``layer_end`` = min/max+1 of each set, and
     that every rank runs at most one pipeline position. O(layers + ranks).
     """
-    if plan.schedule not in SCHEDULES:
-        raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if plan.schedule not in SCHEDULE_NAMES:
+        raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     if plan.world_size != plan.topology.world_size:
         raise InputError(
             f"plan world_size {plan.world_size} != topology world size {plan.topology.world_size}"

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
 from pipeplan.profile import Profile
-from pipeplan.schedule import SCHEDULE_KINDS, schedule_kind
+from pipeplan.schedules import SCHEDULE_KINDS, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
+from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
+from pipeplan.planner.options import PartitionOptions
+from pipeplan.planner.partition import partition
 
-if TYPE_CHECKING:
-    from pipeplan.planner.partition import PartitionOptions
 
-__all__ = ["Candidate", "SearchResult", "candidate_shapes", "device_peak_bytes", "search"]
+__all__ = ["Candidate", "SearchResult", "candidate_shapes", "choose_schedule", "device_peak_bytes", "search"]
 
 MAX_MICROBATCHES = 64
 TIE_REL = 1e-6  # simulated times this close are a tie: fewer micro-batches, then less memory
@@ -81,8 +81,6 @@ def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int
     ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with micro-batch counts
     that are multiples of the device count (Megatron's rule).
     """
-    from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
-
     counts = _counts(options, batch_size, world_size)
     out: list[tuple[str, int, int | None]] = []
     for name, kind in SCHEDULE_KINDS.items():
@@ -105,8 +103,6 @@ def search(profile: Profile, topology: Topology, options: PartitionOptions) -> S
     candidates' plans needs when none fits. Time: one partition and one simulation per
     candidate.
     """
-    from pipeplan.planner.partition import partition
-
     candidates: list[Candidate] = []
     plans: list[Plan | None] = []
     for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size):
@@ -151,3 +147,25 @@ def search(profile: Profile, topology: Topology, options: PartitionOptions) -> S
     plan = plans[chosen]
     assert plan is not None  # a fitting candidate has a plan
     return SearchResult(tuple(candidates), chosen, plan)
+
+
+def choose_schedule(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[str, int, str]:
+    """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
+
+    ``planner.auto.search`` over schedule x micro-batches x virtual stages; raises
+    ``InfeasibleError`` when none fits.
+    """
+    found = search(profile, topology, options)
+    best = found.best
+    others = ", ".join(
+        f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
+        for i, c in enumerate(found.candidates) if i != found.chosen and c.fits
+    )
+    reason = (
+        f"{best.schedule} (M={best.microbatches}, v={best.virtual_stages}) simulates "
+        f"{best.time_per_minibatch_ms:.3f} ms/minibatch in {format_bytes(best.peak_memory_bytes)} "
+        f"of {format_bytes(topology.device.memory_bytes)} per device"
+    )
+    if others:
+        reason += f"; vs {others}"
+    return best.schedule, best.microbatches, reason

@@ -11,20 +11,21 @@ registry's activations in flight per chunk) is kept.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.profile import Profile
-from pipeplan.schedule import schedule_kind
+from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
 from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.assemble import assemble_plan
+from pipeplan.planner.options import PartitionOptions
+from pipeplan.planner.predict import predict
 
-if TYPE_CHECKING:
-    from pipeplan.planner.partition import PartitionOptions
 
 __all__ = ["VIRTUAL_CANDIDATES", "balanced_cuts", "interleaved_plan", "partition_interleaved", "rechunk"]
 
@@ -75,8 +76,6 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
 
     Position i runs on ``ranks[i]`` (default: rank i).
     """
-    from pipeplan.planner.partition import assemble_plan
-
     micro = options.microbatches
     optimizer = options.optimizer
     chunks = positions * virtual
@@ -115,8 +114,6 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     one-line ``InputError`` when micro-batches break Megatron's rule, ``InfeasibleError``
     naming the smallest memory that would fit when no v fits.
     """
-    from pipeplan.planner.predict import predict
-
     kind = schedule_kind(options.schedule)
     model = cost_model(options.cost_model)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer))
@@ -157,9 +154,6 @@ def rechunk(plan: Plan, profile: Profile, schedule: str, virtual: int = 2, micro
     For comparing a one-chunk plan with interleaving on the same devices (``pipeplan
     simulate -s all``). Needs a straight plan (one device per stage): ``InputError`` else.
     """
-    from pipeplan.planner.partition import PartitionOptions
-    from pipeplan.planner.predict import predict
-
     if any(stage.replicas != 1 for stage in plan.stages) or plan.virtual_stages != 1:
         raise InputError("interleaving needs a straight plan of one chunk per device (partition with --straight)")
     positions = len(plan.stages)

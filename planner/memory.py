@@ -5,7 +5,7 @@ A replica of a stage keeps (bytes per device)::
     params * (weight_versions + 1 gradient + optimizer_states) + saved * activations_in_flight
 
 ``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam. The counts are each
-schedule's own, from the registry ``pipeplan.schedule.SCHEDULE_KINDS`` (shared with the
+schedule's own, from the registry ``pipeplan.schedules.SCHEDULE_KINDS`` (shared with the
 runtime and the simulator): with 1F1B-RR a replica of stage s stashes ``W_s + 1`` weight
 versions and as many minibatches of activations, where ``W_s + 1 = ceil(after_s / n_s)``
 with ``after_s`` the devices of stage s and every later stage and ``n_s`` its replicas;
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
-from pipeplan.schedule import schedule_kind
+from pipeplan.schedules import schedule_kind
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -52,7 +52,7 @@ def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_fli
 def in_flight_after(devices_from_stage: int, replicas: int) -> int:
     """1F1B-RR minibatches in flight at a stage: ceil(devices of it and later stages / replicas).
 
-    Equals ``pipeplan.schedule.weight_versions("1f1b-rr", ...)`` for every stage:
+    Equals ``pipeplan.schedules.weight_versions("1f1b-rr", ...)`` for every stage:
 
     >>> [in_flight_after(after, 1) for after in (4, 3, 2, 1)]
     [4, 3, 2, 1]

@@ -9,77 +9,27 @@ per-stage and predicted figures (ms per minibatch, bytes per device).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.plan import Plan, Predicted, StagePlan
+from pipeplan.errors import InfeasibleError
+from pipeplan.plan import Plan, StagePlan
 from pipeplan.profile import Profile
-from pipeplan.schedule import SCHEDULE_NAMES, schedule_kind
+from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import COST_MODELS, LayerArrays, layer_arrays
-from pipeplan.planner.cuts import CutFamily, cut_family
+from pipeplan.planner.costs import LayerArrays, layer_arrays
+from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
-from pipeplan.planner.memory import OPTIMIZER_STATES, plan_stage_memory, stage_memory_bytes
+from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
-from pipeplan.planner.placement import FlatStage, flatten
+from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
+from pipeplan.planner.options import PartitionOptions, charged_optimizer
+from pipeplan.planner.placement import flatten
+from pipeplan.planner.interleave import partition_interleaved
+from pipeplan.planner.predict import predict
+from pipeplan.planner.simulate import SimulationTooLarge
 
 __all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer"]
-
-
-@dataclass(frozen=True)
-class PartitionOptions:
-    schedule: str = "1f1b-rr"  # one of pipeplan.schedule.SCHEDULE_NAMES
-    cost_model: str = "pipeplan"  # "pipeplan" | "pipedream"
-    optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
-    straight: bool = False  # one device per stage
-    max_stages: int | None = None
-    use_fewer_devices: bool = False
-    microbatches: int = 1  # micro-batches per minibatch (schedules that split minibatches)
-    memory_check: bool = True
-    activation_compression_ratio: float | None = None  # PipeDream mode only
-    virtual_stages: int | None = None  # interleaved-1f1b: chunks per device (None: the planner picks)
-
-    def validate(self) -> None:
-        if self.schedule not in SCHEDULE_NAMES:
-            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
-        if self.cost_model not in COST_MODELS:
-            raise InputError(f"cost model {self.cost_model!r} is not one of {', '.join(COST_MODELS)}")
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise InputError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}")
-        if self.max_stages is not None and self.max_stages < 1:
-            raise InputError(f"--max-stages must be >= 1 (got {self.max_stages})")
-        if self.microbatches < 1:
-            raise InputError(f"--microbatches must be >= 1 (got {self.microbatches})")
-        if self.cost_model == "pipedream" and self.max_stages is not None:
-            raise InputError("--max-stages is not part of PipeDream's optimizer (use --cost-model pipeplan)")
-        ratio = self.activation_compression_ratio
-        if ratio is not None and not ratio > 0:
-            raise InputError(f"activation compression ratio must be positive (got {ratio})")
-        kind = schedule_kind(self.schedule)
-        if self.virtual_stages is not None and (self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1):
-            raise InputError(
-                f"schedule {self.schedule} runs "
-                + ("v >= 2" if kind.virtual_stages else "one") + f" chunk(s) per device (got --virtual-stages {self.virtual_stages})"
-            )
-        if kind.whole_minibatches and self.microbatches != 1:
-            raise InputError(f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})")
-
-
-def data_parallel_ms(arrays: LayerArrays, topology: Topology, cost_model_name: str = "pipeplan") -> float:
-    """Pure data parallelism on every device: the whole model as one stage at each level."""
-    return cost_model(cost_model_name).data_parallel_ms(arrays, topology)
-
-
-def stage_figures(
-    flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions,
-    single_nodes: frozenset = frozenset(),
-) -> list[tuple[float, float, float, float]]:
-    """(compute, all-reduce, communication, time per minibatch) in ms for each stage (the cost model's)."""
-    return cost_model(options.cost_model).stage_figures(
-        flat, arrays, topology, options.activation_compression_ratio, single_nodes
-    )
 
 
 def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
@@ -146,11 +96,6 @@ def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionO
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
 
 
-def charged_optimizer(options: PartitionOptions) -> str | None:
-    """The optimizer whose measured step counts as compute (none in PipeDream's own model)."""
-    return cost_model(options.cost_model).charged_optimizer(options.optimizer)
-
-
 def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions()) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``.
 
@@ -160,14 +105,9 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     Raises ``InputError`` for bad options and ``InfeasibleError`` (one line) when no plan
     fits device memory.
     """
-    from pipeplan.planner.predict import predict
-    from pipeplan.planner.simulate import SimulationTooLarge
-
     options.validate()
     kind = schedule_kind(options.schedule)
     if kind.virtual_stages:
-        from pipeplan.planner.interleave import partition_interleaved
-
         return partition_interleaved(profile, topology, options)
     model = cost_model(options.cost_model)
     family = cut_family(profile)
@@ -205,35 +145,3 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         return predict(plan, profile)
     except SimulationTooLarge:  # keeps the cost model's figures, marked not simulated
         return plan
-
-
-def assemble_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
-                  stages: tuple[StagePlan, ...], time_ms: float, virtual_stages: int = 1,
-                  family: CutFamily | None = None) -> Plan:
-    """A ``Plan`` of ``stages`` predicting ``time_ms`` per minibatch (baselines from ``arrays``,
-    cut at the states of ``family``; default: the prefixes of the layer order)."""
-    if family is None:
-        family = CutFamily("prefix", len(profile.layers))
-    single = arrays.compute(0, arrays.layers)
-    dp_ms = data_parallel_ms(arrays, topology, options.cost_model)
-    predicted = Predicted(
-        time_per_minibatch_ms=time_ms,
-        samples_per_s=profile.batch_size / time_ms * 1000.0 if time_ms > 0 else math.inf,
-        speedup_vs_data_parallel=dp_ms / time_ms if time_ms > 0 else math.inf,
-        speedup_vs_single_device=single / time_ms if time_ms > 0 else math.inf,
-        data_parallel_ms=dp_ms,
-        single_device_ms=single,
-        stage_bound_ms=time_ms,
-    )
-    positions = len(stages) // virtual_stages
-    replicas = [stage.replicas for stage in stages[:positions]]
-    bottleneck = max(range(len(stages)), key=lambda q: stages[q].time_per_minibatch_ms)
-    return Plan(
-        profile_fingerprint=profile.fingerprint, model=profile.model, batch_size=profile.batch_size,
-        dtype=profile.dtype, topology=topology, schedule=options.schedule, cost_model=options.cost_model,
-        optimizer=options.optimizer, world_size=topology.world_size,
-        in_flight=schedule_kind(options.schedule).minibatches_in_flight(replicas),
-        stages=stages, predicted=predicted, bottleneck_stage=bottleneck,
-        microbatches=options.microbatches, virtual_stages=virtual_stages,
-        leaf_modules=profile.leaf_modules, cut_family=family.name, cut_candidates=family.states,
-    )

@@ -15,7 +15,7 @@ from dataclasses import replace
 from pipeplan.plan import Plan
 from pipeplan.planner.simulate import SimResult, plan_positions, simulate_plan
 from pipeplan.profile import Profile
-from pipeplan.schedule import schedule_kind
+from pipeplan.schedules import schedule_kind
 
 __all__ = ["predict", "with_simulation"]
 

@@ -1,8 +1,8 @@
 """Discrete-event simulation of a plan running a schedule on its topology.
 
-Every worker (position, replica) runs its ``pipeplan.schedule`` actions in order; the
+Every worker (position, replica) runs its ``pipeplan.schedules`` actions in order; the
 timing rules (forwards wait for activations, backwards for gradients, "S" for every
-replica; sends occupy links) and the sweep live in ``pipeplan.engine``. This module turns
+replica; sends occupy links) and the sweep live in ``pipeplan.schedules.engine``. This module turns
 a plan and a profile into per-stage durations and the engine's timeline into steady-state
 figures: the pipeline period, each model stage's busy time and bubble, and peak memory.
 """
@@ -22,12 +22,11 @@ from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_m
 from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.engine import Durations, Timeline, collector_paused, run_schedule
+from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.profile import Profile
-from pipeplan.schedule import Schedule, build_schedule, schedule_kind, warmup_forwards
+from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
-from pipeplan.units import format_bytes
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -42,7 +41,6 @@ __all__ = [
     "simulate",
     "simulate_plan",
     "SimulationTooLarge",
-    "choose_schedule",
 ]
 
 MAX_UNITS = 2_000_000  # refuse to simulate more (minibatches x micro-batches x stages)
@@ -315,7 +313,7 @@ def simulate(
     plan's) of 1/M of the compute and bytes. Returns the steady-state period over
     ``steady`` rounds after the warm-up, the bubble fraction and peak memory per model
     stage; with ``record`` the task timeline too. Time O(stages x minibatches x
-    micro-batches), plus the sends (``pipeplan.engine``).
+    micro-batches), plus the sends (``pipeplan.schedules.engine``).
     """
     name, micro, virtual = simulation_shape(plan, schedule, microbatches)
     if len(costs) != len(plan.stages):
@@ -475,7 +473,7 @@ def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], cos
     running sum of held bytes, taken only when positive. O(actions), vectorised with
     numpy (the running sum adds in the actions' order, as a loop would).
 
-    >>> from pipeplan.schedule import Action
+    >>> from pipeplan.schedules import Action
     >>> costs = [StageCosts(1.0, 2.0, 0, 8, ())]
     >>> _held_at_peak(build_schedule("gpipe", (1,), 1, 2), 0, [Action.parse(t) for t in "F0 F0.1 B0.1 B0".split()], costs)
     [2]
@@ -505,27 +503,3 @@ _chunk_of = attrgetter("chunk")
 
 
 # --------------------------------------------------------------------------- choice
-
-
-def choose_schedule(profile: Profile, topology: Topology, options: Any) -> tuple[str, int, str]:
-    """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
-
-    ``planner.auto.search`` over schedule x micro-batches x virtual stages; raises
-    ``InfeasibleError`` when none fits.
-    """
-    from pipeplan.planner.auto import search
-
-    found = search(profile, topology, options)
-    best = found.best
-    others = ", ".join(
-        f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
-        for i, c in enumerate(found.candidates) if i != found.chosen and c.fits
-    )
-    reason = (
-        f"{best.schedule} (M={best.microbatches}, v={best.virtual_stages}) simulates "
-        f"{best.time_per_minibatch_ms:.3f} ms/minibatch in {format_bytes(best.peak_memory_bytes)} "
-        f"of {format_bytes(topology.device.memory_bytes)} per device"
-    )
-    if others:
-        reason += f"; vs {others}"
-    return best.schedule, best.microbatches, reason

@@ -132,7 +132,7 @@ def run_pass(
     """
     import torch
 
-    from pipeplan.graph import MODEL_OUTPUT
+    from pipeplan.capture import MODEL_OUTPUT
 
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
@@ -326,7 +326,7 @@ def measure_layers(
     repeats: int,
     progress: Progress | None = None,
 ) -> tuple[list[LayerProfile], Measurements]:
-    """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.graph.LayerGraph``), and all measurements."""
+    """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.capture.LayerGraph``), and all measurements."""
     whole = graph.model if graph.kind != "export" else WholeGraph(graph.split([0] * len(graph))[0])
     try:
         measured = measure_stages(

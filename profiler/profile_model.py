@@ -152,7 +152,7 @@ def _profile(
     inputs, targets = prepare_batch(raw_inputs, raw_targets, torch_device, torch_dtype)
     check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
 
-    from pipeplan.graph import build_layer_graph
+    from pipeplan.capture import build_layer_graph
 
     disable_inplace(network)
     leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules

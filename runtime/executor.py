@@ -1,4 +1,4 @@
-"""The schedule executor: one worker walks its ``Action`` list (``pipeplan.schedule``).
+"""The schedule executor: one worker walks its ``Action`` list (``pipeplan.schedules``).
 
 - ``F`` (unit u = minibatch * M + microbatch, chunk c = model stage c*P + position): wait
   for the inputs (received from the producing model stage's replica ``u % n``, or drawn
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from pipeplan.errors import RuntimeFailure
-from pipeplan.graph import MODEL_OUTPUT, StageModule
+from pipeplan.capture import MODEL_OUTPUT, StageModule
 from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpec
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.recorder import Recorder, now_ms
@@ -37,7 +37,7 @@ from pipeplan.runtime.split_backward import WeightGradients, backward_input, bac
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash, WeightVersion
 from pipeplan.runtime.sync import GradSync
-from pipeplan.schedule import Action, ScheduleKind, schedule_kind
+from pipeplan.schedules import Action, ScheduleKind, schedule_kind
 
 __all__ = ["Executor", "UnitRecord"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeplan.metrics import METRICS_SCHEMA, Metrics, StageMetrics
-from pipeplan.schedule import schedule_kind
+from pipeplan.schedules import schedule_kind
 
 __all__ = [
     "METRICS_SCHEMA",

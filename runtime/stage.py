@@ -2,7 +2,7 @@
 
 Every rank builds the whole model from model.py under the same seed (so every stage,
 and every copy of a tied parameter, starts from identical weights), cuts it into the
-layer graph (``pipeplan.graph``: a slice for an ``nn.Sequential``, a ``torch.fx`` split,
+layer graph (``pipeplan.capture``: a slice for an ``nn.Sequential``, a ``torch.fx`` split,
 or a ``torch.export`` capture for a model fx cannot trace, taken at the micro-batch size
 since export specialises shapes), checks the graph's fingerprint against the plan,
 splits it by the plan's stages and keeps its own stage's module; every value that
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeplan.errors import InputError
-from pipeplan.graph import MODEL_OUTPUT, StageModule, build_layer_graph
+from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
 

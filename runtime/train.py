@@ -49,7 +49,7 @@ class PrepareError(InputError):
 class RunConfig:
     plan: Plan
     model_path: str
-    schedule: str  # one of pipeplan.plan.SCHEDULES
+    schedule: str  # one of pipeplan.plan.SCHEDULE_NAMES
     steps: int  # total steps of the run (a resumed run continues up to it)
     lr: float
     optimizer: str  # one of OPTIMIZERS
@@ -73,7 +73,7 @@ def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
     >>> steps_period("1f1b-rr", (2, 1, 3)), steps_period("1f1b-flush", (2, 1))
     (6, 1)
     """
-    from pipeplan.schedule import schedule_kind
+    from pipeplan.schedules import schedule_kind
 
     return schedule_kind(schedule).minibatches_per_step(replicas)
 
@@ -88,7 +88,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
     from pipeplan.runtime.launch import check_world_size, read_env
     from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
     from pipeplan.runtime.stage import build_pipeline
-    from pipeplan.schedule import build_schedule
+    from pipeplan.schedules import build_schedule
 
     try:
         env = read_env(config.plan)
@@ -197,7 +197,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     import torch
     import torch.distributed as dist
 
-    from pipeplan.graph import MODEL_OUTPUT
+    from pipeplan.capture import MODEL_OUTPUT
     from pipeplan.optimizers import make_optimizer
     from pipeplan.runtime import checkpoint as ckpt
     from pipeplan.runtime.comm import P2P
@@ -207,7 +207,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
-    from pipeplan.schedule import build_schedule, peak_in_flight, schedule_kind
+    from pipeplan.schedules import build_schedule, peak_in_flight, schedule_kind
 
     plan = config.plan
     kind = schedule_kind(config.schedule)

@@ -19,7 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 from pipeplan.errors import InputError  # noqa: E402
-from pipeplan.graph import MODEL_OUTPUT, build_layer_graph  # noqa: E402
+from pipeplan.capture import MODEL_OUTPUT, build_layer_graph  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.profile import Profile  # noqa: E402
 from pipeplan.profiler.profile_model import profile_model  # noqa: E402

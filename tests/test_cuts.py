@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.graph import build_layer_graph
+from pipeplan.capture import build_layer_graph
 from pipeplan.modelfile import load_model_file
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology, preset

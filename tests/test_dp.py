@@ -145,8 +145,8 @@ def test_dp_equals_exhaustive(case):
 import numpy as np
 
 from pipeplan.planner.costs import layer_arrays
-from pipeplan.planner import dp
-from pipeplan.planner.dp import DPSettings, _band_bound, _data_parallel_bound_ms, _lower_bound_ms, reconstruct, solve
+from pipeplan.planner.dp import DPSettings, reconstruct, solve, tables
+from pipeplan.planner.dp.bounds import _band_bound, _data_parallel_bound_ms, _lower_bound_ms
 
 
 @st.composite
@@ -201,8 +201,8 @@ def test_sparse_and_blocked_combines_equal_unpruned(case, block):
     profile, topology, dp_settings = case
     arrays = layer_arrays(profile)
     full = solve(arrays, topology, dp_settings, prune=False)
-    with mock.patch.object(dp, "SPARSE_SPEEDUP", 0), mock.patch.object(dp, "COLUMN_BLOCK", block), \
-            mock.patch.object(dp, "SHORT_RANGES", 0):
+    with mock.patch.object(tables, "SPARSE_SPEEDUP", 0), mock.patch.object(tables, "COLUMN_BLOCK", block), \
+            mock.patch.object(tables, "SHORT_RANGES", 0):
         pruned = solve(arrays, topology, dp_settings)
     assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):

@@ -14,11 +14,11 @@ from typing import Any, Sequence
 
 import pytest
 
-import pipeplan.engine as engine_module
+import pipeplan.schedules.engine as engine_module
 import pipeplan.planner.simulate as simulate_module
-from pipeplan.engine import Durations, LinkTime, Timeline, run_schedule
+from pipeplan.schedules.engine import Durations, LinkTime, Timeline, run_schedule
 from pipeplan.planner.simulate import StageCosts, _held_at_peak, _inside_ms
-from pipeplan.schedule import SCHEDULE_NAMES, Action, Schedule, build_schedule
+from pipeplan.schedules import SCHEDULE_NAMES, Action, Schedule, build_schedule
 
 # (replicas per position, micro-batches, virtual stages, minibatches) per schedule
 SHAPES: dict[str, list[tuple[tuple[int, ...], int, int, int]]] = {

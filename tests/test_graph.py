@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeplan.errors import InputError
-from pipeplan.graph import MODEL_OUTPUT, build_layer_graph
+from pipeplan.capture import MODEL_OUTPUT, build_layer_graph
 
 
 class Residual(nn.Module):

@@ -1,7 +1,7 @@
 import pytest
 
 from pipeplan.errors import InputError
-from pipeplan.schedule import weight_versions
+from pipeplan.schedules import weight_versions
 from pipeplan.planner.memory import in_flight_after, plan_stage_memory, stage_memory_bytes
 
 

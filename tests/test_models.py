@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeplan.graph import build_layer_graph
+from pipeplan.capture import build_layer_graph
 from pipeplan.modelfile import bundled_model_path, load_model_file
 from pipeplan.profiler.memory import param_bytes
 from pipeplan.profiler.profile_model import BUNDLED_MODELS, profile_model

@@ -13,11 +13,10 @@ from click.testing import CliRunner
 from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError
 from pipeplan.planner.auto import search
-from pipeplan.engine import unit_clock
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import simulate_plan, stage_costs_from_plan
-from pipeplan.schedule import SCHEDULE_KINDS, SCHEDULE_NAMES, build_schedule
+from pipeplan.schedules import SCHEDULE_KINDS, SCHEDULE_NAMES
 from pipeplan.topology import DeviceSpec, Level, Topology
 from test_simulate import make_profile, make_topology
 
@@ -149,15 +148,3 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     for text in (" 1f1b-flush ", " 10.500 ", " interleaved-1f1b ", " 8.250 ", " zb-h1 ", " 7.500 "):
         assert text in result.output
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output
-
-
-@pytest.mark.parametrize("name", SCHEDULE_NAMES)
-def test_engine_unit_clock_is_the_grid_clock(name: str) -> None:
-    kind = SCHEDULE_KINDS[name]
-    for replicas in [(1, 1, 1), (2, 1)]:
-        if kind.virtual_stages and replicas != (1, 1, 1):
-            continue
-        micro = 1 if kind.whole_minibatches else 6
-        schedule = build_schedule(name, replicas, 4 if kind.whole_minibatches else 2, micro,
-                                  virtual_stages=2 if kind.virtual_stages else 1)
-        assert unit_clock(schedule) == schedule.steps()

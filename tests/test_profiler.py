@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipeplan.errors import InputError
-from pipeplan.graph import build_layer_graph
+from pipeplan.capture import build_layer_graph
 from pipeplan.profiler.measure import disable_inplace, measure_layers, measure_stages
 from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
 from pipeplan.profiler.profile_model import profile_model, resolve_model_path

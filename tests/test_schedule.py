@@ -7,19 +7,20 @@ import math
 
 import pytest
 
-import pipeplan.schedule as schedule_module
+from pipeplan.schedules import actions as actions_module, checks, engine, kinds
 from pipeplan.errors import InputError
-from pipeplan.plan import SCHEDULES
-from pipeplan.schedule import (
+from pipeplan.schedules import (
     SCHEDULE_KINDS,
     SCHEDULE_NAMES,
     Action,
     Schedule,
     activations_in_flight,
     build_schedule,
+    grid,
     interleaved_warmup,
     peak_in_flight,
     schedule_kind,
+    unit_clock,
     validate,
     warmup_forwards,
     weight_versions,
@@ -31,8 +32,8 @@ def orders(schedule: Schedule) -> list[str]:
 
 
 def test_doctests() -> None:
-    result = doctest.testmod(schedule_module)
-    assert result.attempted >= 5 and result.failed == 0
+    results = [doctest.testmod(module) for module in (actions_module, checks, engine, kinds)]
+    assert sum(r.attempted for r in results) >= 8 and sum(r.failed for r in results) == 0
 
 
 @pytest.mark.parametrize("text", ["F3", "B3.1", "S3", "F0", "B12.7"])
@@ -75,7 +76,7 @@ step  s0r0  s1r0  s2r0  s3r0
 
 def test_straight_1f1b_rr_timetable() -> None:
     schedule = build_schedule("1f1b-rr", (1, 1, 1, 1), 8)
-    assert schedule.grid() == STRAIGHT_4
+    assert grid(schedule) == STRAIGHT_4
     assert orders(schedule)[0] == (
         "F0 F1 F2 F3 B0 S0 F4 B1 S1 F5 B2 S2 F6 B3 S3 F7 B4 S4 B5 S5 B6 S6 B7 S7"
     )
@@ -111,7 +112,7 @@ def test_replicated_2_1_routing_and_warmup() -> None:
     assert [warmup_forwards((2, 1), s) for s in (0, 1)] == [1, 0]
     assert [schedule.replica_of(0, k) for k in range(6)] == [0, 1, 0, 1, 0, 1]
     assert {schedule.replica_of(1, k) for k in range(6)} == {0}
-    assert schedule.grid() == REPLICATED_2_1
+    assert grid(schedule) == REPLICATED_2_1
 
 
 def test_microbatch_routing_uses_global_unit() -> None:
@@ -181,17 +182,17 @@ def test_flush_and_gpipe_orders(stages: int) -> None:
     for schedule in (flush, gpipe):
         # one minibatch of M micro-batches takes 2 (M + S - 1) unit steps: the
         # optimizer step ("S", zero steps long) of stage 0 starts at that clock
-        assert schedule.steps()[(0, 0)][-1] == 2 * (4 + stages - 1)
+        assert unit_clock(schedule)[(0, 0)][-1] == 2 * (4 + stages - 1)
 
 
 def test_flush_and_gpipe_timetables() -> None:
-    assert build_schedule("1f1b-flush", (1, 1, 1, 1), 1, 4).grid() == FLUSH_4x4
-    assert build_schedule("gpipe", (1, 1, 1, 1), 1, 4).grid() == GPIPE_4x4
+    assert grid(build_schedule("1f1b-flush", (1, 1, 1, 1), 1, 4)) == FLUSH_4x4
+    assert grid(build_schedule("gpipe", (1, 1, 1, 1), 1, 4)) == GPIPE_4x4
 
 
 def test_flush_minibatches_do_not_overlap() -> None:
     schedule = build_schedule("1f1b-flush", (1, 1, 1), 3, microbatches=2)
-    steps = schedule.steps()
+    steps = unit_clock(schedule)
     first_of_1 = steps[(0, 0)][orders(schedule)[0].split().index("F1")]
     last_of_0 = max(
         step
@@ -295,7 +296,7 @@ def test_every_built_schedule_validates(name: str) -> None:
 
 def test_registry_names_and_facts() -> None:
     assert SCHEDULE_NAMES == ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
-    assert SCHEDULES == SCHEDULE_NAMES
+    assert tuple(SCHEDULE_KINDS) == SCHEDULE_NAMES
     facts = {
         name: (k.flushes, k.gradients, k.split_backward, k.virtual_stages, k.whole_minibatches)
         for name, k in SCHEDULE_KINDS.items()
@@ -358,7 +359,7 @@ step  s0r0    s1r0
 def test_interleaved_timetable() -> None:
     schedule = build_schedule("interleaved-1f1b", (1, 1), 1, 4, virtual_stages=2)
     validate(schedule)
-    assert schedule.grid() == INTERLEAVED_2x2_M4
+    assert grid(schedule) == INTERLEAVED_2x2_M4
     assert orders(schedule) == [
         "F0 F0.1 F0c1 F0.1c1 F0.2 B0c1 F0.3 B0.1c1 F0.2c1 B0 F0.3c1 B0.1 B0.2c1 B0.3c1 B0.2 B0.3 S0",
         "F0 F0.1 F0c1 B0c1 F0.1c1 B0.1c1 F0.2 B0 F0.3 B0.1 F0.2c1 B0.2c1 F0.3c1 B0.3c1 B0.2 B0.3 S0",
@@ -413,7 +414,7 @@ step  s0r0  s1r0  s2r0
 def test_zb_h1_timetable() -> None:
     schedule = build_schedule("zb-h1", (1, 1, 1), 1, 4)
     validate(schedule)
-    assert schedule.grid() == ZB_H1_3x4
+    assert grid(schedule) == ZB_H1_3x4
     assert orders(schedule) == [
         "F0 F0.1 F0.2 I0 W0 F0.3 I0.1 W0.1 I0.2 W0.2 I0.3 W0.3 S0",
         "F0 F0.1 I0 F0.2 I0.1 W0 F0.3 I0.2 W0.1 I0.3 W0.2 W0.3 S0",
@@ -432,7 +433,7 @@ def test_zb_h1_memory_is_1f1b_peak(stages: int, micro: int) -> None:
     for s in range(stages):
         assert activations_in_flight("zb-h1", replicas, s, micro) == pytest.approx(peaks[s] / micro)
     if micro >= stages:  # bubble S - 1 steps (1F1B with B = I + W: 3 (S - 1))
-        assert zb.steps()[(0, 0)][-1] == 3 * micro + stages - 1
+        assert unit_clock(zb)[(0, 0)][-1] == 3 * micro + stages - 1
 
 
 # PipeDream-2BW, 2 stages, 2 micro-batches, 3 minibatches: 1F1B over the stream of
@@ -458,7 +459,7 @@ step  s0r0  s1r0
 def test_2bw_timetable_and_versions() -> None:
     schedule = build_schedule("2bw", (1, 1), 3, 2)
     validate(schedule)
-    assert schedule.grid() == TWO_BW_2x2
+    assert grid(schedule) == TWO_BW_2x2
     assert orders(schedule) == [
         "F0 F0.1 B0 F1 B0.1 S0 F1.1 B1 F2 B1.1 S1 F2.1 B2 B2.1 S2",
         "F0 B0 F0.1 B0.1 S0 F1 B1 F1.1 B1.1 S1 F2 B2 F2.1 B2.1 S2",

@@ -18,7 +18,7 @@ from pipeplan.planner.simulate import (
     stage_costs,
 )
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.schedule import noam, weight_versions
+from pipeplan.schedules import noam, weight_versions
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 GB = 1e9
@@ -314,7 +314,7 @@ def test_simulation_agrees_with_planner_on_replicated_pipeline() -> None:
 
 
 def test_choose_schedule_prefers_throughput_within_memory() -> None:
-    from pipeplan.planner.simulate import choose_schedule
+    from pipeplan.planner.auto import choose_schedule
 
     profile = make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000)
     options = partition_module.PartitionOptions(microbatches=4, straight=True)
@@ -337,7 +337,7 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
 
 
 def test_choose_schedule_tries_micro_batch_counts_when_not_given() -> None:
-    from pipeplan.planner.simulate import choose_schedule
+    from pipeplan.planner.auto import choose_schedule
 
     # Two devices, activations too big for 1F1B-RR's two minibatches in flight on stage 0:
     # a micro-batch schedule must win, and with M > 1 so that it pipelines at all.

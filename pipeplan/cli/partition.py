@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from pipeplan.schedule import SCHEDULE_NAMES
+from pipeplan.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
     from pipeplan.plan import Plan, StagePlan

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from pipeplan.schedule import SCHEDULE_NAMES
+from pipeplan.schedules import SCHEDULE_NAMES
 
 __all__ = ["run"]
 
@@ -68,7 +68,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
     from pipeplan.errors import InputError, PipeplanError
     from pipeplan.plan import Plan
     from pipeplan.runtime.train import PrepareError, RunConfig, run_training
-    from pipeplan.schedule import schedule_kind
+    from pipeplan.schedules import schedule_kind
 
     rank = int(os.environ.get("RANK", "0"))
     try:

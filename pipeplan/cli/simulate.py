@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from pipeplan.schedule import SCHEDULE_NAMES
+from pipeplan.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -61,7 +61,7 @@ def simulate(
     from pipeplan.errors import InputError
     from pipeplan.plan import Plan
     from pipeplan.planner.simulate import simulate_plan
-    from pipeplan.schedule import schedule_kind
+    from pipeplan.schedules import schedule_kind
     from pipeplan.planner.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.profile import Profile
 

@@ -2,7 +2,7 @@
 
 One sweep serves the simulator (``planner.simulate``), the planner's schedule choice, the
 timelines and the schedules themselves: with unit durations (``unit_clock``) it is the
-step clock of ``Schedule.steps()`` / ``grid()`` and the deadlock check of ``validate``.
+step clock of ``grid`` and the deadlock check of ``validate``.
 
 Model. Worker ``(i, r)`` is replica r of pipeline position i (p positions). An action
 with chunk c runs model stage ``q = c * p + i`` (``v`` chunks per worker, ``v * p``
@@ -30,12 +30,11 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from pipeplan.errors import InputError
 
-if TYPE_CHECKING:  # pipeplan.schedule calls this engine for its own clock
-    from pipeplan.schedule import Action, Schedule
+from pipeplan.schedules.actions import Action, Schedule
 
 __all__ = ["Durations", "Timeline", "LinkTime", "collector_paused", "model_stage", "run_schedule", "unit_clock"]
 
@@ -438,9 +437,9 @@ def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
     """Start step of every action with F, B, I and W one step each and S none.
 
     Model stage q hands to q + 1 only, with free sends: the step clock of
-    ``Schedule.grid()``. Raises ``InputError`` when the order deadlocks.
+    ``grid``. Raises ``InputError`` when the order deadlocks.
 
-    >>> from pipeplan.schedule import build_schedule
+    >>> from pipeplan.schedules.kinds import build_schedule
     >>> clock = unit_clock(build_schedule("1f1b-flush", (1, 1), 1, 2))
     >>> clock[(0, 0)], clock[(1, 0)]
     ((0, 1, 3, 5, 6), (1, 2, 3, 4, 5))

@@ -25,7 +25,7 @@ holding two or more modules of its class) that holds no repeated block itself. A
 block gives 4 layers (``ln_1``, ``attn``, ``ln_2``, ``mlp``), a BERT layer 3
 (``attention``, ``intermediate``, ``output``). Ops outside every layer module (a residual
 add in a block's ``forward``, mask construction) are folded into neighbours by
-``pipeplan.graph``.
+``pipeplan.capture``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""torch.distributed.pipelining: split points at module boundaries, the schedule class and the CSV action table."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pipeplan.errors import InputError
+from pipeplan.export.structure import (
+    MULTI_STAGE_CLASSES,
+    SCHEDULE_CLASSES,
+    ModelStructure,
+    check_exportable,
+    positions,
+)
+from pipeplan.plan import Plan
+from pipeplan.schedules import build_schedule, unit_clock
+
+__all__ = ["PipeliningExport", "action_table_csv", "export_pipelining", "split_points"]
+
+_CSV_KINDS = ("F", "B", "I", "W")  # pipeplan action kinds with a torch counterpart of the same letter
+
+
+@dataclass(frozen=True)
+class PipeliningExport:
+    """A plan as torch.distributed.pipelining runs it: split points, schedule class, CSV."""
+
+    model: str
+    schedule: str  # pipeplan's name
+    schedule_class: str  # torch.distributed.pipelining class name
+    stages: int  # model stages (virtual stages included)
+    ranks: int  # pipeline ranks; stage q runs on rank q % ranks
+    batch_size: int  # samples per minibatch (one schedule.step)
+    microbatches: int
+    split_points: tuple[str, ...]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING)
+    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each stage, in order
+    plan_ranks: tuple[int, ...]  # global rank the plan gave each pipeline position
+    csv: str  # the plan's action table, compute-only CSV
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["microbatch_size"] = self.batch_size // self.microbatches
+        out["python"] = self.python()
+        return {"schema": "pipeplan.export.pipelining/1", **out}
+
+    def python(self) -> str:
+        """A snippet to paste: ``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device)``."""
+        spec = ", ".join(f"{json.dumps(name)}: SplitPoint.BEGINNING" for name in self.split_points)
+        multi = self.schedule_class in MULTI_STAGE_CLASSES
+        build = (
+            f"    stages = [pipe.build_stage(s, device, group) for s in range(rank, pipe.num_stages, {self.ranks})]\n"
+            f"    schedule = {self.schedule_class}(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
+            if multi
+            else "    stages = [pipe.build_stage(rank, device, group)]\n"
+            f"    schedule = {self.schedule_class}(stages[0], n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
+        )
+        size = self.batch_size // self.microbatches
+        return (
+            f"# pipeplan export --to pipelining: {self.model}, {self.stages} stages on {self.ranks} ranks,\n"
+            f"# {self.schedule} = {self.schedule_class}, {self.microbatches} micro-batches of {size} samples\n"
+            f"# per step of {self.batch_size} samples. Run on {self.ranks} ranks "
+            f"(torchrun --nproc-per-node {self.ranks}).\n"
+            f"from torch.distributed.pipelining import SplitPoint, pipeline, {self.schedule_class}\n"
+            "\n"
+            f"SPLIT_SPEC = {{{spec}}}\n"
+            f"N_MICROBATCHES = {self.microbatches}\n"
+            "\n"
+            "\n"
+            "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
+            f'    """(schedule, this rank\'s stage modules: give their parameters to the optimizer);\n'
+            f'    example_microbatch: a tuple of the model\'s inputs for one micro-batch ({size} samples)."""\n'
+            "    pipe = pipeline(model, mb_args=example_microbatch, split_spec=SPLIT_SPEC)\n"
+            f"{build}"
+            "    return schedule, [stage.submod for stage in stages]\n"
+            "\n"
+            "# The plan's own action order instead (pipeplan export ... --format csv -o schedule.csv):\n"
+            "#   from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime\n"
+            "#   schedule = _PipelineScheduleRuntime(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
+            '#   schedule._load_csv("schedule.csv")\n'
+        )
+
+
+# --------------------------------------------------------------------------- split points
+
+
+def _layers_under(names: tuple[str, ...]) -> dict[str, list[int]]:
+    """Module prefix -> indices of the layers at or under it (each dot-prefix of a layer name)."""
+    under: dict[str, list[int]] = {}
+    for index, name in enumerate(names):
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            under.setdefault(".".join(parts[:depth]), []).append(index)
+    return under
+
+
+def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, ...]:
+    """The module where each stage 1, 2, ... begins (torch.distributed.pipelining's SplitPoint.BEGINNING).
+
+    For a stage beginning at layer i: the outermost module that is called exactly once
+    per forward pass and whose first layer is i (``blocks.1`` rather than
+    ``blocks.1.ln1``; never a ModuleList, which is not called). Raises ``InputError``
+    for a stage that begins at a functional op or at a module called several times.
+    O(layers * depth).
+
+    >>> s = ModelStructure(("a", "b.0.x", "b.0.y", "b.1.x"), (frozenset(),) * 4,
+    ...                    {"": "M", "a": "L", "b": "S", "b.0": "B", "b.0.x": "L", "b.0.y": "L",
+    ...                     "b.1": "B", "b.1.x": "L"}, frozenset(),
+    ...                    {"": 1, "a": 1, "b": 1, "b.0": 1, "b.0.x": 1, "b.0.y": 1, "b.1": 1, "b.1.x": 1})
+    >>> split_points(s, [0, 0, 1, 2])
+    ('b.0.y', 'b.1')
+    """
+    names = structure.layer_names
+    under = _layers_under(names)
+    points = []
+    for first in range(1, len(names)):
+        if stage_of[first] == stage_of[first - 1]:
+            continue
+        name = names[first]
+        if not structure.is_module(name):
+            raise InputError(
+                f"stage {stage_of[first]} begins at layer {first} ({name}), a functional op, not a module: "
+                f"torch.distributed.pipelining splits before module calls; a plan that cuts before a "
+                f"module layer carries over"
+            )
+        calls = structure.calls.get(name, 0)
+        if calls != 1:
+            layers = [i for i in under[name] if names[i] == name]
+            raise InputError(
+                f"stage {stage_of[first]} begins at layer {first} ({name}), a module called {calls} times "
+                f"per forward pass (layers {', '.join(map(str, layers))}): SplitPoint.BEGINNING would split "
+                f"before every call; a plan whose stages begin at modules called once carries over"
+            )
+        point = name
+        parts = name.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:depth])
+            if min(under[prefix]) != first:
+                break
+            if structure.calls.get(prefix, 0) == 1:
+                point = prefix
+        points.append(point)
+    return tuple(points)
+
+
+
+# --------------------------------------------------------------------------- the action table
+
+
+def action_table_csv(plan: Plan) -> str:
+    """The plan's actions for one step (one minibatch) as torch's compute-only CSV.
+
+    Row r lists pipeline rank r's actions in order, ``f"{stage}{kind}{microbatch}"`` with
+    stage = chunk * ranks + r; empty cells are idle unit steps of pipeplan's clock, so the
+    rows line up by time as torch's own tables do. The optimizer step ("S") is the
+    caller's ``optimizer.step()`` and has no cell. O(actions).
+    """
+    ranks = positions(plan)
+    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
+    clock = unit_clock(schedule)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    for rank in range(ranks):
+        row: list[str] = []
+        for action, step in zip(schedule.actions[(rank, 0)], clock[(rank, 0)]):
+            if action.kind == "S":
+                continue
+            if action.kind not in _CSV_KINDS:
+                raise InputError(f"plan action {action} has no torch.distributed.pipelining counterpart")
+            row += [""] * (step - len(row))
+            stage = action.chunk * ranks + rank
+            row.append(f"{stage}{action.kind}{action.microbatch}")
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+# --------------------------------------------------------------------------- exports
+
+
+def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport:
+    """The plan for torch.distributed.pipelining; ``InputError`` (one line) when it does not carry over."""
+    stage_of = check_exportable(plan, structure)
+    points = split_points(structure, stage_of)
+    ranks = positions(plan)
+    return PipeliningExport(
+        model=plan.model,
+        schedule=plan.schedule,
+        schedule_class=SCHEDULE_CLASSES[plan.schedule],
+        stages=len(plan.stages),
+        ranks=ranks,
+        batch_size=plan.batch_size,
+        microbatches=plan.microbatches,
+        split_points=points,
+        stage_layers=tuple(tuple(structure.layer_names[i] for i in sorted(s.layers)) for s in plan.stages),
+        plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
+        csv=action_table_csv(plan),
+    )

@@ -1,0 +1,246 @@
+"""What a plan needs to carry over to torch.distributed.pipelining or torchtitan: the model's structure and the checks.
+
+Both engines take a split by hand and run one device per stage with a flush schedule,
+so a plan carries over when it is *straight* (no replicated stage), uses a flush
+schedule, keeps every stage a contiguous range of layers in execution order, shares no
+parameter between stages, and cuts where the engine can cut:
+
+- **torch.distributed.pipelining** (``pipeline(model, split_spec={name:
+  SplitPoint.BEGINNING})``) cuts before the call of any module, at any depth. A cut
+  before layer i is at a *module boundary* when layer i is a module called once; its
+  split point is the outermost module whose first layer is i and all of whose leaves
+  are called once (``blocks.1`` rather than ``blocks.1.ln1``). A cut before a
+  functional op, or before a module called several times, is refused.
+- **torchtitan** (``parallelism.module_fqns_per_model_part``) keeps or deletes whole
+  *units*: the model's children, and the entries of a child that is an
+  ``nn.ModuleList`` / ``nn.ModuleDict`` (``layers.3``), one level deep, as its
+  ``pipeline_module_split`` does. A cut is at a unit boundary when no unit has layers in
+  two stages; a layer outside every unit (a functional op of the root) is refused.
+
+Every refusal is an ``InputError`` with one line: what does not carry over, and what
+would. The plan's own action order is exported as torch.distributed.pipelining's
+compute-only CSV schedule (one row per pipeline rank, cells like ``"1F0"``: stage 1,
+forward, micro-batch 0), which ``_PipelineScheduleRuntime._load_csv`` and torchtitan's
+``pipeline_parallel_schedule_csv`` read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.errors import InputError
+from pipeplan.plan import Plan
+
+__all__ = [
+    "SCHEDULE_CLASSES",
+    "TARGETS",
+    "TORCHTITAN_SCHEDULES",
+    "ModelStructure",
+    "check_exportable",
+    "check_plan",
+    "model_structure",
+    "positions",
+]
+
+TARGETS = ("pipelining", "torchtitan")
+
+# pipeplan schedule -> torch.distributed.pipelining class (torch 2.13 schedules.py)
+SCHEDULE_CLASSES = {
+    "1f1b-flush": "Schedule1F1B",
+    "gpipe": "ScheduleGPipe",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+}
+# pipeplan schedule -> torchtitan's pipeline_parallel_schedule (torch's get_schedule_class names)
+TORCHTITAN_SCHEDULES = {
+    "1f1b-flush": "1F1B",
+    "gpipe": "GPipe",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "zb-h1": "InterleavedZeroBubble",
+}
+MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
+_NOT_CARRIED = {
+    "1f1b-rr": "1F1B-RR (PipeDream weight stashing, no flush)",
+    "2bw": "2BW (PipeDream-2BW double-buffered weights, no flush)",
+}
+ENGINES = "torch.distributed.pipelining and torchtitan"
+
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """What an engine's split sees of a model, indexed like the plan's layers.
+
+    ``layer_names[i]``: plan layer i's module qualified name (or functional op name);
+    ``layer_parameters[i]``: qualified names of the parameters layer i uses;
+    ``modules``: every module's qualified name ("" is the root) -> its class name;
+    ``containers``: the modules that are ``nn.ModuleList`` / ``nn.ModuleDict``;
+    ``calls``: module name -> how many times one forward pass calls it (a container: 0).
+    """
+
+    layer_names: tuple[str, ...]
+    layer_parameters: tuple[frozenset[str], ...]
+    modules: dict[str, str]
+    containers: frozenset[str]
+    calls: dict[str, int]
+
+    def is_module(self, name: str) -> bool:
+        return bool(name) and name in self.modules
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def model_structure(model_path: str, plan: Plan) -> ModelStructure:
+    """Build the model file's model and layer graph; ``InputError`` unless it is the plan's model.
+
+    The graph is traced on one micro-batch (``batch_size // microbatches`` samples) of
+    ``sample_batch``, as ``pipeplan run`` does; one more forward pass on it counts each
+    module's calls (forward pre-hooks).
+    """
+    import torch
+    from torch import nn
+
+    from pipeplan.capture import build_layer_graph
+    from pipeplan.modelfile import load_model_file, resolve_model_path
+
+    model_file = load_model_file(resolve_model_path(model_path))
+    torch.manual_seed(0)
+    model = model_file.build()
+    sample_inputs, _ = model_file.batch(max(1, plan.batch_size // plan.microbatches), seed=0)
+    graph = build_layer_graph(model, sample_inputs)
+    if graph.fingerprint != plan.profile_fingerprint:
+        raise InputError(
+            f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
+            f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
+        )
+    per_layer = graph.layer_modules()
+    calls = dict.fromkeys((name for name, _ in model.named_modules()), 0)
+    hooks = [
+        module.register_forward_pre_hook(lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
+        for name, module in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            model(*sample_inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ModelStructure(
+        layer_names=tuple(layer.name for layer in graph.layers),
+        layer_parameters=tuple(frozenset(m.parameter_names.values()) for m in per_layer),
+        modules={name: type(module).__name__ for name, module in model.named_modules()},
+        containers=frozenset(
+            name for name, module in model.named_modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        ),
+        calls=calls,
+    )
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise ``InputError`` (one line) for what neither engine runs, from the plan alone.
+
+    Checks, in order: schedule, replication, contiguous stages, and the micro-batch
+    counts the torch schedule class accepts. O(layers + stages).
+    """
+    straight = f"re-plan with `pipeplan partition PROFILE --straight --schedule {_flush_of(plan.schedule)}`"
+    if plan.schedule in _NOT_CARRIED:
+        raise InputError(
+            f"plan schedule {_NOT_CARRIED[plan.schedule]} does not carry over: {ENGINES} run flush "
+            f"schedules only (1f1b-flush, gpipe, interleaved-1f1b, zb-h1); re-plan with "
+            f"`pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+        )
+    if plan.schedule not in SCHEDULE_CLASSES:
+        raise InputError(f"plan schedule {plan.schedule!r} has no counterpart in {ENGINES}")
+    replicas = [stage.replicas for stage in plan.stages]
+    if len(set(replicas)) > 1:
+        raise InputError(
+            f"plan replicates stages unevenly (replicas per stage {', '.join(map(str, replicas))}): "
+            f"{ENGINES} run one device per stage; {straight}"
+        )
+    if replicas[0] > 1:
+        raise InputError(
+            f"plan replicates every stage {replicas[0]} times: {ENGINES} run one device per stage "
+            f"(data parallelism over whole pipelines is their separate mesh dimension); {straight}"
+        )
+    for stage in plan.stages:
+        expected = range(stage.layer_start, stage.layer_end)
+        if tuple(sorted(stage.layers)) != tuple(expected):
+            missing = sorted(set(expected) - set(stage.layers))[:3]
+            raise InputError(
+                f"plan stage {stage.index} holds layers {stage.layer_start}..{stage.layer_end - 1} "
+                f"but not {', '.join(map(str, missing))}: {ENGINES} cut the execution order, so every "
+                f"stage must be a contiguous range of layers; a plan cut along the layer order carries over"
+            )
+    _check_microbatches(plan)
+
+
+def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
+    """``check_plan``, then the checks that need the model; return each layer's stage.
+
+    Raises ``InputError`` (one line) when a parameter is used by two stages. O(layers).
+    """
+    check_plan(plan)
+    layers = len(structure.layer_names)
+    stage_of = [-1] * layers
+    for stage in plan.stages:
+        for layer in stage.layers:
+            if not 0 <= layer < layers:
+                raise InputError(f"plan stage {stage.index} names layer {layer}, the model has {layers} layers")
+            stage_of[layer] = stage.index
+    if -1 in stage_of:
+        raise InputError(f"plan assigns no stage to layer {stage_of.index(-1)} (model has {layers} layers)")
+    _check_shared_parameters(structure, stage_of)
+    return stage_of
+
+
+def _flush_of(schedule: str) -> str:
+    return schedule if schedule in SCHEDULE_CLASSES else "1f1b-flush"
+
+
+def positions(plan: Plan) -> int:
+    """Pipeline ranks: model stages / virtual stages per rank."""
+    return len(plan.stages) // plan.virtual_stages
+
+
+def _check_microbatches(plan: Plan) -> None:
+    """The micro-batch rules of the torch schedule class the plan maps to."""
+    m, stages, ranks = plan.microbatches, len(plan.stages), positions(plan)
+    if plan.batch_size % m:
+        raise InputError(
+            f"plan batch size {plan.batch_size} does not split into {m} equal micro-batches, "
+            f"as both engines split a step's batch; a plan with a divisor of {plan.batch_size} carries over"
+        )
+    cls = SCHEDULE_CLASSES[plan.schedule]
+    if cls == "Schedule1F1B" and m < stages:
+        raise InputError(
+            f"plan runs {m} micro-batch(es) per minibatch on {stages} stages: Schedule1F1B needs at "
+            f"least one per stage; re-plan with `--microbatches {stages}` (or more)"
+        )
+    if cls in MULTI_STAGE_CLASSES:
+        rounds = max(1, m // ranks)
+        if m % rounds:
+            raise InputError(
+                f"plan runs {m} micro-batches on {ranks} ranks: {cls} needs a multiple of "
+                f"{rounds} (max(1, micro-batches // ranks)); re-plan with `--microbatches {rounds * ranks}`"
+            )
+
+
+def _check_shared_parameters(structure: ModelStructure, stage_of: list[int]) -> None:
+    users: dict[str, dict[int, int]] = {}  # parameter -> stage -> first layer using it there
+    for layer, names in enumerate(structure.layer_parameters):
+        for name in names:
+            users.setdefault(name, {}).setdefault(stage_of[layer], layer)
+    for name in sorted(users):
+        stages = users[name]
+        if len(stages) > 1:
+            first = ", ".join(f"layer {layer} ({structure.layer_names[layer]}) in stage {s}"
+                              for s, layer in sorted(stages.items()))
+            raise InputError(
+                f"parameter {name} is shared by {first}: torch.distributed.pipelining copies it into each "
+                f"stage and trains the copies apart, torchtitan keeps it on one stage; a plan that puts "
+                f"every layer using it in one stage carries over"
+            )

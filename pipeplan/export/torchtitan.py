@@ -1,0 +1,135 @@
+"""torchtitan: the ``[parallelism]`` fragment, with the model parts as whole units."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pipeplan.errors import InputError
+from pipeplan.export.structure import TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions
+from pipeplan.plan import Plan
+
+__all__ = ["TorchtitanExport", "export_torchtitan", "torchtitan_parts"]
+
+
+@dataclass(frozen=True)
+class TorchtitanExport:
+    """A plan as torchtitan's ``[parallelism]`` section: degree, schedule, micro-batch size, FQNs."""
+
+    model: str
+    schedule: str  # pipeplan's name
+    pipeline_parallel_schedule: str
+    pipeline_parallel_degree: int
+    batch_size: int  # torchtitan's [training] local_batch_size this fragment assumes
+    microbatches: int
+    module_fqns_per_model_part: tuple[tuple[str, ...], ...]
+
+    @property
+    def pipeline_parallel_microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    def toml(self) -> str:
+        parts = "".join(
+            "  [" + ", ".join(json.dumps(name) for name in part) + "],\n"
+            for part in self.module_fqns_per_model_part
+        )
+        return (
+            f"# pipeplan export --to torchtitan: {self.model}, {len(self.module_fqns_per_model_part)} stages "
+            f"on {self.pipeline_parallel_degree} ranks, {self.schedule}.\n"
+            "# Keys of torchtitan's [parallelism] section (torchtitan/config/job_config.py, class\n"
+            "# Parallelism, pytorch/torchtitan@6404b932). With [training] local_batch_size =\n"
+            f"# {self.batch_size}, local_batch_size / pipeline_parallel_microbatch_size = "
+            f"{self.microbatches} micro-batches.\n"
+            "[parallelism]\n"
+            f"pipeline_parallel_degree = {self.pipeline_parallel_degree}\n"
+            f"pipeline_parallel_schedule = {json.dumps(self.pipeline_parallel_schedule)}\n"
+            f"pipeline_parallel_microbatch_size = {self.pipeline_parallel_microbatch_size}\n"
+            f"module_fqns_per_model_part = [\n{parts}]\n"
+        )
+
+
+
+# --------------------------------------------------------------------------- torchtitan units
+
+
+def _unit_of(structure: ModelStructure, name: str) -> str:
+    """The torchtitan unit holding module ``name``: its root child, or ``child.key`` in a container."""
+    parts = name.split(".")
+    if parts[0] in structure.containers and len(parts) > 1:
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def _units(structure: ModelStructure) -> list[str]:
+    """Every unit in the model's definition order."""
+    units: list[str] = []
+    for name in structure.modules:
+        if not name:
+            continue
+        parts = name.split(".")
+        if len(parts) == 1 and name not in structure.containers:
+            units.append(name)
+        elif len(parts) == 2 and parts[0] in structure.containers:
+            units.append(name)
+    return units
+
+
+def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int) -> tuple[tuple[str, ...], ...]:
+    """``module_fqns_per_model_part``: the units of each stage, every unit exactly once.
+
+    A unit's stage is its layers' stage; a unit no layer runs joins the stage of the
+    first layer using one of its parameters, else the stage of the unit before it in the
+    model's definition order (stage 0 for the first).
+    Raises ``InputError`` when a cut splits a unit or a layer lies outside every unit.
+    O(layers + modules).
+    """
+    names = structure.layer_names
+    stage_of_unit: dict[str, int] = {}
+    first_layer: dict[str, int] = {}
+    last_layer: dict[str, int] = {}
+    for layer, name in enumerate(names):
+        if not structure.is_module(name):
+            raise InputError(
+                f"layer {layer} ({name}) is a functional op of the root module: torchtitan places "
+                f"modules, not ops; `--to pipelining` carries it over"
+            )
+        unit = _unit_of(structure, name)
+        if unit in stage_of_unit and stage_of_unit[unit] != stage_of[layer]:
+            before = last_layer[unit]
+            kind = structure.modules.get(unit, "module")
+            raise InputError(
+                f"cut between layer {before} ({names[before]}, stage {stage_of_unit[unit]}) and layer "
+                f"{layer} ({name}, stage {stage_of[layer]}) falls inside {unit} ({kind}), which torchtitan "
+                f"keeps or deletes whole (its units: the model's children and the entries of a "
+                f"ModuleList/ModuleDict child); `--to pipelining` can cut there"
+            )
+        stage_of_unit.setdefault(unit, stage_of[layer])
+        first_layer.setdefault(unit, layer)
+        last_layer[unit] = layer
+    for layer, parameters in enumerate(structure.layer_parameters):  # units no layer runs
+        for parameter in sorted(parameters):
+            unit = _unit_of(structure, parameter.rsplit(".", 1)[0])
+            stage_of_unit.setdefault(unit, stage_of[layer])
+            first_layer.setdefault(unit, layer)
+    parts: list[list[tuple[int, str]]] = [[] for _ in range(stages)]
+    previous_stage, previous_order = 0, -1
+    for unit in _units(structure):
+        if unit in stage_of_unit:
+            previous_stage, previous_order = stage_of_unit[unit], first_layer[unit]
+        parts[previous_stage].append((previous_order, unit))
+    return tuple(tuple(unit for _, unit in sorted(part, key=lambda item: item[0])) for part in parts)
+
+
+
+def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport:
+    """The plan for torchtitan's ``[parallelism]``; ``InputError`` (one line) when it does not carry over."""
+    stage_of = check_exportable(plan, structure)
+    return TorchtitanExport(
+        model=plan.model,
+        schedule=plan.schedule,
+        pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[plan.schedule],
+        pipeline_parallel_degree=positions(plan),
+        batch_size=plan.batch_size,
+        microbatches=plan.microbatches,
+        module_fqns_per_model_part=torchtitan_parts(structure, stage_of, len(plan.stages)),
+    )

@@ -1,0 +1,291 @@
+"""The schedule registry: every schedule's facts and action generator in one ``ScheduleKind``.
+
+Every schedule is one ``ScheduleKind`` in ``SCHEDULE_KINDS``: its facts (flushes,
+gradient semantics, split backward, virtual stages, micro-batch rules) and its action
+generator live there and nowhere else. The memory-relevant counts are shared with the
+planner's memory model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from pipeplan.errors import InputError
+from pipeplan.plan import SCHEDULE_NAMES
+from pipeplan.schedules.actions import Action, Schedule, Worker, noam, warmup_forwards
+from pipeplan.schedules.orders import (
+    clear_caches,
+    worker_1f1b_flush,
+    worker_1f1b_rr,
+    worker_2bw,
+    worker_gpipe,
+    worker_interleaved,
+    worker_zb_h1,
+)
+
+__all__ = [
+    "SCHEDULE_KINDS",
+    "ScheduleKind",
+    "activations_in_flight",
+    "build_schedule",
+    "schedule_kind",
+    "weight_versions",
+]
+
+Generator = Callable[[tuple[int, ...], int, int, int, int, int], list[Action]]
+# (replicas per position, position, replica, minibatches, microbatches, virtual stages)
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule and every fact about it (the only place these facts live).
+
+    ``gradients``: "exact" (every minibatch's gradient at the weights it started from;
+    flush schedules), "stashed" (PipeDream 1F1B-RR: each minibatch's backward on the
+    weights of its own forward, staleness depending on the stage), "delayed"
+    (PipeDream-2BW: W(t+1) = W(t) - lr * grad f(W(t-1)), staleness 1 everywhere).
+    """
+
+    name: str
+    summary: str  # one line for --help and reports
+    flushes: bool  # the pipeline drains every minibatch (no overlap across minibatches)
+    gradients: str  # "exact" | "stashed" | "delayed"
+    split_backward: bool  # backward runs as "I" (input grads) then "W" (weight grads)
+    virtual_stages: bool  # more than one model chunk per device (then v >= 2 is required)
+    whole_minibatches: bool  # micro-batches must be 1
+    generate: Generator
+    # closed form of activations_in_flight (replicas, stage, microbatches); None: the action list's peak
+    in_flight: Callable[[Sequence[int], int, int], float] | None = None
+
+    # ------------------------------------------------------------ rules
+    def check(
+        self,
+        stage_replicas: Sequence[int],
+        microbatches: int,
+        virtual_stages: int = 1,
+        minibatches: int | None = None,
+    ) -> None:
+        """Raise a one-line ``InputError`` when the counts break this schedule's rules."""
+        replicas = _replicas(stage_replicas)
+        if microbatches < 1 or (minibatches is not None and minibatches < 1):
+            raise InputError(
+                f"minibatches and microbatches must be >= 1 (got {minibatches}, {microbatches})"
+            )
+        if self.virtual_stages:
+            if virtual_stages < 2:
+                raise InputError(
+                    f"{self.name} needs virtual stages >= 2 (got {virtual_stages}); "
+                    "with one chunk per device use 1f1b-flush"
+                )
+            if microbatches % len(replicas):
+                raise InputError(
+                    f"{self.name} needs micro-batches ({microbatches}) to be a multiple of "
+                    f"the {len(replicas)} pipeline positions (Megatron's rule)"
+                )
+        elif virtual_stages != 1:
+            raise InputError(f"{self.name} runs one model chunk per device (got virtual stages {virtual_stages})")
+        if self.whole_minibatches and microbatches != 1:
+            raise InputError(f"{self.name} runs whole minibatches (got microbatches={microbatches})")
+        if self.gradients == "stashed" and minibatches is not None:
+            period = math.lcm(*replicas)
+            if minibatches % period:
+                raise InputError(
+                    f"{self.name} needs minibatches ({minibatches}) to be a multiple of "
+                    f"lcm(replicas {list(replicas)}) = {period}, so replicas all-reduce in lock step"
+                )
+        if self.gradients == "delayed":
+            least = max(n * (warmup_forwards(replicas, s) + 1) for s, n in enumerate(replicas))
+            if microbatches < least:
+                raise InputError(
+                    f"{self.name} needs micro-batches ({microbatches}) >= {least} so that two "
+                    f"weight versions suffice: every replica takes at least its warm-up of a "
+                    f"minibatch's micro-batches (the pipeline depth without replication)"
+                )
+
+    # ------------------------------------------------------------ memory facts
+    def weight_versions(self, stage_replicas: Sequence[int], stage: int) -> int:
+        """Weight versions a replica of position ``stage`` keeps in use at once."""
+        if self.gradients == "stashed":
+            return warmup_forwards(stage_replicas, stage) + 1
+        if self.gradients == "delayed":
+            return 2
+        return 1
+
+    def in_flight_by_chunk(
+        self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
+    ) -> tuple[float, ...]:
+        """Minibatches' worth of saved activations of each chunk on a device of ``stage``.
+
+        Taken at the device's peak of units held (``peak_in_flight``) over one minibatch
+        of the first replica; a unit of chunk c holds 1/M of chunk c's minibatch
+        activations. O(M * v) from the action list.
+        """
+        replicas = _replicas(stage_replicas)
+        actions = self.generate(replicas, stage, 0, 1 if self.flushes else 4, microbatches, virtual_stages)
+        held: dict[tuple[int, int, int], int] = {}
+        best: tuple[int, ...] = (0,) * virtual_stages
+        for action in actions:
+            key = (action.minibatch, action.microbatch, action.chunk)
+            if action.kind == "F":
+                held[key] = action.chunk
+            elif action.kind in ("B", "W"):
+                held.pop(key, None)
+            if len(held) > sum(best):
+                best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
+        return tuple(count / microbatches for count in best)
+
+    def activations_in_flight(
+        self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
+    ) -> float:
+        """Minibatches' worth of saved activations a replica of ``stage`` holds at its peak.
+
+        1f1b-rr: W_s + 1 whole minibatches. 1f1b-flush: min(M, S - s) micro-batches of
+        size 1/M each. gpipe: all M micro-batches, i.e. one whole minibatch. The others
+        (interleaved-1f1b summed over the device's chunks, 2bw, zb-h1 held until "W"):
+        the peak of their action list (``in_flight_by_chunk``).
+        """
+        if self.in_flight is not None:
+            return self.in_flight(stage_replicas, stage, microbatches)
+        return sum(self.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages))
+
+    # ------------------------------------------------------------ pacing facts
+    def minibatches_per_step(self, stage_replicas: Sequence[int]) -> int:
+        """Minibatches in one training step: lcm(replicas) for stashed 1F1B-RR, else 1.
+
+        >>> SCHEDULE_KINDS["1f1b-rr"].minibatches_per_step((2, 1, 3))
+        6
+        """
+        return math.lcm(*stage_replicas) if self.gradients == "stashed" else 1
+
+    def minibatches_in_flight(self, stage_replicas: Sequence[int]) -> int:
+        """Minibatches overlapping in the pipeline: NOAM for 1F1B-RR, 2 for 2BW, else 1."""
+        if self.gradients == "stashed":
+            return noam(stage_replicas)
+        if self.gradients == "delayed":
+            return 2
+        return 1
+
+    def forward_version(self, minibatch: int, steps_done: int) -> int:
+        """Weight version (optimizer steps applied) a forward of ``minibatch`` runs on.
+
+        ``steps_done``: steps this worker has applied when the forward starts. Stashed and
+        exact: the newest. Delayed (2BW): version ``minibatch - 1`` (the weights after the
+        step of minibatch t - 2), version 0 for the first two minibatches.
+        """
+        if self.gradients == "delayed":
+            return max(0, minibatch - 1)
+        return steps_done
+
+    def actions(
+        self, stage_replicas: Sequence[int], minibatches: int, microbatches: int = 1, virtual_stages: int = 1
+    ) -> dict[Worker, tuple[Action, ...]]:
+        """Every worker's ordered actions (after ``check``)."""
+        replicas = _replicas(stage_replicas)
+        self.check(replicas, microbatches, virtual_stages, minibatches)
+        try:
+            return {
+                (s, r): tuple(self.generate(replicas, s, r, minibatches, microbatches, virtual_stages))
+                for s, n in enumerate(replicas)
+                for r in range(n)
+            }
+        finally:
+            clear_caches()  # keep no Actions beyond the schedule that holds them
+
+
+def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
+    replicas = tuple(int(n) for n in stage_replicas)
+    if not replicas or any(n < 1 for n in replicas):
+        raise InputError(f"stage replicas must be >= 1 for every stage (got {list(replicas)})")
+    return replicas
+
+
+
+def _rr_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return float(warmup_forwards(stage_replicas, stage) + 1)  # W_s + 1 whole minibatches
+
+
+def _flush_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return min(microbatches, len(stage_replicas) - stage) / microbatches  # S - s micro-batches
+
+
+def _gpipe_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
+    return 1.0  # all M micro-batches: one whole minibatch
+
+
+SCHEDULE_KINDS: dict[str, ScheduleKind] = {
+    kind.name: kind
+    for kind in (
+        ScheduleKind("1f1b-rr", "PipeDream 1F1B-RR: weight stashing, no flush", flushes=False,
+                     gradients="stashed", split_backward=False, virtual_stages=False,
+                     whole_minibatches=True, generate=worker_1f1b_rr, in_flight=_rr_in_flight),
+        ScheduleKind("1f1b-flush", "1F1B with a flush per minibatch (PipeDream-Flush)", flushes=True,
+                     gradients="exact", split_backward=False, virtual_stages=False,
+                     whole_minibatches=False, generate=worker_1f1b_flush, in_flight=_flush_in_flight),
+        ScheduleKind("gpipe", "GPipe: all forwards, then all backwards, per minibatch", flushes=True,
+                     gradients="exact", split_backward=False, virtual_stages=False,
+                     whole_minibatches=False, generate=worker_gpipe, in_flight=_gpipe_in_flight),
+        ScheduleKind("interleaved-1f1b", "Megatron interleaved 1F1B: v model chunks per device",
+                     flushes=True, gradients="exact", split_backward=False, virtual_stages=True,
+                     whole_minibatches=False, generate=worker_interleaved),
+        ScheduleKind("2bw", "PipeDream-2BW: two weight versions, one step of delay, no flush",
+                     flushes=False, gradients="delayed", split_backward=False, virtual_stages=False,
+                     whole_minibatches=False, generate=worker_2bw),
+        ScheduleKind("zb-h1", "zero bubble H1: 1F1B with weight gradients deferred", flushes=True,
+                     gradients="exact", split_backward=True, virtual_stages=False,
+                     whole_minibatches=False, generate=worker_zb_h1),
+    )
+}
+if tuple(SCHEDULE_KINDS) != SCHEDULE_NAMES:  # the plan contract names exactly the registered kinds
+    raise ImportError(f"schedule registry {tuple(SCHEDULE_KINDS)} differs from pipeplan.plan.SCHEDULE_NAMES {SCHEDULE_NAMES}")
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered kind called ``name``; ``InputError`` naming the known ones."""
+    kind = SCHEDULE_KINDS.get(name)
+    if kind is None:
+        raise InputError(f"unknown schedule {name!r} (expected one of {', '.join(SCHEDULE_NAMES)})")
+    return kind
+
+
+def weight_versions(schedule: str, stage_replicas: Sequence[int], stage: int) -> int:
+    """Weight versions a replica of ``stage`` keeps: W_s + 1 for 1f1b-rr, 2 for 2bw, else 1."""
+    return schedule_kind(schedule).weight_versions(stage_replicas, stage)
+
+
+def activations_in_flight(
+    schedule: str, stage_replicas: Sequence[int], stage: int, microbatches: int = 1,
+    virtual_stages: int = 1,
+) -> float:
+    """Minibatches' worth of saved activations a replica of ``stage`` holds at its peak.
+
+    See ``ScheduleKind.activations_in_flight``; ``ValueError`` for an unknown name.
+    """
+    if schedule not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule {schedule!r}")
+    return SCHEDULE_KINDS[schedule].activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def build_schedule(
+    name: str, stage_replicas: Sequence[int], minibatches: int, microbatches: int = 1,
+    virtual_stages: int = 1,
+) -> Schedule:
+    """Every worker's action order for schedule ``name`` (one of ``SCHEDULE_NAMES``).
+
+    Runs in O(workers + positions * minibatches * microbatches * virtual_stages).
+
+    >>> s = build_schedule("1f1b-rr", (2, 1), 4)
+    >>> [" ".join(map(str, s.actions[w])) for w in s.workers]
+    ['F0 F2 B0 S0 B2 S2', 'F1 F3 B1 S1 B3 S3', 'F0 B0 S0 F1 B1 S1 F2 B2 S2 F3 B3 S3']
+    >>> s = build_schedule("gpipe", (1, 1), 1, microbatches=2)
+    >>> [" ".join(map(str, s.actions[w])) for w in s.workers]
+    ['F0 F0.1 B0.1 B0 S0', 'F0 F0.1 B0.1 B0 S0']
+    """
+    kind = schedule_kind(name)
+    replicas = _replicas(stage_replicas)
+    actions = kind.actions(replicas, minibatches, microbatches, virtual_stages)
+    return Schedule(name, replicas, minibatches, microbatches, actions, virtual_stages)

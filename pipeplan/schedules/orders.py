@@ -1,0 +1,193 @@
+"""Action orders: each schedule's generator of one worker's ordered actions."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence, TypeVar
+
+from pipeplan.schedules.actions import Action, interleaved_warmup, warmup_forwards
+
+T = TypeVar("T")
+
+
+def _local_microbatches(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatch: int, microbatches: int
+) -> list[int]:
+    n = replicas[stage]
+    return [m for m in range(microbatches) if (minibatch * microbatches + m) % n == replica]
+
+
+def worker_1f1b_rr(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """W_s + 1 forwards, then B (+S), F alternating, then drain the backwards (+S).
+
+    The replica's minibatches are ``replica, replica + n, ...``; its Actions are taken
+    from tables shared by every worker (``_minibatch_actions``) and laid out with slices,
+    so a worker costs O(its actions) at C speed.
+    """
+    n = replicas[stage]
+    forwards, backwards, steps = (_minibatch_actions(kind, minibatches)[replica::n] for kind in "FBS")
+    ahead = min(len(forwards), warmup_forwards(replicas, stage) + 1)
+    steady = len(forwards) - ahead  # minibatches whose B, S are followed by a later F
+    return (
+        list(forwards[:ahead])
+        + _interleave(backwards[:steady], steps[:steady], forwards[ahead:])
+        + _interleave(backwards[steady:], steps[steady:])
+    )
+
+
+@lru_cache(maxsize=3)
+def _minibatch_actions(kind: str, minibatches: int) -> tuple[Action, ...]:
+    """``Action(kind, k)`` for every minibatch k < ``minibatches``, shared by the workers of a build.
+
+    An Action is immutable, so one object can stand in every worker's order. Cleared
+    at the end of each ``ScheduleKind.actions``. O(minibatches).
+    """
+    return tuple(Action(kind, k) for k in range(minibatches))
+
+
+def _interleave(*columns: Sequence[T]) -> list[T]:
+    """``[a0, b0, c0, a1, b1, c1, ...]`` of equally long columns a, b, c. O(total).
+
+    >>> _interleave("abc", "xyz")
+    ['a', 'x', 'b', 'y', 'c', 'z']
+    """
+    width = len(columns)
+    out = list(columns[0]) * width  # any list of the right length: every slot is written below
+    for j, column in enumerate(columns):
+        out[j::width] = column
+    return out
+
+
+def worker_1f1b_flush(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """Per minibatch: min(M, S - s) forwards, then B, F alternating, drain, one "S"."""
+    out: list[Action] = []
+    for k in range(minibatches):
+        local = _local_microbatches(replicas, stage, replica, k, microbatches)
+        ahead = min(len(local), len(replicas) - stage)
+        out += [Action("F", k, m) for m in local[:ahead]]
+        for i, m in enumerate(local):
+            out.append(Action("B", k, m))
+            if i + ahead < len(local):
+                out.append(Action("F", k, local[i + ahead]))
+        out.append(Action("S", k))
+    return out
+
+
+def worker_gpipe(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """Per minibatch: all forwards, all backwards in reverse order, one "S"."""
+    out: list[Action] = []
+    for k in range(minibatches):
+        local = _local_microbatches(replicas, stage, replica, k, microbatches)
+        out += [Action("F", k, m) for m in local]
+        out += [Action("B", k, m) for m in reversed(local)]
+        out.append(Action("S", k))
+    return out
+
+
+def worker_interleaved(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """Megatron's interleaved 1F1B, per minibatch (it flushes).
+
+    A position's m micro-batches times v chunks make m*v chunk-micro-batches, numbered
+    k in Megatron's order: groups of P micro-batches run chunk 0, then chunk 1, ..., so
+    the forward of k is chunk (k mod P*v) // P of micro-batch (k // (P*v)) * P + k mod P;
+    backwards walk the chunks in reverse. Warm-up runs ``interleaved_warmup`` forwards,
+    then F, B alternate, then the drain. A replica runs the units routed to it in the
+    position's order (a sub-order of a deadlock-free order cannot deadlock).
+    """
+    positions = len(replicas)
+    group = positions * virtual_stages
+    total = microbatches * virtual_stages
+
+    def unit(index: int, forward: bool) -> tuple[int, int]:
+        chunk = (index % group) // positions
+        micro = (index // group) * positions + index % positions
+        return micro, chunk if forward else virtual_stages - 1 - chunk
+
+    ahead = min(total, interleaved_warmup(positions, stage, virtual_stages))
+    order = [("F", *unit(i, True)) for i in range(ahead)]
+    for i in range(total - ahead):
+        order += [("F", *unit(ahead + i, True)), ("B", *unit(i, False))]
+    order += [("B", *unit(i, False)) for i in range(total - ahead, total)]
+    out: list[Action] = []
+    for k in range(minibatches):
+        local = set(_local_microbatches(replicas, stage, replica, k, microbatches))
+        out += [Action(kind, k, micro, chunk) for kind, micro, chunk in order if micro in local]
+        out.append(Action("S", k))
+    return out
+
+
+def worker_2bw(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """PipeDream-2BW: 1F1B over the stream of micro-batches, no flush.
+
+    The replica's units (all minibatches' micro-batches routed to it, in order) run as
+    1F1B-RR runs minibatches: W_s + 1 forwards, then B, F alternating, then the drain.
+    "S" of minibatch t (coalesced gradients of its micro-batches) comes right after the
+    worker's last backward of t, before any backward of a later minibatch; every replica
+    steps every minibatch.
+    """
+    units = [
+        (k, m) for k in range(minibatches)
+        for m in _local_microbatches(replicas, stage, replica, k, microbatches)
+    ]
+    ahead = min(len(units), warmup_forwards(replicas, stage) + 1)
+    out = [Action("F", k, m) for k, m in units[:ahead]]
+    stepped = 0
+    for i, (k, m) in enumerate(units):
+        out.append(Action("B", k, m))
+        following = units[i + 1][0] if i + 1 < len(units) else minibatches
+        out += [Action("S", t) for t in range(stepped, following)]
+        stepped = max(stepped, following)
+        if i + ahead < len(units):
+            out.append(Action("F", *units[i + ahead]))
+    out += [Action("S", t) for t in range(stepped, minibatches)]
+    return out
+
+
+def worker_zb_h1(
+    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """ZB-H1: the 1F1B-flush order with each backward split into "I" then "W".
+
+    Per minibatch: min(M, S - s) forwards; then "I", F alternating as 1F1B's B, F; the
+    "W" of a micro-batch runs right after an "I" once position s has deferred s of them
+    (later positions wait longer for their first input gradient, so they keep more "W"
+    to fill that bubble); the deferred ones drain before the minibatch's "S".
+    Activations are held until "W": min(M, S) units at the peak, 1F1B's peak.
+    """
+    out: list[Action] = []
+    for k in range(minibatches):
+        local = _local_microbatches(replicas, stage, replica, k, microbatches)
+        ahead = min(len(local), len(replicas) - stage)
+        out += [Action("F", k, m) for m in local[:ahead]]
+        deferred: list[int] = []
+        for i, m in enumerate(local):
+            out.append(Action("I", k, m))
+            deferred.append(m)
+            if len(deferred) > stage:
+                out.append(Action("W", k, deferred.pop(0)))
+            if i + ahead < len(local):
+                out.append(Action("F", k, local[i + ahead]))
+        out += [Action("W", k, m) for m in deferred]
+        out.append(Action("S", k))
+    return out
+
+
+def clear_caches() -> None:
+    """Drop the cached per-minibatch action tuples (keep no Actions beyond their schedule)."""
+    _minibatch_actions.cache_clear()

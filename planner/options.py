@@ -1,0 +1,58 @@
+"""``PartitionOptions``: what the user asks of the planner, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeplan.errors import InputError
+from pipeplan.plan import SCHEDULE_NAMES
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.costs import COST_MODELS
+from pipeplan.planner.memory import OPTIMIZER_STATES
+from pipeplan.schedules import schedule_kind
+
+__all__ = ["PartitionOptions", "charged_optimizer"]
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    schedule: str = "1f1b-rr"  # one of pipeplan.schedules.SCHEDULE_NAMES
+    cost_model: str = "pipeplan"  # "pipeplan" | "pipedream"
+    optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
+    straight: bool = False  # one device per stage
+    max_stages: int | None = None
+    use_fewer_devices: bool = False
+    microbatches: int = 1  # micro-batches per minibatch (schedules that split minibatches)
+    memory_check: bool = True
+    activation_compression_ratio: float | None = None  # PipeDream mode only
+    virtual_stages: int | None = None  # interleaved-1f1b: chunks per device (None: the planner picks)
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULE_NAMES:
+            raise InputError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+        if self.cost_model not in COST_MODELS:
+            raise InputError(f"cost model {self.cost_model!r} is not one of {', '.join(COST_MODELS)}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise InputError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}")
+        if self.max_stages is not None and self.max_stages < 1:
+            raise InputError(f"--max-stages must be >= 1 (got {self.max_stages})")
+        if self.microbatches < 1:
+            raise InputError(f"--microbatches must be >= 1 (got {self.microbatches})")
+        if self.cost_model == "pipedream" and self.max_stages is not None:
+            raise InputError("--max-stages is not part of PipeDream's optimizer (use --cost-model pipeplan)")
+        ratio = self.activation_compression_ratio
+        if ratio is not None and not ratio > 0:
+            raise InputError(f"activation compression ratio must be positive (got {ratio})")
+        kind = schedule_kind(self.schedule)
+        if self.virtual_stages is not None and (self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1):
+            raise InputError(
+                f"schedule {self.schedule} runs "
+                + ("v >= 2" if kind.virtual_stages else "one") + f" chunk(s) per device (got --virtual-stages {self.virtual_stages})"
+            )
+        if kind.whole_minibatches and self.microbatches != 1:
+            raise InputError(f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})")
+
+
+def charged_optimizer(options: PartitionOptions) -> str | None:
+    """The optimizer whose measured step counts as compute (none in PipeDream's own model)."""
+    return cost_model(options.cost_model).charged_optimizer(options.optimizer)
