@@ -146,10 +146,11 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     return obj
 
 
-def read_json(path: str | os.PathLike[str], schema: str) -> dict[str, Any]:
-    """Read a JSON object whose ``"schema"`` must equal ``schema`` (e.g. ``pipeplan.plan/1``)."""
+def read_json(path: str | os.PathLike[str], schema: str, older: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read a JSON object whose ``"schema"`` must equal ``schema`` (e.g. ``pipeplan.plan/2``)
+    or one of the ``older`` versions the reader still loads."""
     obj = read_json_object(path)
     found = obj.get("schema")
-    if found != schema:
+    if found != schema and found not in older:
         raise InputError(f"{path}: schema is {found!r}, expected {schema!r}")
     return obj

@@ -4,8 +4,12 @@
 ``layers`` (authoritative; a difference of two downsets of the DAG, not necessarily
 contiguous in the topological order; ``layer_start = min(layers)``, ``layer_end =
 max(layers) + 1``; a plan without ``layers`` means the range) on ``replicas`` devices whose global ranks are ``ranks``
-(replica j of stage s is ``ranks[j]``). Times are milliseconds per minibatch, memory
-in bytes per device. Stored as JSON with ``"schema": "pipeplan.plan/1"``.
+(replica j of stage s is ``ranks[j]``). A stage with ``tensor_parallel`` t > 1 splits
+its layers t ways (Megatron tensor parallelism) inside each replica: ``ranks`` then holds
+``replicas * t`` ranks, replica-major (replica j's tensor-parallel group is
+``ranks[j*t:(j+1)*t]``). Times are milliseconds per minibatch, memory in bytes per
+device. Stored as JSON with ``"schema": "pipeplan.plan/2"``; version 1 files (no
+``tensor_parallel``: t = 1) still load.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 from pipeplan.topology import DeviceSpec, Level, Topology
 
-__all__ = ["PLAN_SCHEMA", "SCHEDULE_NAMES", "StagePlan", "Predicted", "Plan"]
+__all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "StagePlan", "Predicted", "Plan"]
 
-PLAN_SCHEMA = "pipeplan.plan/1"
+PLAN_SCHEMA = "pipeplan.plan/2"
+OLDER_PLAN_SCHEMAS = ("pipeplan.plan/1",)  # still load (new fields take defaults)
 # The schedules a plan may name; pipeplan.schedules registers exactly these (checked at import).
 SCHEDULE_NAMES = ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
 
@@ -32,7 +37,7 @@ class StagePlan:
     layer_start: int  # first layer (inclusive)
     layer_end: int  # one past the last layer
     replicas: int
-    ranks: tuple[int, ...]  # global ranks; replica j runs on ranks[j]
+    ranks: tuple[int, ...]  # global ranks; replica j runs on ranks[j*t:(j+1)*t], t = tensor_parallel
     compute_ms: float  # forward+backward of the stage's layers, one minibatch, one device
     allreduce_ms: float  # gradient all-reduce among the replicas, per minibatch
     communication_ms: float  # activations out + gradients back over the outgoing cut
@@ -41,10 +46,16 @@ class StagePlan:
     weight_versions: int  # stashed weight versions kept (1 = no stashing)
     in_flight: int  # minibatches whose activations a replica holds at once
     layers: tuple[int, ...] = ()  # the layer set (for a DAG); defaults to the range
+    tensor_parallel: int = 1  # t: ranks per replica, each holding 1/t of the split layers
 
     def __post_init__(self) -> None:
         if not self.layers:
             object.__setattr__(self, "layers", tuple(range(self.layer_start, self.layer_end)))
+
+    def replica_ranks(self, replica: int) -> tuple[int, ...]:
+        """The tensor-parallel group of ``replica``: its ``tensor_parallel`` ranks."""
+        t = self.tensor_parallel
+        return self.ranks[replica * t:(replica + 1) * t]
 
 
 @dataclass(frozen=True)
@@ -92,7 +103,7 @@ class Plan:
         """(stage index, replica index) that global ``rank`` runs."""
         for stage in self.stages:
             if rank in stage.ranks:
-                return stage.index, stage.ranks.index(rank)
+                return stage.index, stage.ranks.index(rank) // stage.tensor_parallel
         raise InputError(f"rank {rank} runs no stage of this plan (world size {self.world_size})")
 
     @property
@@ -135,7 +146,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Plan":
-        return cls.from_dict(read_json(path, PLAN_SCHEMA), where=str(path))
+        return cls.from_dict(read_json(path, PLAN_SCHEMA, OLDER_PLAN_SCHEMAS), where=str(path))
 
 
 def _check_plan_fields(obj: Any, where: str) -> None:
@@ -220,9 +231,13 @@ def _check_stage_ranks(plan: Plan) -> None:
     positions = len(plan.stages) // virtual
     seen: set[int] = set()
     for stage in plan.stages:
-        if stage.replicas != len(stage.ranks) or stage.replicas < 1:
+        t = stage.tensor_parallel
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise InputError(f"plan stage {stage.index}: tensor_parallel {t!r} must be an integer >= 1")
+        if stage.replicas * t != len(stage.ranks) or stage.replicas < 1:
             raise InputError(
-                f"plan stage {stage.index}: replicas {stage.replicas} but ranks {list(stage.ranks)}"
+                f"plan stage {stage.index}: replicas {stage.replicas} x tensor_parallel {t} but ranks "
+                f"{list(stage.ranks)}"
             )
         if stage.index >= positions:
             if stage.ranks != plan.stages[stage.index % positions].ranks:

@@ -3,7 +3,16 @@
 A ``Profile`` holds one ``LayerProfile`` per layer, indexed by ``LayerProfile.index``
 (0..N-1, a topological order: every producer index is smaller than its consumer's).
 Times are milliseconds for one minibatch of ``batch_size`` samples; sizes are bytes.
-Stored as JSON with ``"schema": "pipeplan.profile/1"``.
+Stored as JSON with ``"schema": "pipeplan.profile/2"``; version 1 files (without the
+tensor-parallel fields and ``estimated``) still load.
+
+Tensor parallelism (Megatron's column- then row-parallel linear pairs, vocab-parallel
+embeddings and heads): a layer with ``tp_units > 0`` splits t ways for every t dividing
+``tp_units`` (its attention heads, or its vocabulary). Of its times and sizes, the
+``tp_split_*`` parts divide by t (each of the t ranks holds 1/t of those weights and
+activations and runs 1/t of those FLOPs); the rest is repeated on every rank. Each
+forward adds ``tp_forward_allreduces`` all-reduces of ``tp_allreduce_bytes`` among the t
+ranks, each backward ``tp_backward_allreduces`` (a Megatron block: 2 and 2).
 """
 
 from __future__ import annotations
@@ -17,9 +26,10 @@ from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 
-__all__ = ["PROFILE_SCHEMA", "DeviceInfo", "LayerProfile", "Profile", "MAX_MS", "MAX_BYTES"]
+__all__ = ["PROFILE_SCHEMA", "OLDER_PROFILE_SCHEMAS", "DeviceInfo", "LayerProfile", "Profile", "MAX_MS", "MAX_BYTES"]
 
-PROFILE_SCHEMA = "pipeplan.profile/1"
+PROFILE_SCHEMA = "pipeplan.profile/2"
+OLDER_PROFILE_SCHEMAS = ("pipeplan.profile/1",)  # still load (new fields take defaults)
 # Bounds that no real measurement reaches; beyond them sums lose meaning (1e308 ms)
 MAX_MS = 1e9  # 11.6 days for one layer's forward on one minibatch
 MAX_BYTES = 2**60  # 1 EiB
@@ -45,6 +55,20 @@ class LayerProfile:
     forward_ms_spread: float = 0.0  # interquartile range (p75 - p25) over repeats
     backward_ms_spread: float = 0.0
     model_inputs: tuple[int, ...] = ()  # positions of the model inputs this layer reads
+    # tensor parallelism (module docstring); all 0: the layer is repeated whole on every rank
+    tp_units: int = 0  # t must divide it: attention heads, or the vocabulary of an embedding / head
+    tp_split_forward_ms: float = 0.0  # of forward_ms, the part that divides by t (its GEMMs)
+    tp_split_backward_ms: float = 0.0  # of backward_ms, the part that divides by t
+    tp_split_param_bytes: int = 0  # of param_bytes, the weights split t ways
+    tp_split_saved_bytes: int = 0  # of saved_bytes, the activations split t ways
+    tp_allreduce_bytes: int = 0  # bytes of one all-reduce among the t ranks (the layer's activation)
+    tp_forward_allreduces: int = 0  # all-reduces per forward (Megatron block: 2; vocab embedding: 1)
+    tp_backward_allreduces: int = 0  # per backward (block: 2; vocab head: 1; + the forward's under recompute)
+
+    @property
+    def splits(self) -> bool:
+        """Whether the layer can be split across tensor-parallel ranks."""
+        return self.tp_units > 0
 
     @property
     def compute_ms(self) -> float:
@@ -79,6 +103,13 @@ class Profile:
     leaf_modules: tuple[str, ...] = ()  # module classes kept whole (--leaf-modules / LEAF_MODULES)
     # output fields the export capture set to None (values that are not tensors, e.g. a cache)
     dropped_outputs: tuple[str, ...] = ()
+    # split compute at tensor-parallel degree t takes tp_split_*_ms / (t * this): how the
+    # GEMMs' rate holds when they shrink t ways (1.0: they keep it; how it was obtained is
+    # said in ``estimated`` for a what-if profile)
+    tp_efficiency: float = 1.0
+    # "" for a measured profile; else how its figures were estimated (a what-if profile for
+    # hardware not at hand: the device's datasheet rates and the model's architecture)
+    estimated: str = ""
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -136,7 +167,7 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Profile":
-        return cls.from_dict(read_json(path, PROFILE_SCHEMA), where=str(path))
+        return cls.from_dict(read_json(path, PROFILE_SCHEMA, OLDER_PROFILE_SCHEMAS), where=str(path))
 
 
 def validate(profile: Profile) -> None:
@@ -161,6 +192,15 @@ def validate(profile: Profile) -> None:
         for name in ("output_bytes", "param_bytes", "saved_bytes"):
             _check_amount(getattr(layer, name), MAX_BYTES,
                           f"profile layer {layer.index} ({layer.name}): {name}", integer=True)
+        for name in ("tp_split_forward_ms", "tp_split_backward_ms"):
+            _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
+                          f"profile layer {layer.index} ({layer.name}): {name}")
+        for name in ("tp_split_param_bytes", "tp_split_saved_bytes"):
+            _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
+                          f"profile layer {layer.index} ({layer.name}): {name}", integer=True)
+        for name in ("tp_units", "tp_allreduce_bytes", "tp_forward_allreduces", "tp_backward_allreduces"):
+            _check_amount(getattr(layer, name), MAX_BYTES, f"profile layer {layer.index} ({layer.name}): {name}",
+                          integer=True)
         for position in layer.model_inputs:
             if not (isinstance(position, int) and position >= 0):
                 raise InputError(
@@ -170,6 +210,8 @@ def validate(profile: Profile) -> None:
         _check_amount(getattr(profile, name), MAX_MS, f"profile {name}")
     for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats"):
         _check_amount(getattr(profile, name), MAX_BYTES, f"profile {name}", integer=True)
+    if not (isinstance(profile.tp_efficiency, (int, float)) and 0 < profile.tp_efficiency <= 1):
+        raise InputError(f"profile tp_efficiency = {profile.tp_efficiency!r} is outside (0, 1]")
     for optimizer, value in profile.optimizer_ms.items():
         _check_amount(value, MAX_MS, f"profile optimizer_ms[{optimizer!r}]")
 

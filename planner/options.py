@@ -26,6 +26,9 @@ class PartitionOptions:
     memory_check: bool = True
     activation_compression_ratio: float | None = None  # PipeDream mode only
     virtual_stages: int | None = None  # interleaved-1f1b: chunks per device (None: the planner picks)
+    # tensor-parallel degree of every stage (None: the planner picks among those the profile
+    # and the topology's innermost level allow; planner.tensor_parallel)
+    tensor_parallel: int | None = None
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:

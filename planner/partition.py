@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from pipeplan.errors import InfeasibleError
+from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind
@@ -25,11 +25,12 @@ from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
 from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.placement import flatten
+from pipeplan.planner import tensor_parallel as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
 
-__all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer"]
+__all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
 
 
 def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
@@ -86,18 +87,82 @@ def _solve_pipedream(arrays: LayerArrays, topology: Topology, options: Partition
 
 def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
     settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
-                          options.use_fewer_devices, options.memory_check)
+                          options.use_fewer_devices, options.memory_check,
+                          flush_in_flight(options, arrays.layers, topology.world_size))
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()
     return solution.time_ms, reconstruct(solution), frozenset()
 
 
+def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:
+    """Minibatches of activations the DP charges a 1f1b-flush stage. The exact count,
+    min(M, S - s) / M for a pipeline of S stages (``ScheduleKind.activations_in_flight``),
+    is at most min(M, K) / M with K = min(cut states, devices, max stages) >= S; the other
+    schedules without stashing are charged 1.0 (every micro-batch of one minibatch).
+    Equal to 1.0, the DP's bound before, whenever M <= K.
+
+    >>> flush_in_flight(PartitionOptions(schedule="1f1b-flush", microbatches=512), 130, 384)
+    0.25390625
+    """
+    if options.schedule != "1f1b-flush":
+        return 1.0
+    depth = min(states, world_size, options.max_stages or world_size)
+    return min(options.microbatches, depth) / options.microbatches
+
+
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
 
 
 def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions()) -> Plan:
-    """The best plan of ``profile`` on ``topology`` under ``options``.
+    """The best plan of ``profile`` on ``topology`` under ``options``, over the
+    tensor-parallel degrees ``planner.tensor_parallel.degrees`` allows: one exact plan per
+    degree (``_partition`` on its group topology and split profile), the fastest
+    (simulated) wins, ties to the smaller degree. A profile without splitting layers plans
+    t = 1 only: the plan ``_partition`` makes. Raises ``InputError`` for bad options or a
+    degree the profile or topology refuse, ``InfeasibleError`` when no degree fits.
+    """
+    options.validate()
+    found: list[tuple[float, int, Plan]] = []
+    failure: InfeasibleError | InputError | None = None
+    choices = tp.degrees(profile, topology, options.tensor_parallel)
+    for t in choices:
+        try:
+            plan = _partition_degree(profile, topology, options, t)
+        except InfeasibleError as exc:
+            failure = exc
+            continue
+        except InputError as exc:  # e.g. its schedule cannot run those replica counts: other degrees may
+            if len(choices) == 1:
+                raise
+            failure = InputError(f"with tensor-parallel degree {t}: {exc}")
+            continue
+        found.append((plan.predicted.time_per_minibatch_ms, t, plan))
+    if not found:
+        assert failure is not None
+        raise failure
+    return min(found, key=lambda item: item[:2])[2]
+
+
+def _partition_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int) -> Plan:
+    """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition`` on
+    the group topology and split profile, expanded to the real ranks."""
+    if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
+        return _partition(profile, topology, options)  # no tensor parallelism: the plan and messages as before
+    try:
+        grouped = _partition(tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
+    if t == 1:
+        return grouped
+    model = cost_model(options.cost_model)
+    arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer))
+    baselines = (arrays.compute(0, arrays.layers), data_parallel_ms(arrays, topology, options.cost_model))
+    return tp.expand_plan(grouped, topology, t, baselines_ms=baselines)
+
+
+def _partition(profile: Profile, topology: Topology, options: PartitionOptions) -> Plan:
+    """The best plan of ``profile`` on ``topology`` under ``options``, without tensor parallelism.
 
     Its predicted time, throughput and per-stage figures are those of its own schedule,
     bubble included (``planner.predict``). ``interleaved-1f1b`` plans come from

@@ -363,7 +363,14 @@ def simulate_plan(
     steady: int = 8,
     record: bool = False,
 ) -> SimResult:
-    """``simulate`` with costs from ``profile`` (or from the plan's figures without one)."""
+    """``simulate`` with costs from ``profile`` (or from the plan's figures without one).
+
+    A plan with tensor-parallel degree t > 1 is simulated on its group topology with
+    the split profile (``planner.tensor_parallel.group_view``): the timeline's workers
+    are then tensor-parallel groups."""
+    from pipeplan.planner.tensor_parallel import group_view
+
+    plan, profile = group_view(plan, profile)
     costs = stage_costs(plan, profile) if profile is not None else stage_costs_from_plan(plan)
     result = simulate(plan, costs, schedule, microbatches, steady, record)
     if profile is None:

@@ -14,7 +14,7 @@ def test_partition_pipedream_graph(tmp_path):
     result = CliRunner().invoke(cli, ["partition", VGG, "--topology", "cluster-a", "--cost-model", "pipedream", "-o", str(out)])
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
-    assert json.loads(out.read_text())["schema"] == "pipeplan.plan/1"
+    assert json.loads(out.read_text())["schema"] == "pipeplan.plan/2"
     assert plan.world_size == 16 and plan.cost_model == "pipedream"
     assert abs(plan.predicted.time_per_minibatch_ms - 44.12107431111115) < 1e-9
     assert "bottleneck" in result.output and "pipeline speed-up" in result.output and "GiB" in result.output

@@ -70,7 +70,7 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
                   f"the fastest that fits (equal times: fewer micro-batches, then less memory)")
 
 
-def _print_plan(plan: Plan) -> None:
+def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -79,16 +79,21 @@ def _print_plan(plan: Plan) -> None:
     shape = f"{plan.schedule}, {plan.microbatches} micro-batches" if plan.microbatches > 1 else plan.schedule
     if plan.virtual_stages > 1:
         shape += f", {plan.virtual_stages} chunks per device"
+    degree = plan.stages[0].tensor_parallel
+    if degree > 1:
+        shape += f", tensor-parallel {degree}"
     table = Table(title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
-                        f"{shape}, {plan.cost_model} cost model)")
-    for column in ("stage", "layers", "replicas", "ranks", "compute", "comm", "all-reduce", "busy/minibatch", "memory"):
+                        f"{shape}, {plan.cost_model} cost model)"
+                        + (f"\nESTIMATED profile: {estimated}" if estimated else ""))
+    for column in ("stage", "layers", "replicas x t" if degree > 1 else "replicas", "ranks", "compute", "comm", "all-reduce", "busy/minibatch", "memory"):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
         ranks = stage.ranks if len(stage.ranks) <= 6 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
         ranks_text = ",".join(map(str, ranks)) if isinstance(ranks, tuple) else ranks
         mark = " *" if stage.index == plan.bottleneck_stage else ""
         table.add_row(
-            f"{stage.index}{mark}", _layer_text(stage), str(stage.replicas), ranks_text,
+            f"{stage.index}{mark}", _layer_text(stage),
+            f"{stage.replicas} x {stage.tensor_parallel}" if degree > 1 else str(stage.replicas), ranks_text,
             format_ms(stage.compute_ms), format_ms(stage.communication_ms), format_ms(stage.allreduce_ms),
             format_ms(stage.time_per_minibatch_ms), format_bytes(stage.memory_bytes),
         )
@@ -110,6 +115,8 @@ def _print_plan(plan: Plan) -> None:
     p = plan.predicted
     console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
     how = "simulated with its schedule's bubble" if p.simulated else "the cost model's formula"
+    if estimated:
+        how += "; ESTIMATED profile"
     console.print(
         f"pipeline {format_ms(p.time_per_minibatch_ms)}/minibatch ({p.samples_per_s:.1f} samples/s, {how}) | "
         f"data parallel {format_ms(p.data_parallel_ms)} (pipeline speed-up {p.speedup_vs_data_parallel:.2f}x) | "
@@ -130,13 +137,16 @@ def _print_plan(plan: Plan) -> None:
 @click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")
 @click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (every schedule but 1f1b-rr; auto tries several when 1).")
 @click.option("--virtual-stages", type=int, default=None, help="interleaved-1f1b: model chunks per device (default: the planner picks).")
+@click.option("--tensor-parallel", "tensor_parallel", default="auto", show_default=True,
+              help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.")
 @click.option("--memory-check/--no-memory-check", default=True, show_default=True, help="Drop stages that do not fit device memory.")
 @click.option("--activation-compression", type=float, default=None, help="PipeDream mode: count activation transfers, divided by this ratio.")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).")
 def partition(
     profile_path: str, topology_arg: str, output: str, schedule: str, cost_model: str, optimizer: str,
     straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
-    virtual_stages: int | None, memory_check: bool, activation_compression: float | None, batch_size: int,
+    virtual_stages: int | None, tensor_parallel: str, memory_check: bool, activation_compression: float | None,
+    batch_size: int,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
 
@@ -146,6 +156,7 @@ def partition(
     pipeplan partition profile.json --topology cluster.yaml -o plan.json
     pipeplan partition profile.json --topology local-cpu --schedule 1f1b-flush --microbatches 4
     pipeplan partition vgg16/graph.txt --topology cluster-a --cost-model pipedream
+    pipeplan partition gpt-a100.json --topology megatron.yaml --schedule auto --tensor-parallel 8
     """
     from pipeplan.errors import InputError
     from pipeplan.planner.partition import PartitionOptions
@@ -154,13 +165,15 @@ def partition(
 
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1 (got {batch_size})")
+    if tensor_parallel != "auto" and not tensor_parallel.isdigit():
+        raise InputError(f"--tensor-parallel must be a positive integer or auto (got {tensor_parallel!r})")
     profile = _load_profile(profile_path, batch_size)
     topology = resolve(topology_arg)
     options = PartitionOptions(
         schedule="1f1b-rr" if schedule == "auto" else schedule, cost_model=cost_model, optimizer=optimizer,
         straight=straight, max_stages=max_stages, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
-        virtual_stages=virtual_stages,
+        virtual_stages=virtual_stages, tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search
@@ -171,5 +184,5 @@ def partition(
     else:
         plan = run_partition(profile, topology, options)
     plan.save(output)
-    _print_plan(plan)
+    _print_plan(plan, profile.estimated)
     click.echo(f"wrote {output}")

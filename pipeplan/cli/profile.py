@@ -20,7 +20,7 @@ Examples:
 )
 @click.argument("model", metavar="MODEL")
 @click.option("-o", "--output", "output_path", type=click.Path(dir_okay=False), default="profile.json",
-              show_default=True, help="Where to write the profile (JSON, schema pipeplan.profile/1).")
+              show_default=True, help="Where to write the profile (JSON, schema pipeplan.profile/2).")
 @click.option("--batch-size", "-b", type=int, default=32, show_default=True,
               help="Samples per minibatch (passed to the model file's sample_batch).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,

@@ -68,6 +68,8 @@ def simulate(
     console = Console()
     plan = Plan.load(plan_path)
     profile = Profile.load(profile_path) if profile_path else None
+    if profile is not None and profile.estimated:
+        console.print(f"ESTIMATED profile (every figure below rests on it): {profile.estimated}", markup=False)
     if profile is None:
         console.print("[yellow]no --profile: costs from the plan's per-stage figures "
                       "(forward:backward = 1:2), memory from the plan[/]")

@@ -30,6 +30,11 @@ class DPSettings:
     max_stages: int | None = None
     use_fewer_devices: bool = False
     memory_check: bool = True
+    # minibatches of activations charged to a stage of a schedule without stashing: 1.0
+    # (every micro-batch of one minibatch), or for 1f1b-flush min(M, K) / M with K a bound
+    # on the stages (``planner.partition.flush_in_flight``): thousands of micro-batches are
+    # then not all charged
+    flush_in_flight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -266,7 +271,7 @@ def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarr
     if _tracks_tau(settings):
         versions, in_flight = tau + 1, float(tau + 1)
     else:
-        versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), 1.0
+        versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
     return params * (versions + 1 + optimizer_states(settings.optimizer)) + saved * in_flight
 
 
