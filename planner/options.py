@@ -29,6 +29,9 @@ class PartitionOptions:
     # tensor-parallel degree of every stage (None: the planner picks among those the profile
     # and the topology's innermost level allow; planner.tensor_parallel)
     tensor_parallel: int | None = None
+    # flush schedules: also try uniform plans (p balanced stages x d replicas, planner.uniform)
+    # and keep the fastest simulated; None: when the profile has splitting layers (transformers)
+    uniform: bool | None = None
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:

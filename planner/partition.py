@@ -9,6 +9,7 @@ per-stage and predicted figures (ms per minibatch, bytes per device).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
@@ -25,6 +26,7 @@ from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
 from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.placement import flatten
+from pipeplan.planner.uniform import uniform_trees
 from pipeplan.planner import tensor_parallel as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
@@ -46,13 +48,19 @@ def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
     return min(kind.in_flight_by_chunk((1,) * depth, depth - 1, micro, virtual))
 
 
-def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions) -> str:
-    """Name the layer that needs the most memory even in the most favourable position."""
+def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOptions) -> list[float]:
+    """Each layer's bytes on one device even in the most favourable position (one weight
+    version, the last stage's activations in flight): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
-    need = [
+    return [
         stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer)
         for layer in profile.layers
     ]
+
+
+def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions) -> str:
+    """Name the layer that needs the most memory even in the most favourable position."""
+    need = _least_need_bytes(profile, topology, options)
     worst = max(range(len(need)), key=lambda i: need[i])
     memory = topology.device.memory_bytes
     if need[worst] > memory:
@@ -123,12 +131,17 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     degree the profile or topology refuse, ``InfeasibleError`` when no degree fits.
     """
     options.validate()
+    if options.uniform is None:  # transformers (splitting layers) also try Megatron's uniform shapes
+        options = replace(options, uniform=any(layer.splits for layer in profile.layers))
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
     choices = tp.degrees(profile, topology, options.tensor_parallel)
     for t in choices:
+        beat_ms = min((item[0] for item in found), default=math.inf)
         try:
-            plan = _partition_degree(profile, topology, options, t)
+            plan = _partition_degree(profile, topology, options, t, beat_ms)
+        except _Dominated:
+            continue
         except InfeasibleError as exc:
             failure = exc
             continue
@@ -141,16 +154,27 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     if not found:
         assert failure is not None
         raise failure
-    return min(found, key=lambda item: item[:2])[2]
+    best = min(found, key=lambda item: item[:2])[2]
+    if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
+        try:
+            best = predict(best, profile)  # the default window, as every plan's figures
+        except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat exactly
+            pass
+    return best
 
 
-def _partition_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int) -> Plan:
+class _Dominated(Exception):
+    """No plan of this degree can beat the best of an earlier one (its stage bound is higher)."""
+
+
+def _partition_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int,
+                      beat_ms: float = math.inf) -> Plan:
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition`` on
     the group topology and split profile, expanded to the real ranks."""
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         return _partition(profile, topology, options)  # no tensor parallelism: the plan and messages as before
     try:
-        grouped = _partition(tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options)
+        grouped = _partition(tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options, beat_ms)
     except InfeasibleError as exc:
         raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
     if t == 1:
@@ -161,12 +185,15 @@ def _partition_degree(profile: Profile, topology: Topology, options: PartitionOp
     return tp.expand_plan(grouped, topology, t, baselines_ms=baselines)
 
 
-def _partition(profile: Profile, topology: Topology, options: PartitionOptions) -> Plan:
+def _partition(profile: Profile, topology: Topology, options: PartitionOptions, beat_ms: float = math.inf) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, without tensor parallelism.
 
     Its predicted time, throughput and per-stage figures are those of its own schedule,
     bubble included (``planner.predict``). ``interleaved-1f1b`` plans come from
     ``planner.interleave`` (the planner picks v unless ``options.virtual_stages``).
+    With ``options.uniform`` and a flush schedule, the uniform shapes of
+    ``planner.uniform`` compete with the DP's plan (simulated over one minibatch, which
+    flush schedules repeat exactly); ``_Dominated`` when none can beat ``beat_ms``.
     Raises ``InputError`` for bad options and ``InfeasibleError`` (one line) when no plan
     fits device memory.
     """
@@ -177,9 +204,45 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions) 
     model = cost_model(options.cost_model)
     family = cut_family(profile)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)
+    if options.memory_check and model.checks_memory and \
+            max(_least_need_bytes(profile, topology, options)) > topology.device.memory_bytes:
+        raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))  # what the DP would find
     time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options)
     if not math.isfinite(time_ms):
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
+    if not (options.uniform and kind.flushes):
+        return _tree_plan(profile, topology, options, arrays, tree, time_ms, single_nodes)
+    candidates = [(time_ms, tree, single_nodes)]  # the DP's first: it wins ties
+    for _, _, shape in uniform_trees(arrays, topology):
+        flat = flatten(shape, topology)
+        candidates.append((max(figure[3] for figure in stage_figures(flat, arrays, topology, options)), shape,
+                           frozenset()))
+    best: Plan | None = None
+    failure: Exception = _Dominated()
+    for bound, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
+        if bound >= min(beat_ms, best.predicted.time_per_minibatch_ms if best else math.inf):
+            break  # a period is never below its slowest stage: no later candidate can win
+        try:
+            plan = _tree_plan(profile, topology, options, arrays, shape, bound, nodes, steady=1)
+        except (InfeasibleError, InputError) as exc:  # does not fit, or its schedule cannot run it
+            if shape is tree:
+                failure = exc
+            continue
+        if plan.predicted.simulated and (best is None or plan.predicted.time_per_minibatch_ms
+                                         < best.predicted.time_per_minibatch_ms * (1 - 1e-9)):
+            best = plan
+    if best is None:
+        raise failure
+    return best
+
+
+def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
+               tree: tuple[StageNode, ...], time_ms: float, single_nodes: frozenset, steady: int = 8) -> Plan:
+    """The plan of the stage ``tree``: placed, priced, its memory checked exactly
+    (``InfeasibleError``), predicted by simulating its schedule when the cost model does."""
+    kind = schedule_kind(options.schedule)
+    model = cost_model(options.cost_model)
+    family = arrays.cut_family
     flat = flatten(tree, topology)
     replicas = [stage.replicas for stage in flat]
     kind.check(replicas, options.microbatches)
@@ -207,6 +270,6 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions) 
     if not model.predicts_by_simulation(kind):
         return plan
     try:
-        return predict(plan, profile)
+        return predict(plan, profile, steady=steady)
     except SimulationTooLarge:  # keeps the cost model's figures, marked not simulated
         return plan

@@ -25,14 +25,16 @@ def predict(
     profile: Profile | None = None,
     schedule: str | None = None,
     microbatches: int | None = None,
+    steady: int = 8,
 ) -> Plan:
     """``plan`` with the predictions of ``schedule`` (default: its own) and ``microbatches``.
 
     Costs come from ``profile`` when given, else from the plan's per-stage figures
     (``stage_costs_from_plan``). Memory stays the plan's when re-predicting without a
-    profile (a plan carries no parameter or activation sizes). Time: one simulation.
+    profile (a plan carries no parameter or activation sizes). Time: one simulation of
+    ``steady`` minibatches after the warm-up (``simulate.default_minibatches``).
     """
-    result = simulate_plan(plan, profile, schedule, microbatches)
+    result = simulate_plan(plan, profile, schedule, microbatches, steady)
     return with_simulation(plan, result, keep_memory=profile is None or result.schedule == plan.schedule)
 
 

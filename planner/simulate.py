@@ -327,9 +327,12 @@ def simulate(
             f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
         )
-    ranks = [stage.ranks for stage in plan.stages[:positions]]
+    lanes = _lanes(name, replicas, micro, virtual, record)
+    shown = plan if lanes == 1 else _one_lane(plan)
+    ranks = [stage.ranks for stage in shown.stages[:positions]]
     with collector_paused():  # until the timeline is dropped (see collector_paused)
-        built = build_schedule(name, replicas, total, micro, virtual_stages=virtual)
+        built = build_schedule(name, tuple(n // lanes for n in replicas), total, micro // lanes,
+                               virtual_stages=virtual)
         timeline = run_schedule(
             built, durations(plan, costs, micro), ranks,
             lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
@@ -337,9 +340,14 @@ def simulate(
         done = timeline.completion
         first, last = warm - 1, warm - 1 + window
         period = (done[last] - done[first]) / window
-        stages = _stage_figures(plan, costs, built, timeline, (done[first], done[last]), period)
+        stages = _stage_figures(shown, costs, built, timeline, (done[first], done[last]), period)
         makespan, tasks = timeline.makespan, tuple(timeline.tasks)
         del built, timeline, done
+    if lanes > 1:
+        kind = schedule_kind(name)
+        stages = [_all_lanes(sim, lanes, costs[sim.stage], plan.optimizer,
+                             kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions])
+                  for sim in stages]
     return SimResult(
         schedule=name,
         minibatches=total,
@@ -353,6 +361,32 @@ def simulate(
         tasks=tasks,
         virtual_stages=virtual,
     )
+
+
+def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, record: bool) -> int:
+    """d when a flush schedule runs d independent identical pipelines (every stage on d
+    replicas, M a multiple of d: replica r of every stage runs the micro-batches m = r mod
+    d, and replicas meet only at the step), else 1. Simulating one of them with M / d
+    micro-batches of the same durations gives the same period, busy times and memory in
+    1/d of the work. Not when the timeline of every worker is recorded."""
+    d = replicas[0]
+    if record or virtual != 1 or not schedule_kind(name).flushes or d < 2:
+        return 1
+    return d if all(n == d for n in replicas) and micro % d == 0 else 1
+
+
+def _one_lane(plan: Plan) -> Plan:
+    """``plan`` cut to replica 0 of every stage (its first rank), for ``_lanes``."""
+    stages = tuple(replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1) for stage in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, optimizer: str, versions: int, replicas: int) -> StageSim:
+    """A stage's figures from one lane (``_lanes``): the same busy time per replica; the
+    micro-batches held at the peak, the same count, are 1/lanes as much of a minibatch."""
+    in_flight = sim.in_flight / lanes
+    memory = stage_memory_bytes(costs.param_bytes, costs.saved_bytes, versions, in_flight, optimizer)
+    return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
 
 
 def simulate_plan(

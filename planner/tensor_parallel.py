@@ -13,9 +13,8 @@ unchanged) for a *split profile*, whose layers cost what one rank of a group pay
 with the layer's ``tp_*`` fields (``pipeplan.profile``), ``eff`` the profile's
 ``tp_efficiency`` and the all-reduce a ring over level 0 (``costs.ring_allreduce_ms``).
 The optimizer step scales with the bytes a rank holds. Each rank all-reduces its own
-1/t of the gradients with its peers in the other replicas, in parallel on its own links,
-and sends the stage's whole activations (conservative: Megatron's scatter/gather sends
-1/t). ``partition`` runs the exact DP once per degree (``degrees``), so a plan with t = 1
+1/t of the gradients with its peers in the other replicas; the group topology's outer
+bandwidths are 1/t of the unit's (``group_topology``). ``partition`` runs the exact DP once per degree (``degrees``), so a plan with t = 1
 is today's plan and the best over t is exact over plans with one degree for all stages.
 
 ``expand_plan`` turns a plan of the group topology into the real one (replica-major
@@ -82,12 +81,20 @@ def degrees(profile: Profile, topology: Topology, requested: int | None) -> list
 
 
 def group_topology(topology: Topology, t: int) -> Topology:
-    """``topology`` with level 0 holding groups of ``t`` devices (one group = one device)."""
+    """``topology`` with level 0 holding groups of ``t`` devices (one group = one device).
+
+    Level 0's bandwidth is device to device (a ring among groups runs t rings side by
+    side, each of one rank's bytes). The levels above join whole units over all their
+    links, of which the split profile's bytes (one rank's) are 1/t: their bandwidth is
+    divided by t, so that a gradient all-reduce across units costs what the whole
+    replica's bytes cost without tensor parallelism, and a group's activations cross at
+    1/t of the unit's links.
+    """
     if t == 1:
         return topology
     inner = topology.levels[0]
-    levels = (replace(inner, count=inner.count // t),) + topology.levels[1:]
-    return replace(topology, levels=levels)
+    outer = tuple(replace(level, bandwidth_bytes_per_s=level.bandwidth_bytes_per_s / t) for level in topology.levels[1:])
+    return replace(topology, levels=(replace(inner, count=inner.count // t),) + outer)
 
 
 def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:

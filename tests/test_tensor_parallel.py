@@ -69,6 +69,8 @@ def test_group_ranks_are_replica_major_inside_a_node():
     top = topology(inner=4, outer=2)
     grouped = tp.group_topology(top, 2)
     assert [lv.count for lv in grouped.levels] == [2, 2]
+    # device-to-device inside a node; across nodes a group's 1/t share of the node's links
+    assert [lv.bandwidth_bytes_per_s for lv in grouped.levels] == [1e9, 0.5e8]
     assert [tp.group_ranks(top, 2, g) for g in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 

@@ -27,6 +27,7 @@ COMMANDS = {
     "report": "pipeplan.cli.report:report",
     "demo": "pipeplan.cli.demo:demo",
     "export": "pipeplan.cli.export:export",
+    "estimate": "pipeplan.cli.estimate:estimate",
 }
 
 

@@ -13,8 +13,8 @@ T = TypeVar("T")
 def _local_microbatches(
     replicas: tuple[int, ...], stage: int, replica: int, minibatch: int, microbatches: int
 ) -> list[int]:
-    n = replicas[stage]
-    return [m for m in range(microbatches) if (minibatch * microbatches + m) % n == replica]
+    n = replicas[stage]  # the m with (minibatch * M + m) % n == replica: every n-th from the first
+    return list(range((replica - minibatch * microbatches) % n, microbatches, n))
 
 
 def worker_1f1b_rr(
