@@ -402,3 +402,36 @@ def test_doctests() -> None:
 
     results = [doctest.testmod(module) for module in (pipelining, structure, torchtitan)]
     assert sum(r.attempted for r in results) >= 1 and sum(r.failed for r in results) == 0
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+def tensor_parallel(plan: Plan, t: int) -> Plan:
+    """``plan`` with every stage split ``t`` ways: replica-major groups of t ranks, on t x the devices."""
+    topology = dataclasses.replace(plan.topology, levels=(dataclasses.replace(plan.topology.levels[0],
+                                                                              count=plan.world_size * t),))
+    stages = tuple(dataclasses.replace(s, tensor_parallel=t, ranks=tuple(r * t + j for r in s.ranks for j in range(t)))
+                   for s in plan.stages)
+    return dataclasses.replace(plan, topology=topology, world_size=topology.world_size, stages=stages)
+
+
+def test_torchtitan_fragment_carries_the_tensor_parallel_degree(tmp_path: Path) -> None:
+    plan = tensor_parallel(make_plan(BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe",
+                                     batch_size=12, microbatches=3), 2)
+    out = tmp_path / "pp.toml"
+    assert invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out)).exit_code == 0
+    section = tomllib.loads(out.read_text())["parallelism"]
+    assert (section["tensor_parallel_degree"], section["pipeline_parallel_degree"]) == (2, 2)
+    plain = make_plan(BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3)
+    assert invoke(saved(plain, tmp_path, "plain.json"), "--to", "torchtitan", "--model", BLOCKS,
+                  "-o", str(out)).exit_code == 0
+    assert tomllib.loads(out.read_text())["parallelism"]["tensor_parallel_degree"] == 1
+
+
+def test_pipelining_refuses_tensor_parallel_plans(tmp_path: Path) -> None:
+    plan = tensor_parallel(make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", microbatches=2), 2)
+    assert refusal(invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", MLP)) == (
+        "plan splits every stage 2 ways (tensor_parallel 2): torch.distributed.pipelining runs one device per "
+        "stage, without tensor parallelism; export --to torchtitan (tensor_parallel_degree) or re-plan with "
+        "--tensor-parallel 1")

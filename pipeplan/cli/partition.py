@@ -137,6 +137,8 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 @click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")
 @click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (every schedule but 1f1b-rr; auto tries several when 1).")
 @click.option("--virtual-stages", type=int, default=None, help="interleaved-1f1b: model chunks per device (default: the planner picks).")
+@click.option("--uniform/--no-uniform", default=None,
+              help="Flush schedules: also try uniform plans (p balanced stages x d replicas, Megatron's shape) and keep the fastest simulated [default: on for profiles with tensor-parallel layers].")
 @click.option("--tensor-parallel", "tensor_parallel", default="auto", show_default=True,
               help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.")
 @click.option("--memory-check/--no-memory-check", default=True, show_default=True, help="Drop stages that do not fit device memory.")
@@ -145,7 +147,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 def partition(
     profile_path: str, topology_arg: str, output: str, schedule: str, cost_model: str, optimizer: str,
     straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
-    virtual_stages: int | None, tensor_parallel: str, memory_check: bool, activation_compression: float | None,
+    virtual_stages: int | None, uniform: bool | None, tensor_parallel: str, memory_check: bool, activation_compression: float | None,
     batch_size: int,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
@@ -174,6 +176,7 @@ def partition(
         straight=straight, max_stages=max_stages, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
         virtual_stages=virtual_stages, tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
+        uniform=uniform,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

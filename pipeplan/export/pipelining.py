@@ -15,6 +15,7 @@ from pipeplan.export.structure import (
     ModelStructure,
     check_exportable,
     positions,
+    tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
 from pipeplan.schedules import build_schedule, unit_clock
@@ -181,6 +182,13 @@ def action_table_csv(plan: Plan) -> str:
 
 def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport:
     """The plan for torch.distributed.pipelining; ``InputError`` (one line) when it does not carry over."""
+    degree = tensor_parallel_degree(plan)
+    if degree > 1:
+        raise InputError(
+            f"plan splits every stage {degree} ways (tensor_parallel {degree}): torch.distributed.pipelining "
+            f"runs one device per stage, without tensor parallelism; export --to torchtitan "
+            f"(tensor_parallel_degree) or re-plan with --tensor-parallel 1"
+        )
     stage_of = check_exportable(plan, structure)
     points = split_points(structure, stage_of)
     ranks = positions(plan)

@@ -40,6 +40,7 @@ __all__ = [
     "check_plan",
     "model_structure",
     "positions",
+    "tensor_parallel_degree",
 ]
 
 TARGETS = ("pipelining", "torchtitan")
@@ -199,6 +200,15 @@ def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
 
 def _flush_of(schedule: str) -> str:
     return schedule if schedule in SCHEDULE_CLASSES else "1f1b-flush"
+
+
+def tensor_parallel_degree(plan: Plan) -> int:
+    """The plan's one tensor-parallel degree t; ``InputError`` (one line) when stages differ
+    (torchtitan's tensor-parallel mesh dimension spans every stage)."""
+    degrees = sorted({stage.tensor_parallel for stage in plan.stages})
+    if len(degrees) > 1:
+        raise InputError(f"plan stages use tensor-parallel degrees {degrees}: {ENGINES} use one for every stage")
+    return degrees[0]
 
 
 def positions(plan: Plan) -> int:

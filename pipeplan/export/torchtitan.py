@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.export.structure import TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions
+from pipeplan.export.structure import (TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions,
+                                       tensor_parallel_degree)
 from pipeplan.plan import Plan
 
 __all__ = ["TorchtitanExport", "export_torchtitan", "torchtitan_parts"]
@@ -20,6 +21,7 @@ class TorchtitanExport:
     schedule: str  # pipeplan's name
     pipeline_parallel_schedule: str
     pipeline_parallel_degree: int
+    tensor_parallel_degree: int  # the plan's t: torchtitan's TP mesh dimension (1: none)
     batch_size: int  # torchtitan's [training] local_batch_size this fragment assumes
     microbatches: int
     module_fqns_per_model_part: tuple[tuple[str, ...], ...]
@@ -42,6 +44,7 @@ class TorchtitanExport:
             f"{self.microbatches} micro-batches.\n"
             "[parallelism]\n"
             f"pipeline_parallel_degree = {self.pipeline_parallel_degree}\n"
+            f"tensor_parallel_degree = {self.tensor_parallel_degree}\n"
             f"pipeline_parallel_schedule = {json.dumps(self.pipeline_parallel_schedule)}\n"
             f"pipeline_parallel_microbatch_size = {self.pipeline_parallel_microbatch_size}\n"
             f"module_fqns_per_model_part = [\n{parts}]\n"
@@ -129,6 +132,7 @@ def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport
         schedule=plan.schedule,
         pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[plan.schedule],
         pipeline_parallel_degree=positions(plan),
+        tensor_parallel_degree=tensor_parallel_degree(plan),
         batch_size=plan.batch_size,
         microbatches=plan.microbatches,
         module_fqns_per_model_part=torchtitan_parts(structure, stage_of, len(plan.stages)),
