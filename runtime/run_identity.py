@@ -1,10 +1,12 @@
-"""Which run a checkpoint belongs to: plan, model, optimizer, lr schedule and seed.
+"""Which run a checkpoint belongs to: model, optimizer, lr schedule and seed (and its plan).
 
-A ``RunIdentity`` is written into every checkpoint header (``pipeplan.runtime.checkpoint``).
-Its ``fingerprint`` hashes what a resumed run must share with the saved one (the plan's
-split, ranks and schedule; the model's layer structure; the optimizer; the seed);
-``lr`` is recorded but not hashed: a resumed run may change it and the new value is
-applied. ``check_checkpoint_dir`` refuses, in one line, a directory that already holds
+A ``RunIdentity`` is written into every checkpoint manifest (``pipeplan.runtime.checkpoint``).
+Its ``fingerprint`` hashes what a resumed run must share with the saved one (the model's
+layer structure, the optimizer, the lr schedule, the seed). The plan (split, ranks,
+schedule) and ``lr`` are recorded but not hashed: checkpoints are keyed by the model's
+qualified names, so a run re-planned onto other stages, replicas or world size resumes
+(the runtime prints the changed plan), and a changed lr is applied.
+``check_checkpoint_dir`` refuses, in one line, a directory that already holds
 checkpoints unless ``--resume`` asks to continue the same run.
 """
 
@@ -20,7 +22,7 @@ from pipeplan.plan import Plan
 
 __all__ = ["RunIdentity", "plan_fingerprint", "check_checkpoint_dir"]
 
-_MATCHING = ("plan", "model", "optimizer", "lr_schedule", "seed")  # fields a resume must share
+_MATCHING = ("model", "optimizer", "lr_schedule", "seed")  # fields a resume must share
 
 
 def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
@@ -33,7 +35,7 @@ def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
 
 @dataclass(frozen=True)
 class RunIdentity:
-    plan: str  # plan_fingerprint(...)
+    plan: str  # plan_fingerprint(...): recorded, a resume may change it
     model: str  # the model's layer-structure fingerprint
     optimizer: str  # "sgd" | "momentum" | "adam"
     lr: float  # learning rate (may change on resume)
@@ -56,7 +58,7 @@ class RunIdentity:
 
 def check_checkpoint_dir(directory: str, identity: RunIdentity, resume: bool) -> None:
     """``InputError`` when ``directory`` holds another run's checkpoints, or any without --resume."""
-    from pipeplan.runtime.checkpoint import read_run, step_folders
+    from pipeplan.runtime.checkpoint.store import read_run, step_folders
 
     steps = step_folders(directory)
     if not steps:
@@ -73,5 +75,5 @@ def check_checkpoint_dir(directory: str, identity: RunIdentity, resume: bool) ->
     differ = identity.differences(found[1]) or [f"fingerprint {found[0]} != {identity.fingerprint}"]
     raise InputError(
         f"--resume: checkpoint directory {directory} holds another run ({'; '.join(differ)}); "
-        f"resume needs the same plan, model, optimizer and seed"
+        f"resume needs the same model, optimizer and seed"
     )

@@ -18,7 +18,10 @@ and GPipe; ``losses`` has one value per step (the mean over its minibatches).
 Minibatch k is drawn with seed ``seed + k`` (``pipeplan.runtime.data``) and the model is
 built under ``torch.manual_seed(seed)`` on every rank.
 
-Checkpoints are taken at step boundaries; for 1F1B-RR the pipeline is drained at a
+Checkpoints are taken at step boundaries, keyed by the model's qualified names
+(``pipeplan.runtime.checkpoint``), so ``--resume`` continues under another plan of the same
+model (stages, replicas, schedule, world size); ``--weights`` starts from pretrained
+weights instead of the seeded initialisation. For 1F1B-RR the pipeline is drained at a
 resume (minibatches in flight at the checkpoint restart from the saved weights), so a
 resumed 1F1B-RR run follows the same data but not the same staleness as an uninterrupted
 one; 1F1B-Flush and GPipe resume exactly.
@@ -62,6 +65,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # steps; 0 = only with --checkpoint-dir at the end
     resume: bool = False
+    weights: str | None = None  # pretrained weights (HF safetensors folder or a pipeplan checkpoint)
     record_dir: str | None = None  # tests/debugging: per-rank params, versions, digests
     progress: bool = True
     allow_nonfinite: bool = False  # train on when a loss is NaN or infinite
@@ -122,6 +126,10 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
                                seed=config.seed)
         if config.checkpoint_dir:
             check_checkpoint_dir(config.checkpoint_dir, identity, config.resume)
+        if config.weights:
+            from pipeplan.runtime.checkpoint.pretrained import open_weights
+
+            open_weights(config.weights)  # a path that holds no weights: one line, before any communication
     except PrepareError:
         raise
     except InputError as exc:
@@ -199,7 +207,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
 
     from pipeplan.capture import MODEL_OUTPUT
     from pipeplan.optimizers import make_optimizer
-    from pipeplan.runtime import checkpoint as ckpt
+    from pipeplan.runtime.checkpoint import store
     from pipeplan.runtime.comm import P2P
     from pipeplan.runtime.data import BatchSource
     from pipeplan.runtime.executor import Executor
@@ -219,11 +227,12 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     optimizer = make_optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
     period = steps_period(config.schedule, spec.replicas)
 
+    layout = _plan_layout(config, spec, identity, period)
     done_steps = 0
     if config.resume and config.checkpoint_dir:
-        done_steps = _agreed_resume_step(config, spec, identity, env.device)
-        if done_steps > 0 and module is not None:
-            _restore(config, spec, identity, module, optimizer, done_steps)
+        done_steps = _resume(config, spec, identity, env.device, env.rank, module, optimizer, layout)
+    if config.weights and done_steps == 0 and module is not None:
+        _load_weights(config, model_file, spec, module)
     remaining = config.steps - done_steps
     if remaining > 0 and done_steps > 0:
         schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches,
@@ -262,7 +271,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
             record["digests"].append(_digests(module))
         every = config.checkpoint_every
         if config.checkpoint_dir and ((every and completed % every == 0) or completed == config.steps):
-            _save(config, spec, module, optimizer, completed, identity)  # the final step always
+            _save(config, spec, module, optimizer, completed, identity, layout)  # the final step always
         progress.update(completed)
         fault(completed)
 
@@ -285,7 +294,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     if config.checkpoint_dir:
         dist.barrier()  # every rank saved its final step: prune with all their files in place
         if spec.stage_index == 0 and spec.replica == 0:
-            ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, identity.fingerprint, keep=2)
+            store.prune_checkpoints(config.checkpoint_dir, identity.fingerprint, keep=2)
     if config.record_dir and module is not None:
         _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
     reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash), env.rank)
@@ -303,64 +312,106 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
         )
 
 
-def _agreed_resume_step(config: RunConfig, spec: Any, identity: Any, device: str) -> int:
-    """The newest step complete on every rank's view of the directory (0: none).
+def _plan_layout(config: RunConfig, spec: Any, identity: Any, period: int) -> dict[str, Any]:
+    """What a checkpoint manifest says about the plan that wrote it (printed when it changes)."""
+    return {
+        "fingerprint": identity.plan,
+        "replicas": list(spec.replicas),
+        "layers": [[min(stage.layers), max(stage.layers) + 1] for stage in config.plan.stages],
+        "schedule": config.schedule,
+        "microbatches": config.microbatches,
+        "virtual_stages": config.plan.virtual_stages,
+        "world_size": len(config.plan.used_ranks),
+        "minibatches_per_step": period,
+    }
+
+
+def _describe_layout(layout: dict[str, Any]) -> str:
+    """``2 stages (layers 0-2 | 3-5), replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks``."""
+    layers = " | ".join(f"{start}-{end - 1}" for start, end in layout["layers"])
+    return (f"{len(layout['layers'])} stages (layers {layers}), replicas "
+            f"{','.join(map(str, layout['replicas']))}, {layout['schedule']}, "
+            f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks")
+
+
+def _resume(config: RunConfig, spec: Any, identity: Any, device: str, rank: int, module: Any,
+            optimizer: Any, layout: dict[str, Any]) -> int:
+    """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
-    rank resume from the same one (ranks on hosts that see different files agree).
+    rank resume from the same one. Rank 0 names each newer step it skipped (a file that
+    fails verification) and a plan that differs from the one that saved the step, then
+    deletes this run's folders after that step, which the resumed run writes anew.
+    Any plan of the same model resumes: every tensor is found by its qualified name.
     """
+    import sys
+
     import torch
     import torch.distributed as dist
 
-    from pipeplan.runtime import checkpoint as ckpt
+    from pipeplan.runtime.checkpoint import state as ckstate
+    from pipeplan.runtime.checkpoint import store
 
-    latest = ckpt.latest_complete_step(config.checkpoint_dir, spec.stages, spec.replicas,
-                                       identity.fingerprint)
-    agreed = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return int(agreed.item())
-
-
-def _restore(config: RunConfig, spec: Any, identity: Any, module: Any, optimizer: Any, step: int) -> None:
-    """Load this rank's checkpoint of ``step``; a changed ``--lr`` is applied, not ignored."""
-    import torch
-
-    from pipeplan.runtime import checkpoint as ckpt
-
-    path = ckpt.checkpoint_path(config.checkpoint_dir, spec.stage_index, spec.replica, step)
-    state = ckpt.load_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica,
-                                       step, identity.fingerprint).state
-    try:
-        module.load_state_dict(state["model"])
-        if optimizer is not None and state.get("optimizer"):
-            optimizer.load_state_dict(state["optimizer"])
+    directory = str(config.checkpoint_dir)
+    latest, skipped = store.latest_complete_step(directory, identity.fingerprint)
+    agreed_tensor = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(agreed_tensor, op=dist.ReduceOp.MIN)
+    agreed = int(agreed_tensor.item())
+    if rank == 0:
+        for step, why in skipped:
+            sys.stderr.write(f"resume: skipped step {step} ({why}); resuming from "
+                             f"{f'step {agreed}' if agreed else 'the start'}\n")
+        store.discard_steps_after(directory, agreed, identity.fingerprint)
+    if agreed == 0:
+        return 0
+    saved = next(iter(store.read_manifests(directory, agreed).values()))
+    if saved["layout"].get("minibatches_per_step") != layout["minibatches_per_step"]:
+        raise InputError(
+            f"--resume: step {agreed} was saved with {saved['layout'].get('minibatches_per_step')} "
+            f"minibatches per step, this plan takes {layout['minibatches_per_step']} (1f1b-rr: "
+            f"lcm of the replicas); resume under a plan with the same step length"
+        )
+    same_plan = saved["layout"].get("fingerprint") == layout["fingerprint"]
+    if rank == 0 and not same_plan:
+        sys.stderr.write(f"resume: step {agreed} was saved under another plan: "
+                         f"{_describe_layout(saved['layout'])}; continuing under {_describe_layout(layout)}\n")
+    if module is not None:
+        try:
+            index = ckstate.CheckpointIndex.of_step(directory, agreed)
+            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer)
+        except InputError as exc:
+            raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
+        if optimizer is not None:
             for group in optimizer.param_groups:  # the optimizer state's lr must not win
                 group["lr"] = config.lr
-    except (KeyError, RuntimeError, ValueError) as exc:
-        first = first_line(exc)[:160]
-        raise InputError(f"checkpoint {path} does not fit this run's stage {spec.stage_index}: {first}") from exc
-    if "rng" in state:  # dropout continues as it would have
-        torch.set_rng_state(state["rng"])
+        if same_plan:  # dropout continues as it would have
+            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica))
+    return agreed
 
 
-def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int, identity: Any) -> None:
-    import torch
-
-    from pipeplan.runtime import checkpoint as ckpt
+def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
+          layout: dict[str, Any]) -> None:
+    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only)."""
+    from pipeplan.runtime.checkpoint import state as ckstate
+    from pipeplan.runtime.checkpoint import store
 
     if module is None:
         return
-    state = {
-        "model": module.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else {},
-        "step": step,
-        "rng": torch.get_rng_state(),
-    }
-    ckpt.save_stage_checkpoint(config.checkpoint_dir, spec.stage_index, spec.replica, step, state,
-                               identity.fingerprint, run=identity.to_dict())
+    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, weights=spec.replica == 0)
+    manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
+                "minibatches": step * layout["minibatches_per_step"], "layout": layout}
+    store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)
     if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
-        # needed: see pipeplan.runtime.checkpoint); only this run's folders are deleted
-        ckpt.prune_checkpoints(config.checkpoint_dir, spec.stages, spec.replicas, identity.fingerprint, keep=2)
+        # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
+        store.prune_checkpoints(str(config.checkpoint_dir), identity.fingerprint, keep=2)
+
+
+def _load_weights(config: RunConfig, model_file: Any, spec: Any, module: Any) -> None:
+    """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
+    from pipeplan.runtime.checkpoint.pretrained import load_weights, tie_aliases
+    from pipeplan.runtime.checkpoint.state import rank_state_names
+
+    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file))
 
 
 def _digests(module: Any) -> dict[str, float]:

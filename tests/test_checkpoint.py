@@ -1,243 +1,187 @@
-"""Per-stage atomic checkpoints: round trip, torn/missing files, fingerprints, retention."""
+"""Checkpoints keyed by qualified names: verified steps, restore under another split, weights in/out."""
 
 from __future__ import annotations
 
-import collections
-import os
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from pipeplan.errors import InputError
-from pipeplan.runtime.checkpoint import (
-    StageCheckpoint,
-    checkpoint_path,
-    complete_steps,
-    latest_complete_step,
-    load_stage_checkpoint,
-    prune_checkpoints,
-    save_stage_checkpoint,
-)
+from pipeplan.runtime.checkpoint import state as ckstate
+from pipeplan.runtime.checkpoint import store
+from pipeplan.runtime.checkpoint.pretrained import load_weights
 
-PLAN = "plan-aaaa"
-REPLICAS = (2, 1, 1)  # stage 0 has two replicas
+RUN = "run-aaaa"
+LAYOUT = {"fingerprint": "p2", "replicas": [1, 2]}  # stage 1 has two replicas
 
 
-def _state(stage: int, step: int) -> dict:
-    generator = torch.Generator().manual_seed(stage * 1000 + step)
-    model = torch.nn.Linear(4, 3)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()  # creates momentum buffers in the optimizer state
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "stash": [model.weight.detach().clone() * version for version in range(2)],
-        "rng": torch.get_rng_state(),
-        "step": step,
-    }
+def _chain(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
 
 
-def _save_step(directory: Path, step: int, replicas=REPLICAS, plan: str = PLAN) -> None:
-    for stage, count in enumerate(replicas):
-        for replica in range(count):
-            save_stage_checkpoint(directory, stage, replica, step, _state(stage, step), plan)
-
-
-def _steps_on_disk(directory: Path) -> list[str]:
-    return sorted(entry.name for entry in directory.iterdir())
-
-
-def test_round_trip_restores_every_tensor_and_value(tmp_path: Path) -> None:
-    state = _state(stage=1, step=40)
-    path = save_stage_checkpoint(tmp_path, 1, 0, 40, state, PLAN)
-    assert path == tmp_path / "step-000040" / "stage-01-replica-0.pt"
-    loaded = load_stage_checkpoint(tmp_path, 1, 0, 40, PLAN)
-    assert isinstance(loaded, StageCheckpoint)
-    assert (loaded.stage, loaded.step) == (1, 40)
-    assert loaded.state["step"] == 40
-    for key, tensor in state["model"].items():
-        assert torch.equal(loaded.state["model"][key], tensor)
-    momentum = state["optimizer"]["state"][0]["momentum_buffer"]
-    assert torch.equal(loaded.state["optimizer"]["state"][0]["momentum_buffer"], momentum)
-    assert loaded.state["optimizer"]["param_groups"][0]["lr"] == 0.1
-    assert all(torch.equal(a, b) for a, b in zip(loaded.state["stash"], state["stash"]))
-    assert torch.equal(loaded.state["rng"], state["rng"])
-
-
-def test_restored_optimizer_continues_exactly(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    data = [torch.randn(5, 3) for _ in range(4)]
-    for x in data[:2]:
-        optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
+def _trained(steps: int = 2) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    model = _chain()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for k in range(steps):
+        torch.manual_seed(100 + k)
+        model(torch.randn(5, 4)).square().mean().backward()
         optimizer.step()
-    save_stage_checkpoint(
-        tmp_path, 0, 0, 2, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, PLAN
-    )
-    for x in data[2:]:
         optimizer.zero_grad()
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-    resumed = torch.nn.Linear(3, 1)
-    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
-    state = load_stage_checkpoint(tmp_path, 0, 0, 2, PLAN).state
-    resumed.load_state_dict(state["model"])
-    resumed_opt.load_state_dict(state["optimizer"])
-    for x in data[2:]:
-        resumed_opt.zero_grad()
-        resumed(x).pow(2).mean().backward()
-        resumed_opt.step()
-    assert torch.equal(resumed.weight, model.weight)
-    assert torch.equal(resumed.bias, model.bias)
+    return model, optimizer
 
 
-def test_latest_complete_step_is_newest_when_all_files_verify(tmp_path: Path) -> None:
-    assert latest_complete_step(tmp_path / "absent", 3, REPLICAS, PLAN) is None
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 20
-    assert complete_steps(tmp_path, 3, REPLICAS, PLAN) == [20, 10]
+def _names(module: nn.Module) -> dict[str, str]:
+    """Local state key -> qualified name (a slice of an ``nn.Sequential`` keeps the layer numbers)."""
+    return {key: key for key in module.state_dict()}
 
 
-@pytest.mark.parametrize("keep_bytes", [0, 10, -1])
-def test_truncated_stage_file_falls_back_to_previous_step(tmp_path: Path, keep_bytes: int) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    torn = checkpoint_path(tmp_path, 2, 0, 20)
-    data = torn.read_bytes()
-    torn.write_bytes(data[: keep_bytes if keep_bytes >= 0 else len(data) - 1])
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
-    with pytest.raises(InputError, match="stage-02-replica-0.pt"):
-        load_stage_checkpoint(tmp_path, 2, 0, 20, PLAN)
-    assert load_stage_checkpoint(tmp_path, 2, 0, 10, PLAN).step == 10
+def _save_split(directory: Path, step: int, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+    """Save ``model`` as the 2-stage layout: layers [0, 1] on stage 0, [2] on stage 1 (2 replicas)."""
+    for stage, (first, last) in enumerate([(0, 2), (2, 3)]):
+        part = model[first:last]
+        names = _names(part)
+        sub = torch.optim.Adam(part.parameters(), lr=0.01)
+        sub.load_state_dict(_sub_state(optimizer, model, part))
+        for replica in range(LAYOUT["replicas"][stage]):
+            state = ckstate.rank_state(part, names, sub, weights=replica == 0)
+            store.save_rank(directory, step, stage, replica, state,
+                            {"run_fingerprint": RUN, "run": {"seed": 0}, "layout": LAYOUT, "minibatches": step})
 
 
-def test_garbled_payload_byte_makes_step_incomplete(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    torn = checkpoint_path(tmp_path, 0, 1, 20)
-    data = bytearray(torn.read_bytes())
-    data[-5] ^= 0xFF  # same size, one flipped byte in the payload
-    torn.write_bytes(bytes(data))
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
-    with pytest.raises(InputError, match=r"stage-00-replica-1\.pt is corrupt: sha256"):
-        load_stage_checkpoint(tmp_path, 0, 1, 20, PLAN)
+def _sub_state(optimizer: torch.optim.Optimizer, model: nn.Module, part: nn.Module) -> dict:
+    whole = list(model.parameters())
+    state = optimizer.state_dict()
+    positions = [next(i for i, p in enumerate(whole) if p is q) for q in part.parameters()]
+    return {"state": {j: state["state"][i] for j, i in enumerate(positions)},
+            "param_groups": [{**state["param_groups"][0], "params": list(range(len(positions)))}]}
 
 
-def test_missing_replica_file_makes_step_incomplete(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    checkpoint_path(tmp_path, 0, 1, 20).unlink()
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
-    with pytest.raises(InputError, match=r"cannot read checkpoint .*stage-00-replica-1\.pt"):
-        load_stage_checkpoint(tmp_path, 0, 1, 20, PLAN)
-    # a replica count the saved steps never had: no step is complete
-    assert latest_complete_step(tmp_path, 3, (3, 1, 1), PLAN) is None
+def _flip(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(100, 100 + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
-def test_file_renamed_to_another_stage_is_not_accepted(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    os.replace(checkpoint_path(tmp_path, 1, 0, 20), checkpoint_path(tmp_path, 2, 0, 20))
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
-    with pytest.raises(InputError, match="header says step 20 stage 1 replica 0"):
-        load_stage_checkpoint(tmp_path, 2, 0, 20, PLAN)
+def test_a_step_restores_into_another_split_and_training_continues_exactly(tmp_path: Path) -> None:
+    model, optimizer = _trained(2)
+    _save_split(tmp_path, 2, model, optimizer)
+    assert store.latest_complete_step(tmp_path, RUN) == (2, [])
+    # one process holding the whole chain (another plan): every tensor and its Adam state come back
+    fresh = _chain(seed=7)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    index = ckstate.CheckpointIndex.of_step(str(tmp_path), 2)
+    ckstate.restore_rank(index, fresh, _names(fresh), fresh_opt)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    for reference, restored in ((model, optimizer), (fresh, fresh_opt)):
+        torch.manual_seed(102)
+        reference(torch.randn(5, 4)).square().mean().backward()
+        restored.step()
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
-def test_fingerprint_mismatch_names_both_plans(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10, plan="plan-old")
-    with pytest.raises(InputError) as info:
-        load_stage_checkpoint(tmp_path, 1, 0, 10, "plan-new")
-    message = str(info.value)
-    assert "\n" not in message
-    assert "stage-01-replica-0.pt was written for plan plan-old, this plan is plan-new" in message
-    with pytest.raises(InputError, match="written for plan plan-old, this plan is plan-new"):
-        latest_complete_step(tmp_path, 3, REPLICAS, "plan-new")
+def test_a_flipped_file_skips_its_step_naming_the_file(tmp_path: Path) -> None:
+    model, optimizer = _trained(1)
+    _save_split(tmp_path, 1, model, optimizer)
+    _save_split(tmp_path, 2, model, optimizer)
+    _flip(store.rank_folder(tmp_path, 2, 1, 0) / "__0_0.distcp")
+    step, skipped = store.latest_complete_step(tmp_path, RUN)
+    assert step == 1
+    assert skipped == [(2, "stage-01-replica-0/__0_0.distcp fails its sha256 (the file changed after it was written)")]
+    # a truncated file, a missing replica manifest, an old-format file: each named
+    (store.rank_folder(tmp_path, 1, 0, 0) / ".metadata").write_bytes(b"x")
+    assert "stage-00-replica-0/.metadata is 1 bytes" in store.step_problem(tmp_path, 1, RUN)
+    store.rank_folder(tmp_path, 1, 1, 1).with_suffix(".json").unlink()
+    assert store.step_problem(tmp_path, 1, RUN) == "stage 1 replica 1 has no manifest (its save did not finish)"
+    assert store.latest_complete_step(tmp_path, RUN) == (None, [(2, skipped[0][1]), (1, store.step_problem(tmp_path, 1, RUN))])
+    (store.step_folder(tmp_path, 2) / "stage-00-replica-0.pt").write_bytes(b"old")
+    assert "pipeplan.checkpoint/1" in store.step_problem(tmp_path, 2, RUN)
 
 
-def test_crash_before_rename_leaves_no_file_under_final_name(tmp_path: Path, monkeypatch) -> None:
-    _save_step(tmp_path, 10)
-    final = checkpoint_path(tmp_path, 1, 0, 20)
-
-    def crash(src, dst):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(InputError, match=r"cannot write checkpoint .*stage-01-replica-0\.pt: No space"):
-        save_stage_checkpoint(tmp_path, 1, 0, 20, _state(1, 20), PLAN)
-    monkeypatch.undo()
-    assert not final.exists()
-    assert list(final.parent.iterdir()) == []  # the temp file was removed too
-    # overwriting an existing checkpoint: a failed rename keeps the old, whole file
-    old = checkpoint_path(tmp_path, 1, 0, 10).read_bytes()
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(InputError):
-        save_stage_checkpoint(tmp_path, 1, 0, 10, _state(1, 99), PLAN)
-    monkeypatch.undo()
-    assert checkpoint_path(tmp_path, 1, 0, 10).read_bytes() == old
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
+def test_another_runs_step_is_refused_and_pruning_keeps_two_complete_steps_of_this_run(tmp_path: Path) -> None:
+    model, optimizer = _trained(1)
+    for step in (1, 2, 3):
+        _save_split(tmp_path, step, model, optimizer)
+    with pytest.raises(InputError, match="was written by run run-aaaa, this run is run-bbbb"):
+        store.latest_complete_step(tmp_path, "run-bbbb")
+    assert store.prune_checkpoints(tmp_path, RUN, keep=2) == [1]
+    assert store.step_folders(tmp_path) == [2, 3]
+    store.rank_folder(tmp_path, 4, 0, 0).mkdir(parents=True)  # a save in progress: never pruned
+    assert store.prune_checkpoints(tmp_path, RUN, keep=2) == [] and store.step_folders(tmp_path) == [2, 3, 4]
+    assert store.discard_steps_after(tmp_path, 2, RUN) == [3, 4]
 
 
-def test_leftover_temp_file_is_ignored(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    final = checkpoint_path(tmp_path, 2, 0, 20)
-    (final.parent / f".{final.name}.abc.tmp").write_bytes(final.read_bytes()[:50])
-    final.unlink()  # killed between the temp write and the rename
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 10
+def test_a_missing_or_misshapen_weight_is_one_line(tmp_path: Path) -> None:
+    model, optimizer = _trained(1)
+    _save_split(tmp_path, 1, model, optimizer)
+    index = ckstate.CheckpointIndex.of_step(str(tmp_path), 1)
+    wide = nn.Sequential(nn.Linear(4, 7))
+    with pytest.raises(InputError, match=r"checkpoint weight 0.weight has shape \[6, 4\], the model's is \[7, 4\]"):
+        ckstate.load_model_tensors(index, wide, {k: k for k in wide.state_dict()})
+    with pytest.raises(InputError, match="the checkpoint has no weight 9.weight"):
+        ckstate.load_model_tensors(index, wide, {"0.weight": "9.weight"})
 
 
-def test_retention_keeps_last_two_complete_steps(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == []  # one complete step: keep it
-    _save_step(tmp_path, 20)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == []
-    _save_step(tmp_path, 30)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == [10]
-    assert _steps_on_disk(tmp_path) == ["step-000020", "step-000030"]
-    # step 40 is in progress (stage 2 not written yet): nothing is deleted
-    for stage, count in enumerate(REPLICAS[:2]):
-        for replica in range(count):
-            save_stage_checkpoint(tmp_path, stage, replica, 40, _state(stage, 40), PLAN)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == []
-    assert _steps_on_disk(tmp_path) == ["step-000020", "step-000030", "step-000040"]
-    save_stage_checkpoint(tmp_path, 2, 0, 40, _state(2, 40), PLAN)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == [20]
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 40
+class _Tied(nn.Module):
+    """An embedding and a head sharing one weight (as GPT-2's wte and lm_head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
 
 
-def test_retention_never_deletes_last_complete_step_when_newer_is_torn(tmp_path: Path) -> None:
-    _save_step(tmp_path, 10)
-    _save_step(tmp_path, 20)
-    _save_step(tmp_path, 30)
-    torn = checkpoint_path(tmp_path, 1, 0, 30)
-    torn.write_bytes(torn.read_bytes()[:100])
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN) == []  # 20 and 10 are the two kept
-    # keep=1: 20 is the last complete step and stays; the torn 30 is newer (maybe in progress)
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN, keep=1) == [10]
-    assert _steps_on_disk(tmp_path) == ["step-000020", "step-000030"]
-    assert latest_complete_step(tmp_path, 3, REPLICAS, PLAN) == 20
-    _save_step(tmp_path, 40)
-    # 40 is complete, so 20 and the torn 30 go
-    assert prune_checkpoints(tmp_path, 3, REPLICAS, PLAN, keep=1) == [20, 30]
-    assert _steps_on_disk(tmp_path) == ["step-000040"]
-    with pytest.raises(InputError, match="keep at least 1 step, got keep=0"):
-        prune_checkpoints(tmp_path, 3, REPLICAS, PLAN, keep=0)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_weights_load_a_tied_tensor_saved_once_into_each_stage_holding_it(tmp_path: Path, sharded: bool) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    source = _Tied()
+    if sharded:  # the HF layout: an index naming each tensor's shard
+        save_file({"head.weight": source.embed.weight.detach()}, str(tmp_path / "a.safetensors"))
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {"head.weight": "a.safetensors"}}))
+    else:  # the library kept the tied tensor under its other name than the model's first
+        save_file({"head.weight": source.embed.weight.detach()}, str(tmp_path / "model.safetensors"))
+    aliases = {"embed.weight": ("embed.weight", "head.weight")}
+    # the head alone (a last stage): its tensor is found under the tied name the file kept
+    head = nn.Linear(4, 10, bias=False)
+    assert load_weights(str(tmp_path), head, {"weight": "embed.weight"}, aliases) == 1
+    torch.testing.assert_close(head.weight, source.embed.weight, rtol=0, atol=0)
+    with pytest.raises(InputError, match=r"has no tensor embed.weight \(1 of this stage's parameters"):
+        load_weights(str(tmp_path), nn.Linear(4, 10, bias=False), {"weight": "embed.weight"}, {})
+    with pytest.raises(InputError, match=r"head.weight has shape \[10, 4\], the model's embed.weight is \[3, 4\]"):
+        load_weights(str(tmp_path), nn.Linear(4, 3, bias=False), {"weight": "embed.weight"}, aliases)
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(InputError, match="holds neither model.safetensors"):
+        load_weights(str(tmp_path / "nothing"), head, {}, {})
 
 
-def test_unloadable_state_is_refused_at_save_with_its_key(tmp_path: Path) -> None:
-    point = collections.namedtuple("point", "x y")
-    with pytest.raises(InputError, match=r"state\['extra'\]\[1\] is a point"):
-        save_stage_checkpoint(tmp_path, 0, 0, 1, {"extra": [1, point(1, 2)]}, PLAN)
-    with pytest.raises(InputError, match="must be a non-negative int, got -1"):
-        save_stage_checkpoint(tmp_path, 0, 0, -1, {}, PLAN)
-    with pytest.raises(InputError, match=r"stages=2 needs one replica count >= 1 per stage, got replicas=\[1\]"):
-        latest_complete_step(tmp_path, 2, [1], PLAN)
-    assert not (tmp_path / "step-000001").exists()
+def test_export_weights_of_a_plain_model_is_a_safetensors_file_load_model_reads(tmp_path: Path) -> None:
+    from safetensors.torch import load_model
+
+    from pipeplan.modelfile import load_model_file
+    from pipeplan.runtime.checkpoint.export import export_weights
+
+    model_file = load_model_file(str(Path(__file__).parent / "fixtures" / "runtime" / "tied.py"))
+    torch.manual_seed(5)
+    trained = model_file.build()
+    state = ckstate.rank_state(trained, {name: name for name, _ in trained.named_parameters()}, None)
+    store.save_rank(tmp_path / "ckpt", 1, 0, 0, state,
+                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 1})
+    assert export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out")) == "safetensors"
+    torch.manual_seed(6)
+    fresh = model_file.build()
+    load_model(fresh, str(tmp_path / "out" / "model.safetensors"))
+    for (name, a), b in zip(trained.state_dict().items(), fresh.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert fresh.head.weight is fresh.wte.weight  # the tied tensor was written once, re-tied on load
+    with pytest.raises(InputError, match="already exists and is not an empty folder"):
+        export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out"))

@@ -278,38 +278,41 @@ def test_message_tags_wrap_and_stay_unique_across_the_wrap() -> None:
 
 # ---------------------------------------------------------------- checkpoints
 
-def test_resume_applies_a_changed_lr_and_refuses_state_that_does_not_fit(tmp_path: Path) -> None:
-    from pipeplan.runtime import checkpoint as ckpt
-    from pipeplan.runtime.run_identity import RunIdentity
-    from pipeplan.runtime.train import _restore
+def test_restore_keeps_this_runs_lr_and_refuses_state_that_does_not_fit(tmp_path: Path) -> None:
+    from pipeplan.runtime.checkpoint import state as ckstate
+    from pipeplan.runtime.checkpoint import store
 
-    identity = RunIdentity(plan="p", model="m", optimizer="momentum", lr=0.1, seed=0)
     module = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step()
-    state = {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
-    ckpt.save_stage_checkpoint(tmp_path, 0, 0, 3, state, identity.fingerprint, run=identity.to_dict())
-    spec = SimpleNamespace(stage_index=0, replica=0)
+    names = {"weight": "fc.weight", "bias": "fc.bias"}
+    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(module, names, optimizer),
+                    {"run_fingerprint": "run-x", "layout": {"replicas": [1]}, "minibatches": 3})
+    index = ckstate.CheckpointIndex.of_step(str(tmp_path), 3)
     fresh = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9)
-    _restore(SimpleNamespace(checkpoint_dir=str(tmp_path), lr=0.2), spec, identity, module, fresh, 3)
+    ckstate.restore_rank(index, module, names, fresh)
     assert [g["lr"] for g in fresh.param_groups] == [0.2]
-    assert fresh.state_dict()["state"][0]["momentum_buffer"] is not None
+    torch.testing.assert_close(fresh.state_dict()["state"][0]["momentum_buffer"],
+                               optimizer.state_dict()["state"][0]["momentum_buffer"], rtol=0, atol=0)
     other = torch.nn.Linear(3, 2)
-    with pytest.raises(InputError, match=r"does not fit this run's stage 0: Error\(s\) in loading"):
-        _restore(SimpleNamespace(checkpoint_dir=str(tmp_path), lr=0.2), spec, identity, other,
-                 torch.optim.SGD(other.parameters(), lr=0.2), 3)
+    with pytest.raises(InputError, match=r"checkpoint weight fc.weight has shape \[2, 2\], the model's is \[2, 3\]"):
+        ckstate.restore_rank(index, other, names, torch.optim.SGD(other.parameters(), lr=0.2))
 
 
 def test_pruning_touches_only_this_runs_folders(tmp_path: Path) -> None:
-    from pipeplan.runtime import checkpoint as ckpt
+    from pipeplan.runtime.checkpoint import store
+
+    def save(step: int, run: str) -> None:
+        store.save_rank(tmp_path, step, 0, 0, {"x": torch.tensor(step)},
+                        {"run_fingerprint": run, "layout": {"replicas": [1]}, "minibatches": step})
 
     for step in (1, 2):
-        ckpt.save_stage_checkpoint(tmp_path, 0, 0, step, {"x": step}, "run-other")
+        save(step, "run-other")
     for step in (3, 4, 5):
-        ckpt.save_stage_checkpoint(tmp_path, 0, 0, step, {"x": step}, "run-mine")
-    assert ckpt.prune_checkpoints(tmp_path, 1, [1], "run-mine", keep=2) == [3]
-    assert ckpt.step_folders(tmp_path) == [1, 2, 4, 5]
+        save(step, "run-mine")
+    assert store.prune_checkpoints(tmp_path, "run-mine", keep=2) == [3]
+    assert store.step_folders(tmp_path) == [1, 2, 4, 5]
 
 
 # ------------------------------------------------------- multi-process harness
@@ -503,7 +506,7 @@ def test_two_runs_cannot_clobber_each_others_checkpoints_and_the_last_step_is_ke
     outs = [finish(p) for p in first]
     assert [code for code, _ in outs] == [0, 0], outs
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000004", "step-000005"]  # 5 kept, 2 pruned
-    before = {p: p.read_bytes() for p in ckpt.rglob("*.pt")}
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
 
     # another run (seed 7, lr 0.2) into the same directory: refused without --resume ...
     both = launch.plain(2, [*common, "--steps", "6", "--lr", "0.2", "--seed", "7"])
@@ -517,15 +520,15 @@ def test_two_runs_cannot_clobber_each_others_checkpoints_and_the_last_step_is_ke
     code, err = finish(seed7)
     assert code == 2
     assert_one_error_line(err, "holds another run (seed 0 (saved) != 7 (this run))")
-    # another split or optimizer: one line, not a state_dict error or KeyError
+    # another split resumes (checkpoints are keyed by qualified names), another optimizer is
+    # refused in one line, not a state_dict error or KeyError
     split = rr_plan(tmp_path, layers=[[0, 1], [2, 3, 4, 5]], optimizer="momentum", name="split.json")
     (resplit,) = launch.plain(2, [split, *common[1:], "--steps", "6", "--resume", "--optimizer", "momentum"],
                               ranks=[0])
     code, err = finish(resplit)
     assert code == 2
-    assert_one_error_line(err, "holds another run (plan ")
-    assert "optimizer 'sgd' (saved) != 'momentum' (this run)" in err
-    assert {p: p.read_bytes() for p in ckpt.rglob("*.pt")} == before  # nothing clobbered
+    assert_one_error_line(err, "holds another run (optimizer 'sgd' (saved) != 'momentum' (this run))")
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before  # nothing clobbered
 
     # the same run resumes from step 5 (the final step of the first run), with a new lr
     resumed = launch.plain(2, [*common, "--steps", "7", "--lr", "0.05", "--resume",

@@ -8,6 +8,7 @@ single-process training on the same batches; 1F1B-RR trains and keeps tied copie
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -92,3 +93,44 @@ def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(tmp_path: Path,
     assert digests[0] == digests[1] and len(digests[0]) == 4
     initial, _ = train_reference(MODELS["gpt2"], 0, BATCH, LR)  # no step: the initial weights
     assert not torch.equal(tied[0], initial["transformer.wte.weight"])  # it trained
+
+
+def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles: dict[str, Path]) -> None:
+    """save_pretrained -> run --weights starts from those weights (the first loss is theirs in
+    one process; the tied wte/lm_head, saved once, reaches both stages); after training,
+    export-weights -> from_pretrained holds the pipeline's weights (same logits)."""
+    from transformers import GPT2LMHeadModel
+
+    from pipeplan.modelfile import load_model_file
+
+    model_file = load_model_file(MODELS["gpt2"])
+    torch.manual_seed(123)  # other weights than the run's own seed-0 initialisation
+    pretrained = model_file.build()
+    pretrained.save_pretrained(tmp_path / "hf")
+    inputs, targets = model_file.batch(BATCH, 0)  # minibatch 0 of a seed-0 run
+    with torch.no_grad():
+        first_loss = float(model_file.loss_fn(pretrained(*inputs), targets))
+        torch.manual_seed(0)
+        seeded_loss = float(model_file.loss_fn(model_file.build()(*inputs), targets))
+    assert abs(first_loss - seeded_loss) > 1e-3  # the check below can tell the two apart
+
+    partition(profiles["gpt2"], "1f1b-flush", 2, tmp_path / "plan.json")
+    recs = run(tmp_path, MODELS["gpt2"], tmp_path / "plan.json", 2, "--weights", str(tmp_path / "hf"),
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.json"))
+    losses = json.loads((tmp_path / "m.json").read_text())["losses"]
+    assert losses[0] == pytest.approx(first_loss, rel=1e-5)
+
+    out = tmp_path / "exported"
+    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "ckpt"), "--model", MODELS["gpt2"],
+                                      "-o", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "save_pretrained" in result.output
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # re-tied on load
+    trained = model_file.build()
+    params = {name: value for rec in recs.values() for name, value in rec["params"].items()}
+    assert set(params) == {name for name, _ in trained.named_parameters()}
+    trained.load_state_dict(params, strict=False)  # lm_head.weight is wte's tensor
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs[0]).logits, trained(inputs[0]).logits, rtol=0, atol=0)
+    assert not torch.equal(params["transformer.wte.weight"], pretrained.transformer.wte.weight)  # it trained

@@ -188,28 +188,46 @@ def test_1f1b_rr_stashing_and_replicated_stage(tmp_path: Path) -> None:
     assert len(metrics["losses"]) == steps and len(metrics["minibatch_losses"]) == 2 * steps
 
 
-def test_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+def test_resume_under_another_plan_equals_uninterrupted_run(tmp_path: Path) -> None:
+    """2 stages train 2 steps; a flipped file makes step 2 unusable (named in one line); the
+    run resumes from step 1 under 3 stages, and from step 2 under a replicated plan, and both
+    end where 4 uninterrupted steps in one process end (Adam state moved with its parameters)."""
+    import shutil
+
     model = str(FIXTURES / "mlp.py")
-    plan = make_plan(model, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2,
-                     optimizer="adam")
-    plan.save(tmp_path / "plan.json")
-    common = [str(tmp_path / "plan.json"), "--model", model, "--lr", "0.01", "--no-progress",
-              "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
-    first = launch_plain(2, [*common, "--steps", "2"], {})
+    plans = {"two": ([[0, 1, 2], [3, 4, 5]], [1, 1]), "three": ([[0, 1], [2, 3], [4, 5]], [1, 1, 1]),
+             "replicated": ([[0, 1, 2], [3, 4, 5]], [1, 2])}
+    for name, (layers, replicas) in plans.items():
+        make_plan(model, layers, replicas, "1f1b-flush", batch_size=8, microbatches=2,
+                  optimizer="adam").save(tmp_path / f"{name}.json")
+    common = ["--model", model, "--lr", "0.01", "--no-progress", "--checkpoint-every", "1"]
+    first = launch_plain(2, [str(tmp_path / "two.json"), *common, "--steps", "2",
+                             "--checkpoint-dir", str(tmp_path / "ckpt")], {})
     assert [p.communicate(timeout=120) and p.returncode for p in first] == [0, 0]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000001", "step-000002"]
-    # tear stage 1's newest checkpoint: resume must fall back to step 1 for every stage
-    torn = tmp_path / "ckpt" / "step-000002" / "stage-01-replica-0.pt"
-    torn.write_bytes(torn.read_bytes()[:-10])
-    second = launch_plain(2, [*common, "--steps", "4", "--resume", "--record", str(tmp_path / "rec"),
-                              "--metrics", str(tmp_path / "m.json")], {})
-    outs = [p.communicate(timeout=120) for p in second]
-    assert [p.returncode for p in second] == [0, 0], [o[1][-2000:] for o in outs]
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt-replicated")
+    flipped = tmp_path / "ckpt" / "step-000002" / "stage-01-replica-0" / "__0_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])
+    flipped.write_bytes(bytes(data))
     reference, ref_losses = train_reference(model, 4, 8, 0.01, optimizer="adam")
-    assert_params_match(records(tmp_path / "rec"), reference)
-    metrics = json.loads((tmp_path / "m.json").read_text())
-    assert metrics["first_step"] == 1
-    assert metrics["losses"] == pytest.approx(ref_losses[1:], rel=1e-5)
+    for plan, folder, first_step in (("three", "ckpt", 1), ("replicated", "ckpt-replicated", 2)):
+        ranks = sum(plans[plan][1])
+        second = launch_plain(ranks, [str(tmp_path / f"{plan}.json"), *common, "--steps", "4", "--resume",
+                                      "--checkpoint-dir", str(tmp_path / folder), "--record",
+                                      str(tmp_path / f"rec-{plan}"), "--metrics", str(tmp_path / "m.json")], {})
+        outs = [p.communicate(timeout=120) for p in second]
+        assert [p.returncode for p in second] == [0] * ranks, [o[1][-2000:] for o in outs]
+        lines = outs[0][1].splitlines()
+        if plan == "three":
+            assert lines[0] == ("resume: skipped step 2 (stage-01-replica-0/__0_0.distcp fails its sha256 "
+                                "(the file changed after it was written)); resuming from step 1")
+        assert (f"resume: step {first_step} was saved under another plan: 2 stages (layers 0-2 | 3-5), "
+                "replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks; continuing under ") in outs[0][1]
+        assert_params_match(records(tmp_path / f"rec-{plan}"), reference)
+        metrics = json.loads((tmp_path / "m.json").read_text())
+        assert metrics["first_step"] == first_step
+        assert metrics["losses"] == pytest.approx(ref_losses[first_step:], rel=1e-5)
+        assert sorted(p.name for p in (tmp_path / folder).iterdir()) == ["step-000003", "step-000004"]
 
 
 @pytest.mark.parametrize(("how", "ranks", "failing"), [("kill", 3, 1), ("raise", 2, 0)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.fx as fx
@@ -52,6 +52,9 @@ class StageModule:
     producers: dict[str, int]  # input name -> producing stage (-1 for a model input)
     consumers: dict[str, tuple[int, ...]]  # output name -> consuming stages (> index)
     parameter_names: dict[str, str]  # local parameter name -> qualified name in the user's model
+    # local name -> qualified name of the model's persistent buffers the stage holds (BatchNorm
+    # statistics): with parameter_names, the key of every tensor a checkpoint saves
+    buffer_names: dict[str, str] = field(default_factory=dict)
 
     def parameters_by_qualified_name(self) -> dict[str, nn.Parameter]:
         local = dict(self.module.named_parameters(remove_duplicate=False))
@@ -208,6 +211,7 @@ class LayerGraph:
             producers=producers,
             consumers=consumers,
             parameter_names=_qualified_parameter_names(module, self.model),
+            buffer_names=_qualified_buffer_names(module, self.model),
         )
 
 
@@ -266,6 +270,17 @@ def _qualified_parameter_names(module: nn.Module, model: nn.Module) -> dict[str,
             raise InputError(f"stage parameter {local} does not belong to the model")
         names[local] = canonical[id(parameter)]
     return names
+
+
+def _qualified_buffer_names(module: nn.Module, model: nn.Module) -> dict[str, str]:
+    """Local name -> name in the user's model of each persistent model buffer (by identity)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    canonical: dict[int, str] = {}
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            canonical.setdefault(id(buffer), name)
+    return {local: canonical[id(buffer)] for local, buffer in module.named_buffers(remove_duplicate=False)
+            if id(buffer) in canonical}
 
 
 def _fingerprint(model: nn.Module, layers: tuple[LayerNode, ...], kind: str) -> str:

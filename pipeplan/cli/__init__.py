@@ -28,6 +28,7 @@ COMMANDS = {
     "demo": "pipeplan.cli.demo:demo",
     "export": "pipeplan.cli.export:export",
     "estimate": "pipeplan.cli.estimate:estimate",
+    "export-weights": "pipeplan.cli.export_weights:export_weights",
 }
 
 

@@ -23,6 +23,7 @@ Examples:
       --schedule 1f1b-flush --microbatches 4 --metrics out.json --trace trace.json
   torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py \\
       --checkpoint-dir ckpt --checkpoint-every 10 --resume
+  torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py --weights hf-model/
 """,
 )
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
@@ -48,7 +49,11 @@ Examples:
               help="Save per-stage checkpoints here.")
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Checkpoint every N steps (0: once at the end).")
-@click.option("--resume", is_flag=True, help="Continue from the last complete checkpoint.")
+@click.option("--resume", is_flag=True,
+              help="Continue from the last complete checkpoint (of this or another plan of the model).")
+@click.option("--weights", "weights", type=click.Path(), default=None,
+              help="Start from pretrained weights: a Hugging Face save_pretrained folder "
+                   "(safetensors, sharded or not), a .safetensors file or a pipeplan checkpoint.")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
               help="Bound in seconds on every collective and point-to-point wait.")
 @click.option("--no-progress", is_flag=True, help="No live progress line.")
@@ -58,7 +63,7 @@ Examples:
 def run(plan_path: str, model_path: str, schedule: str | None, steps: int, microbatches: int | None,
         lr: float, optimizer: str | None, recompute: bool, seed: int, metrics_path: str | None,
         trace_path: str | None, checkpoint_dir: str | None, checkpoint_every: int, resume: bool,
-        timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool) -> None:
+        weights: str | None, timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool) -> None:
     """Train with the plan's pipeline on the ranks torchrun started.
 
     Every rank builds only its stage; activations and gradients (skip connections
@@ -80,7 +85,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
             microbatches=1 if schedule_kind(chosen).whole_minibatches else (microbatches or plan.microbatches),
             recompute=recompute, seed=seed, timeout_s=timeout_s, metrics_path=metrics_path,
             trace_path=trace_path, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            resume=resume, record_dir=record_dir, progress=not no_progress,
+            resume=resume, weights=weights, record_dir=record_dir, progress=not no_progress,
             allow_nonfinite=allow_nonfinite,
         )
     except InputError:

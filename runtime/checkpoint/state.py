@@ -1,0 +1,201 @@
+"""A rank's training state as flat, qualified-name keys, and back from any plan's step.
+
+Keys of what one rank saves (``rank_state``)::
+
+    model/<qualified name>             parameters and persistent buffers (replica 0 only)
+    optim/<qualified name>/<key>       optimizer state of that parameter (exp_avg, step, ...)
+    lr_scheduler                       the LR scheduler's state_dict (torch.save bytes)
+    rng                                this rank's torch RNG state
+
+Qualified names are the user's model's (``StageModule.parameter_names``), so a run under
+another plan (other stages, replicas, schedule, world size) finds each of its tensors in
+whichever rank folder of the step holds it (``CheckpointIndex``), and its optimizer
+state moves with the parameter. Each rank reads only the keys it needs: DCP reads them
+by offset, never a whole file.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pipeplan.errors import InputError, first_line
+from pipeplan.runtime.checkpoint.store import rank_folder, read_manifests
+
+__all__ = ["CheckpointIndex", "rank_state", "restore_rank", "load_model_tensors", "restore_rng",
+           "rank_state_names", "SCHEDULER_KEY"]
+
+SCHEDULER_KEY = "lr_scheduler"
+_MODEL = "model/"
+_OPTIM = "optim/"
+
+
+class CheckpointIndex:
+    """Which rank folder of one verified step holds each key, with its saved shape and dtype."""
+
+    def __init__(self, folders: Iterable[Path]) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.entries: dict[str, tuple[Path, Any]] = {}
+        for folder in folders:
+            try:
+                metadata = FileSystemReader(str(folder)).read_metadata()
+            except Exception as exc:  # a verified folder DCP cannot read: say which, in one line
+                raise InputError(f"checkpoint {folder} cannot be read: {first_line(exc)[:160]}") from exc
+            for key, entry in metadata.state_dict_metadata.items():
+                self.entries.setdefault(key, (folder, entry))
+
+    @classmethod
+    def of_step(cls, directory: str, step: int) -> "CheckpointIndex":
+        return cls(rank_folder(directory, step, stage, replica)
+                   for stage, replica in sorted(read_manifests(directory, step)))
+
+    def load(self, targets: dict[str, Any]) -> None:
+        """Fill ``targets`` (key -> tensor or ``io.BytesIO``) from the folders holding them."""
+        import torch.distributed.checkpoint as dcp
+
+        by_folder: dict[Path, dict[str, Any]] = {}
+        for key, target in targets.items():
+            by_folder.setdefault(self.entries[key][0], {})[key] = target
+        for folder, part in by_folder.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # single-process read: intended
+                try:
+                    dcp.load(part, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+                except Exception as exc:
+                    raise InputError(f"checkpoint {folder} cannot be read: {first_line(exc)[:160]}") from exc
+            targets.update(part)  # DCP replaces saved bytes by a new buffer in ``part``
+
+    def empty_like_saved(self, key: str) -> Any:
+        """A tensor of the saved shape and dtype (or a buffer for saved bytes) to load ``key`` into."""
+        entry = self.entries[key][1]
+        if hasattr(entry, "size"):
+            return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        return io.BytesIO()
+
+
+def rank_state_names(spec: Any) -> dict[str, str]:
+    """``spec.rank_module`` state_dict key -> qualified name (parameters and persistent buffers)."""
+    names: dict[str, str] = {}
+    for c, chunk in enumerate(spec.chunks):
+        prefix = f"{c}." if spec.virtual_stages > 1 else ""
+        for local, qualified in [*chunk.parameter_names.items(), *chunk.buffer_names.items()]:
+            names[prefix + local] = qualified
+    return names
+
+
+def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer | None,
+               scheduler: Any = None, weights: bool = True) -> dict[str, Any]:
+    """This rank's state under qualified names (``names``: state_dict key -> qualified name).
+
+    ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
+    """
+    state: dict[str, Any] = {"rng": torch.get_rng_state()}
+    if not weights:
+        return state
+    tensors = module.state_dict()
+    for local, qualified in names.items():
+        state[_MODEL + qualified] = tensors[local]
+    if optimizer is not None:
+        qualified_of = _optimizer_names(module, names, optimizer)
+        for index, values in optimizer.state_dict()["state"].items():
+            for key, value in values.items():
+                state[f"{_OPTIM}{qualified_of[index]}/{key}"] = value if torch.is_tensor(value) else _bytes(value)
+    if scheduler is not None:
+        state[SCHEDULER_KEY] = _bytes(scheduler.state_dict())
+    return state
+
+
+def restore_rank(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
+                 optimizer: torch.optim.Optimizer | None, scheduler: Any = None) -> None:
+    """Load this rank's weights, optimizer and scheduler state from ``index`` (any plan's step)."""
+    load_model_tensors(index, module, names)
+    if optimizer is not None:
+        _restore_optimizer(index, module, names, optimizer)
+    if scheduler is not None and SCHEDULER_KEY in index.entries:
+        scheduler.load_state_dict(_load_object(index, SCHEDULER_KEY))
+
+
+def restore_rng(folder: Path) -> None:
+    """This rank's RNG as it was saved in ``folder`` (same plan: dropout continues as it would)."""
+    index = CheckpointIndex([folder])
+    if "rng" in index.entries:
+        rng = index.empty_like_saved("rng")
+        index.load({"rng": rng})
+        torch.set_rng_state(rng)
+
+
+def load_model_tensors(index: CheckpointIndex, module: nn.Module, names: dict[str, str]) -> None:
+    """Copy ``model/<qualified>`` into every tensor of ``module``'s state (InputError if absent)."""
+    targets = dict(module.state_dict(keep_vars=True))
+    wanted: dict[str, torch.Tensor] = {}
+    for local, qualified in names.items():
+        tensor = targets[local]
+        key = _MODEL + qualified
+        if key not in index.entries:
+            raise InputError(f"the checkpoint has no weight {qualified}")
+        saved = tuple(index.entries[key][1].size)
+        if saved != tuple(tensor.shape):
+            raise InputError(f"checkpoint weight {qualified} has shape {list(saved)}, "
+                             f"the model's is {list(tensor.shape)}")
+        wanted.setdefault(key, tensor)  # a tensor under two local names (tied) loads once
+    loaded = {key: index.empty_like_saved(key) for key in wanted}
+    index.load(loaded)
+    with torch.no_grad():
+        for key, tensor in wanted.items():
+            tensor.copy_(loaded[key])
+
+
+def _restore_optimizer(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
+                       optimizer: torch.optim.Optimizer) -> None:
+    keys_of: dict[str, list[str]] = {}
+    for key in index.entries:
+        if key.startswith(_OPTIM):
+            qualified, _, name = key[len(_OPTIM):].rpartition("/")
+            keys_of.setdefault(qualified, []).append(name)
+    state = optimizer.state_dict()
+    targets: dict[str, Any] = {}
+    for position, qualified in _optimizer_names(module, names, optimizer).items():
+        for name in keys_of.get(qualified, ()):
+            targets[f"{_OPTIM}{qualified}/{name}"] = index.empty_like_saved(f"{_OPTIM}{qualified}/{name}")
+    index.load(targets)
+    for position, qualified in _optimizer_names(module, names, optimizer).items():
+        values = {name: _unwrap(targets[f"{_OPTIM}{qualified}/{name}"]) for name in keys_of.get(qualified, ())}
+        if values:
+            state["state"][position] = values
+    try:
+        optimizer.load_state_dict(state)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise InputError(f"the checkpoint's optimizer state does not fit: {first_line(exc)[:160]}") from exc
+
+
+def _optimizer_names(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Optimizer state index (parameters numbered across param groups) -> qualified name."""
+    local_of = {id(p): local for local, p in module.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {position: names[local_of[id(p)]] for position, p in enumerate(params)}
+
+
+def _load_object(index: CheckpointIndex, key: str) -> Any:
+    target = index.empty_like_saved(key)
+    index.load({key: target})
+    return _unwrap(target)
+
+
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, weights_only=True)
+    return value
+
+
+def _bytes(value: Any) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return buffer
