@@ -96,7 +96,7 @@ def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(tmp_path: Path,
 
 
 def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles: dict[str, Path]) -> None:
-    """save_pretrained -> run --weights starts from those weights (the first loss is theirs in
+    """save_pretrained (sharded) -> run --weights starts from those weights (the first loss is theirs in
     one process; the tied wte/lm_head, saved once, reaches both stages); after training,
     export-weights -> from_pretrained holds the pipeline's weights (same logits)."""
     from transformers import GPT2LMHeadModel
@@ -106,7 +106,8 @@ def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles
     model_file = load_model_file(MODELS["gpt2"])
     torch.manual_seed(123)  # other weights than the run's own seed-0 initialisation
     pretrained = model_file.build()
-    pretrained.save_pretrained(tmp_path / "hf")
+    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="200KB")  # sharded, with its index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     inputs, targets = model_file.batch(BATCH, 0)  # minibatch 0 of a seed-0 run
     with torch.no_grad():
         first_loss = float(model_file.loss_fn(pretrained(*inputs), targets))
