@@ -185,3 +185,34 @@ def test_export_weights_of_a_plain_model_is_a_safetensors_file_load_model_reads(
     assert fresh.head.weight is fresh.wte.weight  # the tied tensor was written once, re-tied on load
     with pytest.raises(InputError, match="already exists and is not an empty folder"):
         export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out"))
+
+
+def test_weights_from_a_pipeplan_checkpoint_take_its_newest_complete_step(tmp_path: Path) -> None:
+    model, optimizer = _trained(1)
+    _save_split(tmp_path, 1, model, optimizer)
+    later, later_opt = _trained(2)
+    _save_split(tmp_path, 2, later, later_opt)
+    last_stage = nn.Sequential(nn.Linear(6, 3))  # holds layer 2 of the chain as its layer 0
+    names = {"0.weight": "2.weight", "0.bias": "2.bias"}
+    assert load_weights(str(tmp_path), last_stage, names, {}) == 2
+    torch.testing.assert_close(last_stage[0].weight, later[2].weight, rtol=0, atol=0)
+    load_weights(str(tmp_path / "step-000001"), last_stage, names, {})  # one step folder, named
+    torch.testing.assert_close(last_stage[0].weight, model[2].weight, rtol=0, atol=0)
+    _flip(store.rank_folder(tmp_path, 2, 1, 0) / "__0_0.distcp")
+    with pytest.raises(InputError, match="step-000002 is not a complete checkpoint step: stage-01-replica-0/"):
+        load_weights(str(tmp_path / "step-000002"), last_stage, names, {})
+
+
+def test_export_weights_cli_errors_are_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+
+    model = str(Path(__file__).parent / "fixtures" / "runtime" / "mlp.py")
+    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "none"), "--model", model, "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and result.output == f"error: checkpoint {tmp_path / 'none'} does not exist\n"
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "empty"), "--model", model, "-o", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "holds no step-N folders of a pipeplan checkpoint" in result.output
+    assert len(result.output.splitlines()) == 1 and not (tmp_path / "o").exists()

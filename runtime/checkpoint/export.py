@@ -21,6 +21,7 @@ from pipeplan.errors import InputError, first_line
 from pipeplan.modelfile import ModelFile
 from pipeplan.runtime.checkpoint.pretrained import _Checkpoint, open_weights
 from pipeplan.runtime.checkpoint.state import load_model_tensors
+from pipeplan.runtime.checkpoint.store import step_folders
 
 __all__ = ["export_weights", "canonical_names"]
 
@@ -35,9 +36,12 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
 
 def export_weights(checkpoint: str, model_file: ModelFile, out: str) -> str:
     """Write the newest complete step of ``checkpoint`` (or that step folder) to ``out``; returns the format."""
-    source = open_weights(checkpoint)
+    root = Path(checkpoint)
+    if root.is_dir() and not step_folders(root) and not root.name.startswith("step-"):
+        raise InputError(f"checkpoint {checkpoint} holds no step-N folders of a pipeplan checkpoint")
+    source = open_weights(checkpoint, label="checkpoint")
     if not isinstance(source, _Checkpoint):
-        raise InputError(f"{checkpoint} is not a pipeplan checkpoint (no step-N folders)")
+        raise InputError(f"checkpoint {checkpoint} is not a pipeplan checkpoint")
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InputError(f"-o {out} already exists and is not an empty folder")

@@ -110,25 +110,28 @@ class _Checkpoint:
         return {name: targets[self.files[name]] for name in names}
 
 
-def open_weights(path: str) -> _Safetensors | _Checkpoint:
-    """The weights at ``path`` (see the module docstring); ``InputError`` in one line otherwise."""
+def open_weights(path: str, label: str = "--weights") -> _Safetensors | _Checkpoint:
+    """The weights at ``path`` (see the module docstring); ``InputError`` in one line otherwise.
+
+    ``label`` names ``path`` in errors (the option or argument it came from).
+    """
     root = Path(path)
     if not root.exists():
-        raise InputError(f"--weights {path} does not exist")
+        raise InputError(f"{label} {path} does not exist")
     if root.is_dir() and step_folders(root):
         step, skipped = latest_complete_step(root, run_fingerprint=None)
         if step is None:
             reason = f" (step {skipped[0][0]}: {skipped[0][1]})" if skipped else ""
-            raise InputError(f"--weights {path} holds no complete checkpoint step{reason}")
+            raise InputError(f"{label} {path} holds no complete checkpoint step{reason}")
         return _Checkpoint(CheckpointIndex.of_step(str(root), step))
     if root.is_dir() and root.name.startswith("step-") and not (root / _SINGLE).exists():
         step = int(root.name[len("step-"):])
         problem = step_problem(root.parent, step, run_fingerprint=None)
         if problem is not None:
-            raise InputError(f"--weights {path} is not a complete checkpoint step: {problem}")
+            raise InputError(f"{label} {path} is not a complete checkpoint step: {problem}")
         return _Checkpoint(CheckpointIndex.of_step(str(root.parent), step))
     if root.is_dir() and not (root / _INDEX).is_file() and not (root / _SINGLE).is_file():
-        raise InputError(f"--weights {path} holds neither {_SINGLE}, {_INDEX} nor pipeplan checkpoint steps")
+        raise InputError(f"{label} {path} holds neither {_SINGLE}, {_INDEX} nor pipeplan checkpoint steps")
     return _Safetensors.of(root)
 
 
