@@ -335,7 +335,7 @@ def _describe_layout(layout: dict[str, Any]) -> str:
 
 
 def _resume(config: RunConfig, spec: Any, identity: Any, device: str, rank: int, module: Any,
-            optimizer: Any, layout: dict[str, Any]) -> int:
+            optimizer: Any, layout: dict[str, Any], scheduler: Any = None) -> int:
     """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
@@ -378,7 +378,7 @@ def _resume(config: RunConfig, spec: Any, identity: Any, device: str, rank: int,
     if module is not None:
         try:
             index = ckstate.CheckpointIndex.of_step(directory, agreed)
-            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer)
+            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer, scheduler)
         except InputError as exc:
             raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
         if optimizer is not None:
@@ -390,14 +390,19 @@ def _resume(config: RunConfig, spec: Any, identity: Any, device: str, rank: int,
 
 
 def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
-          layout: dict[str, Any]) -> None:
-    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only)."""
+          layout: dict[str, Any], scheduler: Any = None) -> None:
+    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
+
+    ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
+    restored by ``_resume`` under any plan (every stage steps it in lock step).
+    """
     from pipeplan.runtime.checkpoint import state as ckstate
     from pipeplan.runtime.checkpoint import store
 
     if module is None:
         return
-    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, weights=spec.replica == 0)
+    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, scheduler,
+                               weights=spec.replica == 0)
     manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
                 "minibatches": step * layout["minibatches_per_step"], "layout": layout}
     store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)

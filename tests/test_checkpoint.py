@@ -216,3 +216,20 @@ def test_export_weights_cli_errors_are_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "empty"), "--model", model, "-o", str(tmp_path / "o")])
     assert result.exit_code == 2 and "holds no step-N folders of a pipeplan checkpoint" in result.output
     assert len(result.output.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_lr_scheduler_state_rides_along_and_comes_back_under_another_split(tmp_path: Path) -> None:
+    model, optimizer = _trained(1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    names = _names(model)
+    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(model, names, optimizer, scheduler),
+                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3})
+    part = model[2:3]  # another plan: a stage holding the last layer only
+    part_opt = torch.optim.Adam(part.parameters(), lr=0.01)
+    part_scheduler = torch.optim.lr_scheduler.StepLR(part_opt, step_size=2, gamma=0.5)
+    ckstate.restore_rank(ckstate.CheckpointIndex.of_step(str(tmp_path), 3), part, _names(part), part_opt, part_scheduler)
+    assert part_scheduler.state_dict() == scheduler.state_dict()
+    assert part_scheduler.last_epoch == 3

@@ -182,9 +182,9 @@ def _optimizer_names(module: nn.Module, names: dict[str, str], optimizer: torch.
 
 
 def _load_object(index: CheckpointIndex, key: str) -> Any:
-    target = index.empty_like_saved(key)
-    index.load({key: target})
-    return _unwrap(target)
+    targets = {key: index.empty_like_saved(key)}
+    index.load(targets)  # replaces the placeholder buffer with the saved bytes
+    return _unwrap(targets[key])
 
 
 def _unwrap(value: Any) -> Any:
