@@ -53,7 +53,8 @@ Examples:
               help="Continue from the last complete checkpoint (of this or another plan of the model).")
 @click.option("--weights", "weights", type=click.Path(), default=None,
               help="Start from pretrained weights: a Hugging Face save_pretrained folder "
-                   "(safetensors, sharded or not), a .safetensors file or a pipeplan checkpoint.")
+                   "(safetensors, sharded or not), a .safetensors file or a pipeplan checkpoint "
+                   "(not used when --resume finds a checkpoint to continue).")
 @click.option("--timeout", "timeout_s", type=float, default=300.0, show_default=True,
               help="Bound in seconds on every collective and point-to-point wait.")
 @click.option("--no-progress", is_flag=True, help="No live progress line.")
