@@ -1,7 +1,9 @@
 """Time ``pipeplan partition`` on a synthetic 1,000-layer chain x 4,096 devices (every
-3-level shape: 8x8x64, 8x16x32, 4x32x32, 16x16x16) and on every PipeDream profile in
+3-level shape: 8x8x64, 8x16x32, 4x32x32, 16x16x16), on every PipeDream profile in
 /work/shared at 4x4 (cluster-a) and 2x8 (cluster-b), both cost models (skipped when
-absent), with the cut family and its number of cut states. Prints a rich table, writes
+absent), with the cut family and its number of cut states, and on tensor x pipeline x
+data parallelism (``bench_ptdp``: estimated profiles): PTD-P's 1T GPT on 3,072 A100s, and
+the same GPT on 16,384 H100s (8 per node, 32 nodes per unit, 64 units). Prints a rich table, writes
 JSON (``--out``). Targets (2 cores): each case under 10 s; ResNet-50 at 4x4 with
 ``--cost-model pipedream --activation-compression 1`` under 0.5 s as a whole
 ``pipeplan partition`` process (median of 3 runs).
@@ -32,6 +34,10 @@ from pipeplan.topology import DeviceSpec, Level, Topology, preset
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.pipedream_import import load_pipedream_graph
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ptdp import TABLE_1, megatron_cluster  # noqa: E402
+from pipeplan.profiler.estimate import DEVICE_RATES, estimate_gpt  # noqa: E402
+
 SHARED = Path("/work/shared/pipedream-profiles")
 SHAPES = ((8, 8, 64), (8, 16, 32), (4, 32, 32), (16, 16, 16))
 
@@ -61,12 +67,30 @@ TARGET_S = 10.0
 PROCESS_TARGET_S = 0.5
 
 
+def h100_16k() -> Topology:
+    """16,384 H100s: 8 per node (NVLink 4), 32 nodes per unit, 64 units (8 x 400 Gbit/s per node)."""
+    return Topology("h100-16k", DeviceSpec("H100-80GB", 80 * 2**30),
+                    (Level("node", 8, 450e9, 0.002), Level("unit", 32, 400e9, 0.005), Level("cluster", 64, 400e9, 0.01)))
+
+
+def tensor_parallel_cases() -> list[tuple[str, Profile, Topology, PartitionOptions]]:
+    """PTD-P's 1T GPT: the paper's row (3,072 A100s, batch 3,072) and 16,384 H100s (batch 8,192)."""
+    gpt = TABLE_1[-1]
+    return [
+        ("GPT-1T x 3,072 A100 (PTD-P), t/p/d searched", estimate_gpt(gpt.shape, DEVICE_RATES["a100-80gb"], gpt.batch),
+         megatron_cluster(gpt.gpus), PartitionOptions(schedule="1f1b-flush", microbatches=gpt.batch, optimizer="adam")),
+        ("GPT-1T x 16,384 H100, t/p/d searched", estimate_gpt(gpt.shape, DEVICE_RATES["h100-sxm"], 8192),
+         h100_16k(), PartitionOptions(schedule="1f1b-flush", microbatches=8192, optimizer="adam")),
+    ]
+
+
 def run(name: str, profile: Profile, topology: Topology, options: PartitionOptions) -> dict:
     start = time.perf_counter()
     plan = partition(profile, topology, options)
     seconds = time.perf_counter() - start
     return {
         "case": name, "layers": len(profile.layers), "devices": topology.world_size,
+        "tensor_parallel": plan.stages[0].tensor_parallel, "simulated": plan.predicted.simulated,
         "cost_model": options.cost_model, "seconds": seconds, "stages": len(plan.stages),
         "cut_family": plan.cut_family, "cut_states": plan.cut_candidates,
         "time_per_minibatch_ms": plan.predicted.time_per_minibatch_ms,
@@ -98,6 +122,7 @@ def main() -> None:
     parser.add_argument("--all-shapes", action="store_true", help="kept for old scripts: every shape is the default")
     parser.add_argument("--no-pipedream", action="store_true", help="skip the PipeDream profiles")
     parser.add_argument("--profiles", default="", help="comma-separated PipeDream profile names (default: all)")
+    parser.add_argument("--no-tensor-parallel", action="store_true", help="skip the GPT-1T cases")
     args = parser.parse_args()
     rows = []
     process: dict = {}
@@ -107,6 +132,9 @@ def main() -> None:
         if len(shape) != 3:
             parser.error(f"--shapes: {'x'.join(map(str, shape))} is not three unit counts (e.g. 8x8x64)")
         rows.append(run(f"chain x {shape[0]}x{shape[1]}x{shape[2]}", chain, pod(shape), PartitionOptions()))
+    if not args.no_tensor_parallel:
+        for name, profile, topology, options in tensor_parallel_cases():
+            rows.append(run(name, profile, topology, options))
     if SHARED.is_dir() and not args.no_pipedream:
         for folder in sorted(SHARED.iterdir()):
             if args.profiles and folder.name not in args.profiles.split(","):
@@ -125,13 +153,15 @@ def main() -> None:
             process = whole_process_s(resnet50)
     table = Table(title="pipeplan partition: planner time (in process; target < 10 s each)")
     for column in ("case", "layers", "devices", "cost model", "cut family", "cut states", "planner s", "stages",
-                   "ms/minibatch", "vs DP"):
+                   "t", "ms/minibatch", "vs DP"):
         table.add_column(column, justify="right" if column not in ("case", "cost model", "cut family") else "left")
     for row in rows:
         table.add_row(row["case"], str(row["layers"]), str(row["devices"]), row["cost_model"],
                       row.get("cut_family", "-"), str(row.get("cut_states", "-")),
                       f"{row['seconds']:.2f} s" + (" (over target)" if row["seconds"] > TARGET_S else ""),
-                      str(row.get("stages", "-")), f"{row.get('time_per_minibatch_ms', float('nan')):.3f} ms",
+                      str(row.get("stages", "-")), str(row.get("tensor_parallel", "-")),
+                      f"{row.get('time_per_minibatch_ms', float('nan')):.3f} ms"
+                      + ("" if row.get("simulated", True) else " (not simulated)"),
                       f"{row.get('speedup_vs_data_parallel', float('nan')):.2f}x")
     console = Console(width=170)
     console.print(table)

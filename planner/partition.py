@@ -152,9 +152,9 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             continue
         found.append((plan.predicted.time_per_minibatch_ms, t, plan))
     if not found:
-        assert failure is not None
-        raise failure
-    best = min(found, key=lambda item: item[:2])[2]
+        raise failure if failure is not None else InfeasibleError("no plan (internal: every degree dominated)")
+    # simulated periods first: a plan too large to simulate has only its bubble-free figure
+    best = min(found, key=lambda item: (not item[2].predicted.simulated, item[0], item[1]))[2]
     if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
         try:
             best = predict(best, profile)  # the default window, as every plan's figures
@@ -218,6 +218,7 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
         candidates.append((max(figure[3] for figure in stage_figures(flat, arrays, topology, options)), shape,
                            frozenset()))
     best: Plan | None = None
+    unsimulated: Plan | None = None  # the first plan too large to simulate, kept when none simulates
     failure: Exception = _Dominated()
     for bound, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
         if bound >= min(beat_ms, best.predicted.time_per_minibatch_ms if best else math.inf):
@@ -228,12 +229,14 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
             if shape is tree:
                 failure = exc
             continue
-        if plan.predicted.simulated and (best is None or plan.predicted.time_per_minibatch_ms
-                                         < best.predicted.time_per_minibatch_ms * (1 - 1e-9)):
+        if not plan.predicted.simulated:  # too large to simulate: its bubble-free figure ranks with no other
+            unsimulated = unsimulated or plan
+        elif best is None or plan.predicted.time_per_minibatch_ms < best.predicted.time_per_minibatch_ms * (1 - 1e-9):
             best = plan
-    if best is None:
+    chosen = best or unsimulated
+    if chosen is None:
         raise failure
-    return best
+    return chosen
 
 
 def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,

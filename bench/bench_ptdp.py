@@ -1,0 +1,137 @@
+"""PTD-P's GPT configurations (Narayanan et al., SC'21, Table 1) planned by pipeplan.
+
+For each row: the what-if profile of the GPT on an A100 80 GB (``pipeplan estimate``:
+datasheet rates, GEMMs at the calibrated 0.64 of peak, full recomputation, marked
+estimated), a Megatron-like cluster (8 A100 per node over NVLink 3 at 300 GB/s, 8 x
+200 Gbit/s InfiniBand per node = 200 GB/s between nodes), and ``partition`` with
+1F1B-flush, micro-batches of one sequence (M = the global batch), mixed-precision Adam
+(4-byte parameters, ``profiler.estimate.PARAM_BYTES``), pipeplan choosing t, p, d and the
+stages. Predicted TFLOP/s per GPU use the paper's own count (eq. 3, recomputation
+included) over the simulated time per iteration. Prints a markdown table, writes JSON.
+
+    python bench/bench_ptdp.py --out bench/results/ptdp.json
+    python bench/bench_ptdp.py --rows 1.7,1008
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from pipeplan.jsonio import write_json_atomic
+from pipeplan.plan import Plan
+from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, GPTShape, estimate_gpt
+from pipeplan.topology import DeviceSpec, Level, Topology
+from pipeplan.planner.partition import PartitionOptions, partition
+
+TARGET_S = 10.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the paper's Table 1 (its t, p, GPUs, batch and TFLOP/s per GPU)."""
+
+    billions: float
+    heads: int
+    hidden: int
+    layers: int
+    t: int
+    p: int
+    gpus: int
+    batch: int
+    tflops: float
+
+    @property
+    def shape(self) -> GPTShape:
+        return GPTShape(self.layers, self.hidden, self.heads)
+
+
+TABLE_1 = (
+    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+
+def megatron_cluster(gpus: int) -> Topology:
+    """``gpus / 8`` DGX A100 nodes as in the paper (configs/topologies/megatron-a100.yaml)."""
+    return Topology(f"megatron-a100-{gpus}", DeviceSpec("A100-80GB", 80 * 2**30),
+                    (Level("node", 8, 300e9, 0.002), Level("cluster", gpus // 8, 200e9, 0.005)))
+
+
+def plan_row(row: Row, gpus: int | None = None, batch: int | None = None) -> tuple[Plan, float]:
+    """(pipeplan's plan, planning seconds) of ``row`` (optionally on other counts)."""
+    gpus, batch = gpus or row.gpus, batch or row.batch
+    profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], batch)
+    start = time.perf_counter()
+    plan = partition(profile, megatron_cluster(gpus),
+                     PartitionOptions(schedule="1f1b-flush", microbatches=batch, optimizer="adam"))
+    return plan, time.perf_counter() - start
+
+
+def tflops_per_gpu(row: Row, plan: Plan, gpus: int, batch: int) -> float:
+    """The paper's eq. 3 FLOPs per iteration over the plan's predicted iteration time."""
+    return row.shape.training_flops(batch) / (plan.predicted.time_per_minibatch_ms / 1e3) / gpus / 1e12
+
+
+def describe(row: Row, plan: Plan, seconds: float) -> dict:
+    t = plan.stages[0].tensor_parallel
+    return {
+        "params_billions": row.billions, "gpus": row.gpus, "batch": row.batch,
+        "paper": {"t": row.t, "p": row.p, "d": row.gpus // (row.t * row.p), "tflops_per_gpu": row.tflops},
+        "pipeplan": {"t": t, "p": len(plan.stages), "d": plan.stages[0].replicas,
+                     "replicas": [s.replicas for s in plan.stages], "schedule": plan.schedule,
+                     "microbatches": plan.microbatches, "simulated": plan.predicted.simulated,
+                     "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3,
+                     "tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
+                     "peak_memory_gib": max(s.memory_bytes for s in plan.stages) / 2**30},
+        "planning_seconds": seconds,
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    head = ("| params | GPUs | batch | paper t, p, d | paper TFLOP/s/GPU | pipeplan t, p, d | schedule, micro-batches "
+            "| pipeplan TFLOP/s/GPU (estimated) | vs paper | planning |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in results:
+        paper, ours = r["paper"], r["pipeplan"]
+        d = str(ours["d"]) if len(set(ours["replicas"])) == 1 else "/".join(map(str, sorted(set(ours["replicas"]))))
+        lines.append(
+            f"| {r['params_billions']:g}B | {r['gpus']:,} | {r['batch']:,} | {paper['t']}, {paper['p']}, {paper['d']} "
+            f"| {paper['tflops_per_gpu']:.0f} | {ours['t']}, {ours['p']}, {d} | {ours['schedule']}, {ours['microbatches']:,} "
+            f"| {ours['tflops_per_gpu']:.1f}{'' if ours['simulated'] else ' (not simulated)'} "
+            f"| {100 * (ours['tflops_per_gpu'] / paper['tflops_per_gpu'] - 1):+.1f}% | {r['planning_seconds']:.1f} s |")
+    return head + "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench/results/ptdp.json")
+    parser.add_argument("--rows", default="", help="comma-separated parameter counts in billions (default: all)")
+    args = parser.parse_args()
+    chosen = [row for row in TABLE_1 if not args.rows or f"{row.billions:g}" in args.rows.split(",")]
+    results = []
+    for row in chosen:
+        plan, seconds = plan_row(row)
+        results.append(describe(row, plan, seconds))
+        print(markdown(results[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(markdown(results))
+    slow = [f"{r['params_billions']:g}B" for r in results if r["planning_seconds"] > TARGET_S]
+    print(f"\nrows over {TARGET_S:.0f} s of planning: {len(slow)} of {len(results)}" + (f" ({', '.join(slow)})" if slow else ""))
+    print(f"GEMM efficiency {MATMUL_EFFICIENCY} of the A100's 312 TFLOP/s (calibrated on the 1.7B row); "
+          f"every pipeplan figure rests on an ESTIMATED profile")
+    write_json_atomic(args.out, {"schema": "pipeplan.bench.ptdp/1", "matmul_efficiency": MATMUL_EFFICIENCY,
+                                 "rows": results})
+
+
+if __name__ == "__main__":
+    main()
