@@ -10,6 +10,10 @@ Optional names::
     def loss_fn(output, target) -> Tensor        # output: what the model returns; default: default_loss
     def data_loader(batch_size, replica, replicas) -> Iterator[tuple[inputs, targets]]
     LEAF_MODULES = ["GPT2Block", ...]            # module classes kept whole as one layer each
+    def make_optimizer(params) -> torch.optim.Optimizer  # params: the rank's parameters as named
+                                                 # groups ("decay", "no_decay": biases and norms,
+                                                 # weight_decay 0), each with "param_names"
+    def make_lr_scheduler(optimizer) -> LR scheduler  # stepped once per training step
 
 Every failure (missing file, import error, missing name, a name that is not callable)
 raises ``InputError`` with a one-line message.
@@ -89,6 +93,8 @@ class ModelFile:
     loss_fn: Callable[[Any, Any], Any]
     data_loader: Callable[[int, int, int], Iterator[Any]] | None
     leaf_modules: tuple[str, ...] = ()  # LEAF_MODULES: class names whose calls are one layer each
+    make_optimizer: Callable[[Any], Any] | None = None  # (named parameter groups) -> torch optimizer
+    make_lr_scheduler: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
 
     def batch(self, batch_size: int, seed: int) -> tuple[tuple[Any, ...], Any]:
         """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as a tuple.
@@ -156,6 +162,8 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         ("sample_batch", True),
         ("loss_fn", False),
         ("data_loader", False),
+        ("make_optimizer", False),
+        ("make_lr_scheduler", False),
     ):
         value = getattr(module, name, None)
         if value is None:
@@ -172,6 +180,8 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         loss_fn=names.get("loss_fn", default_loss),
         data_loader=names.get("data_loader"),
         leaf_modules=_leaf_modules(getattr(module, "LEAF_MODULES", ()), path),
+        make_optimizer=names.get("make_optimizer"),
+        make_lr_scheduler=names.get("make_lr_scheduler"),
     )
 
 

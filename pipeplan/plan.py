@@ -81,7 +81,7 @@ class Plan:
     topology: Topology
     schedule: str  # one of SCHEDULE_NAMES
     cost_model: str  # "pipeplan" | "pipedream"
-    optimizer: str  # "sgd" | "momentum" | "adam"
+    optimizer: str  # one of pipeplan.optimizers.OPTIMIZERS
     world_size: int
     in_flight: int  # 1F1B-RR: NOAM = ceil(used devices / replicas of the input stage); flush: 1
     stages: tuple[StagePlan, ...]

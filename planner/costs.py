@@ -101,6 +101,8 @@ def update_ms(profile: Profile, optimizer: str | None) -> list[float]:
     [1.5, 0.5]
     """
     total_ms = profile.optimizer_ms.get(optimizer, 0.0) if optimizer else 0.0
+    if optimizer == "adamw" and "adamw" not in profile.optimizer_ms:  # profiles before adamw was timed:
+        total_ms = profile.optimizer_ms.get("adam", 0.0)  # Adam's step (AdamW adds one scaling)
     total_bytes = sum(layer.param_bytes for layer in profile.layers)
     if total_ms <= 0 or total_bytes <= 0:
         return [0.0] * len(profile.layers)

@@ -34,7 +34,10 @@ OPTIMIZER_STATES = STATE_COPIES  # parameter-sized buffers per optimizer
 
 
 def optimizer_states(optimizer: str) -> int:
-    """Parameter-sized optimizer buffers of ``optimizer`` (sgd 0, momentum 1, adam 2)."""
+    """Parameter-sized optimizer buffers of ``optimizer`` (sgd 0, momentum 1, adam and adamw 2).
+
+    torch keeps the moments in the parameters' dtype, so they are charged at parameter size.
+    """
     if optimizer not in OPTIMIZER_STATES:
         raise InputError(f"unknown optimizer {optimizer!r} (expected one of {', '.join(OPTIMIZER_STATES)})")
     return OPTIMIZER_STATES[optimizer]

@@ -12,8 +12,9 @@
 - ``I`` / ``W`` (zero bubble): ``I`` computes and sends the input gradients only,
   keeping the graph and the gradients at the weight-consuming nodes
   (``pipeplan.runtime.split_backward``); ``W`` computes the weight gradients from them.
-- ``S``: all-reduce gradients (replicas, tied stages), optimizer step. With weight
-  versions, the gradients of the minibatch's units (coalesced, 2BW) go on the live weights first.
+- ``S``: all-reduce gradients (replicas, tied stages), measure (and clip) the gradient
+  norm (``pipeplan.runtime.clip``), optimizer step. With weight versions, the gradients
+  of the minibatch's units (coalesced, 2BW) go on the live weights first.
 
 Receives are posted ahead (``lookahead`` actions, gloo) so no wait is for a message the
 schedule could have asked for earlier; sends never block the worker.
@@ -30,6 +31,7 @@ import torch
 
 from pipeplan.errors import RuntimeFailure
 from pipeplan.capture import MODEL_OUTPUT, StageModule
+from pipeplan.runtime.clip import GradNorm
 from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpec
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.recorder import Recorder, now_ms
@@ -81,9 +83,12 @@ class Executor:
     lookahead: int = 6
     on_step: Callable[[int], None] | None = None  # called with the global minibatch after its S
     schedule: str = "1f1b-flush"  # the schedule's name: which weight version a forward runs on
+    grad_norm: GradNorm | None = None  # measures (and clips) the gradient norm at each step
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
+    grad_norms: dict[int, float] = field(default_factory=dict)  # global minibatch -> norm at its S
+    lrs: dict[int, float] = field(default_factory=dict)  # global minibatch -> lr of its S (first group)
     _kind: ScheduleKind | None = None
     _steps: int = 0  # "S" done
     _saved: dict[_Key, _Saved] = field(default_factory=dict)
@@ -342,8 +347,11 @@ class Executor:
         if self.stash is not None:
             self.stash.load_grads(self._minibatch_grads.pop(action.minibatch, {}))
         self.sync.reduce()
+        if self.grad_norm is not None:
+            self.grad_norms[minibatch] = self.grad_norm.apply()
         self.recorder.add("allreduce", f"allreduce {action}", start, now_ms(), minibatch)
         if self.optimizer is not None:
+            self.lrs[minibatch] = float(self.optimizer.param_groups[0]["lr"])
             with self.recorder.span("step", str(action), minibatch):
                 if self.stash is not None:
                     self.stash.before_step()

@@ -37,6 +37,7 @@ class Recorder:
     count_from: int = 0
     t0_ms: float = field(default_factory=now_ms)
     totals_ms: dict[str, float] = field(default_factory=dict)
+    live_compute_ms: float = 0.0  # every host-timed compute span, warm-up included (live metrics)
     events: list[TraceEvent] = field(default_factory=list)
     _cuda_spans: list[tuple[str, str, Any, Any, int, int]] = field(default_factory=list)
     _cuda_origin: Any = None
@@ -69,6 +70,8 @@ class Recorder:
             minibatch: int = -1, microbatch: int = 0) -> None:
         """Record a span given in absolute ``now_ms`` times."""
         duration = max(0.0, end_ms - start_ms)
+        if category in _COMPUTE:
+            self.live_compute_ms += duration
         if minibatch < 0 or minibatch >= self.count_from:
             self.totals_ms[category] = self.totals_ms.get(category, 0.0) + duration
         if self.trace:

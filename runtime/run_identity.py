@@ -2,7 +2,8 @@
 
 A ``RunIdentity`` is written into every checkpoint manifest (``pipeplan.runtime.checkpoint``).
 Its ``fingerprint`` hashes what a resumed run must share with the saved one (the model's
-layer structure, the optimizer, the lr schedule, the seed). The plan (split, ranks,
+layer structure, the optimizer and its weight decay, the LR schedule's settings,
+the clipping norm, the seed). The plan (split, ranks,
 schedule) and ``lr`` are recorded but not hashed: checkpoints are keyed by the model's
 qualified names, so a run re-planned onto other stages, replicas or world size resumes
 (the runtime prints the changed plan), and a changed lr is applied.
@@ -22,7 +23,7 @@ from pipeplan.plan import Plan
 
 __all__ = ["RunIdentity", "plan_fingerprint", "check_checkpoint_dir"]
 
-_MATCHING = ("model", "optimizer", "lr_schedule", "seed")  # fields a resume must share
+_MATCHING = ("model", "optimizer", "lr_schedule", "clip_grad_norm", "seed")  # fields a resume must share
 
 
 def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
@@ -37,10 +38,11 @@ def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
 class RunIdentity:
     plan: str  # plan_fingerprint(...): recorded, a resume may change it
     model: str  # the model's layer-structure fingerprint
-    optimizer: str  # "sgd" | "momentum" | "adam"
+    optimizer: str  # "adamw(weight_decay=0.1)", ... or "make_optimizer (model file)"
     lr: float  # learning rate (may change on resume)
     seed: int
-    lr_schedule: str = "constant"
+    lr_schedule: str = "constant"  # LRSchedule.describe() or "make_lr_scheduler (model file)"
+    clip_grad_norm: float | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -75,5 +77,5 @@ def check_checkpoint_dir(directory: str, identity: RunIdentity, resume: bool) ->
     differ = identity.differences(found[1]) or [f"fingerprint {found[0]} != {identity.fingerprint}"]
     raise InputError(
         f"--resume: checkpoint directory {directory} holds another run ({'; '.join(differ)}); "
-        f"resume needs the same model, optimizer and seed"
+        f"resume needs the same model, optimizer, LR schedule, clipping and seed"
     )

@@ -18,7 +18,17 @@ and GPipe; ``losses`` has one value per step (the mean over its minibatches).
 Minibatch k is drawn with seed ``seed + k`` (``pipeplan.runtime.data``) and the model is
 built under ``torch.manual_seed(seed)`` on every rank.
 
-Checkpoints are taken at step boundaries, keyed by the model's qualified names
+Optimizer, learning rate and clipping (``pipeplan.optimizers``, ``pipeplan.runtime.clip``):
+every rank steps its own parameters (as named groups: decayed, and biases and norms not);
+the model file's ``make_optimizer(params)`` / ``make_lr_scheduler(optimizer)`` replace the
+built-in ones when present. The LR scheduler steps once per training step, after the
+rank's last optimizer step of it, so every stage follows the same curve (1F1B-RR with
+replicas: a stage taking several updates in one step takes them at that step's lr).
+The gradient norm is global for the flush schedules and 2BW and the stage's own for
+1F1B-RR (see ``pipeplan.runtime.clip``).
+
+Checkpoints (``pipeplan.runtime.training_state``) hold the scheduler's state beside the
+optimizer's, so a resumed run continues the learning-rate curve exactly. They are taken at step boundaries, keyed by the model's qualified names
 (``pipeplan.runtime.checkpoint``), so ``--resume`` continues under another plan of the same
 model (stages, replicas, schedule, world size); ``--weights`` starts from pretrained
 weights instead of the seeded initialisation. For 1F1B-RR the pipeline is drained at a
@@ -36,11 +46,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeplan.errors import InputError, PipeplanError, RuntimeFailure, first_line
+from pipeplan.optimizers import OPTIMIZERS, LRSchedule
 from pipeplan.plan import Plan
 
 __all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS", "check_loss"]
-
-OPTIMIZERS = ("sgd", "momentum", "adam")
 _FAULT_ENV = "PIPEPLAN_TEST_FAULT"  # tests only: "<rank>:<step>:kill|raise"
 
 
@@ -69,6 +78,16 @@ class RunConfig:
     record_dir: str | None = None  # tests/debugging: per-rank params, versions, digests
     progress: bool = True
     allow_nonfinite: bool = False  # train on when a loss is NaN or infinite
+    weight_decay: float = 0.0  # decoupled for adamw; never on biases and norms
+    lr_schedule: str = "constant"  # one of pipeplan.optimizers.LR_SCHEDULES
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    clip_grad_norm: float | None = None  # max global gradient norm (1f1b-rr: per stage)
+    log_dir: str | None = None  # live metrics: TensorBoard events and metrics.jsonl
+
+    @property
+    def schedule_settings(self) -> LRSchedule:
+        return LRSchedule(self.lr_schedule, self.warmup_steps, self.min_lr, self.steps)
 
 
 def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
@@ -105,6 +124,12 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
             raise InputError(f"--checkpoint-every must be >= 0 (got {config.checkpoint_every})")
         if not (math.isfinite(config.lr) and config.lr > 0):
             raise InputError(f"--lr must be a finite number > 0 (got {config.lr})")
+        if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+            raise InputError(f"--weight-decay must be a finite number >= 0 (got {config.weight_decay})")
+        if config.clip_grad_norm is not None and not (math.isfinite(config.clip_grad_norm)
+                                                      and config.clip_grad_norm > 0):
+            raise InputError(f"--clip-grad-norm must be a finite number > 0 (got {config.clip_grad_norm})")
+        config.schedule_settings.check(config.lr)
         if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
             raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
         if config.recompute and config.schedule != "gpipe":
@@ -122,8 +147,10 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
         schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches,
                                   config.plan.virtual_stages)
         identity = RunIdentity(plan=plan_fingerprint(config.plan, config.schedule, config.microbatches),
-                               model=spec.fingerprint, optimizer=config.optimizer, lr=config.lr,
-                               seed=config.seed)
+                               model=spec.fingerprint, optimizer=_optimizer_identity(config, model_file),
+                               lr=config.lr, seed=config.seed,
+                               lr_schedule=_schedule_identity(config, model_file),
+                               clip_grad_norm=config.clip_grad_norm)
         if config.checkpoint_dir:
             check_checkpoint_dir(config.checkpoint_dir, identity, config.resume)
         if config.weights:
@@ -135,6 +162,21 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
     except InputError as exc:
         raise PrepareError(str(exc)) from exc
     return env, model_file, spec, schedule, identity
+
+
+def _optimizer_identity(config: RunConfig, model_file: Any) -> str:
+    """``adamw(weight_decay=0.1)`` (the name alone without decay), or the model file's hook."""
+    if model_file.make_optimizer is not None:
+        return "make_optimizer (model file)"
+    if config.weight_decay == 0:
+        return config.optimizer
+    return f"{config.optimizer}(weight_decay={config.weight_decay!r})"
+
+
+def _schedule_identity(config: RunConfig, model_file: Any) -> str:
+    if model_file.make_lr_scheduler is not None:
+        return "make_lr_scheduler (model file)"
+    return config.schedule_settings.describe()
 
 
 def run_training(config: RunConfig) -> dict[str, Any] | None:
@@ -206,8 +248,10 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     import torch.distributed as dist
 
     from pipeplan.capture import MODEL_OUTPUT
-    from pipeplan.optimizers import make_optimizer
+    from pipeplan.runtime import training_state as state
     from pipeplan.runtime.checkpoint import store
+    from pipeplan.runtime.clip import make_grad_norm
+    from pipeplan.runtime.live_log import open_live_log, publish_step
     from pipeplan.runtime.comm import P2P
     from pipeplan.runtime.data import BatchSource
     from pipeplan.runtime.executor import Executor
@@ -224,15 +268,19 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     stage = spec.stage
     dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
     module = spec.rank_module.to(device=env.device, dtype=dtype) if spec.rank_module is not None else None
-    optimizer = make_optimizer(config.optimizer, module.parameters(), config.lr) if module is not None and list(module.parameters()) else None
+    optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
     period = steps_period(config.schedule, spec.replicas)
+    across = kind.gradients != "stashed"  # 1F1B-RR: each stage's own norm
+    grad_norm = (make_grad_norm(spec, env.rank, sync, config.clip_grad_norm, across, config.timeout_s, env.device)
+                 if config.clip_grad_norm is not None or config.log_dir else None)
 
-    layout = _plan_layout(config, spec, identity, period)
+    layout = state.plan_layout(config, spec, identity, period)
     done_steps = 0
     if config.resume and config.checkpoint_dir:
-        done_steps = _resume(config, spec, identity, env.device, env.rank, module, optimizer, layout)
+        done_steps = state.resume(config, spec, identity, env.device, env.rank, module, optimizer, layout,
+                                  scheduler, model_file)
     if config.weights and done_steps == 0 and module is not None:
-        _load_weights(config, model_file, spec, module)
+        state.load_weights(config, model_file, spec, module)
     remaining = config.steps - done_steps
     if remaining > 0 and done_steps > 0:
         schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches,
@@ -254,6 +302,9 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     record: dict[str, Any] = {"digests": []}
     progress = _Progress(env.rank, config, plan.batch_size * period, watchdog, done_steps, offset)
     fault = _fault_hook(env.rank)
+    live = open_live_log(config, env.rank, spec, plan.batch_size * period, period, across, watchdog, done_steps)
+    publish = stage is not None and config.log_dir is not None
+    published = {"compute_ms": 0.0}
 
     def on_step(minibatch: int) -> None:
         step = minibatch // period  # global step index
@@ -267,17 +318,23 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         if not last_of_step:
             return
         completed = step + 1
+        if scheduler is not None:
+            scheduler.step()  # once per training step: the next step's lr
+        if publish:
+            publish_step(watchdog, executor, recorder, spec, env.rank, step, period, published)
+        if live is not None:
+            live.poll()
         if config.record_dir:
             record["digests"].append(_digests(module))
         every = config.checkpoint_every
         if config.checkpoint_dir and ((every and completed % every == 0) or completed == config.steps):
-            _save(config, spec, module, optimizer, completed, identity, layout)  # the final step always
+            state.save(config, spec, module, optimizer, completed, identity, layout, scheduler)  # the final step always
         progress.update(completed)
         fault(completed)
 
     executor = Executor(
         spec=spec, actions=actions, microbatches=config.microbatches, comm=comm, data=data,
-        loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder,
+        loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder, grad_norm=grad_norm,
         stash=stash, recompute=config.recompute, minibatch_offset=offset,
         lookahead=2 * (peak_in_flight(actions) + 1), on_step=on_step, schedule=config.schedule,
     )
@@ -291,6 +348,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     recorder.finish()
     wall_ms = (time.perf_counter() * 1000.0) - recorder.t0_ms
     progress.stop()
+    if live is not None:
+        live.close(config.steps, config.timeout_s)
     if config.checkpoint_dir:
         dist.barrier()  # every rank saved its final step: prune with all their files in place
         if spec.stage_index == 0 and spec.replica == 0:
@@ -310,113 +369,6 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
             f"rank {rank}: the loss is {loss} at step {step} (minibatch {minibatch}) on stage "
             f"{stage}; pass --allow-nonfinite to train on"
         )
-
-
-def _plan_layout(config: RunConfig, spec: Any, identity: Any, period: int) -> dict[str, Any]:
-    """What a checkpoint manifest says about the plan that wrote it (printed when it changes)."""
-    return {
-        "fingerprint": identity.plan,
-        "replicas": list(spec.replicas),
-        "layers": [[min(stage.layers), max(stage.layers) + 1] for stage in config.plan.stages],
-        "schedule": config.schedule,
-        "microbatches": config.microbatches,
-        "virtual_stages": config.plan.virtual_stages,
-        "world_size": len(config.plan.used_ranks),
-        "minibatches_per_step": period,
-    }
-
-
-def _describe_layout(layout: dict[str, Any]) -> str:
-    """``2 stages (layers 0-2 | 3-5), replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks``."""
-    layers = " | ".join(f"{start}-{end - 1}" for start, end in layout["layers"])
-    return (f"{len(layout['layers'])} stages (layers {layers}), replicas "
-            f"{','.join(map(str, layout['replicas']))}, {layout['schedule']}, "
-            f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks")
-
-
-def _resume(config: RunConfig, spec: Any, identity: Any, device: str, rank: int, module: Any,
-            optimizer: Any, layout: dict[str, Any], scheduler: Any = None) -> int:
-    """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
-
-    Each rank finds its newest complete step; an all-reduce of the minimum makes every
-    rank resume from the same one. Rank 0 names each newer step it skipped (a file that
-    fails verification) and a plan that differs from the one that saved the step, then
-    deletes this run's folders after that step, which the resumed run writes anew.
-    Any plan of the same model resumes: every tensor is found by its qualified name.
-    """
-    import sys
-
-    import torch
-    import torch.distributed as dist
-
-    from pipeplan.runtime.checkpoint import state as ckstate
-    from pipeplan.runtime.checkpoint import store
-
-    directory = str(config.checkpoint_dir)
-    latest, skipped = store.latest_complete_step(directory, identity.fingerprint)
-    agreed_tensor = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
-    dist.all_reduce(agreed_tensor, op=dist.ReduceOp.MIN)
-    agreed = int(agreed_tensor.item())
-    if rank == 0:
-        for step, why in skipped:
-            sys.stderr.write(f"resume: skipped step {step} ({why}); resuming from "
-                             f"{f'step {agreed}' if agreed else 'the start'}\n")
-        store.discard_steps_after(directory, agreed, identity.fingerprint)
-    if agreed == 0:
-        return 0
-    saved = next(iter(store.read_manifests(directory, agreed).values()))
-    if saved["layout"].get("minibatches_per_step") != layout["minibatches_per_step"]:
-        raise InputError(
-            f"--resume: step {agreed} was saved with {saved['layout'].get('minibatches_per_step')} "
-            f"minibatches per step, this plan takes {layout['minibatches_per_step']} (1f1b-rr: "
-            f"lcm of the replicas); resume under a plan with the same step length"
-        )
-    same_plan = saved["layout"].get("fingerprint") == layout["fingerprint"]
-    if rank == 0 and not same_plan:
-        sys.stderr.write(f"resume: step {agreed} was saved under another plan: "
-                         f"{_describe_layout(saved['layout'])}; continuing under {_describe_layout(layout)}\n")
-    if module is not None:
-        try:
-            index = ckstate.CheckpointIndex.of_step(directory, agreed)
-            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer, scheduler)
-        except InputError as exc:
-            raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
-        if optimizer is not None:
-            for group in optimizer.param_groups:  # the optimizer state's lr must not win
-                group["lr"] = config.lr
-        if same_plan:  # dropout continues as it would have
-            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica))
-    return agreed
-
-
-def _save(config: RunConfig, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
-          layout: dict[str, Any], scheduler: Any = None) -> None:
-    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
-
-    ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
-    restored by ``_resume`` under any plan (every stage steps it in lock step).
-    """
-    from pipeplan.runtime.checkpoint import state as ckstate
-    from pipeplan.runtime.checkpoint import store
-
-    if module is None:
-        return
-    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, scheduler,
-                               weights=spec.replica == 0)
-    manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
-                "minibatches": step * layout["minibatches_per_step"], "layout": layout}
-    store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)
-    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
-        # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
-        store.prune_checkpoints(str(config.checkpoint_dir), identity.fingerprint, keep=2)
-
-
-def _load_weights(config: RunConfig, model_file: Any, spec: Any, module: Any) -> None:
-    """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
-    from pipeplan.runtime.checkpoint.pretrained import load_weights, tie_aliases
-    from pipeplan.runtime.checkpoint.state import rank_state_names
-
-    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file))
 
 
 def _digests(module: Any) -> dict[str, float]:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from pipeplan.optimizers import OPTIMIZERS
 from pipeplan.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
@@ -131,7 +132,8 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 @click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default="1f1b-rr", show_default=True,
               help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits.")
 @click.option("--cost-model", type=click.Choice(["pipeplan", "pipedream"]), default="pipeplan", show_default=True)
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default="sgd", show_default=True)
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
+              help="The optimizer the run will use: its state counts in memory, its step in time.")
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
 @click.option("--max-stages", type=int, default=None, help="At most this many pipeline stages.")
 @click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")

@@ -1,8 +1,13 @@
-"""``pipeplan report``: predicted vs measured time per minibatch, per stage."""
+"""``pipeplan report``: predicted vs measured time per minibatch, per stage; the loss curve as PNG."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
+
+if TYPE_CHECKING:  # typing only: rich stays out of --help
+    from rich.console import Console
 
 __all__ = ["report"]
 
@@ -13,23 +18,74 @@ __all__ = ["report"]
 Examples:
   pipeplan report metrics.json
   pipeplan report metrics.json --strict    # exit 1 when a stage is off by > 20 %
+  pipeplan report runs/first --plot loss.png   # a --log-dir: loss and lr per step
 """,
 )
-@click.argument("metrics_path", metavar="METRICS.json", type=click.Path(dir_okay=False))
+@click.argument("metrics_path", metavar="METRICS", type=click.Path())
 @click.option("--strict", is_flag=True, help="Exit with status 1 when a stage is flagged.")
-def report(metrics_path: str, strict: bool) -> None:
-    """Compare the plan's predictions with what `pipeplan run` measured (METRICS.json).
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the loss curve (and the learning rate, from a --log-dir) as a PNG.")
+def report(metrics_path: str, strict: bool, plot_path: str | None) -> None:
+    """Compare the plan's predictions with what `pipeplan run` measured (METRICS.json),
+    or summarise a run's --log-dir (METRICS: the folder or its metrics.jsonl).
 
     A stage whose measured time per minibatch is more than 20 % away from the
     prediction is flagged.
     """
+    from pathlib import Path
+
     from rich.console import Console
+
+    from pipeplan.errors import InputError
+
+    if plot_path is not None and Path(plot_path).suffix.lower() != ".png":
+        raise InputError(f"--plot {plot_path}: expected a .png file")
+    console = Console()
+    is_log = Path(metrics_path).is_dir() or metrics_path.endswith(".jsonl")
+    flagged = False
+    if is_log:
+        _log_summary(metrics_path, console)
+    else:
+        flagged = _compare(metrics_path, console)
+    if plot_path is not None:
+        from pipeplan.jsonio import write_atomic
+        from pipeplan.runtime.curves import draw_curve, read_curve
+
+        write_atomic(plot_path, draw_curve(read_curve(metrics_path)))
+        console.print(f"loss curve written to {plot_path}")
+    if strict and flagged:
+        raise SystemExit(1)
+
+
+def _log_summary(path: str, console: Console) -> None:
+    """One line per fact of a --log-dir: steps, loss, lr, gradient norm, samples/s."""
+    from pipeplan.runtime.curves import read_curve
+
+    curve = read_curve(path)
+
+    def ends(values: tuple[float | None, ...], digits: str) -> str:
+        known = [v for v in values if v is not None]
+        return f"{known[0]:{digits}} (first) -> {known[-1]:{digits}} (last)" if known else "-"
+
+    rates = [v for v in curve.samples_per_s if v is not None]
+    lines = [
+        f"{curve.source}: steps {curve.steps[0]}-{curve.steps[-1]} ({len(curve.steps)} logged)",
+        f"loss: {ends(curve.losses, '.4f')}",
+        f"learning rate: {ends(curve.lrs, '.3g')}",
+        f"gradient norm (before clipping): {ends(curve.grad_norms, '.4g')}",
+        f"throughput: median {sorted(rates)[len(rates) // 2]:,.1f} samples/s" if rates else "throughput: -",
+    ]
+    for line in lines:
+        console.print(line)
+
+
+def _compare(metrics_path: str, console: Console) -> bool:
+    """The predicted-vs-measured tables; True when a stage is flagged."""
     from rich.table import Table
 
     from pipeplan.planner.report import OFF_THRESHOLD, Comparison, load_report
 
     result = load_report(metrics_path)
-    console = Console()
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -71,7 +127,6 @@ def report(metrics_path: str, strict: bool) -> None:
                           for s in flagged)
         console.print(f"[bold red]{len(flagged)} stage replica(s) off by more than "
                       f"{OFF_THRESHOLD:.0%}:[/] {names}")
-        if strict:
-            raise SystemExit(1)
-    else:
-        console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
+        return True
+    console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
+    return False

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from pipeplan.optimizers import LR_SCHEDULES, OPTIMIZERS
 from pipeplan.schedules import SCHEDULE_NAMES
 
 __all__ = ["run"]
@@ -24,6 +25,9 @@ Examples:
   torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py \\
       --checkpoint-dir ckpt --checkpoint-every 10 --resume
   torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py --weights hf-model/
+  torchrun --nproc-per-node 2 -m pipeplan run plan.json --model model.py --steps 200 \
+      --optimizer adamw --lr 3e-4 --weight-decay 0.1 --lr-schedule cosine --warmup-steps 20 \
+      --min-lr 3e-5 --clip-grad-norm 1.0 --log-dir runs/first
 """,
 )
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
@@ -36,8 +40,21 @@ Examples:
 @click.option("--microbatches", type=int, default=None,
               help="Micro-batches per minibatch (all but 1f1b-rr) [default: the plan's].")
 @click.option("--lr", type=float, default=0.01, show_default=True, help="Learning rate.")
-@click.option("--optimizer", type=click.Choice(["sgd", "momentum", "adam"]), default=None,
-              help="Optimizer [default: the plan's].")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default=None,
+              help="Optimizer [default: the plan's]; a model file's make_optimizer(params) replaces it.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True,
+              help="Weight decay (adamw: decoupled); never on biases and norm weights (ndim < 2).")
+@click.option("--lr-schedule", type=click.Choice(LR_SCHEDULES), default="constant", show_default=True,
+              help="Learning rate after the warm-up, over --steps; a model file's make_lr_scheduler replaces it.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True,
+              help="Steps of linear warm-up from lr/N to --lr.")
+@click.option("--min-lr", type=float, default=0.0, show_default=True,
+              help="Learning rate the linear or cosine decay ends at.")
+@click.option("--clip-grad-norm", type=float, default=None,
+              help="Clip gradients to this global norm over every stage and replica (1f1b-rr: per stage).")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Write per-step loss, lr, gradient norm, samples/s and stage times as TensorBoard "
+                   "events and metrics.jsonl here (rank 0).")
 @click.option("--recompute", is_flag=True, help="GPipe re-materialisation: recompute in backward.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Model init seed; minibatch k is drawn with seed + k.")
@@ -64,7 +81,9 @@ Examples:
 def run(plan_path: str, model_path: str, schedule: str | None, steps: int, microbatches: int | None,
         lr: float, optimizer: str | None, recompute: bool, seed: int, metrics_path: str | None,
         trace_path: str | None, checkpoint_dir: str | None, checkpoint_every: int, resume: bool,
-        weights: str | None, timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool) -> None:
+        weights: str | None, timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool,
+        weight_decay: float, lr_schedule: str, warmup_steps: int, min_lr: float,
+        clip_grad_norm: float | None, log_dir: str | None) -> None:
     """Train with the plan's pipeline on the ranks torchrun started.
 
     Every rank builds only its stage; activations and gradients (skip connections
@@ -87,7 +106,8 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
             recompute=recompute, seed=seed, timeout_s=timeout_s, metrics_path=metrics_path,
             trace_path=trace_path, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             resume=resume, weights=weights, record_dir=record_dir, progress=not no_progress,
-            allow_nonfinite=allow_nonfinite,
+            allow_nonfinite=allow_nonfinite, weight_decay=weight_decay, lr_schedule=lr_schedule,
+            warmup_steps=warmup_steps, min_lr=min_lr, clip_grad_norm=clip_grad_norm, log_dir=log_dir,
         )
     except InputError:
         if rank != 0:

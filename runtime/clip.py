@@ -1,0 +1,100 @@
+"""The gradient norm over the whole pipeline at an optimizer step, and clipping by it.
+
+At a step every rank holding a stage has its stage's synchronised gradients (replicas
+all-reduced, tied copies summed: ``pipeplan.runtime.sync``). Each rank sums the squares
+of the gradients it *counts*, one all-reduce of that one number over every stage's ranks
+gives the squared global norm, and every rank scales its gradients by
+``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does on the
+whole model. A gradient is counted once: replica 0 counts its stage (the replicas hold
+the same sum), and a tied parameter is counted by the first rank of its tie, once.
+
+Schedules: the flush schedules and 2BW step every stage once per minibatch, so the
+norm spans the pipeline (2BW: the norm of the delayed gradient it applies; the
+all-reduce makes the last stage wait for the first one's backward of that minibatch).
+1F1B-RR steps each stage on its own minibatches at its own time (a replicated stage
+steps on the mean of several), so no single gradient spans the pipeline: there the norm
+is the stage's own (``group`` None, no communication).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeplan.errors import RuntimeFailure
+from pipeplan.runtime.comm import short_reason
+from pipeplan.runtime.stage import PipelineSpec
+from pipeplan.runtime.sync import GradSync
+
+__all__ = ["GradNorm", "make_grad_norm"]
+
+_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+
+@dataclass
+class GradNorm:
+    """Measures (and with ``max_norm``, clips) the gradient norm at each step."""
+
+    rank: int
+    module: nn.Module | None
+    max_norm: float | None  # None: measure only (for --log-dir)
+    group: Any = None  # every stage's ranks; None: this stage alone (1F1B-RR)
+    group_ranks: tuple[int, ...] = ()
+    across_pipeline: bool = True
+    device: str = "cpu"  # where the all-reduced number lives (NCCL: the GPU)
+    counted: list[str] = field(default_factory=list)  # local parameter names whose gradients count
+    norms: list[float] = field(default_factory=list)  # one per step, before clipping
+
+    def apply(self) -> float:
+        """The norm of this step's gradients (global or the stage's); clips them when asked."""
+        params = dict(self.module.named_parameters()) if self.module is not None else {}
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name in self.counted:
+            grad = params[name].grad
+            if grad is not None:
+                square += grad.detach().double().pow(2).sum()
+        if self.across_pipeline:
+            try:
+                dist.all_reduce(square, group=self.group)
+            except Exception as exc:
+                raise RuntimeFailure(
+                    f"rank {self.rank}: all-reduce of the gradient norm among ranks "
+                    f"{list(self.group_ranks)} failed: {short_reason(exc)}"
+                ) from exc
+        norm = math.sqrt(float(square))
+        self.norms.append(norm)
+        if self.max_norm is not None:
+            coefficient = self.max_norm / (norm + _EPS)
+            if coefficient < 1.0:
+                for param in params.values():
+                    if param.grad is not None:
+                        param.grad.mul_(coefficient)
+        return norm
+
+
+def make_grad_norm(spec: PipelineSpec, rank: int, sync: GradSync, max_norm: float | None,
+                   across_pipeline: bool, timeout_s: float, device: str = "cpu") -> GradNorm:
+    """The norm of this rank's step (collective when ``across_pipeline``: every rank calls it)."""
+    module = spec.rank_module if spec.stage is not None else None
+    clip = GradNorm(rank, module, max_norm, across_pipeline=across_pipeline, device=device)
+    if across_pipeline:
+        busy = sorted({r for stage_ranks in spec.ranks for r in stage_ranks})
+        clip.group = dist.new_group(busy, timeout=timedelta(seconds=timeout_s))
+        clip.group_ranks = tuple(busy)
+    if module is None:
+        return clip
+    if across_pipeline and spec.replica != 0:
+        return clip  # replica 0 counts the stage: after the all-reduce every replica holds the same
+    counted: dict[str, bool] = {}  # tied local name -> counted here
+    for _, ranks, copies in sync.tie_groups:
+        for names in copies:  # a tie's copies on this rank: the first one stands for them
+            for i, name in enumerate(names):
+                counted[name] = i == 0 and (ranks[0] == rank or not across_pipeline)
+    clip.counted = [name for name, _ in module.named_parameters() if counted.get(name, True)]
+    return clip

@@ -1,0 +1,177 @@
+"""A rank's training state: its optimizer and LR scheduler, and its checkpoints (save, resume, weights).
+
+The parameters go to the optimizer as named groups (``pipeplan.optimizers.param_groups``);
+the model file's ``make_optimizer`` / ``make_lr_scheduler`` replace the built-in ones.
+A checkpoint (``pipeplan.runtime.checkpoint``, keyed by qualified names) holds the
+model, the optimizer's and the scheduler's state and the RNG, so a resumed run
+continues the learning-rate curve exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeplan.errors import InputError, first_line
+
+__all__ = ["make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume", "save",
+           "load_weights"]
+
+
+def make_training_optimizer(config: Any, model_file: Any, spec: Any, module: Any) -> tuple[Any, Any]:
+    """(optimizer, LR scheduler) of this rank's parameters; (None, None) when it has none.
+
+    The parameters go as named groups (``pipeplan.optimizers.param_groups``: qualified
+    names, biases and norms without weight decay) to the built-in optimizer or to the model
+    file's ``make_optimizer(params)``; ``make_lr_scheduler(optimizer)`` likewise.
+    """
+    from pipeplan.optimizers import make_lr_scheduler, make_optimizer, param_groups
+
+    if module is None or not list(module.parameters()):
+        return None, None
+    names = spec.qualified_names
+    groups = param_groups((names[n], p) for n, p in module.named_parameters())
+    if model_file.make_optimizer is not None:
+        optimizer = _user_hook(model_file, "make_optimizer", groups)
+        for method in ("step", "zero_grad", "state_dict", "load_state_dict"):
+            if not callable(getattr(optimizer, method, None)) or not hasattr(optimizer, "param_groups"):
+                raise InputError(f"{model_file.path}: make_optimizer returned {type(optimizer).__name__}, "
+                                 f"not a torch.optim.Optimizer (it has no {method}() or param_groups)")
+    else:
+        optimizer = make_optimizer(config.optimizer, groups, config.lr, config.weight_decay)
+    if model_file.make_lr_scheduler is not None:
+        scheduler = _user_hook(model_file, "make_lr_scheduler", optimizer)
+        if scheduler is not None and not all(callable(getattr(scheduler, m, None))
+                                             for m in ("step", "state_dict", "load_state_dict")):
+            raise InputError(f"{model_file.path}: make_lr_scheduler returned {type(scheduler).__name__}, "
+                             "not an LR scheduler (step, state_dict, load_state_dict)")
+    else:
+        scheduler = make_lr_scheduler(optimizer, config.schedule_settings, config.lr)
+    return optimizer, scheduler
+
+
+def _user_hook(model_file: Any, name: str, argument: Any) -> Any:
+    """Call the model file's ``name``; its exception is one line naming the hook."""
+    try:
+        return getattr(model_file, name)(argument)
+    except Exception as exc:
+        raise InputError(f"{model_file.path}: {name} raised {type(exc).__name__}: {first_line(exc)[:160]}") from exc
+
+
+def apply_lr(optimizer: Any, scheduler: Any, lr: float) -> None:
+    """Peak ``lr`` for the built-in schedule: each group's lr = lr * factor(saved step), as LambdaLR computes it."""
+    if scheduler is None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        factor.peak = lr
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+
+
+def plan_layout(config: Any, spec: Any, identity: Any, period: int) -> dict[str, Any]:
+    """What a checkpoint manifest says about the plan that wrote it (printed when it changes)."""
+    return {
+        "fingerprint": identity.plan,
+        "replicas": list(spec.replicas),
+        "layers": [[min(stage.layers), max(stage.layers) + 1] for stage in config.plan.stages],
+        "schedule": config.schedule,
+        "microbatches": config.microbatches,
+        "virtual_stages": config.plan.virtual_stages,
+        "world_size": len(config.plan.used_ranks),
+        "minibatches_per_step": period,
+    }
+
+
+def describe_layout(layout: dict[str, Any]) -> str:
+    """``2 stages (layers 0-2 | 3-5), replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks``."""
+    layers = " | ".join(f"{start}-{end - 1}" for start, end in layout["layers"])
+    return (f"{len(layout['layers'])} stages (layers {layers}), replicas "
+            f"{','.join(map(str, layout['replicas']))}, {layout['schedule']}, "
+            f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks")
+
+
+def resume(config: Any, spec: Any, identity: Any, device: str, rank: int, module: Any,
+           optimizer: Any, layout: dict[str, Any], scheduler: Any = None, model_file: Any = None) -> int:
+    """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
+
+    Each rank finds its newest complete step; an all-reduce of the minimum makes every
+    rank resume from the same one. Rank 0 names each newer step it skipped (a file that
+    fails verification) and a plan that differs from the one that saved the step, then
+    deletes this run's folders after that step, which the resumed run writes anew.
+    Any plan of the same model resumes: every tensor is found by its qualified name.
+    """
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    from pipeplan.runtime.checkpoint import state as ckstate
+    from pipeplan.runtime.checkpoint import store
+
+    directory = str(config.checkpoint_dir)
+    latest, skipped = store.latest_complete_step(directory, identity.fingerprint)
+    agreed_tensor = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(agreed_tensor, op=dist.ReduceOp.MIN)
+    agreed = int(agreed_tensor.item())
+    if rank == 0:
+        for step, why in skipped:
+            sys.stderr.write(f"resume: skipped step {step} ({why}); resuming from "
+                             f"{f'step {agreed}' if agreed else 'the start'}\n")
+        store.discard_steps_after(directory, agreed, identity.fingerprint)
+    if agreed == 0:
+        return 0
+    saved = next(iter(store.read_manifests(directory, agreed).values()))
+    if saved["layout"].get("minibatches_per_step") != layout["minibatches_per_step"]:
+        raise InputError(
+            f"--resume: step {agreed} was saved with {saved['layout'].get('minibatches_per_step')} "
+            f"minibatches per step, this plan takes {layout['minibatches_per_step']} (1f1b-rr: "
+            f"lcm of the replicas); resume under a plan with the same step length"
+        )
+    same_plan = saved["layout"].get("fingerprint") == layout["fingerprint"]
+    if rank == 0 and not same_plan:
+        sys.stderr.write(f"resume: step {agreed} was saved under another plan: "
+                         f"{describe_layout(saved['layout'])}; continuing under {describe_layout(layout)}\n")
+    if module is not None:
+        try:
+            index = ckstate.CheckpointIndex.of_step(directory, agreed)
+            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer, scheduler)
+        except InputError as exc:
+            raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
+        if optimizer is not None and (model_file is None or (model_file.make_optimizer is None
+                                                             and model_file.make_lr_scheduler is None)):
+            apply_lr(optimizer, scheduler, config.lr)  # the built-in ones: this run's --lr, on the saved curve
+        if same_plan:  # dropout continues as it would have
+            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica))
+    return agreed
+
+
+def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
+          layout: dict[str, Any], scheduler: Any = None) -> None:
+    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
+
+    ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
+    restored by ``resume`` under any plan (every stage steps it in lock step).
+    """
+    from pipeplan.runtime.checkpoint import state as ckstate
+    from pipeplan.runtime.checkpoint import store
+
+    if module is None:
+        return
+    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, scheduler,
+                               weights=spec.replica == 0)
+    manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
+                "minibatches": step * layout["minibatches_per_step"], "layout": layout}
+    store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)
+    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
+        # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
+        store.prune_checkpoints(str(config.checkpoint_dir), identity.fingerprint, keep=2)
+
+
+def load_weights(config: Any, model_file: Any, spec: Any, module: Any) -> None:
+    """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
+    from pipeplan.runtime.checkpoint.pretrained import load_weights, tie_aliases
+    from pipeplan.runtime.checkpoint.state import rank_state_names
+
+    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file))
