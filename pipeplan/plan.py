@@ -8,8 +8,9 @@ max(layers) + 1``; a plan without ``layers`` means the range) on ``replicas`` de
 its layers t ways (Megatron tensor parallelism) inside each replica: ``ranks`` then holds
 ``replicas * t`` ranks, replica-major (replica j's tensor-parallel group is
 ``ranks[j*t:(j+1)*t]``). Times are milliseconds per minibatch, memory in bytes per
-device. Stored as JSON with ``"schema": "pipeplan.plan/2"``; version 1 files (no
-``tensor_parallel``: t = 1) still load.
+device. ``export_target`` names the engine whose cuts the planner kept to (``partition
+--for``). Stored as JSON with ``"schema": "pipeplan.plan/2"``; version 1 files (no
+``tensor_parallel``: t = 1, no ``export_target``) still load.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 from pipeplan.topology import DeviceSpec, Level, Topology
 
-__all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "StagePlan", "Predicted", "Plan"]
+__all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "EXPORT_TARGETS", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/2"
 OLDER_PLAN_SCHEMAS = ("pipeplan.plan/1",)  # still load (new fields take defaults)
 # The schedules a plan may name; pipeplan.schedules registers exactly these (checked at import).
 SCHEDULE_NAMES = ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
+EXPORT_TARGETS = ("pipelining", "torchtitan")  # the engines `pipeplan export` writes for (Plan.export_target)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class Plan:
     cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
     cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
     virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
+    # the engine whose cuts the planner kept to (`partition --for`): "pipelining" | "torchtitan";
+    # None: any cut pipeplan's runtime runs
+    export_target: str | None = None
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -176,6 +181,8 @@ def validate(plan: Plan) -> None:
     """
     if plan.schedule not in SCHEDULE_NAMES:
         raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
+    if plan.export_target is not None and plan.export_target not in EXPORT_TARGETS:
+        raise InputError(f"plan export_target {plan.export_target!r} is not one of {', '.join(EXPORT_TARGETS)}")
     if plan.world_size != plan.topology.world_size:
         raise InputError(
             f"plan world_size {plan.world_size} != topology world size {plan.topology.world_size}"

@@ -6,6 +6,11 @@ Times are milliseconds for one minibatch of ``batch_size`` samples; sizes are by
 Stored as JSON with ``"schema": "pipeplan.profile/2"``; version 1 files (without the
 tensor-parallel fields and ``estimated``) still load.
 
+The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
+calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
+cut (``pipeplan partition --for``) without the model file; empty when not recorded (a
+profile made before it, an imported PipeDream graph, an estimated profile).
+
 Tensor parallelism (Megatron's column- then row-parallel linear pairs, vocab-parallel
 embeddings and heads): a layer with ``tp_units > 0`` splits t ways for every t dividing
 ``tp_units`` (its attention heads, or its vocabulary). Of its times and sizes, the
@@ -26,7 +31,8 @@ from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 
-__all__ = ["PROFILE_SCHEMA", "OLDER_PROFILE_SCHEMAS", "DeviceInfo", "LayerProfile", "Profile", "MAX_MS", "MAX_BYTES"]
+__all__ = ["PROFILE_SCHEMA", "OLDER_PROFILE_SCHEMAS", "DeviceInfo", "LayerProfile", "ModuleRecord", "Profile", "MAX_MS",
+           "MAX_BYTES"]
 
 PROFILE_SCHEMA = "pipeplan.profile/2"
 OLDER_PROFILE_SCHEMAS = ("pipeplan.profile/1",)  # still load (new fields take defaults)
@@ -39,6 +45,16 @@ MAX_BYTES = 2**60  # 1 EiB
 class DeviceInfo:
     type: str  # "cpu" | "cuda"
     name: str  # e.g. "NVIDIA H100 80GB HBM3" or the CPU model
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """One module of the model, as ``model.named_modules()`` lists it (definition order)."""
+
+    name: str  # qualified name; "" is the root
+    type: str  # class name
+    calls: int  # times one forward pass calls it (0: never, e.g. an nn.ModuleList)
+    container: bool = False  # an nn.ModuleList / nn.ModuleDict (torchtitan splits its entries)
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class LayerProfile:
     tp_allreduce_bytes: int = 0  # bytes of one all-reduce among the t ranks (the layer's activation)
     tp_forward_allreduces: int = 0  # all-reduces per forward (Megatron block: 2; vocab embedding: 1)
     tp_backward_allreduces: int = 0  # per backward (block: 2; vocab head: 1; + the forward's under recompute)
+    parameters: tuple[str, ...] = ()  # qualified names of the parameters the layer uses (sorted)
 
     @property
     def splits(self) -> bool:
@@ -110,6 +127,8 @@ class Profile:
     # "" for a measured profile; else how its figures were estimated (a what-if profile for
     # hardware not at hand: the device's datasheet rates and the model's architecture)
     estimated: str = ""
+    # the model's module tree in named_modules() order (module docstring); () when not recorded
+    modules: tuple[ModuleRecord, ...] = ()
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -135,12 +154,13 @@ class Profile:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], where: str = "profile") -> "Profile":
-        check_fields(cls, obj, where, nested=("device", "layers"))
+        check_fields(cls, obj, where, nested=("device", "layers", "modules"))
         check_fields(DeviceInfo, obj["device"], f"{where}: device")
-        if not isinstance(obj["layers"], (list, tuple)):
-            raise InputError(f"{where}: field 'layers' must be a list of layer objects")
-        for position, layer in enumerate(obj["layers"]):
-            check_fields(LayerProfile, layer, f"{where}: layers[{position}]")
+        for name, kind in (("layers", LayerProfile), ("modules", ModuleRecord)):
+            if not isinstance(obj.get(name, ()), (list, tuple)):
+                raise InputError(f"{where}: field {name!r} must be a list of objects")
+            for position, item in enumerate(obj.get(name, ())):
+                check_fields(kind, item, f"{where}: {name}[{position}]")
         try:
             layers = tuple(
                 LayerProfile(
@@ -148,11 +168,13 @@ class Profile:
                         **layer,
                         "inputs": tuple(layer["inputs"]),
                         "model_inputs": tuple(layer.get("model_inputs", ())),
+                        "parameters": tuple(layer.get("parameters", ())),
                     }
                 )
                 for layer in obj["layers"]
             )
-            fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema")}
+            fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema", "modules")}
+            fields["modules"] = tuple(ModuleRecord(**module) for module in obj.get("modules", ()))
             for name in ("leaf_modules", "dropped_outputs"):
                 if name in fields:
                     fields[name] = tuple(fields[name])
@@ -201,6 +223,8 @@ def validate(profile: Profile) -> None:
         for name in ("tp_units", "tp_allreduce_bytes", "tp_forward_allreduces", "tp_backward_allreduces"):
             _check_amount(getattr(layer, name), MAX_BYTES, f"profile layer {layer.index} ({layer.name}): {name}",
                           integer=True)
+        if not all(isinstance(name, str) and name for name in layer.parameters):
+            raise InputError(f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names")
         for position in layer.model_inputs:
             if not (isinstance(position, int) and position >= 0):
                 raise InputError(
@@ -214,6 +238,21 @@ def validate(profile: Profile) -> None:
         raise InputError(f"profile tp_efficiency = {profile.tp_efficiency!r} is outside (0, 1]")
     for optimizer, value in profile.optimizer_ms.items():
         _check_amount(value, MAX_MS, f"profile optimizer_ms[{optimizer!r}]")
+    _validate_modules(profile.modules)
+
+
+def _validate_modules(modules: tuple[ModuleRecord, ...]) -> None:
+    """Names unique, the root first, calls a count."""
+    if modules and modules[0].name != "":
+        raise InputError(f"profile modules[0] is {modules[0].name!r}, expected the root module ''")
+    seen: set[str] = set()
+    for position, module in enumerate(modules):
+        if not isinstance(module.name, str) or module.name in seen:
+            raise InputError(f"profile modules[{position}]: name {module.name!r} is repeated or not a string")
+        seen.add(module.name)
+        _check_amount(module.calls, MAX_BYTES, f"profile module {module.name!r}: calls", integer=True)
+        if not isinstance(module.container, bool):
+            raise InputError(f"profile module {module.name!r}: container must be true or false")
 
 
 def _check_amount(value: object, bound: float, what: str, integer: bool = False) -> None:

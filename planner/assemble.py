@@ -61,4 +61,5 @@ def assemble_plan(profile: Profile, topology: Topology, options: PartitionOption
         stages=stages, predicted=predicted, bottleneck_stage=bottleneck,
         microbatches=options.microbatches, virtual_stages=virtual_stages,
         leaf_modules=profile.leaf_modules, cut_family=family.name, cut_candidates=family.states,
+        export_target=options.export_target,
     )

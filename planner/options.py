@@ -9,9 +9,14 @@ from pipeplan.plan import SCHEDULE_NAMES
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import COST_MODELS
 from pipeplan.planner.memory import OPTIMIZER_STATES
+from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
 from pipeplan.schedules import schedule_kind
 
-__all__ = ["PartitionOptions", "charged_optimizer"]
+__all__ = ["PartitionOptions", "TARGET_SCHEDULES", "charged_optimizer"]
+
+# schedules a plan --for an export target may use (torch's ScheduleGPipe / Schedule1F1B);
+# interleaved-1f1b and zb-h1 are cut by balance or need micro-batch rules per stage count
+TARGET_SCHEDULES = ("1f1b-flush", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,8 @@ class PartitionOptions:
     # flush schedules: also try uniform plans (p balanced stages x d replicas, planner.uniform)
     # and keep the fastest simulated; None: when the profile has splitting layers (transformers)
     uniform: bool | None = None
+    # plan only cuts this engine can express (planner.targets): "pipelining" | "torchtitan" | None
+    export_target: str | None = None
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -57,6 +64,27 @@ class PartitionOptions:
             )
         if kind.whole_minibatches and self.microbatches != 1:
             raise InputError(f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})")
+        if self.export_target is not None:
+            self._validate_target()
+
+    def _validate_target(self) -> None:
+        """What ``--for`` needs besides the cuts: a flush schedule of one chunk, one device per stage."""
+        target = self.export_target
+        if target not in EXPORT_TARGETS:
+            raise InputError(f"--for {target!r} is not one of {', '.join(EXPORT_TARGETS)}")
+        if self.schedule not in TARGET_SCHEDULES:
+            raise InputError(
+                f"--for {target} plans {', '.join(TARGET_SCHEDULES)} (got --schedule {self.schedule}): "
+                f"{ENGINES[target]} runs flush schedules, and pipeplan restricts the cuts of one chunk per device"
+            )
+        if not self.straight:
+            raise InputError(f"--for {target} plans one device per stage (--straight): {ENGINES[target]} "
+                             f"replicates whole pipelines, not stages")
+        if self.uniform:
+            raise InputError(f"--for {target} plans the DP's cuts, not --uniform shapes (which replicate stages)")
+        if self.tensor_parallel not in (None, 1):
+            raise InputError(f"--for {target} plans without tensor parallelism (got --tensor-parallel "
+                             f"{self.tensor_parallel}): pipeplan exports pipeline stages only")
 
 
 def charged_optimizer(options: PartitionOptions) -> str | None:

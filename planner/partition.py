@@ -19,7 +19,7 @@ from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays, layer_arrays
-from pipeplan.planner.cuts import cut_family
+from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
@@ -31,6 +31,7 @@ from pipeplan.planner import tensor_parallel as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
+from pipeplan.planner.targets import ENGINES, blocked_summary, target_cuts, target_family
 
 __all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
 
@@ -103,6 +104,37 @@ def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionO
     return solution.time_ms, reconstruct(solution), frozenset()
 
 
+def _target_family(profile: Profile, topology: Topology, options: PartitionOptions) -> CutFamily:
+    """The cut states ``options.export_target`` can express (``planner.targets``); a one-line
+    ``InputError`` when the target runs no plan with the stages and micro-batches asked."""
+    target = options.export_target
+    assert target is not None
+    engine = ENGINES[target]
+    cuts = target_cuts(profile, target)
+    if cuts.refusal:
+        raise InputError(f"--for {target}: {engine} runs no split of {profile.model}: {cuts.refusal}")
+    least = 1 if options.use_fewer_devices else min(topology.world_size, options.max_stages or topology.world_size)
+    if len(cuts.allowed) + 1 < least:
+        where = (f"only {len(cuts.allowed)} layer boundar{'y' if len(cuts.allowed) == 1 else 'ies'} (before "
+                 f"layer {', '.join(map(str, cuts.allowed[:6]))})" if cuts.allowed else "no layer boundary")
+        raise InputError(
+            f"--for {target}: {engine} can cut {profile.model} at {where}, too few for {least} stages; "
+            f"blocked by {blocked_summary(cuts)} (pass --use-fewer-devices or --max-stages "
+            f"{len(cuts.allowed) + 1})"
+        )
+    if profile.batch_size % options.microbatches:
+        raise InputError(f"--for {target}: the batch of {profile.batch_size} samples does not split into "
+                         f"{options.microbatches} equal micro-batches, as {engine} splits it")
+    stages = min(topology.world_size, options.max_stages or topology.world_size)
+    if options.schedule == "1f1b-flush" and options.microbatches < stages:
+        raise InputError(
+            f"--for {target}: 1f1b-flush runs as Schedule1F1B, which needs a micro-batch per stage: "
+            f"--microbatches {options.microbatches} on up to {stages} stages (pass --microbatches {stages} or "
+            f"more, or --max-stages {options.microbatches})"
+        )
+    return target_family(cuts)
+
+
 def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:
     """Minibatches of activations the DP charges a 1f1b-flush stage. The exact count,
     min(M, S - s) / M for a pipeline of S stages (``ScheduleKind.activations_in_flight``),
@@ -132,10 +164,10 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     """
     options.validate()
     if options.uniform is None:  # transformers (splitting layers) also try Megatron's uniform shapes
-        options = replace(options, uniform=any(layer.splits for layer in profile.layers))
+        options = replace(options, uniform=not options.export_target and any(layer.splits for layer in profile.layers))
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
-    choices = tp.degrees(profile, topology, options.tensor_parallel)
+    choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
     for t in choices:
         beat_ms = min((item[0] for item in found), default=math.inf)
         try:
@@ -202,7 +234,7 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
     if kind.virtual_stages:
         return partition_interleaved(profile, topology, options)
     model = cost_model(options.cost_model)
-    family = cut_family(profile)
+    family = _target_family(profile, topology, options) if options.export_target else cut_family(profile)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)
     if options.memory_check and model.checks_memory and \
             max(_least_need_bytes(profile, topology, options)) > topology.device.memory_bytes:

@@ -328,9 +328,10 @@ def measure_layers(
 ) -> tuple[list[LayerProfile], Measurements]:
     """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.capture.LayerGraph``), and all measurements."""
     whole = graph.model if graph.kind != "export" else WholeGraph(graph.split([0] * len(graph))[0])
+    per_layer = graph.layer_modules()
     try:
         measured = measure_stages(
-            graph.layer_modules(), whole, inputs, targets, loss_fn, timer, warmup, repeats, progress
+            per_layer, whole, inputs, targets, loss_fn, timer, warmup, repeats, progress
         )
     except LossError as exc:
         dropped = getattr(graph, "dropped_outputs", ())
@@ -354,7 +355,8 @@ def measure_layers(
             forward_ms_spread=layer.forward.spread,
             backward_ms_spread=layer.backward.spread,
             model_inputs=tuple(node.model_inputs),
+            parameters=tuple(sorted(set(stage.parameter_names.values()))),
         )
-        for node, layer in zip(graph.layers, measured.layers)
+        for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]
     return layers, measured

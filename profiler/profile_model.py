@@ -152,12 +152,13 @@ def _profile(
     inputs, targets = prepare_batch(raw_inputs, raw_targets, torch_device, torch_dtype)
     check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
 
-    from pipeplan.capture import build_layer_graph
+    from pipeplan.capture import build_layer_graph, module_records
 
     disable_inplace(network)
     leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules
     _check_leaf_modules(network, leaves)
     graph = build_layer_graph(network, inputs, leaves)
+    modules = module_records(network, inputs)
     timer = make_timer(torch_device)
     layers, measured = measure_layers(
         graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
@@ -183,6 +184,7 @@ def _profile(
         capture=graph.kind,
         leaf_modules=leaves,
         dropped_outputs=graph.dropped_outputs,
+        modules=modules,
     )
 
 

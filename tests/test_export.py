@@ -203,7 +203,8 @@ def test_pipelining_cuts_inside_a_block_torchtitan_refuses(tmp_path: Path) -> No
     assert refusal(invoke(path, "--to", "torchtitan", "--model", BLOCKS, "-o", str(tmp_path / "x.toml"))) == (
         "cut between layer 4 (layers.1.norm, stage 0) and layer 5 (layers.1.up, stage 1) falls inside "
         "layers.1 (Block), which torchtitan keeps or deletes whole (its units: the model's children and "
-        "the entries of a ModuleList/ModuleDict child); `--to pipelining` can cut there")
+        "the entries of a ModuleList/ModuleDict child); `--to pipelining` can cut there; "
+        "`pipeplan partition PROFILE --for torchtitan` plans only such cuts")
     assert not (tmp_path / "x.toml").exists()
     result = invoke(path, "--to", "pipelining", "--model", BLOCKS, "--format", "json")
     assert result.exit_code == 0, result.output
@@ -319,7 +320,8 @@ def test_refuses_a_parameter_shared_by_two_stages(tmp_path: Path, target: str) -
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", TIED)) == (
         "parameter wte.weight is shared by layer 0 (wte) in stage 0, layer 4 (head) in stage 1: "
         "torch.distributed.pipelining copies it into each stage and trains the copies apart, torchtitan "
-        "keeps it on one stage; a plan that puts every layer using it in one stage carries over")
+        "keeps it on one stage; a plan that puts every layer using it in one stage carries over; "
+        f"`pipeplan partition PROFILE --for {target}` plans only such cuts")
 
 
 def test_refuses_another_model_and_a_wrong_format(tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 from datetime import timedelta
 from types import ModuleType
 
@@ -43,6 +42,52 @@ def load_snippet(path: str) -> ModuleType:
     return module
 
 
+def train_pipelined(split: ModuleType, model_path: str, batch_size: int, steps: int, lr: float, seed: int = 0,
+                    csv: str | None = None) -> dict:
+    """Train on this rank (the process group is up) as the snippet ``split`` says.
+
+    Returns, on the last stage's rank, ``{"losses", "microbatches", "csv", "parameters_by_rank"}``
+    (every rank's stage parameter names); an empty dict elsewhere.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model_file = load_model_file(resolve_model_path(model_path))
+    torch.manual_seed(seed)
+    model = model_file.build()
+    batches = [model_file.batch(batch_size, seed=seed + k) for k in range(steps)]
+    example = tuple(t.tensor_split(split.N_MICROBATCHES)[0] for t in batches[0][0])
+    device = torch.device("cpu")
+    if csv:
+        pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
+        stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world)]
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches=split.N_MICROBATCHES,
+                                            loss_fn=model_file.loss_fn)
+        schedule._load_csv(csv)
+        modules = [stage.submod for stage in stages]
+    else:
+        schedule, modules = split.build_pipeline_schedule(model, example, model_file.loss_fn, rank, device)
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=lr)
+    first = rank == 0
+    last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
+    losses: list[float] = []
+    microbatches: list[int] = []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        micro: list[torch.Tensor] = []
+        schedule.step(*(inputs if first else ()), **({"target": targets, "losses": micro} if last else {}))
+        optimizer.step()
+        if last:
+            microbatches.append(len(micro))
+            losses.append(float(torch.stack([loss.detach() for loss in micro]).mean()))
+            print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
+    held = [sorted(name for m in modules for name, _ in m.named_parameters())]
+    every_rank: list[list[list[str]]] = [[] for _ in range(world)]
+    dist.all_gather_object(every_rank, held)
+    if not last:
+        return {}
+    return {"losses": losses, "microbatches": microbatches, "csv": bool(csv),
+            "parameters_by_rank": [names[0] for names in every_rank]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("snippet", help="the .py written by `pipeplan export --to pipelining`")
@@ -56,47 +101,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds for every collective")
     args = parser.parse_args()
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     try:
-        split = load_snippet(args.snippet)
-        model_file = load_model_file(resolve_model_path(args.model))
-        torch.manual_seed(args.seed)
-        model = model_file.build()
-        batches = [model_file.batch(args.batch_size, seed=args.seed + k) for k in range(args.steps)]
-        example = tuple(t.tensor_split(split.N_MICROBATCHES)[0] for t in batches[0][0])
-        device = torch.device("cpu")
-        if args.csv:
-            pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
-            stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world)]
-            schedule = _PipelineScheduleRuntime(stages, n_microbatches=split.N_MICROBATCHES,
-                                                loss_fn=model_file.loss_fn)
-            schedule._load_csv(args.csv)
-            modules = [stage.submod for stage in stages]
-        else:
-            schedule, modules = split.build_pipeline_schedule(model, example, model_file.loss_fn, rank, device)
-        optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=args.lr)
-        first = rank == 0
-        last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
-        losses: list[float] = []
-        microbatches: list[int] = []
-        for inputs, targets in batches:
-            optimizer.zero_grad()
-            micro: list[torch.Tensor] = []
-            schedule.step(*(inputs if first else ()), **({"target": targets, "losses": micro} if last else {}))
-            optimizer.step()
-            if last:
-                microbatches.append(len(micro))
-                losses.append(float(torch.stack([loss.detach() for loss in micro]).mean()))
-                print(f"step {len(losses)}: loss {losses[-1]:.6f}", flush=True)
-        held = [sorted(name for m in modules for name, _ in m.named_parameters())]
-        every_rank: list[list[list[str]]] = [[] for _ in range(world)]
-        dist.all_gather_object(every_rank, held)
-        if last and args.losses:
+        record = train_pipelined(load_snippet(args.snippet), args.model, args.batch_size, args.steps, args.lr,
+                                 args.seed, args.csv)
+        if record and args.losses:
             with open(args.losses, "w") as handle:
-                json.dump({"losses": losses, "microbatches": microbatches, "csv": bool(args.csv),
-                           "parameters_by_rank": [names[0] for names in every_rank]}, handle)
+                json.dump(record, handle)
     finally:
         dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 
 from pipeplan.capture.build import build_layer_graph
 from pipeplan.capture.exported import capture_error
+from pipeplan.capture.modules import module_records
 from pipeplan.capture.layer_graph import (
     CAPTURES,
     MODEL_OUTPUT,
@@ -20,4 +21,5 @@ __all__ = [
     "build_layer_graph",
     "capture_error",
     "model_input_name",
+    "module_records",
 ]

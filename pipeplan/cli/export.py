@@ -60,7 +60,9 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     """
     import json
 
+    from pipeplan.errors import InputError
     from pipeplan.export import (
+        PipeliningExport,
         action_table_csv,
         check_plan,
         export_pipelining,
@@ -74,8 +76,14 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     plan = Plan.load(plan_path)
     check_plan(plan)
     structure = model_structure(model_path, plan)
-    if target == "pipelining":
-        pipelining = export_pipelining(plan, structure)
+    try:
+        made = export_pipelining(plan, structure) if target == "pipelining" else export_torchtitan(plan, structure)
+    except InputError as exc:  # past check_plan: a cut the engine cannot make
+        if plan.export_target == target:
+            raise
+        raise InputError(f"{exc}; `pipeplan partition PROFILE --for {target}` plans only such cuts") from exc
+    if isinstance(made, PipeliningExport):
+        pipelining = made
         text = {
             "python": pipelining.python(),
             "json": json.dumps(pipelining.to_dict(), indent=2) + "\n",
@@ -84,7 +92,7 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
         summary = (f"{pipelining.stages} stages on {pipelining.ranks} ranks, {pipelining.schedule_class}, "
                    f"{pipelining.microbatches} micro-batches; split points: {', '.join(pipelining.split_points)}")
     else:
-        titan = export_torchtitan(plan, structure)
+        titan = made
         text = titan.toml() if chosen == "toml" else action_table_csv(plan)
         summary = (f"{len(titan.module_fqns_per_model_part)} stages on {titan.pipeline_parallel_degree} ranks, "
                    f"{titan.pipeline_parallel_schedule}, micro-batch size {titan.pipeline_parallel_microbatch_size} "

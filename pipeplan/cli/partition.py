@@ -7,11 +7,13 @@ from typing import TYPE_CHECKING
 import click
 
 from pipeplan.optimizers import OPTIMIZERS
+from pipeplan.plan import EXPORT_TARGETS
 from pipeplan.schedules import SCHEDULE_NAMES
 
 if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
     from pipeplan.plan import Plan, StagePlan
     from pipeplan.planner.auto import SearchResult
+    from pipeplan.planner.options import PartitionOptions
     from pipeplan.profile import Profile
 
 __all__ = ["partition"]
@@ -129,8 +131,12 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 @click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
 @click.option("--topology", "topology_arg", required=True, help="Topology YAML file or preset name (cluster-a, cluster-b, dgx-h100-pod, local-cpu).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write plan.json.")
-@click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default="1f1b-rr", show_default=True,
-              help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits.")
+@click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default=None,
+              help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits. "
+                   "[default: 1f1b-rr; 1f1b-flush with --for]")
+@click.option("--for", "export_target", type=click.Choice(EXPORT_TARGETS), default=None,
+              help="Only cuts this engine can express (`pipeplan export --to` it): one device per stage, "
+                   "a flush schedule; prints the best unrestricted plan's time beside it.")
 @click.option("--cost-model", type=click.Choice(["pipeplan", "pipedream"]), default="pipeplan", show_default=True)
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="The optimizer the run will use: its state counts in memory, its step in time.")
@@ -147,7 +153,8 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 @click.option("--activation-compression", type=float, default=None, help="PipeDream mode: count activation transfers, divided by this ratio.")
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).")
 def partition(
-    profile_path: str, topology_arg: str, output: str, schedule: str, cost_model: str, optimizer: str,
+    profile_path: str, topology_arg: str, output: str, schedule: str | None, export_target: str | None,
+    cost_model: str, optimizer: str,
     straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
     virtual_stages: int | None, uniform: bool | None, tensor_parallel: str, memory_check: bool, activation_compression: float | None,
     batch_size: int,
@@ -161,6 +168,7 @@ def partition(
     pipeplan partition profile.json --topology local-cpu --schedule 1f1b-flush --microbatches 4
     pipeplan partition vgg16/graph.txt --topology cluster-a --cost-model pipedream
     pipeplan partition gpt-a100.json --topology megatron.yaml --schedule auto --tensor-parallel 8
+    pipeplan partition profile.json --topology local-cpu --for pipelining --microbatches 4
     """
     from pipeplan.errors import InputError
     from pipeplan.planner.partition import PartitionOptions
@@ -171,11 +179,15 @@ def partition(
         raise InputError(f"--batch-size must be >= 1 (got {batch_size})")
     if tensor_parallel != "auto" and not tensor_parallel.isdigit():
         raise InputError(f"--tensor-parallel must be a positive integer or auto (got {tensor_parallel!r})")
+    if schedule is None:
+        schedule = "1f1b-flush" if export_target else "1f1b-rr"
+    if export_target and schedule == "auto":
+        raise InputError(f"--for {export_target} plans 1f1b-flush or gpipe: pass one with --schedule, not auto")
     profile = _load_profile(profile_path, batch_size)
     topology = resolve(topology_arg)
     options = PartitionOptions(
         schedule="1f1b-rr" if schedule == "auto" else schedule, cost_model=cost_model, optimizer=optimizer,
-        straight=straight, max_stages=max_stages, use_fewer_devices=use_fewer_devices,
+        straight=straight or export_target is not None, max_stages=max_stages, export_target=export_target, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
         virtual_stages=virtual_stages, tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
         uniform=uniform,
@@ -188,6 +200,38 @@ def partition(
         plan = found.plan
     else:
         plan = run_partition(profile, topology, options)
+    unrestricted = _unrestricted(profile, topology, options) if export_target else None
     plan.save(output)
     _print_plan(plan, profile.estimated)
+    if export_target:
+        _print_price(plan, unrestricted)
     click.echo(f"wrote {output}")
+
+
+def _unrestricted(profile: Profile, topology: object, options: PartitionOptions) -> Plan | str:
+    """The best plan without ``--for`` (same schedule and options), or why there is none."""
+    from dataclasses import replace
+
+    from pipeplan.errors import PipeplanError
+    from pipeplan.planner.partition import partition as run_partition
+
+    try:
+        return run_partition(profile, topology, replace(options, export_target=None))  # type: ignore[arg-type]
+    except PipeplanError as exc:
+        return str(exc)
+
+
+def _print_price(plan: Plan, unrestricted: Plan | str | None) -> None:
+    """The restricted plan's predicted time beside the best unrestricted one's (ms per minibatch)."""
+    from pipeplan.planner.targets import ENGINES
+
+    ours = plan.predicted.time_per_minibatch_ms
+    line = (f"--for {plan.export_target}: {ours:.3f} ms/minibatch predicted with the cuts "
+            f"{ENGINES[plan.export_target or '']} can express")
+    if isinstance(unrestricted, str) or unrestricted is None:
+        click.echo(f"{line}; no unrestricted plan to compare ({unrestricted})")
+        return
+    best = unrestricted.predicted.time_per_minibatch_ms
+    cost = f", {(ours / best - 1.0) * 100.0:+.1f}%" if best > 0 else ""
+    click.echo(f"{line}; the best plan with any cut (same schedule, one device per stage): "
+               f"{best:.3f} ms/minibatch{cost}")

@@ -97,12 +97,11 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
 
     The graph is traced on one micro-batch (``batch_size // microbatches`` samples) of
     ``sample_batch``, as ``pipeplan run`` does; one more forward pass on it counts each
-    module's calls (forward pre-hooks).
+    module's calls (``pipeplan.capture.module_records``, as the profiler records them).
     """
     import torch
-    from torch import nn
 
-    from pipeplan.capture import build_layer_graph
+    from pipeplan.capture import build_layer_graph, module_records
     from pipeplan.modelfile import load_model_file, resolve_model_path
 
     model_file = load_model_file(resolve_model_path(model_path))
@@ -116,25 +115,13 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
             f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
         )
     per_layer = graph.layer_modules()
-    calls = dict.fromkeys((name for name, _ in model.named_modules()), 0)
-    hooks = [
-        module.register_forward_pre_hook(lambda _m, _a, name=name: calls.__setitem__(name, calls[name] + 1))
-        for name, module in model.named_modules()
-    ]
-    try:
-        with torch.no_grad():
-            model(*sample_inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    records = module_records(model, sample_inputs)
     return ModelStructure(
         layer_names=tuple(layer.name for layer in graph.layers),
         layer_parameters=tuple(frozenset(m.parameter_names.values()) for m in per_layer),
-        modules={name: type(module).__name__ for name, module in model.named_modules()},
-        containers=frozenset(
-            name for name, module in model.named_modules() if isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        ),
-        calls=calls,
+        modules={record.name: record.type for record in records},
+        containers=frozenset(record.name for record in records if record.container),
+        calls={record.name: record.calls for record in records},
     )
 
 

@@ -1,0 +1,42 @@
+"""The model's module tree with each module's calls per forward pass, as the profile records it."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import nn
+
+from pipeplan.profile import ModuleRecord
+
+__all__ = ["module_records"]
+
+
+def module_records(model: nn.Module, inputs: Sequence[Any]) -> tuple[ModuleRecord, ...]:
+    """Every module of ``model`` in ``named_modules()`` order, with the calls one forward
+    pass on ``inputs`` makes to it (forward pre-hooks; no gradients are recorded).
+
+    A module called twice (a dropout or activation reused) counts 2, a container that is
+    iterated but never called (``nn.ModuleList``) 0. O(modules + calls).
+    """
+    import torch
+
+    named = list(model.named_modules())
+    calls = dict.fromkeys((name for name, _ in named), 0)
+
+    def counter(name: str) -> Any:
+        def count(_module: nn.Module, _args: Any) -> None:
+            calls[name] += 1
+        return count
+
+    hooks = [module.register_forward_pre_hook(counter(name)) for name, module in named]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tuple(
+        ModuleRecord(name=name, type=type(module).__name__, calls=calls[name],
+                     container=isinstance(module, (nn.ModuleList, nn.ModuleDict)))
+        for name, module in named
+    )
