@@ -62,6 +62,8 @@ class LayerArrays:
 
     def nested(self, i: int, j: int) -> bool:
         """True when a stage can run from state i to state j (state i a proper subset of j)."""
+        if self.family is not None and self.family.stage_ok is not None and not (i < j and self.family.stage_ok[i, j]):
+            return False
         if self.family is None or self.family.masks is None:
             return i < j
         masks = self.family.masks

@@ -51,12 +51,15 @@ class CutFamily:
     """States of a cut family. ``masks[s]`` (bool, one column per layer) is state s;
     ``None`` for the prefix family, whose state s is layers ``[0, s)``. States are sorted
     by size, so ``D_i < D_j`` implies ``i < j``; ``name`` says which family it is and
-    ``exact`` whether it holds every downset of the DAG."""
+    ``exact`` whether it holds every downset of the DAG. ``stage_ok[i, j]`` (bool, F x F),
+    when given, further rules out the stage from state i to state j (an export target's
+    rule that a whole stage cannot satisfy, ``planner.targets``)."""
 
     name: str
     layers: int
     masks: np.ndarray | None = None
     exact: bool = False
+    stage_ok: np.ndarray | None = None
 
     @property
     def states(self) -> int:
@@ -88,6 +91,10 @@ class CutFamily:
         lengths = np.arange(span + 1)[:, None]
         starts = np.arange(rows)[None, :]
         ok = (lengths >= 1) & (starts + lengths < f)
+        if self.stage_ok is not None:
+            for length in range(1, min(span, f - 1) + 1):
+                count = min(f - length, rows)
+                ok[length, :count] &= np.diagonal(self.stage_ok, offset=length)[:count]
         if self.masks is None:
             return ok
         words = _packed(self.masks)

@@ -132,7 +132,7 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
             f"--microbatches {options.microbatches} on up to {stages} stages (pass --microbatches {stages} or "
             f"more, or --max-stages {options.microbatches})"
         )
-    return target_family(cuts)
+    return target_family(cuts, profile)
 
 
 def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:

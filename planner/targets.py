@@ -17,8 +17,13 @@ them cuts at boundaries only (prefixes of the layer order). Boundary c is expres
   modules, so a layer that is not a module (a functional op of the root) rules the
   target out for the whole model.
 
+Both engines also send a value only to the next stage (torch: "Backward of skip
+connections not supported yet"), so no layer output may jump over a whole stage: a middle
+stage [a, b) is ruled out when a layer before a feeds a layer at or after b.
+
 ``target_family`` gives the DP the prefixes at expressible boundaries (a ``CutFamily``
-whose states are those prefixes), so the DP stays exact over the plans the target runs.
+whose states are those prefixes, with the skipped stages ruled out), so the DP stays
+exact over the plans the target runs.
 O(N * depth + parameters) to read the rules.
 """
 
@@ -154,13 +159,21 @@ def target_cuts(profile: Profile, target: str) -> TargetCuts:
     return TargetCuts(target, n, allowed, dict(sorted(blocked.items())), refusal)
 
 
-def target_family(cuts: TargetCuts) -> CutFamily:
+def target_family(cuts: TargetCuts, profile: Profile) -> CutFamily:
     """The prefixes of the layer order at the expressible boundaries (and the empty and
-    the full one), as cut states of the DP, sorted by size."""
+    the full one), as cut states of the DP, sorted by size; a stage that some layer's
+    output would jump over is ruled out (``CutFamily.stage_ok``). O(N + edges + F^2)."""
     n = cuts.layers
     sizes = np.array([0, *cuts.allowed, n])
     masks = np.arange(n)[None, :] < sizes[:, None]
-    return CutFamily(f"{cuts.target}-cuts", n, masks, exact=False)
+    reach = np.full(n + 1, -1)  # reach[a]: the last layer reading an output of the layers before a
+    for layer in profile.layers:
+        for producer in layer.inputs:
+            reach[producer + 1] = max(reach[producer + 1], layer.index)
+    reach = np.maximum.accumulate(reach)
+    stage_ok = reach[sizes][:, None] < sizes[None, :]  # [i, j]: nothing jumps from before i to j or later
+    stage_ok[:, -1] = True  # the last stage ends the pipeline: nothing lies beyond it
+    return CutFamily(f"{cuts.target}-cuts", n, masks, exact=False, stage_ok=stage_ok)
 
 
 def blocked_summary(cuts: TargetCuts, limit: int = 4) -> str:

@@ -35,7 +35,7 @@ MODELS = {
     "mlp": "mlp",
     "vgg": str(FIXTURES / "export" / "vgg_no_dropout.py"),
     "resnet": "resnet",
-    "vit": str(FIXTURES / "models" / "hf_vit.py"),
+    "vit": str(Path(__file__).parents[1] / "docs" / "export" / "hf_vit.py"),
     "gpt2": str(FIXTURES / "models" / "hf_gpt2_untied.py"),
     "bert": str(FIXTURES / "models" / "hf_bert.py"),
 }

@@ -98,9 +98,25 @@ def test_a_profile_without_the_module_tree_refuses_in_one_line() -> None:
 
 def test_family_holds_the_prefixes_at_allowed_boundaries() -> None:
     profile = profile_of(["a", "drop", "b", "drop"], {"a": 1, "drop": 2, "b": 1})
-    family = target_family(target_cuts(profile, "pipelining"))
+    family = target_family(target_cuts(profile, "pipelining"), profile)
     assert family.name == "pipelining-cuts" and family.states == 3
     assert [family.stage_layers(0, s) for s in range(3)] == [(), (0, 1), (0, 1, 2, 3)]
+
+
+def test_no_output_jumps_over_a_stage() -> None:
+    # layer 0 feeds layer 3 (a skip): the middle stage of a cut at 1 and at 2 would be jumped over
+    profile = profile_of(["a", "b", "c", "d"], {k: 1 for k in "abcd"}, inputs=[(), (0,), (1,), (0, 2)])
+    family = target_family(target_cuts(profile, "pipelining"), profile)
+    assert family.states == 5  # {}, 1, 2, 3 layers, all
+    ok = family.nested(4, 5)  # ok[length, start]
+    middle = [(start, start + length) for length in range(1, 4) for start in range(1, 4 - length)]
+    assert middle == [(1, 2), (2, 3), (1, 3)] and not any(ok[j - i, i] for i, j in middle)
+    assert all(ok[j - i, i] for i, j in [(0, 1), (0, 2), (0, 3), (1, 4), (2, 4), (3, 4), (0, 4)])
+    plan = partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 3, 1e9),)),
+                     PartitionOptions(schedule="gpipe", straight=True, microbatches=8, use_fewer_devices=True,
+                                      export_target="pipelining"))
+    assert len(plan.stages) == 2  # three stages would need a middle one
+
 
 
 # --------------------------------------------------------------------------- DP == brute force
@@ -137,11 +153,15 @@ def restricted_cases(draw):
 
 
 def brute_force(profile: Profile, topology: Topology, options: PartitionOptions, allowed: set[int]) -> float:
-    """Best time (ms) over every straight plan of the layer order whose stages begin at ``allowed`` layers."""
+    """Best time (ms) over every straight plan of the layer order whose stages begin at ``allowed``
+    layers and whose every layer output reaches at most the next stage."""
     arrays = layer_arrays(profile, charged_optimizer(options), prefix_family(len(profile.layers)))
     best = math.inf
     for tree in pipelines(len(topology.levels), 0, arrays.layers, topology.levels[-1].count, topology, options):
-        if all(stage.start == 0 or stage.start in allowed for stage in flatten(tree, topology)):
+        flat = flatten(tree, topology)
+        stage_of = [q for q, stage in enumerate(flat) for _ in range(stage.start, stage.end)]
+        if all(stage.start == 0 or stage.start in allowed for stage in flat) and all(
+                stage_of[layer.index] - stage_of[p] <= 1 for layer in profile.layers for p in layer.inputs):
             best = min(best, evaluate(tree, arrays, topology, options))
     return best
 

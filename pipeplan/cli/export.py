@@ -60,8 +60,8 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     """
     import json
 
-    from pipeplan.errors import InputError
     from pipeplan.export import (
+        CutError,
         PipeliningExport,
         action_table_csv,
         check_plan,
@@ -78,10 +78,10 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     structure = model_structure(model_path, plan)
     try:
         made = export_pipelining(plan, structure) if target == "pipelining" else export_torchtitan(plan, structure)
-    except InputError as exc:  # past check_plan: a cut the engine cannot make
+    except CutError as exc:
         if plan.export_target == target:
             raise
-        raise InputError(f"{exc}; `pipeplan partition PROFILE --for {target}` plans only such cuts") from exc
+        raise CutError(f"{exc}; `pipeplan partition PROFILE --for {target}` plans only such cuts") from exc
     if isinstance(made, PipeliningExport):
         pipelining = made
         text = {

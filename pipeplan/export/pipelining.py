@@ -10,6 +10,7 @@ from typing import Any
 
 from pipeplan.errors import InputError
 from pipeplan.export.structure import (
+    CutError,
     MULTI_STAGE_CLASSES,
     SCHEDULE_CLASSES,
     ModelStructure,
@@ -121,7 +122,7 @@ def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, .
             continue
         name = names[first]
         if not structure.is_module(name):
-            raise InputError(
+            raise CutError(
                 f"stage {stage_of[first]} begins at layer {first} ({name}), a functional op, not a module: "
                 f"torch.distributed.pipelining splits before module calls; a plan that cuts before a "
                 f"module layer carries over"
@@ -129,7 +130,7 @@ def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, .
         calls = structure.calls.get(name, 0)
         if calls != 1:
             layers = [i for i in under[name] if names[i] == name]
-            raise InputError(
+            raise CutError(
                 f"stage {stage_of[first]} begins at layer {first} ({name}), a module called {calls} times "
                 f"per forward pass (layers {', '.join(map(str, layers))}): SplitPoint.BEGINNING would split "
                 f"before every call; a plan whose stages begin at modules called once carries over"

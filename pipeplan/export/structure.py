@@ -35,6 +35,7 @@ __all__ = [
     "SCHEDULE_CLASSES",
     "TARGETS",
     "TORCHTITAN_SCHEDULES",
+    "CutError",
     "ModelStructure",
     "check_exportable",
     "check_plan",
@@ -66,6 +67,10 @@ _NOT_CARRIED = {
 }
 ENGINES = "torch.distributed.pipelining and torchtitan"
 
+
+
+class CutError(InputError):
+    """A plan cuts where the engine cannot (``pipeplan partition --for`` plans only cuts it can)."""
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,7 @@ def _check_shared_parameters(structure: ModelStructure, stage_of: list[int]) -> 
         if len(stages) > 1:
             first = ", ".join(f"layer {layer} ({structure.layer_names[layer]}) in stage {s}"
                               for s, layer in sorted(stages.items()))
-            raise InputError(
+            raise CutError(
                 f"parameter {name} is shared by {first}: torch.distributed.pipelining copies it into each "
                 f"stage and trains the copies apart, torchtitan keeps it on one stage; a plan that puts "
                 f"every layer using it in one stage carries over"

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.export.structure import (TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions,
+from pipeplan.export.structure import (
+    CutError,TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions,
                                        tensor_parallel_degree)
 from pipeplan.plan import Plan
 
@@ -92,7 +93,7 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
     last_layer: dict[str, int] = {}
     for layer, name in enumerate(names):
         if not structure.is_module(name):
-            raise InputError(
+            raise CutError(
                 f"layer {layer} ({name}) is a functional op of the root module: torchtitan places "
                 f"modules, not ops; `--to pipelining` carries it over"
             )
@@ -100,7 +101,7 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
         if unit in stage_of_unit and stage_of_unit[unit] != stage_of[layer]:
             before = last_layer[unit]
             kind = structure.modules.get(unit, "module")
-            raise InputError(
+            raise CutError(
                 f"cut between layer {before} ({names[before]}, stage {stage_of_unit[unit]}) and layer "
                 f"{layer} ({name}, stage {stage_of[layer]}) falls inside {unit} ({kind}), which torchtitan "
                 f"keeps or deletes whole (its units: the model's children and the entries of a "
