@@ -233,3 +233,35 @@ def test_lr_scheduler_state_rides_along_and_comes_back_under_another_split(tmp_p
     ckstate.restore_rank(ckstate.CheckpointIndex.of_step(str(tmp_path), 3), part, _names(part), part_opt, part_scheduler)
     assert part_scheduler.state_dict() == scheduler.state_dict()
     assert part_scheduler.last_epoch == 3
+
+
+def test_lr_scheduler_state_fits_a_stage_with_another_number_of_param_groups(tmp_path: Path) -> None:
+    from pipeplan.optimizers import LRSchedule, make_lr_scheduler, make_optimizer, param_groups
+
+    schedule = LRSchedule("cosine", warmup_steps=2, min_lr=0.0, total_steps=8)
+    model, _ = _trained(1)  # weights (decay group) and biases/norm (no_decay group)
+
+    def training(module: nn.Module) -> tuple[torch.optim.Optimizer, object]:
+        optimizer = make_optimizer("adamw", param_groups(module.named_parameters()), 0.01, 0.1)
+        scheduler = make_lr_scheduler(optimizer, schedule, 0.01)
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+        return optimizer, scheduler
+
+    optimizer, scheduler = training(model)
+    assert len(optimizer.param_groups) == 2
+    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(model, _names(model), optimizer, scheduler),
+                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3})
+    # another plan: a stage holding only a weight matrix has one group (empty ones are left out)
+    weight_only = nn.Sequential(nn.Linear(4, 6, bias=False))
+    part_opt = make_optimizer("adamw", param_groups(weight_only.named_parameters()), 0.01, 0.1)
+    part_scheduler = make_lr_scheduler(part_opt, schedule, 0.01)
+    ckstate.restore_rank(ckstate.CheckpointIndex.of_step(str(tmp_path), 3), weight_only,
+                         {"0.weight": "0.weight"}, part_opt, part_scheduler)
+    assert part_scheduler.last_epoch == 3 and len(part_scheduler.base_lrs) == 1
+    part_opt.step()
+    part_scheduler.step()
+    optimizer.step()
+    scheduler.step()
+    assert part_scheduler.get_last_lr()[0] == pytest.approx(scheduler.get_last_lr()[0], rel=1e-12)

@@ -42,6 +42,7 @@ class CheckpointIndex:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.entries: dict[str, tuple[Path, Any]] = {}
+        self.holders: dict[str, list[Path]] = {}  # every folder holding the key, in folder order
         for folder in folders:
             try:
                 metadata = FileSystemReader(str(folder)).read_metadata()
@@ -49,19 +50,21 @@ class CheckpointIndex:
                 raise InputError(f"checkpoint {folder} cannot be read: {first_line(exc)[:160]}") from exc
             for key, entry in metadata.state_dict_metadata.items():
                 self.entries.setdefault(key, (folder, entry))
+                self.holders.setdefault(key, []).append(folder)
 
     @classmethod
     def of_step(cls, directory: str, step: int) -> "CheckpointIndex":
         return cls(rank_folder(directory, step, stage, replica)
                    for stage, replica in sorted(read_manifests(directory, step)))
 
-    def load(self, targets: dict[str, Any]) -> None:
-        """Fill ``targets`` (key -> tensor or ``io.BytesIO``) from the folders holding them."""
+    def load(self, targets: dict[str, Any], folder: Path | None = None) -> None:
+        """Fill ``targets`` (key -> tensor or ``io.BytesIO``) from the folders holding them
+        (from ``folder`` when given)."""
         import torch.distributed.checkpoint as dcp
 
         by_folder: dict[Path, dict[str, Any]] = {}
         for key, target in targets.items():
-            by_folder.setdefault(self.entries[key][0], {})[key] = target
+            by_folder.setdefault(folder or self.entries[key][0], {})[key] = target
         for folder, part in by_folder.items():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # single-process read: intended
@@ -118,7 +121,8 @@ def restore_rank(index: CheckpointIndex, module: nn.Module, names: dict[str, str
     if optimizer is not None:
         _restore_optimizer(index, module, names, optimizer)
     if scheduler is not None and SCHEDULER_KEY in index.entries:
-        scheduler.load_state_dict(_load_object(index, SCHEDULER_KEY))
+        groups = len(optimizer.param_groups) if optimizer is not None else None
+        scheduler.load_state_dict(_scheduler_state(index, groups))
 
 
 def restore_rng(folder: Path) -> None:
@@ -181,10 +185,35 @@ def _optimizer_names(module: nn.Module, names: dict[str, str], optimizer: torch.
     return {position: names[local_of[id(p)]] for position, p in enumerate(params)}
 
 
-def _load_object(index: CheckpointIndex, key: str) -> Any:
+def _load_object(index: CheckpointIndex, key: str, folder: Path | None = None) -> Any:
     targets = {key: index.empty_like_saved(key)}
-    index.load(targets)  # replaces the placeholder buffer with the saved bytes
+    index.load(targets, folder)  # replaces the placeholder buffer with the saved bytes
     return _unwrap(targets[key])
+
+
+def _scheduler_state(index: CheckpointIndex, groups: int | None) -> dict[str, Any]:
+    """A saved LR-scheduler state for an optimizer of ``groups`` param groups.
+
+    Schedulers keep per-group lists (``base_lrs``, ``_last_lr``, LambdaLR's ``_lr_lambdas``).
+    Under another plan a stage may hold another number of groups (pipeplan's decay /
+    no_decay groups leave empty ones out): a state saved with as many groups is taken;
+    else per-group lists whose entries are all equal (one curve for every group) are
+    resized; a state whose groups differ cannot be mapped and is refused in one line.
+    """
+    states = [_load_object(index, SCHEDULER_KEY, folder) for folder in index.holders[SCHEDULER_KEY]]
+    saved = [len(state["base_lrs"]) if isinstance(state.get("base_lrs"), list) else None for state in states]
+    for state, count in zip(states, saved):
+        if groups is None or count is None or count == groups:
+            return state
+    assert groups is not None
+    state, count = dict(states[0]), saved[0]
+    for key, value in state.items():
+        if isinstance(value, list) and len(value) == count:
+            if any(item != value[0] for item in value):
+                raise InputError(f"the checkpoint's LR scheduler has {count} param groups with different "
+                                 f"{key.lstrip('_')}, this stage's optimizer has {groups}; no saved stage matches")
+            state[key] = [value[0]] * groups
+    return state
 
 
 def _unwrap(value: Any) -> Any:
