@@ -182,3 +182,29 @@ def test_clipping_under_schedules_with_weight_versions(tmp_path: Path, schedule:
         unclipped = emulate_1f1b_rr(model, layers, replicas, steps * 2, 8, lr)
     assert not torch.allclose(reference["0.weight"], unclipped["0.weight"], atol=1e-4)  # clipping acted
     assert_params_match(records(tmp_path / "rec"), reference)
+
+
+# ---------------------------------------------------------------- report --plot
+
+def test_report_summarises_a_log_dir_and_plots_the_loss(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+
+    log = tmp_path / "log"
+    log.mkdir()
+    lines = [{"step": s, "loss": 3.0 - 0.5 * s, "lr": 0.1 * s, "grad_norm": 2.0, "samples_per_s": 100.0 * s,
+              "stage_step_ms": [1.0], "stage_compute_ms": [0.5]} for s in (1, 2, 3)]
+    lines.append({**lines[2], "loss": 1.25})  # a resumed run wrote step 3 again: the newest wins
+    (log / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    runner = CliRunner()
+    out = runner.invoke(cli, ["report", str(log), "--plot", str(tmp_path / "loss.png")], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "steps 1-3 (3 logged)" in out.output and "loss: 2.5000 (first) -> 1.2500 (last)" in out.output
+    assert "learning rate: 0.1 (first) -> 0.3 (last)" in out.output and "median 200.0 samples/s" in out.output
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = runner.invoke(cli, ["report", str(log), "--plot", str(tmp_path / "loss.svg")])
+    assert bad.exit_code == 2 and "expected a .png file" in bad.output
+    (log / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    broken = runner.invoke(cli, ["report", str(log)])
+    assert broken.exit_code == 2 and "metrics.jsonl:2: not a metrics line" in broken.output
