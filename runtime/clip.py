@@ -14,6 +14,9 @@ all-reduce makes the last stage wait for the first one's backward of that miniba
 1F1B-RR steps each stage on its own minibatches at its own time (a replicated stage
 steps on the mean of several), so no single gradient spans the pipeline: there the norm
 is the stage's own (``group`` None, no communication).
+
+Without clipping (``--log-dir`` alone) nothing is all-reduced: each rank hands its sum
+to the live log, which adds them, so logging never makes a stage wait.
 """
 
 from __future__ import annotations
@@ -43,22 +46,28 @@ class GradNorm:
 
     rank: int
     module: nn.Module | None
-    max_norm: float | None  # None: measure only (for --log-dir)
+    max_norm: float | None  # None: measure only (for --log-dir), no communication
     group: Any = None  # every stage's ranks; None: this stage alone (1F1B-RR)
     group_ranks: tuple[int, ...] = ()
     across_pipeline: bool = True
     device: str = "cpu"  # where the all-reduced number lives (NCCL: the GPU)
     counted: list[str] = field(default_factory=list)  # local parameter names whose gradients count
-    norms: list[float] = field(default_factory=list)  # one per step, before clipping
 
     def apply(self) -> float:
-        """The norm of this step's gradients (global or the stage's); clips them when asked."""
+        """This rank's counted sum of squared gradients; with ``max_norm``, clips by the norm.
+
+        Clipping across the pipeline all-reduces the sum first; measuring only (``--log-dir``
+        without clipping) needs no communication: the live log adds every rank's sum.
+        """
         params = dict(self.module.named_parameters()) if self.module is not None else {}
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         for name in self.counted:
             grad = params[name].grad
             if grad is not None:
                 square += grad.detach().double().pow(2).sum()
+        local = float(square)
+        if self.max_norm is None:
+            return local
         if self.across_pipeline:
             try:
                 dist.all_reduce(square, group=self.group)
@@ -67,15 +76,12 @@ class GradNorm:
                     f"rank {self.rank}: all-reduce of the gradient norm among ranks "
                     f"{list(self.group_ranks)} failed: {short_reason(exc)}"
                 ) from exc
-        norm = math.sqrt(float(square))
-        self.norms.append(norm)
-        if self.max_norm is not None:
-            coefficient = self.max_norm / (norm + _EPS)
-            if coefficient < 1.0:
-                for param in params.values():
-                    if param.grad is not None:
-                        param.grad.mul_(coefficient)
-        return norm
+        coefficient = self.max_norm / (math.sqrt(float(square)) + _EPS)
+        if coefficient < 1.0:
+            for param in params.values():
+                if param.grad is not None:
+                    param.grad.mul_(coefficient)
+        return local
 
 
 def make_grad_norm(spec: PipelineSpec, rank: int, sync: GradSync, max_norm: float | None,

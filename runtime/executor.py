@@ -87,7 +87,7 @@ class Executor:
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
-    grad_norms: dict[int, float] = field(default_factory=dict)  # global minibatch -> norm at its S
+    grad_squares: dict[int, float] = field(default_factory=dict)  # global minibatch -> counted squared gradient sum (before clipping)
     lrs: dict[int, float] = field(default_factory=dict)  # global minibatch -> lr of its S (first group)
     _kind: ScheduleKind | None = None
     _steps: int = 0  # "S" done
@@ -348,7 +348,7 @@ class Executor:
             self.stash.load_grads(self._minibatch_grads.pop(action.minibatch, {}))
         self.sync.reduce()
         if self.grad_norm is not None:
-            self.grad_norms[minibatch] = self.grad_norm.apply()
+            self.grad_squares[minibatch] = self.grad_norm.apply()
         self.recorder.add("allreduce", f"allreduce {action}", start, now_ms(), minibatch)
         if self.optimizer is not None:
             self.lrs[minibatch] = float(self.optimizer.param_groups[0]["lr"])

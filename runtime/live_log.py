@@ -32,10 +32,14 @@ LOG_NAME = "metrics.jsonl"
 
 
 def step_record(stage: int, replica: int, end_ms: float, compute_ms: float | None,
-                loss_sum: float | None, lr: float | None, grad_norm: float | None) -> str:
-    """What one rank publishes for one step (JSON; ``nan`` losses as null)."""
+                loss_sum: float | None, lr: float | None, grad_square: float | None) -> str:
+    """What one rank publishes for one step (JSON; non-finite values as null).
+
+    ``grad_square``: the squared gradient sum this rank counts (``pipeplan.runtime.clip``):
+    summed over the ranks it is the squared global norm; 1F1B-RR: the stage's own.
+    """
     return json.dumps({"stage": stage, "replica": replica, "end_ms": end_ms, "compute_ms": compute_ms,
-                       "loss_sum": _finite(loss_sum), "lr": lr, "grad_norm": grad_norm})
+                       "loss_sum": _finite(loss_sum), "lr": lr, "grad_square": _finite(grad_square)})
 
 
 def _finite(value: float | None) -> float | None:
@@ -108,12 +112,15 @@ class LiveLog:
         for s in range(self.stages):
             stage_step_ms.append(firsts[s]["end_ms"] - self._previous_stage_end.get(s, 0.0))
             self._previous_stage_end[s] = firsts[s]["end_ms"]
-        norms = [firsts[s]["grad_norm"] for s in range(self.stages)]
+        squares = [r["grad_square"] for r in records]
+        norm = math.sqrt(sum(squares)) if squares and None not in squares else None
+        stage_squares = [firsts[s]["grad_square"] for s in range(self.stages)]
+        norms = [math.sqrt(x) if x is not None else None for x in stage_squares]
         line: dict[str, Any] = {
             "step": step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": norms[0] if self.across_pipeline else None,
+            "grad_norm": norm if self.across_pipeline else None,
             "samples_per_s": self.samples_per_step * 1000.0 / elapsed_ms if elapsed_ms > 0 else None,
             "stage_step_ms": stage_step_ms,
             "stage_compute_ms": [firsts[s]["compute_ms"] for s in range(self.stages)],
@@ -159,6 +166,6 @@ def publish_step(watchdog: Any, executor: Any, recorder: Any, spec: Any, rank: i
         compute_ms=None if recorder.cuda else compute,
         loss_sum=sum(losses) if losses else None,
         lr=executor.lrs.get(last) if last is not None else None,
-        grad_norm=executor.grad_norms.get(last) if last is not None else None,
+        grad_square=executor.grad_squares.get(last) if last is not None else None,
     )
     watchdog.publish(f"metrics/{step + 1}/{rank}", record)

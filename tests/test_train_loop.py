@@ -126,7 +126,10 @@ def test_model_file_optimizer_and_scheduler_are_used(tmp_path: Path) -> None:
     import user_optim
 
     ref = train_reference_loop(model, 5, 8, user_optim.make_optimizer, user_optim.make_lr_scheduler)
-    assert [line["lr"] for line in log_lines(tmp_path / "log")] == ref["lrs"] == [0.05, 0.05, 0.025, 0.025, 0.0125]
+    lines = log_lines(tmp_path / "log")
+    assert [line["lr"] for line in lines] == ref["lrs"] == [0.05, 0.05, 0.025, 0.025, 0.0125]
+    # logged without clipping: every rank's squared sum, added by the writer, no all-reduce
+    assert [line["grad_norm"] for line in lines] == pytest.approx(ref["norms"], rel=1e-5)
     assert_params_match(records(tmp_path / "rec"), ref["params"])
 
 
