@@ -157,3 +157,29 @@ def test_version_1_profiles_load(tmp_path):
     with pytest.raises(InputError, match="tp_split_forward_ms = 99.0 is outside"):
         Profile.load(path)
     assert math.isfinite(loaded.layers[0].forward_ms)
+
+
+def test_partition_cli_refuses_bad_degrees_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+
+    profile = tmp_path / "gpt.json"
+    gpt(4, heads=6).save(profile)
+    runner = CliRunner()
+    for degree, message in [
+        ("16", "error: tensor-parallel degree 16 does not fit one server of 8 devices: tensor-parallel groups stay "
+               "within the topology's innermost level (its fastest links), so t must divide 8"),
+        ("4", "error: tensor-parallel degree 4 does not divide layer 0 (h.0)'s 6 heads (or vocabulary entries)"),
+        ("two", "error: --tensor-parallel must be a positive integer or auto (got 'two')"),
+    ]:
+        out = tmp_path / f"plan-{degree}.json"
+        result = runner.invoke(cli, ["partition", str(profile), "--topology", "cluster-b", "--tensor-parallel", degree,
+                                     "-o", str(out)])
+        assert result.exit_code == 2 and result.output.strip() == message
+        assert not out.exists()
+    result = runner.invoke(cli, ["partition", str(profile), "--topology", "cluster-b", "--tensor-parallel", "2",
+                                 "--schedule", "1f1b-flush", "--microbatches", "4", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    assert "tensor-parallel 2" in result.output
+    assert {s.tensor_parallel for s in Plan.load(tmp_path / "p.json").stages} == {2}
