@@ -168,7 +168,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
     choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
-    for t in choices:
+    for t in sorted(choices, reverse=True):  # large degrees first: big models' best, pruning the rest sooner
         beat_ms = min((item[0] for item in found), default=math.inf)
         try:
             plan = _partition_degree(profile, topology, options, t, beat_ms)
@@ -253,8 +253,8 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
     unsimulated: Plan | None = None  # the first plan too large to simulate, kept when none simulates
     failure: Exception = _Dominated()
     for bound, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
-        if bound >= min(beat_ms, best.predicted.time_per_minibatch_ms if best else math.inf):
-            break  # a period is never below its slowest stage: no later candidate can win
+        if bound > beat_ms or (best is not None and bound >= best.predicted.time_per_minibatch_ms):
+            break  # a period is never below its slowest stage: no later candidate can win (or tie a larger t)
         try:
             plan = _tree_plan(profile, topology, options, arrays, shape, bound, nodes, steady=1)
         except (InfeasibleError, InputError) as exc:  # does not fit, or its schedule cannot run it
