@@ -14,6 +14,7 @@ Optional names::
                                                  # groups ("decay", "no_decay": biases and norms,
                                                  # weight_decay 0), each with "param_names"
     def make_lr_scheduler(optimizer) -> LR scheduler  # stepped once per training step
+    TP_PLAN = {"layers.*.attention.wq": ColwiseParallel(), ...}  # tensor parallelism (torchtitan style)
 
 Every failure (missing file, import error, missing name, a name that is not callable)
 raises ``InputError`` with a one-line message.
@@ -95,6 +96,8 @@ class ModelFile:
     leaf_modules: tuple[str, ...] = ()  # LEAF_MODULES: class names whose calls are one layer each
     make_optimizer: Callable[[Any], Any] | None = None  # (named parameter groups) -> torch optimizer
     make_lr_scheduler: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
+    # TP_PLAN: module path pattern -> torch ParallelStyle, as torchtitan writes them (None: built-in plans)
+    tp_plan: dict[str, Any] | None = None
 
     def batch(self, batch_size: int, seed: int) -> tuple[tuple[Any, ...], Any]:
         """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as a tuple.
@@ -182,7 +185,20 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         leaf_modules=_leaf_modules(getattr(module, "LEAF_MODULES", ()), path),
         make_optimizer=names.get("make_optimizer"),
         make_lr_scheduler=names.get("make_lr_scheduler"),
+        tp_plan=_tp_plan(getattr(module, "TP_PLAN", None), path),
     )
+
+
+def _tp_plan(value: Any, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``TP_PLAN`` as a dict of module path patterns to styles (checked by the runtime)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise InputError(
+            f"{path}: TP_PLAN is {type(value).__name__}, expected a dict of module path patterns "
+            f"to torch.distributed.tensor.parallel styles"
+        )
+    return dict(value)
 
 
 def _leaf_modules(value: Any, path: str | os.PathLike[str]) -> tuple[str, ...]:

@@ -6,7 +6,9 @@ of the gradients it *counts*, one all-reduce of that one number over every stage
 gives the squared global norm, and every rank scales its gradients by
 ``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_`` does on the
 whole model. A gradient is counted once: replica 0 counts its stage (the replicas hold
-the same sum), and a tied parameter is counted by the first rank of its tie, once.
+the same sum), and a tied parameter is counted by the first rank of its tie, once. In a
+tensor-parallel group every rank counts its shards of the split parameters and rank 0 of
+the group the parameters it holds whole (``counted_here``).
 
 Schedules: the flush schedules and 2BW step every stage once per minibatch, so the
 norm spans the pipeline (2BW: the norm of the delayed gradient it applies; the
@@ -34,6 +36,7 @@ from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.sync import GradSync
+from pipeplan.runtime.tensor_parallel.apply import counted_here, local as local_shard
 
 __all__ = ["GradNorm", "make_grad_norm"]
 
@@ -52,6 +55,7 @@ class GradNorm:
     across_pipeline: bool = True
     device: str = "cpu"  # where the all-reduced number lives (NCCL: the GPU)
     counted: list[str] = field(default_factory=list)  # local parameter names whose gradients count
+    tp_index: int = 0  # this rank's index in its tensor-parallel group
 
     def apply(self) -> float:
         """This rank's counted sum of squared gradients; with ``max_norm``, clips by the norm.
@@ -63,8 +67,8 @@ class GradNorm:
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         for name in self.counted:
             grad = params[name].grad
-            if grad is not None:
-                square += grad.detach().double().pow(2).sum()
+            if grad is not None and counted_here(grad, self.tp_index):
+                square += local_shard(grad).detach().double().pow(2).sum()
         local = float(square)
         if self.max_norm is None:
             return local
@@ -88,7 +92,8 @@ def make_grad_norm(spec: PipelineSpec, rank: int, sync: GradSync, max_norm: floa
                    across_pipeline: bool, timeout_s: float, device: str = "cpu") -> GradNorm:
     """The norm of this rank's step (collective when ``across_pipeline``: every rank calls it)."""
     module = spec.rank_module if spec.stage is not None else None
-    clip = GradNorm(rank, module, max_norm, across_pipeline=across_pipeline, device=device)
+    clip = GradNorm(rank, module, max_norm, across_pipeline=across_pipeline, device=device,
+                    tp_index=spec.tp_index)
     if across_pipeline:
         busy = sorted({r for stage_ranks in spec.ranks for r in stage_ranks})
         clip.group = dist.new_group(busy, timeout=timedelta(seconds=timeout_s))

@@ -24,8 +24,9 @@ maps them to global minibatch ids for data (a resumed run continues the data str
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -84,6 +85,8 @@ class Executor:
     on_step: Callable[[int], None] | None = None  # called with the global minibatch after its S
     schedule: str = "1f1b-flush"  # the schedule's name: which weight version a forward runs on
     grad_norm: GradNorm | None = None  # measures (and clips) the gradient norm at each step
+    # where the actions run (a tensor-parallel stage's DTensor settings); None: as they are
+    compute_context: Callable[[], ContextManager[Any]] | None = None
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
@@ -107,10 +110,11 @@ class Executor:
                 self._readers[name] = self._readers.get(name, 0) + 1
         handlers = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights,
                     "S": self._step}
-        for position, action in enumerate(self.actions):
-            self._prefetch(position)
-            handlers[action.kind](action)
-            self.comm.reap()
+        with self.compute_context() if self.compute_context is not None else contextlib.nullcontext():
+            for position, action in enumerate(self.actions):
+                self._prefetch(position)
+                handlers[action.kind](action)
+                self.comm.reap()
         self.comm.finish()
         if self._saved:
             raise RuntimeFailure(f"units {sorted(self._saved)[:5]} ran forward but no backward")
@@ -152,7 +156,7 @@ class Executor:
             producer = stage.producers[name]
             if producer < 0 or (name, unit) in self._inbound:
                 continue
-            peer = self.spec.rank_of(producer, unit)
+            peer = self.spec.recv_peer(producer, unit)
             pending = self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
                                      f"{name!r} of {action} from rank {peer}")
             self._inbound[(name, unit)] = [pending, self._readers[name]]
@@ -178,7 +182,7 @@ class Executor:
             if name == MODEL_OUTPUT or not value.is_floating_point():
                 continue
             spec = TensorSpec.of(value)
-            peers = dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name])
+            peers = dict.fromkeys(self.spec.recv_peer(c, unit) for c in stage.consumers[name])
             posted[name] = [
                 self.comm.post(peer, self.spec.value_ids[name], unit, BACKWARD,
                                f"gradient of {name!r} for {action} from rank {peer}", spec)
@@ -230,7 +234,7 @@ class Executor:
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
         for name in self._in_message_order(stage.output_names):
-            for peer in dict.fromkeys(self.spec.rank_of(c, unit) for c in stage.consumers[name]):
+            for peer in dict.fromkeys(p for c in stage.consumers[name] for p in self.spec.send_peers(c, unit)):
                 self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
                                f"send {action} ->r{peer}")
         if self.recompute:
@@ -307,9 +311,9 @@ class Executor:
                 if entry[1]:
                     continue
                 grad = self._outbound.pop((name, unit))[0]
-            peer = self.spec.rank_of(producer, unit)
-            self.comm.send(grad, peer, self.spec.value_ids[name], unit, BACKWARD,
-                           f"send {action} ->r{peer}")
+            for peer in self.spec.send_peers(producer, unit):
+                self.comm.send(grad, peer, self.spec.value_ids[name], unit, BACKWARD,
+                               f"send {action} ->r{peer}")
 
     def _weights(self, action: Action) -> None:
         """"W": the weight gradients an earlier "I" of the same unit deferred."""

@@ -69,7 +69,7 @@ def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: flo
         minibatches=len(handled),
         totals_ms=dict(recorder.totals_ms),
         wall_ms=wall_ms,
-        losses=dict(executor.losses),
+        losses=dict(executor.losses) if spec.tp_index == 0 else {},  # a tensor-parallel group reports once
         done_ms=done,
         peak_versions=stash.peak_versions if stash is not None else 1,
         events=list(recorder.events),
@@ -149,7 +149,7 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
         if r.stage < 0:
             continue
         handled = max(r.minibatches, 1)
-        replicas = len(spec.ranks[r.stage])
+        replicas = spec.replicas[r.stage % spec.stages]
         compute = sum(r.totals_ms.get(c, 0.0) for c in ("forward", "backward", "step"))
         wait = sum(r.totals_ms.get(c, 0.0) for c in ("recv", "allreduce"))
         # a worker runs every model stage of its position (q = chunk * p + position)

@@ -14,6 +14,13 @@ A parameter held by several stages (a tied embedding and head) is *tied*: the st
 holding it sum its gradient each step, replica by replica (``tie_groups``), so their
 copies stay identical. Tied stages must have equal replica counts.
 
+Tensor parallelism: a stage with ``tensor_parallel`` t > 1 runs each replica on a group of t
+ranks (``pipeplan.runtime.tensor_parallel``) whose outputs are whole and identical. A
+rank at index k of its group receives a value from index ``k % t'`` of the producing
+group (t' ranks) and sends to every index j of a consuming group with ``j % t == k``,
+so each rank of a group exchanges exactly one copy of every value, forward and back.
+``tp_splits`` names the parameters each of this rank's chunks splits.
+
 Virtual stages (interleaved 1F1B): the plan lists v*P model stages; model stage q runs
 on the ranks of pipeline position q % P, so a rank holds v *chunks* (model stages
 i, i+P, ...). ``stage`` is the rank's first chunk, ``chunks`` all of them;
@@ -42,17 +49,22 @@ class PipelineSpec:
     stage: StageModule | None  # None on a rank the plan leaves idle; the first chunk
     stage_index: int  # pipeline position; -1 when idle
     replica: int
-    ranks: tuple[tuple[int, ...], ...]  # ranks[q][j]: global rank of replica j of model stage q
+    ranks: tuple[tuple[int, ...], ...]  # ranks[q][j*t:(j+1)*t]: replica j of model stage q
     value_ids: dict[str, int]  # every value crossing a cut -> message id (same on all ranks)
     tie_groups: dict[tuple[int, ...], tuple[str, ...]]  # model stages -> tied qualified names
     fingerprint: str
     virtual_stages: int = 1  # chunks per rank
     chunks: tuple[StageModule, ...] = ()  # this rank's model stages, chunk c = stage c*P + i
+    tensor_parallel: tuple[int, ...] = ()  # t of each model stage (empty: all 1)
+    tp_index: int = 0  # this rank's index in its replica's tensor-parallel group
+    tp_splits: tuple[dict[str, dict[str, int]], ...] = ()  # per chunk: module path -> {param: dim}
     _rank_module: nn.Module | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.chunks and self.stage is not None:
             self.chunks = (self.stage,)
+        if not self.tensor_parallel:
+            self.tensor_parallel = (1,) * len(self.ranks)
 
     @property
     def stages(self) -> int:
@@ -62,12 +74,23 @@ class PipelineSpec:
     @property
     def replicas(self) -> tuple[int, ...]:
         """Replicas of each pipeline position."""
-        return tuple(len(r) for r in self.ranks[: self.stages])
+        return tuple(len(r) // t for r, t in zip(self.ranks[: self.stages], self.tensor_parallel))
 
-    def rank_of(self, stage: int, unit: int) -> int:
-        """The rank running work unit ``unit`` on model stage ``stage`` (round-robin over replicas)."""
-        ranks = self.ranks[stage]
-        return ranks[unit % len(ranks)]
+    def group_of(self, stage: int, unit: int) -> tuple[int, ...]:
+        """The ranks running work unit ``unit`` on model stage ``stage`` (round-robin over replicas)."""
+        t = self.tensor_parallel[stage]
+        replica = unit % (len(self.ranks[stage]) // t)
+        return self.ranks[stage][replica * t : (replica + 1) * t]
+
+    def recv_peer(self, stage: int, unit: int) -> int:
+        """The rank of ``stage`` this rank receives unit ``unit``'s values (or gradients) from."""
+        group = self.group_of(stage, unit)
+        return group[self.tp_index % len(group)]
+
+    def send_peers(self, stage: int, unit: int) -> tuple[int, ...]:
+        """The ranks of ``stage`` this rank sends unit ``unit``'s values (or gradients) to."""
+        own = self.tensor_parallel[self.stage_index] if self.stage_index >= 0 else 1
+        return tuple(r for j, r in enumerate(self.group_of(stage, unit)) if j % own == self.tp_index)
 
     @property
     def rank_module(self) -> nn.Module | None:
@@ -131,24 +154,52 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     values = sorted({name for m in modules for name in m.output_names if name != MODEL_OUTPUT})
     positions = len(plan.stages) // plan.virtual_stages
     chunks: tuple[StageModule, ...] = ()
-    stage_index, replica = -1, -1
+    stage_index, replica, tp_index = -1, -1, 0
     if rank in plan.used_ranks:
         stage_index, replica = plan.stage_of_rank(rank)
+        tp_index = plan.stages[stage_index].ranks.index(rank) % plan.stages[stage_index].tensor_parallel
         chunks = tuple(modules[c * positions + stage_index] for c in range(plan.virtual_stages))
+    splits = _tensor_parallel_splits(model_file, model, plan, modules)
     return PipelineSpec(
         stage=chunks[0] if chunks else None,
         stage_index=stage_index,
         replica=replica,
         ranks=ranks,
         value_ids={name: i for i, name in enumerate(values)},
-        tie_groups=_tie_groups(modules, ranks),
+        tie_groups=_tie_groups(modules, ranks, tuple(stage.tensor_parallel for stage in plan.stages)),
         fingerprint=graph.fingerprint,
         virtual_stages=plan.virtual_stages,
         chunks=chunks,
+        tensor_parallel=tuple(stage.tensor_parallel for stage in plan.stages),
+        tp_index=tp_index,
+        tp_splits=tuple(splits[chunk.index] for chunk in chunks),
     )
 
 
-def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...]) -> dict[tuple[int, ...], tuple[str, ...]]:
+def _tensor_parallel_splits(model_file: ModelFile, model: nn.Module, plan: Plan,
+                            modules: list[StageModule]) -> list[dict[str, dict[str, int]]]:
+    """Each stage's split parameters (empty where t = 1); ``InputError`` on a refusal."""
+    from pipeplan.runtime.tensor_parallel.plans import resolve_splits, stage_splits
+
+    degrees = {stage.tensor_parallel for stage in plan.stages if stage.tensor_parallel > 1}
+    if not degrees:
+        return [{} for _ in modules]
+    splits = resolve_splits(model, model_file.tp_plan, degrees, model_file.path)
+    out = []
+    for stage, module in zip(plan.stages, modules):
+        local = stage_splits(module.parameter_names, splits) if stage.tensor_parallel > 1 else {}
+        if stage.tensor_parallel > 1 and not local:
+            raise InputError(
+                f"plan stage {stage.index} has tensor_parallel {stage.tensor_parallel}, but the "
+                f"tensor-parallel plan splits none of its modules (layers {min(stage.layers, default=0)}.."
+                f"{max(stage.layers, default=0)}); plan it with tensor_parallel 1 or name its modules in TP_PLAN"
+            )
+        out.append(local)
+    return out
+
+
+def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...],
+                tensor_parallel: tuple[int, ...]) -> dict[tuple[int, ...], tuple[str, ...]]:
     holders: dict[str, set[int]] = {}
     for module in modules:
         for qualified in set(module.parameter_names.values()):
@@ -158,11 +209,12 @@ def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...]) 
         if len(stages) > 1:
             groups.setdefault(tuple(sorted(stages)), []).append(qualified)
     for tied in groups:
-        counts = {len(ranks[s]) for s in tied}
+        counts = {(len(ranks[s]), tensor_parallel[s]) for s in tied}
         if len(counts) > 1:
             raise InputError(
-                f"parameter {groups[tied][0]} is tied across stages {list(tied)} with replica "
-                f"counts {[len(ranks[s]) for s in tied]}; tied stages need equal replica counts"
+                f"parameter {groups[tied][0]} is tied across stages {list(tied)} with replica x "
+                f"tensor-parallel ranks {[f'{len(ranks[s]) // tensor_parallel[s]}x{tensor_parallel[s]}' for s in tied]}; "
+                f"tied stages need equal replica counts and degrees"
             )
     return {stages: tuple(sorted(names)) for stages, names in sorted(groups.items())}
 

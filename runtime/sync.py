@@ -13,6 +13,12 @@
 Every process group is created on all ranks in one fixed order (``dist.new_group`` is
 collective), replica groups first (by stage), then tie groups (by sorted stage tuple,
 then replica). Gradients are flattened into one buffer per all-reduce.
+
+Tensor parallelism: a stage's replicas all-reduce over the data dimension of its
+(data, tensor) mesh (``pipeplan.runtime.tensor_parallel.mesh``): rank k of each
+replica's group with rank k of the others, each on its own shards; tied copies pair
+rank k with rank k likewise (tied stages have equal degrees). DTensor gradients are
+first given their parameters' placements (``settle_gradients``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import nn
 from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec, rank_names_of
+from pipeplan.runtime.tensor_parallel.apply import local, settle_gradients
 
 __all__ = ["GradSync", "make_grad_sync"]
 
@@ -50,13 +57,14 @@ class GradSync:
         for p in params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        settle_gradients(self.module)
         if self.replica_group is not None:
             names = list(params)
             self._all_reduce([params[n] for n in names], self.replica_group, self.replica_ranks,
                              scale=1.0 / len(self.replica_ranks) if self.average_replicas else 1.0,
                              what="replica gradients")
         for group, ranks, copies in self.tie_groups:
-            grads = {name: _grad(params[name]) for names in copies for name in names}
+            grads = {name: local(_grad(params[name])) for names in copies for name in names}
             local_sums = [sum(grads[name] for name in names[1:]) + grads[names[0]] if len(names) > 1
                           else grads[names[0]] for names in copies]
             if group is not None:
@@ -68,7 +76,7 @@ class GradSync:
 
     def _all_reduce(self, params: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
                     scale: float, what: str) -> None:
-        self._all_reduce_grads([p.grad for p in params], group, ranks, scale, what)  # type: ignore[misc]
+        self._all_reduce_grads([local(p.grad) for p in params], group, ranks, scale, what)  # type: ignore[arg-type]
 
     def _all_reduce_grads(self, grads: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
                           scale: float, what: str) -> None:
@@ -97,17 +105,28 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
-def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float) -> GradSync:
-    """Create every replica and tie group (collective: all ranks, same order)."""
+def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float,
+                   meshes: list[Any] | None = None) -> GradSync:
+    """Create every replica and tie group (collective: all ranks, same order).
+
+    ``meshes``: each pipeline position's (data, tensor) mesh in a tensor-parallel run
+    (None elsewhere); the replicas then all-reduce over its data dimension.
+    """
     timeout = timedelta(seconds=timeout_s)
     sync = GradSync(rank, spec.rank_module, average_replicas)
-    for stage_ranks in spec.ranks[: spec.stages]:  # one replica group per pipeline position
-        if len(stage_ranks) > 1:
-            group = dist.new_group(list(stage_ranks), timeout=timeout)
-            if rank in stage_ranks:
-                sync.replica_group, sync.replica_ranks = group, stage_ranks
+    if meshes is not None:
+        mesh = meshes[spec.stage_index] if spec.stage_index >= 0 else None
+        if mesh is not None and mesh.size(0) > 1:
+            sync.replica_group = mesh.get_group("data")
+            sync.replica_ranks = tuple(dist.get_process_group_ranks(sync.replica_group))
+    else:
+        for stage_ranks in spec.ranks[: spec.stages]:  # one replica group per pipeline position
+            if len(stage_ranks) > 1:
+                group = dist.new_group(list(stage_ranks), timeout=timeout)
+                if rank in stage_ranks:
+                    sync.replica_group, sync.replica_ranks = group, stage_ranks
     for stages, qualified in spec.tie_groups.items():
-        for j in range(len(spec.ranks[stages[0]])):
+        for j in range(len(spec.ranks[stages[0]])):  # replica j // t, tensor-parallel rank j % t
             ranks = tuple(dict.fromkeys(spec.ranks[s][j] for s in stages))
             group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks and spec.stage is not None:

@@ -43,6 +43,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from pipeplan.errors import InputError, PipeplanError, RuntimeFailure, first_line
@@ -134,6 +135,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
             raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
         if config.recompute and config.schedule != "gpipe":
             raise InputError(f"--recompute applies to gpipe, not {config.schedule}")
+        _check_tensor_parallel(config)
         if config.plan.batch_size % config.microbatches:
             raise InputError(
                 f"batch size {config.plan.batch_size} is not divisible into "
@@ -177,6 +179,27 @@ def _schedule_identity(config: RunConfig, model_file: Any) -> str:
     if model_file.make_lr_scheduler is not None:
         return "make_lr_scheduler (model file)"
     return config.schedule_settings.describe()
+
+
+def _check_tensor_parallel(config: RunConfig) -> None:
+    """What a tensor-parallel run does not do yet, refused in one line before any communication."""
+    from pipeplan.schedules import schedule_kind
+
+    degrees = sorted({stage.tensor_parallel for stage in config.plan.stages if stage.tensor_parallel > 1})
+    if not degrees:
+        return
+    kind = schedule_kind(config.schedule)
+    if kind.gradients != "exact" or kind.split_backward:
+        raise InputError(
+            f"the plan splits stages tensor-parallel (t = {degrees[0]}); pipeplan runs that with "
+            f"1f1b-flush, gpipe or interleaved-1f1b, not {config.schedule}"
+        )
+    for flag, value in (("--checkpoint-dir", config.checkpoint_dir), ("--weights", config.weights)):
+        if value:
+            raise InputError(
+                f"{flag} with a tensor-parallel plan (t = {degrees[0]}) is not supported yet: "
+                f"pipeplan does not save or load split parameters"
+            )
 
 
 def run_training(config: RunConfig) -> dict[str, Any] | None:
@@ -259,15 +282,26 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
+    from pipeplan.runtime.tensor_parallel.apply import compute_context, parallelize_stage
+    from pipeplan.runtime.tensor_parallel.mesh import stage_meshes
     from pipeplan.schedules import build_schedule, peak_in_flight, schedule_kind
 
     plan = config.plan
     kind = schedule_kind(config.schedule)
-    sync = make_grad_sync(spec, env.rank, average_replicas=kind.gradients == "stashed", timeout_s=config.timeout_s)
+    split = any(stage.tensor_parallel > 1 for stage in plan.stages)
+    meshes = (stage_meshes(spec.ranks, spec.tensor_parallel, spec.stages, env.device.split(":")[0])
+              if split else None)  # collective: before any other group
+    sync = make_grad_sync(spec, env.rank, average_replicas=kind.gradients == "stashed", timeout_s=config.timeout_s,
+                          meshes=meshes)
     worker = (spec.stage_index, spec.replica)
     stage = spec.stage
     dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
     module = spec.rank_module.to(device=env.device, dtype=dtype) if spec.rank_module is not None else None
+    tp_context = None
+    if meshes is not None and module is not None and any(spec.tp_splits):
+        for chunk, splits in zip(spec.chunks, spec.tp_splits):
+            parallelize_stage(chunk.module, splits, meshes[spec.stage_index]["tensor"])
+        tp_context = partial(compute_context, env.device.split(":")[0])
     optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
     period = steps_period(config.schedule, spec.replicas)
     across = kind.gradients != "stashed"  # 1F1B-RR: each stage's own norm
@@ -337,6 +371,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder, grad_norm=grad_norm,
         stash=stash, recompute=config.recompute, minibatch_offset=offset,
         lookahead=2 * (peak_in_flight(actions) + 1), on_step=on_step, schedule=config.schedule,
+        compute_context=tp_context,
     )
     if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
         data.draw_ahead(dict.fromkeys(a.minibatch + offset for a in actions if a.kind == "F"))
@@ -372,7 +407,9 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
 
 
 def _digests(module: Any) -> dict[str, float]:
-    return {name: float(p.detach().double().sum()) for name, p in module.named_parameters()}
+    from pipeplan.runtime.tensor_parallel.apply import full
+
+    return {name: float(full(p.detach()).double().sum()) for name, p in module.named_parameters()}
 
 
 def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any, record: dict[str, Any], stash: Any) -> None:
@@ -383,7 +420,9 @@ def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any,
     from pipeplan.jsonio import write_atomic
 
     names = spec.qualified_names
-    params = {names[n]: p.detach().cpu().clone() for n, p in module.named_parameters()}
+    from pipeplan.runtime.tensor_parallel.apply import full
+
+    params = {names[n]: full(p.detach()).cpu().clone() for n, p in module.named_parameters()}
     obj = {
         "rank": rank,
         "stage": spec.stage_index,

@@ -1,0 +1,166 @@
+"""Turn one stage module into a tensor-parallel one: DTensor parameters, replicated activations at its edges.
+
+A stage module is a captured graph (``pipeplan.capture``): a ``torch.export`` capture of a
+Hugging Face model holds ATen ops whose shapes are constants of the whole model (a view
+to 4 heads), and reads each parameter from a bare container module. So the stage is
+parallelised in DTensor's *global* view rather than by rewriting shapes:
+
+- ``parallelize_module`` splits the planned parameters (``SplitParameters``, one per
+  module: a ``ParallelStyle`` that shards by the module's kind, see
+  ``tensor_parallel.plans``); every other parameter becomes a replicated DTensor (a
+  tensor tied inside the stage stays one tensor);
+- the stage's floating-point inputs enter as replicated DTensors, so every op runs on
+  DTensors and DTensor's sharding propagation inserts the collectives: a
+  column-parallel matmul yields activations sharded on features, a row-parallel one a
+  partial sum that is all-reduced where a replicated value needs it, as in Megatron;
+- the stage's outputs leave as full tensors (``full_tensor``), identical on every rank
+  of the group, so point-to-point between stages sends plain, replicated activations.
+
+Model code that creates tensors (masks, positions) mixes plain tensors with DTensors;
+``compute_context`` treats those as replicated (``implicit_replication``). On CPU it also
+selects the math attention kernel, whose ops DTensor can shard (its fused CPU kernel's
+backward has no sharding rule). Random ops in a split region (dropout) draw per rank on
+CPU: train with dropout 0 to compare against single-process runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils import _pytree as pytree
+
+__all__ = ["SplitParameters", "parallelize_stage", "compute_context", "settle_gradients", "local",
+           "full", "counted_here"]
+
+
+class SplitParameters(ParallelStyle):
+    """Shard a module's parameters on ``dims`` (name -> dim) over the mesh; replicate the rest.
+
+    Only the parameters change: activations follow DTensor's sharding propagation (the
+    stage's graph does not call its container modules, so module hooks would not run).
+    """
+
+    def __init__(self, dims: dict[str, int]) -> None:
+        super().__init__()
+        self.dims = dict(dims)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            placement = Shard(self.dims[name]) if name in self.dims else Replicate()
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]),
+                                                         requires_grad=param.requires_grad))
+        return module
+
+
+def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh: Any) -> None:
+    """Split ``module``'s planned parameters over the 1-D tensor ``mesh``, in place.
+
+    ``splits``: local module path in ``module`` -> {parameter name: dim}.
+    """
+    _drop_metadata_asserts(module)
+    owners = _owners(module)
+    parallelize_module(module, mesh, {path: SplitParameters(dims) for path, dims in splits.items()})
+    for holders in owners.values():  # every other parameter: one replicated DTensor per tensor
+        first_owner, first_name = holders[0]
+        param = first_owner._parameters[first_name]
+        if param is None:
+            continue
+        if not isinstance(param, DTensor):
+            param = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
+                                 requires_grad=param.requires_grad)
+        for owner, name in holders:
+            owner._parameters[name] = param
+    module.register_forward_pre_hook(lambda _, args: _enter(args, mesh))
+    module.register_forward_hook(lambda _, args, output: _leave(output))
+
+
+def _drop_metadata_asserts(module: nn.Module) -> None:
+    """Remove the capture's dtype/device assertions (``aten._assert_tensor_metadata``).
+
+    They check a plain tensor's metadata at capture time, yield nothing, and DTensor has
+    no sharding rule for them; the values they check are unchanged by the split.
+    """
+    import torch.fx as fx
+
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for sub in module.modules():
+        if isinstance(sub, fx.GraphModule):
+            asserts = [node for node in sub.graph.nodes if node.op == "call_function" and node.target is target]
+            for node in asserts:
+                sub.graph.erase_node(node)
+            if asserts:
+                sub.recompile()
+
+
+def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Each parameter tensor -> every (module, name) holding it (a tie holds it twice)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((sub, name))
+    return owners
+
+
+def _enter(args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    """Floating-point inputs as replicated DTensors (their gradient comes back whole)."""
+    return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point()
+                 else a for a in args)
+
+
+def _leave(output: Any) -> Any:
+    return pytree.tree_map_only(DTensor, lambda t: t.full_tensor(), output)
+
+
+@contextlib.contextmanager
+def compute_context(device_type: str) -> Iterator[None]:
+    """Where a tensor-parallel stage runs forward, backward and its step."""
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(implicit_replication())
+        if device_type == "cpu":
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        yield
+
+
+def settle_gradients(module: nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements (collective in the tensor group).
+
+    Sharding propagation may leave a gradient replicated or partial where its parameter
+    is sharded; the data-parallel all-reduce and the optimizer work on local shards.
+    """
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (its storage: writes land in the DTensor), else the tensor."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered over the tensor group for a DTensor: collective)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def counted_here(tensor: torch.Tensor, tp_index: int) -> bool:
+    """Whether this rank counts ``tensor`` in a sum over its group: every rank its shards,
+    rank 0 what every rank holds whole."""
+    if isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements):
+        return True
+    return tp_index == 0

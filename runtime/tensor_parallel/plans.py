@@ -1,0 +1,231 @@
+"""Which parameters a tensor-parallel stage splits: built-in plans per model family, or the model file's ``TP_PLAN``.
+
+A plan is what torchtitan writes: module path -> ``ColwiseParallel()`` / ``RowwiseParallel()``
+(Megatron's column-parallel then row-parallel linear pairs). Resolving it against the
+user's model gives, per module, the dimension each parameter is split on, which depends
+on the module's kind: ``nn.Linear`` keeps its weight as (out, in), Hugging Face's
+``Conv1D`` (GPT-2) as (in, out), ``nn.Embedding`` as (rows, dim): column-parallel splits
+the output features, row-parallel the input features (an embedding's rows: the
+vocabulary-parallel embedding).
+
+Built-in plans are written per module class (GPT-2, BERT, Llama from Hugging Face, and
+pipeplan's bundled GPT), so they hold wherever the blocks sit in the model. A vocabulary
+-parallel embedding and head are planned only where they are not one tied tensor.
+Everything here runs before any communication, so a refusal is one line on every rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from pipeplan.errors import InputError
+
+__all__ = ["Split", "FAMILIES", "resolve_splits", "check_heads", "stage_splits"]
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+# family -> {parent module class: {child path: style}}; the child is split as the style says
+FAMILIES: dict[str, dict[str, dict[str, str]]] = {
+    "HF GPT-2": {
+        "GPT2Attention": {"c_attn": COLWISE, "c_proj": ROWWISE},
+        "GPT2MLP": {"c_fc": COLWISE, "c_proj": ROWWISE},
+    },
+    "HF BERT": {
+        "BertSelfAttention": {"query": COLWISE, "key": COLWISE, "value": COLWISE},
+        "BertSelfOutput": {"dense": ROWWISE},
+        "BertIntermediate": {"dense": COLWISE},
+        "BertOutput": {"dense": ROWWISE},
+    },
+    "HF Llama": {
+        "LlamaAttention": {"q_proj": COLWISE, "k_proj": COLWISE, "v_proj": COLWISE, "o_proj": ROWWISE},
+        "LlamaMLP": {"gate_proj": COLWISE, "up_proj": COLWISE, "down_proj": ROWWISE},
+        "LlamaModel": {"embed_tokens": ROWWISE},  # vocabulary-parallel, when not tied
+        "LlamaForCausalLM": {"lm_head": COLWISE},
+    },
+    "pipeplan GPT": {
+        "CausalSelfAttention": {"qkv": COLWISE, "proj": ROWWISE},
+        "Block": {"mlp.0": COLWISE, "mlp.2": ROWWISE},
+    },
+}
+
+# (style, module kind) -> {parameter: dim it is split on}; a parameter not named is replicated
+_DIMS: dict[tuple[str, str], dict[str, int]] = {
+    (COLWISE, "Linear"): {"weight": 0, "bias": 0},
+    (ROWWISE, "Linear"): {"weight": 1},
+    (COLWISE, "Conv1D"): {"weight": 1, "bias": 0},
+    (ROWWISE, "Conv1D"): {"weight": 0},
+    (COLWISE, "Embedding"): {"weight": 1},
+    (ROWWISE, "Embedding"): {"weight": 0},
+}
+
+
+@dataclass(frozen=True)
+class Split:
+    """One module's split: its parameters' dims (parameters not named stay whole)."""
+
+    module: str  # qualified module path in the user's model
+    style: str  # COLWISE | ROWWISE
+    dims: tuple[tuple[str, int], ...]  # (parameter name, dim)
+
+
+def resolve_splits(model: nn.Module, tp_plan: dict[str, Any] | None, degrees: set[int],
+                   where: str) -> dict[str, Split]:
+    """Qualified module path -> ``Split`` for every module the plan splits; ``InputError`` on a refusal.
+
+    ``degrees``: the plan's tensor-parallel degrees above 1; every split dimension must
+    divide by each, and so must the attention heads of a known family.
+    """
+    if tp_plan is not None:
+        styles = _user_styles(model, tp_plan, where)
+    else:
+        styles = _builtin_styles(model)
+        if not styles:
+            raise InputError(
+                f"{where}: {type(model).__name__} has no built-in tensor-parallel plan (built in: "
+                f"{', '.join(FAMILIES)}); define TP_PLAN in the model file"
+            )
+    check_heads(model, degrees, where)
+    modules = dict(model.named_modules())
+    tied = _tied_parameters(model)
+    splits = {}
+    for path, style in styles.items():
+        kind = _kind(modules[path])
+        if (style, kind) not in _DIMS:
+            raise InputError(
+                f"{where}: the tensor-parallel plan splits {path} ({type(modules[path]).__name__}) "
+                f"{style}; only nn.Linear, nn.Embedding and Hugging Face Conv1D modules split"
+            )
+        dims = _DIMS[(style, kind)]
+        for name, dim in dims.items():
+            param = getattr(modules[path], name, None)
+            if param is None:
+                continue
+            if f"{path}.{name}" in tied:
+                raise InputError(
+                    f"{where}: the tensor-parallel plan splits {path}.{name}, which is tied to "
+                    f"{tied[f'{path}.{name}']}; leave tied parameters whole"
+                )
+            for t in sorted(degrees):
+                if param.shape[dim] % t:
+                    raise InputError(
+                        f"{where}: tensor_parallel {t} does not divide {path}.{name}'s dimension "
+                        f"{dim} ({param.shape[dim]}), which the plan splits {style}"
+                    )
+        splits[path] = Split(path, style, tuple((n, d) for n, d in dims.items()
+                                                if getattr(modules[path], n, None) is not None))
+    return splits
+
+
+def check_heads(model: nn.Module, degrees: set[int], where: str) -> None:
+    """``InputError`` when a degree does not divide the attention (or key/value) heads."""
+    heads: dict[str, int] = {}
+    config = getattr(model, "config", None)
+    for name in ("num_attention_heads", "n_head", "num_key_value_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            heads[name] = value
+    for module in model.modules():
+        count = getattr(module, "heads", None)
+        if type(module).__name__ == "CausalSelfAttention" and isinstance(count, int):
+            heads["heads"] = count
+    for t in sorted(degrees):
+        for name, count in heads.items():
+            if count % t:
+                raise InputError(
+                    f"{where}: tensor_parallel {t} does not divide the model's {count} attention "
+                    f"heads ({name}); choose a degree dividing {count}"
+                )
+
+
+def _builtin_styles(model: nn.Module) -> dict[str, str]:
+    tied = _tied_parameters(model)
+    styles: dict[str, str] = {}
+    for family in FAMILIES.values():
+        for parent_path, parent in model.named_modules():
+            children = family.get(type(parent).__name__)
+            if not children:
+                continue
+            for child, style in children.items():
+                path = f"{parent_path}.{child}" if parent_path else child
+                try:
+                    module = model.get_submodule(path)
+                except AttributeError:
+                    continue
+                if any(f"{path}.{name}" in tied for name, _ in module.named_parameters(recurse=False)):
+                    continue  # a tied embedding and head stay whole
+                styles[path] = style
+    return styles
+
+
+def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[str, str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    paths = [path for path, _ in model.named_modules() if path]
+    styles: dict[str, str] = {}
+    for pattern, style in tp_plan.items():
+        if isinstance(style, ColwiseParallel):
+            kind = COLWISE
+        elif isinstance(style, RowwiseParallel):
+            kind = ROWWISE
+        elif _is_layout_hint(style):
+            kind = ""  # activations keep DTensor layouts of their own (see tensor_parallel.apply)
+        else:
+            raise InputError(
+                f"{where}: TP_PLAN[{pattern!r}] is {type(style).__name__}, expected a "
+                f"torch.distributed.tensor.parallel style (ColwiseParallel, RowwiseParallel, ...)"
+            )
+        matched = [p for p in paths if _matches(pattern, p)]
+        if not matched:
+            raise InputError(f"{where}: TP_PLAN names {pattern!r}, which is no module of {type(model).__name__}")
+        if kind:
+            styles.update(dict.fromkeys(matched, kind))
+    return styles
+
+
+def _is_layout_hint(style: Any) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return isinstance(style, ParallelStyle)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """``fnmatch`` atom by atom, as ``parallelize_module`` matches (``layers.*.attention.wq``)."""
+    atoms, parts = pattern.split("."), path.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
+def _kind(module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    if isinstance(module, nn.Embedding):
+        return "Embedding"
+    return type(module).__name__  # "Conv1D" for Hugging Face's GPT-2 projections
+
+
+def _tied_parameters(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter held under several names -> one of its other names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {name: next(other for other in group if other != name)
+            for group in names.values() if len(group) > 1 for name in group}
+
+
+def stage_splits(parameter_names: dict[str, str], splits: dict[str, Split]) -> dict[str, dict[str, int]]:
+    """A stage's share of ``splits``: local module path -> {parameter: dim}.
+
+    ``parameter_names`` maps the stage module's parameter names to qualified ones.
+    """
+    local_of = {qualified: local for local, qualified in parameter_names.items()}
+    out: dict[str, dict[str, int]] = {}
+    for path, split in splits.items():
+        for name, dim in split.dims:
+            local_name = local_of.get(f"{path}.{name}")
+            if local_name is not None:
+                module_path, _, param = local_name.rpartition(".")
+                out.setdefault(module_path, {})[param] = dim
+    return out

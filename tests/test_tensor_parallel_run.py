@@ -1,0 +1,172 @@
+"""Tensor x pipeline x data in ``pipeplan run``: gloo ranks against single-process training, plans, refusals.
+
+The multi-process cases train 2 steps of 1F1B-Flush (2 micro-batches, gradients clipped
+to a global norm below theirs) on 4 CPU ranks and compare the logged norms and losses
+and every rank's whole parameters (split ones gathered) with plain training on the same
+batches: Hugging Face GPT-2 at t=2 x p=2 (its tied embedding and head on two stages),
+BERT at t=2 x d=2 (two model inputs), and a model file's own ``TP_PLAN`` at t=2 x p=2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+from pipeplan.errors import InputError  # noqa: E402
+from pipeplan.modelfile import load_model_file  # noqa: E402
+from pipeplan.plan import Plan  # noqa: E402
+from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
+from pipeplan.runtime.tensor_parallel.plans import resolve_splits  # noqa: E402
+from pipeplan.runtime.train import RunConfig, _check_tensor_parallel  # noqa: E402
+from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
+
+sys.path.insert(0, str(FIXTURES))
+from plans import make_plan  # noqa: E402
+from reference import train_reference_loop  # noqa: E402
+from test_train_loop import log_lines  # noqa: E402
+
+ROOT = Path(__file__).parent.parent
+GPT2 = str(ROOT / "docs" / "tutorial" / "hf_gpt2.py")  # 13 layers, 4 heads, tied wte / lm_head
+BERT = str(ROOT / "tests" / "fixtures" / "models" / "hf_bert.py")  # 2 heads, ids + attention mask
+USER_PLAN = str(ROOT / "tests" / "fixtures" / "models" / "tp_plan_mlp.py")  # 8 layers, TP_PLAN
+BUNDLED_GPT = str(ROOT / "configs" / "models" / "gpt.py")
+MLP = str(FIXTURES / "mlp.py")
+STEPS, BATCH, CLIP = 2, 8, 0.05
+
+
+def _layers(model: str) -> int:
+    from pipeplan.capture import build_layer_graph
+
+    model_file = load_model_file(model)
+    torch.manual_seed(0)
+    return len(build_layer_graph(model_file.build(), model_file.batch(BATCH // 2, 0)[0]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model,replicas,stages", [
+    (GPT2, 1, 2),  # t=2 x p=2
+    (BERT, 2, 1),  # t=2 x d=2
+    (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
+])
+def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
+    n = _layers(model)
+    cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
+    plan = make_plan(model, cut, [replicas] * stages, "1f1b-flush", batch_size=BATCH, microbatches=2,
+                     tensor_parallel=[2] * stages)
+    plan.save(tmp_path / "plan.json")
+    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(STEPS), "--lr", str(LR),
+                          "--clip-grad-norm", str(CLIP), "--no-progress", "--record", str(tmp_path / "rec"),
+                          "--metrics", str(tmp_path / "metrics.json"), "--log-dir", str(tmp_path / "log")],
+                      timeout=240.0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recs = records(tmp_path / "rec")
+    assert sorted(recs) == [0, 1, 2, 3]
+    ref = train_reference_loop(model, STEPS, BATCH, lambda p: torch.optim.SGD(p, lr=LR), clip_grad_norm=CLIP)
+    assert min(ref["norms"]) > CLIP  # every step clips: the norm over split gradients counts
+    assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(ref["norms"], rel=1e-5)
+    assert_params_match(recs, ref["params"])  # every rank: whole parameters equal to plain training
+    losses = ref["losses"]
+    for rank, rec in recs.items():  # replica-major groups: ranks 2r, 2r+1 form one replica
+        assert (rec["stage"], rec["replica"]) == ((rank // 2, 0) if stages == 2 else (0, rank // 2))
+    import json
+
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)  # one loss per step, not one per rank
+
+
+def test_plan_with_tensor_parallel_round_trips(tmp_path: Path) -> None:
+    plan = make_plan(GPT2, [list(range(7)), list(range(7, 13))], [2, 1], tensor_parallel=[2, 2])
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan
+    assert [s.ranks for s in loaded.stages] == [(0, 1, 2, 3), (4, 5)]
+    assert [s.tensor_parallel for s in loaded.stages] == [2, 2]
+    assert loaded.world_size == 6
+    assert loaded.stage_of_rank(3) == (0, 1) and loaded.stage_of_rank(5) == (1, 0)
+
+
+def test_groups_exchange_one_copy_of_every_value() -> None:
+    """Stage 0: 2 replicas x t=2 (ranks 0-3); stage 1: 1 replica x t=4 (ranks 4-7)."""
+    ranks = ((0, 1, 2, 3), (4, 5, 6, 7))
+
+    def spec(stage: int, tp_index: int) -> PipelineSpec:
+        return PipelineSpec(None, stage, 0, ranks, {}, {}, "", tensor_parallel=(2, 4), tp_index=tp_index)
+
+    # unit 1 runs on replica 1 of stage 0 (ranks 2, 3): each of stage 1's 4 ranks gets one copy
+    assert [spec(0, k).send_peers(1, 1) for k in range(2)] == [(4, 6), (5, 7)]
+    assert [spec(1, k).recv_peer(0, 1) for k in range(4)] == [2, 3, 2, 3]
+    # gradients back: stage 1's ranks 4, 5 send to ranks 2, 3 (6, 7 send none: same values)
+    assert [spec(1, k).send_peers(0, 1) for k in range(4)] == [(2,), (3,), (), ()]
+    assert [spec(0, k).recv_peer(1, 1) for k in range(2)] == [4, 5]
+    assert spec(0, 0).replicas == (2, 1)
+
+
+def _dims(model: torch.nn.Module, tp_plan: dict | None = None) -> dict[str, dict[str, int]]:
+    return {path: dict(split.dims) for path, split in resolve_splits(model, tp_plan, {2}, "m.py").items()}
+
+
+def test_builtin_plans_split_the_column_row_pairs() -> None:
+    gpt2 = _dims(load_model_file(GPT2).build())
+    assert gpt2["transformer.h.0.attn.c_attn"] == {"weight": 1, "bias": 0}  # Conv1D: (in, out)
+    assert gpt2["transformer.h.1.mlp.c_proj"] == {"weight": 0}
+    assert len(gpt2) == 8 and "lm_head" not in gpt2  # the tied embedding and head stay whole
+    bert = _dims(load_model_file(BERT).build())
+    assert bert["bert.encoder.layer.0.attention.self.query"] == {"weight": 0, "bias": 0}
+    assert bert["bert.encoder.layer.1.output.dense"] == {"weight": 1}
+    assert len(bert) == 2 * 6
+    gpt = _dims(load_model_file(BUNDLED_GPT).build())
+    assert set(gpt) == {f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    llama = _dims(transformers.LlamaForCausalLM(config))
+    assert llama["model.embed_tokens"] == {"weight": 0} and llama["lm_head"] == {"weight": 0}  # vocabulary-parallel
+    assert llama["model.layers.0.mlp.down_proj"] == {"weight": 1} and len(llama) == 9
+
+
+def _one_line(exc: pytest.ExceptionInfo[InputError]) -> str:
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+def test_refusals_are_one_line(tmp_path: Path) -> None:
+    gpt2 = load_model_file(GPT2).build()
+    with pytest.raises(InputError) as exc:
+        resolve_splits(gpt2, None, {3}, "m.py")
+    assert "tensor_parallel 3 does not divide the model's 4 attention heads" in _one_line(exc)
+    with pytest.raises(InputError) as exc:
+        resolve_splits(load_model_file(MLP).build(), None, {2}, "mlp.py")
+    assert "has no built-in tensor-parallel plan" in _one_line(exc) and "TP_PLAN" in _one_line(exc)
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    with pytest.raises(InputError) as exc:
+        resolve_splits(gpt2, {"transformer.h.*.attn.q_proj": ColwiseParallel()}, {2}, "m.py")
+    assert "TP_PLAN names 'transformer.h.*.attn.q_proj', which is no module of GPT2LMHeadModel" in _one_line(exc)
+    with pytest.raises(InputError) as exc:
+        resolve_splits(gpt2, {"lm_head": ColwiseParallel()}, {2}, "m.py")
+    assert "tied to transformer.wte.weight" in _one_line(exc)
+    # a split stage holding none of the plan's modules (GPT-2's embeddings only)
+    plan = make_plan(GPT2, [[0, 1, 2], list(range(3, 13))], [1, 1], tensor_parallel=[2, 1])
+    with pytest.raises(InputError) as exc:
+        build_pipeline(load_model_file(GPT2), plan, 0, 0, BATCH)
+    assert "plan stage 0 has tensor_parallel 2, but the tensor-parallel plan splits none of its modules" in _one_line(exc)
+
+
+@pytest.mark.parametrize("schedule,extra,expected", [
+    ("1f1b-rr", {}, "not 1f1b-rr"),
+    ("1f1b-flush", {"checkpoint_dir": "ckpt"}, "--checkpoint-dir with a tensor-parallel plan"),
+    ("gpipe", {"weights": "hf"}, "--weights with a tensor-parallel plan"),
+])
+def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, expected: str) -> None:
+    plan = make_plan(GPT2, [list(range(13))], [1], schedule, tensor_parallel=[2])
+    config = RunConfig(plan=plan, model_path=GPT2, schedule=schedule, steps=1, lr=LR, optimizer="sgd",
+                       microbatches=1, **extra)
+    with pytest.raises(InputError, match=expected):
+        _check_tensor_parallel(config)
