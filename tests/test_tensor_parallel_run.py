@@ -54,7 +54,7 @@ def _layers(model: str) -> int:
     (GPT2, 1, 2),  # t=2 x p=2
     (BERT, 2, 1),  # t=2 x d=2
     (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
-])
+], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2"])
 def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
     n = _layers(model)
     cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
@@ -149,6 +149,9 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(InputError) as exc:
         resolve_splits(gpt2, {"transformer.h.*.attn.q_proj": ColwiseParallel()}, {2}, "m.py")
     assert "TP_PLAN names 'transformer.h.*.attn.q_proj', which is no module of GPT2LMHeadModel" in _one_line(exc)
+    with pytest.raises(InputError) as exc:
+        resolve_splits(gpt2, {"transformer.h.*.attn": object()}, {2}, "m.py")
+    assert "TP_PLAN['transformer.h.*.attn'] is object; pipeplan splits with ColwiseParallel" in _one_line(exc)
     with pytest.raises(InputError) as exc:
         resolve_splits(gpt2, {"lm_head": ColwiseParallel()}, {2}, "m.py")
     assert "tied to transformer.wte.weight" in _one_line(exc)

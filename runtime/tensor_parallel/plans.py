@@ -175,8 +175,9 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
             kind = ""  # activations keep DTensor layouts of their own (see tensor_parallel.apply)
         else:
             raise InputError(
-                f"{where}: TP_PLAN[{pattern!r}] is {type(style).__name__}, expected a "
-                f"torch.distributed.tensor.parallel style (ColwiseParallel, RowwiseParallel, ...)"
+                f"{where}: TP_PLAN[{pattern!r}] is {type(style).__name__}; pipeplan splits with "
+                f"ColwiseParallel and RowwiseParallel (SequenceParallel and PrepareModule* are "
+                f"accepted as layout hints)"
             )
         matched = [p for p in paths if _matches(pattern, p)]
         if not matched:
@@ -187,9 +188,13 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
 
 
 def _is_layout_hint(style: Any) -> bool:
-    from torch.distributed.tensor.parallel import ParallelStyle
+    """A style that only places activations (it splits no parameter): torchtitan's plans
+    use them around attention and norms; a split stage keeps DTensor's own layouts."""
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput,
+                                                   PrepareModuleOutput, SequenceParallel)
 
-    return isinstance(style, ParallelStyle)
+    return isinstance(style, (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
+                              SequenceParallel))
 
 
 def _matches(pattern: str, path: str) -> bool:
