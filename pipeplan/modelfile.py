@@ -3,7 +3,9 @@
 Required names::
 
     def build_model() -> torch.nn.Module
-    def sample_batch(batch_size: int) -> tuple[inputs, targets]   # inputs: Tensor or tuple of Tensors
+    def sample_batch(batch_size: int) -> tuple[inputs, targets]
+    # inputs: a Tensor, a tuple (positional) or a dict of keyword arguments (model(**inputs));
+    # values are Tensors, None or constants (pipeplan.model_inputs)
 
 Optional names::
 
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pipeplan.errors import InputError, one_line
+from pipeplan.model_inputs import ModelInputs, model_inputs
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -99,8 +102,8 @@ class ModelFile:
     # TP_PLAN: module path pattern -> torch ParallelStyle, as torchtitan writes them (None: built-in plans)
     tp_plan: dict[str, Any] | None = None
 
-    def batch(self, batch_size: int, seed: int) -> tuple[tuple[Any, ...], Any]:
-        """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as a tuple.
+    def batch(self, batch_size: int, seed: int) -> tuple[ModelInputs, Any]:
+        """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as ``ModelInputs``.
 
         The global RNG state is restored afterwards, so drawing a batch never perturbs
         anything else (model init, dropout).
@@ -113,7 +116,7 @@ class ModelFile:
                 inputs, targets = self.sample_batch(batch_size)
             except Exception as exc:  # the user's code: report it in one line
                 raise InputError(f"{self.path}: sample_batch({batch_size}) raised {one_line(exc)}") from exc
-        return as_tuple(inputs, self.path), targets
+        return model_inputs(inputs, self.path), targets
 
     def build(self) -> Any:
         import torch
@@ -127,19 +130,6 @@ class ModelFile:
                 f"{self.path}: build_model() returned {type(model).__name__}, expected a torch.nn.Module"
             )
         return model
-
-
-def as_tuple(inputs: Any, where: str) -> tuple[Any, ...]:
-    import torch
-
-    values = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    for position, value in enumerate(values):
-        if not isinstance(value, torch.Tensor):
-            raise InputError(
-                f"{where}: sample_batch input {position} is {type(value).__name__}, expected a Tensor"
-            )
-    return tuple(values)
-
 
 
 def load_model_file(path: str | os.PathLike[str]) -> ModelFile:

@@ -6,6 +6,7 @@ import os
 from typing import Any, Sequence
 
 from pipeplan.errors import InputError, one_line
+from pipeplan.model_inputs import ModelInputs
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
@@ -16,8 +17,8 @@ from pipeplan.profiler.timing import make_timer, robust_stats
 __all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
 
 def prepare_batch(
-    inputs: Sequence[Any], targets: Any, device: Any, dtype: Any
-) -> tuple[tuple[Any, ...], Any]:
+    inputs: ModelInputs, targets: Any, device: Any, dtype: Any
+) -> tuple[ModelInputs, Any]:
     """Move the batch to ``device``; floating-point tensors are cast to ``dtype``.
 
     Targets that are not a tensor are left as they are, for the model file's ``loss_fn``.
@@ -31,12 +32,12 @@ def prepare_batch(
             return value.to(device=device, dtype=dtype)
         return value.to(device=device)
 
-    return tuple(move(tensor) for tensor in inputs), move(targets)
+    return inputs.map(move), move(targets)
 
 
 
 def check_model_runs(
-    model_file: ModelFile, model: Any, inputs: tuple[Any, ...], targets: Any, batch_size: int,
+    model_file: ModelFile, model: Any, inputs: ModelInputs, targets: Any, batch_size: int,
     allow_nonfinite: bool = False,
 ) -> None:
     """One forward + loss + backward; ``InputError`` (one line) when the user's code raises,
@@ -44,7 +45,7 @@ def check_model_runs(
     import torch
 
     try:
-        output = model(*inputs)
+        output = inputs.call(model)
     except Exception as exc:
         raise InputError(
             f"{model_file.path}: the model raised on sample_batch({batch_size}): {one_line(exc)}"
@@ -161,7 +162,7 @@ def _profile(
     modules = module_records(network, inputs)
     timer = make_timer(torch_device)
     layers, measured = measure_layers(
-        graph, inputs, targets, model_file.loss_fn, timer, warmup, repeats, progress
+        graph, inputs.tensors(), targets, model_file.loss_fn, timer, warmup, repeats, progress
     )
     optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
     data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
@@ -174,7 +175,7 @@ def _profile(
         layers=tuple(layers),
         step_ms=measured.step.median,
         step_ms_spread=measured.step.spread,
-        input_bytes=output_bytes(inputs),
+        input_bytes=output_bytes(inputs.tensors()),
         warmup=warmup,
         repeats=repeats,
         step_saved_bytes=measured.step_saved_bytes,

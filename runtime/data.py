@@ -10,7 +10,9 @@ Every such stage draws minibatch k itself, so no model input or target is ever s
 - otherwise it is ``sample_batch(batch_size)`` under ``torch.manual_seed(seed + k)``, so
   runs are reproducible.
 
-A minibatch is split into ``microbatches`` equal chunks along dim 0.
+A minibatch is split into ``microbatches`` equal chunks along dim 0. Inputs given as keyword
+arguments (a dict) reach the stages as their flat tensors (``ModelInputs.tensors``), the
+order in which the captured graph takes them (model input ``k``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from pipeplan.errors import InputError
-from pipeplan.modelfile import ModelFile, as_tuple
+from pipeplan.model_inputs import ModelInputs, model_inputs
+from pipeplan.modelfile import ModelFile
 
 __all__ = ["BatchSource"]
 
@@ -37,6 +40,7 @@ class BatchSource:
     dtype: torch.dtype = torch.float32  # floating-point inputs and targets are cast to it
     _loaders: dict[int, tuple[Iterator[Any], int]] = field(default_factory=dict)
     _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
+    _names: tuple[str, ...] | None = None  # the flat input tensors' argument names
 
     def __post_init__(self) -> None:
         if self.batch_size % self.microbatches:
@@ -45,7 +49,7 @@ class BatchSource:
             )
 
     def microbatch(self, minibatch: int, microbatch: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """(inputs, targets) of one micro-batch, on this rank's device."""
+        """(flat input tensors, targets) of one micro-batch, on this rank's device."""
         inputs, targets = self._minibatch(minibatch)
         m = self.microbatches
         if m == 1:
@@ -70,11 +74,20 @@ class BatchSource:
         return drawn
 
     def _minibatch(self, k: int, evict: bool = True) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """(flat input tensors, targets) of minibatch ``k``, placed on the device."""
         if evict:  # minibatches before k - 1 are done with (k - 1 may still be in flight)
             for old in [key for key in self._cache if key < k - 1]:
                 del self._cache[old]
         if k not in self._cache:
-            inputs, targets = self._draw(k)
+            drawn, targets = self._draw(k)
+            inputs = drawn.tensors()
+            if self._names is None:
+                self._names = drawn.names()
+            if drawn.names() != self._names:  # the stages read model input k by position
+                raise InputError(
+                    f"{self.model_file.path}: minibatch {k} has input tensors {list(drawn.names())}, "
+                    f"an earlier one {list(self._names)}; every batch must give the same inputs"
+                )
             if not isinstance(targets, torch.Tensor):
                 raise InputError(
                     f"{self.model_file.path}: minibatch {k} targets are {type(targets).__name__}; "
@@ -94,7 +107,7 @@ class BatchSource:
             return value.to(device=self.device, dtype=self.dtype)
         return value.to(self.device)
 
-    def _draw(self, k: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    def _draw(self, k: int) -> tuple[ModelInputs, Any]:
         if self.model_file.data_loader is None:
             return self.model_file.batch(self.batch_size, seed=self.seed + k)
         replica, position = k % self.loader_replicas, k // self.loader_replicas
@@ -114,4 +127,4 @@ class BatchSource:
             next_position += 1
         self._loaders[replica] = (iterator, next_position)
         inputs, targets = item  # type: ignore[misc]
-        return as_tuple(inputs, self.model_file.path), targets
+        return model_inputs(inputs, self.model_file.path), targets

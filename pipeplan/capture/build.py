@@ -31,14 +31,19 @@ from torch import nn
 from pipeplan.capture.exported import export_graph, preserved_buffers
 from pipeplan.capture.layer_graph import LayerGraph, LayerNode
 from pipeplan.errors import InputError
+from pipeplan.model_inputs import ModelInputs, model_inputs
 
 __all__ = ["build_layer_graph"]
 
 
 def build_layer_graph(
-    model: nn.Module, sample_inputs: tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = ()
+    model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = ()
 ) -> LayerGraph:
     """Cut ``model`` into layers; ``sample_inputs`` runs once (no grad) to type each value.
+
+    ``sample_inputs``: a tuple of tensors (positional), or ``ModelInputs`` (keyword
+    arguments, ``None`` values). The graph takes the flat tensors (``ModelInputs.tensors``);
+    a model called with anything but positional tensors is captured with ``torch.export``.
 
     ``leaf_modules``: class names whose every call is one layer (fx and export captures).
     An export capture specialises shapes to ``sample_inputs``: run its stages on inputs of
@@ -50,21 +55,24 @@ def build_layer_graph(
     [('0', 'Linear', ()), ('1', 'ReLU', (0,)), ('2', 'Linear', (1,))]
     """
     leaves = frozenset(leaf_modules)
-    if isinstance(model, nn.Sequential):
-        if len(sample_inputs) != 1:
+    if not isinstance(sample_inputs, ModelInputs):
+        if len(sample_inputs) == 0:
+            raise InputError("sample_batch gave no model inputs")
+        sample_inputs = model_inputs(tuple(sample_inputs), "sample_batch")
+    tensors = sample_inputs.tensors()
+    if sample_inputs.positional and isinstance(model, nn.Sequential):
+        if len(tensors) != 1:
             raise InputError(
-                f"an nn.Sequential takes one input, but sample_batch gave {len(sample_inputs)}"
+                f"an nn.Sequential takes one input, but sample_batch gave {len(tensors)}"
             )
-        return _fx_layer_graph(model, _sequential_graph(model), "sequential", sample_inputs)
-    traced = _trace(model, leaves)
+        return _fx_layer_graph(model, _sequential_graph(model), "sequential", tensors)
+    traced = _trace(model, leaves) if sample_inputs.positional else None
     if traced is not None:
-        return _fx_layer_graph(model, traced, "fx", sample_inputs)
-    if len(sample_inputs) == 0:
-        raise InputError("sample_batch gave no model inputs")
+        return _fx_layer_graph(model, traced, "fx", tensors)
     exported = export_graph(model, sample_inputs, leaves)
     graph_module = exported.graph_module
     with preserved_buffers(model):
-        tensor_valued = _run_and_type(graph_module, sample_inputs)
+        tensor_valued = _run_and_type(graph_module, tensors)
 
     def layer_call(node: fx.Node) -> str | None:
         return exported.layer_call.get(node.name)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from pipeplan.errors import InputError
+from pipeplan.model_inputs import ModelInputs
 
 __all__ = [
     "ExportedGraph",
@@ -64,27 +65,32 @@ class LayerModule:
 
 @dataclass
 class ExportedGraph:
-    graph_module: fx.GraphModule  # ATen ops; inputs: the model's positional inputs
+    graph_module: fx.GraphModule  # ATen ops; inputs: the model's flat input tensors
     layer_call: dict[str, str]  # node name -> module call key of its layer (absent: folded)
     layer_modules: dict[str, LayerModule]  # module call key -> the module
     out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
     dropped: tuple[str, ...]  # output fields set to None (values export cannot carry)
 
 
-_PREFIX = "model."  # the user's model inside _DropOutputs
+_PREFIX = "model."  # the user's model inside _UserCall
 
 
-class _DropOutputs(nn.Module):
-    """The user's model with output fields ``names`` set to ``None``."""
+class _UserCall(nn.Module):
+    """The user's model called as the user calls it, from its flat input tensors.
 
-    def __init__(self, model: nn.Module, names: tuple[str, ...]) -> None:
+    ``forward(*tensors)`` puts the tensors back into the user's positional and keyword
+    arguments (``ModelInputs.with_tensors``) and sets the output fields ``dropped`` to None.
+    """
+
+    def __init__(self, model: nn.Module, inputs: ModelInputs, dropped: tuple[str, ...]) -> None:
         super().__init__()
         self.model = model
-        self.names = names
+        self.inputs = inputs
+        self.dropped = dropped
 
-    def forward(self, *args: Any) -> Any:
-        output = self.model(*args)
-        for name in self.names:
+    def forward(self, *tensors: Any) -> Any:
+        output = self.inputs.with_tensors(tensors).call(self.model)
+        for name in self.dropped:
             if isinstance(output, dict):
                 output[name] = None
             else:
@@ -93,21 +99,23 @@ class _DropOutputs(nn.Module):
 
 
 def export_graph(
-    model: nn.Module, sample_inputs: tuple[torch.Tensor, ...], leaf_modules: Collection[str] = ()
+    model: nn.Module, sample_inputs: ModelInputs, leaf_modules: Collection[str] = ()
 ) -> ExportedGraph:
     """Export ``model`` on ``sample_inputs`` (shapes are specialised to them) and name layers.
 
+    The graph's inputs are the flat tensors of ``sample_inputs`` (``ModelInputs.tensors``).
     Raises ``InputError`` (one line: exception, file:line, the way around) when export fails.
     Runs the model once eagerly and once under export: O(ops).
     """
     with preserved_buffers(model):  # the sample run must not move BatchNorm statistics
         dropped = _register_outputs(model, sample_inputs)
-    root: nn.Module = _DropOutputs(model, dropped) if dropped else model
-    prefix = _PREFIX if dropped else ""
+    wrapped = bool(dropped) or not sample_inputs.positional
+    root: nn.Module = _UserCall(model, sample_inputs, dropped) if wrapped else model
+    prefix = _PREFIX if wrapped else ""
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
     try:
         with _quiet_torch_logs(), redirect_stderr(stderr):
-            program = torch.export.export(root, sample_inputs, strict=False)
+            program = torch.export.export(root, sample_inputs.tensors(), strict=False)
     except Exception as exc:
         raise InputError(capture_error(model, exc, "torch.export")) from exc
     sys.stderr.write(stderr.getvalue())
@@ -140,10 +148,10 @@ def _quiet_torch_logs() -> Iterator[None]:
         logging.disable(previous)
 
 
-def _register_outputs(model: nn.Module, sample_inputs: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
+def _register_outputs(model: nn.Module, sample_inputs: ModelInputs) -> tuple[str, ...]:
     """Run the model once; register plain dataclass outputs with pytree; name fields to drop."""
     with torch.no_grad():
-        output = model(*sample_inputs)
+        output = sample_inputs.call(model)
     if dataclasses.is_dataclass(output) and type(output) not in pytree.SUPPORTED_NODES:
         pytree.register_dataclass(type(output))
     if isinstance(output, dict):
@@ -206,6 +214,8 @@ def _as_graph_module(model: nn.Module, program: Any, prefix: str) -> fx.GraphMod
                     raise InputError(f"torch.export gave a {spec.kind.name} output, which pipeplan cannot run")
             graph.output(tuple(user_outputs))
         else:
+            if node.op == "get_attr":  # a higher-order op's body (an autocast or grad-mode region)
+                attributes[str(node.target)] = getattr(program.graph_module, str(node.target))
             env[node] = graph.node_copy(node, lambda used: env[used])
     return fx.GraphModule(attributes, graph, class_name=type(model).__name__)
 
@@ -289,7 +299,7 @@ def _failure_site(exc: BaseException, model: nn.Module) -> tuple[str, str]:
         if not filename.startswith(torch_dir) and not filename.startswith("<") and filename != __file__:
             site = f"{filename}:{tb.tb_lineno}"
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and owner is not model and not isinstance(owner, _DropOutputs):
+            if isinstance(owner, nn.Module) and owner is not model and not isinstance(owner, _UserCall):
                 module_class = type(owner).__name__
         tb = tb.tb_next
     return site, module_class

@@ -6,12 +6,13 @@ from typing import Any, Sequence
 
 from torch import nn
 
+from pipeplan.model_inputs import ModelInputs
 from pipeplan.profile import ModuleRecord
 
 __all__ = ["module_records"]
 
 
-def module_records(model: nn.Module, inputs: Sequence[Any]) -> tuple[ModuleRecord, ...]:
+def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tuple[ModuleRecord, ...]:
     """Every module of ``model`` in ``named_modules()`` order, with the calls one forward
     pass on ``inputs`` makes to it (forward pre-hooks; no gradients are recorded).
 
@@ -31,7 +32,7 @@ def module_records(model: nn.Module, inputs: Sequence[Any]) -> tuple[ModuleRecor
     hooks = [module.register_forward_pre_hook(counter(name)) for name, module in named]
     try:
         with torch.no_grad():
-            model(*inputs)
+            inputs.call(model) if isinstance(inputs, ModelInputs) else model(*inputs)
     finally:
         for hook in hooks:
             hook.remove()
