@@ -68,6 +68,10 @@ class ModelInputs:
             raise TypeError("these model inputs have keyword arguments: call the model with inputs.call(model)")
         return iter(self.args)
 
+    def __getitem__(self, position: int) -> Any:
+        """Positional input ``position`` (as for a tuple)."""
+        return self.args[position]
+
     def __len__(self) -> int:
         return len(self.args) + len(self.kwargs)
 

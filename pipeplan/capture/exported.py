@@ -120,6 +120,8 @@ def export_graph(
         raise InputError(capture_error(model, exc, "torch.export")) from exc
     sys.stderr.write(stderr.getvalue())
     graph_module = _as_graph_module(model, program, prefix)
+    _out_of_place(graph_module.graph)
+    graph_module.recompile()
     layer_call, layer_modules = _layers_of(model, graph_module, prefix, set(leaf_modules))
     return ExportedGraph(graph_module, layer_call, layer_modules, program.call_spec.out_spec, dropped)
 
@@ -218,6 +220,58 @@ def _as_graph_module(model: nn.Module, program: Any, prefix: str) -> fx.GraphMod
                 attributes[str(node.target)] = getattr(program.graph_module, str(node.target))
             env[node] = graph.node_copy(node, lambda used: env[used])
     return fx.GraphModule(attributes, graph, class_name=type(model).__name__)
+
+
+def _out_of_place(graph: fx.Graph) -> int:
+    """Rewrite in-place ATen ops on activations (``x += r`` in a residual block) as
+    out-of-place ops, later readers of ``x`` reading the result; return how many.
+
+    A stage's inputs are leaf tensors that require grad, which autograd forbids
+    modifying in place, and a layer must not change a value another layer (or stage)
+    reads. Ops on attributes (a BatchNorm's ``num_batches_tracked``) stay in place; so do
+    ops on a view (writing through it changes its base, which only in place can do).
+    """
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    rewritten = 0
+    for node in list(graph.nodes):
+        functional = _functional_variant(node)
+        target = node.args[0] if node.args else None
+        if functional is None or not isinstance(target, fx.Node) or target.op == "get_attr" or _is_view(target):
+            continue
+        with graph.inserting_after(node):
+            replacement = graph.call_function(functional, node.args, node.kwargs)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        for user in list(target.users):
+            if user is not replacement and order.get(user, -1) > order[node]:
+                user.replace_input_with(target, replacement)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _functional_variant(node: fx.Node) -> Any:
+    """``aten.add.Tensor`` for an ``aten.add_.Tensor`` node, else None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    schema = target._schema
+    name = schema.name.split("::")[-1]
+    if not name.endswith("_") or name.startswith("_") or not schema.arguments:
+        return None
+    alias = schema.arguments[0].alias_info
+    if alias is None or not alias.is_write:
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node`` returns a view of one of its inputs (its schema aliases the output)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return node.op == "call_function"  # an unknown function (getitem of a split): assume a view
+    return any(ret.alias_info is not None for ret in target._schema.returns)
 
 
 def _strip(target: str | None, prefix: str) -> str:
