@@ -12,6 +12,7 @@ Optional names::
     def loss_fn(output, target) -> Tensor        # output: what the model returns; default: default_loss
     def data_loader(batch_size, replica, replicas) -> Iterator[tuple[inputs, targets]]
     LEAF_MODULES = ["GPT2Block", ...]            # module classes kept whole as one layer each
+    OPAQUE_MODULES = ["MyRouter", ...]           # module classes run as themselves, never traced into
     def make_optimizer(params) -> torch.optim.Optimizer  # params: the rank's parameters as named
                                                  # groups ("decay", "no_decay": biases and norms,
                                                  # weight_decay 0), each with "param_names"
@@ -101,6 +102,7 @@ class ModelFile:
     make_lr_scheduler: Callable[[Any], Any] | None = None  # (optimizer) -> LR scheduler
     # TP_PLAN: module path pattern -> torch ParallelStyle, as torchtitan writes them (None: built-in plans)
     tp_plan: dict[str, Any] | None = None
+    opaque_modules: tuple[str, ...] = ()  # OPAQUE_MODULES: class names run as themselves (opaque layers)
 
     def batch(self, batch_size: int, seed: int) -> tuple[ModelInputs, Any]:
         """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as ``ModelInputs``.
@@ -176,6 +178,7 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
         make_optimizer=names.get("make_optimizer"),
         make_lr_scheduler=names.get("make_lr_scheduler"),
         tp_plan=_tp_plan(getattr(module, "TP_PLAN", None), path),
+        opaque_modules=_leaf_modules(getattr(module, "OPAQUE_MODULES", ()), path, "OPAQUE_MODULES"),
     )
 
 
@@ -191,17 +194,17 @@ def _tp_plan(value: Any, path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return dict(value)
 
 
-def _leaf_modules(value: Any, path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """``LEAF_MODULES`` as a tuple of class names (strings, or the classes themselves)."""
+def _leaf_modules(value: Any, path: str | os.PathLike[str], what: str = "LEAF_MODULES") -> tuple[str, ...]:
+    """``LEAF_MODULES`` (or ``OPAQUE_MODULES``) as a tuple of class names (strings, or the classes themselves)."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise InputError(
-            f"{path}: LEAF_MODULES is {type(value).__name__}, expected a list of module class names"
+            f"{path}: {what} is {type(value).__name__}, expected a list of module class names"
         )
     names = []
     for item in value:
         name = item if isinstance(item, str) else getattr(item, "__name__", None)
         if not isinstance(name, str) or not name:
-            raise InputError(f"{path}: LEAF_MODULES holds {item!r}, expected a module class name")
+            raise InputError(f"{path}: {what} holds {item!r}, expected a module class name")
         names.append(name)
     return tuple(names)
 

@@ -93,6 +93,8 @@ class Plan:
     # module classes the profile kept whole (the runtime rebuilds the same layers);
     # None: not recorded, the model file's LEAF_MODULES apply
     leaf_modules: tuple[str, ...] | None = None
+    # module classes run as opaque layers (the profile's; None: not recorded, OPAQUE_MODULES apply)
+    opaque_modules: tuple[str, ...] | None = None
     cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
     cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
     virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
@@ -133,8 +135,9 @@ class Plan:
                 for k, v in obj.items()
                 if k not in ("schema", "stages", "topology", "predicted")
             }
-            if rest.get("leaf_modules") is not None:
-                rest["leaf_modules"] = tuple(rest["leaf_modules"])
+            for name in ("leaf_modules", "opaque_modules"):
+                if rest.get(name) is not None:
+                    rest[name] = tuple(rest[name])
             return cls(
                 topology=Topology.from_dict(obj["topology"]),
                 stages=stages,

@@ -118,6 +118,9 @@ class Profile:
     # how the layer graph was captured: "sequential" | "fx" | "export" ("" when not recorded)
     capture: str = ""
     leaf_modules: tuple[str, ...] = ()  # module classes kept whole (--leaf-modules / LEAF_MODULES)
+    # module classes run as themselves, never traced into (--opaque-modules / OPAQUE_MODULES,
+    # or chosen where torch.export failed inside them)
+    opaque_modules: tuple[str, ...] = ()
     # output fields the export capture set to None (values that are not tensors, e.g. a cache)
     dropped_outputs: tuple[str, ...] = ()
     # split compute at tensor-parallel degree t takes tp_split_*_ms / (t * this): how the
@@ -175,7 +178,7 @@ class Profile:
             )
             fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema", "modules")}
             fields["modules"] = tuple(ModuleRecord(**module) for module in obj.get("modules", ()))
-            for name in ("leaf_modules", "dropped_outputs"):
+            for name in ("leaf_modules", "dropped_outputs", "opaque_modules"):
                 if name in fields:
                     fields[name] = tuple(fields[name])
             return cls(device=DeviceInfo(**obj["device"]), layers=layers, **fields)

@@ -60,6 +60,7 @@ def assemble_plan(profile: Profile, topology: Topology, options: PartitionOption
         in_flight=schedule_kind(options.schedule).minibatches_in_flight(replicas),
         stages=stages, predicted=predicted, bottleneck_stage=bottleneck,
         microbatches=options.microbatches, virtual_stages=virtual_stages,
-        leaf_modules=profile.leaf_modules, cut_family=family.name, cut_candidates=family.states,
+        leaf_modules=profile.leaf_modules, opaque_modules=profile.opaque_modules,
+        cut_family=family.name, cut_candidates=family.states,
         export_target=options.export_target,
     )

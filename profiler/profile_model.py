@@ -101,6 +101,7 @@ def profile_model(
     threads: int | None = None,
     allow_nonfinite: bool = False,
     leaf_modules: Sequence[str] | None = None,
+    opaque_modules: Sequence[str] | None = None,
 ) -> Profile:
     """Measure every layer of the model file ``model`` (a path or a bundled model's name).
 
@@ -110,7 +111,7 @@ def profile_model(
     label)`` is called after each pass (total = 1 + warmup + repeats). ``threads``
     sets torch's intra-op CPU threads for the measurement (restored afterwards).
     ``leaf_modules`` (class names kept whole as one layer each) overrides the model
-    file's ``LEAF_MODULES``.
+    file's ``LEAF_MODULES``; ``opaque_modules`` (classes run as themselves) its ``OPAQUE_MODULES``.
     """
     import torch
 
@@ -124,7 +125,7 @@ def profile_model(
         torch.set_num_threads(threads)
     try:
         return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite,
-                        leaf_modules)
+                        leaf_modules, opaque_modules)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -139,6 +140,7 @@ def _profile(
     progress: Progress | None,
     allow_nonfinite: bool,
     leaf_modules: Sequence[str] | None,
+    opaque_modules: Sequence[str] | None = None,
 ) -> Profile:
     """``profile_model`` without the thread setting."""
     if batch_size <= 0:
@@ -157,8 +159,9 @@ def _profile(
 
     disable_inplace(network)
     leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules
-    _check_leaf_modules(network, leaves)
-    graph = build_layer_graph(network, inputs, leaves)
+    opaque = tuple(opaque_modules) if opaque_modules is not None else model_file.opaque_modules
+    _check_leaf_modules(network, (*leaves, *opaque))
+    graph = build_layer_graph(network, inputs, leaves, opaque)
     modules = module_records(network, inputs)
     timer = make_timer(torch_device)
     layers, measured = measure_layers(
@@ -184,6 +187,7 @@ def _profile(
         data_ms=data_ms,
         capture=graph.kind,
         leaf_modules=leaves,
+        opaque_modules=graph.opaque_modules,
         dropped_outputs=graph.dropped_outputs,
         modules=modules,
     )

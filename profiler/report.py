@@ -82,6 +82,7 @@ def summary_lines(profile: Profile) -> list[str]:
         [
             f"capture: {profile.capture}, {len(profile.layers)} layers"
             + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
+            + (f", opaque modules: {', '.join(profile.opaque_modules)}" if profile.opaque_modules else "")
             + (
                 f"; output fields set to None (not tensors): {', '.join(profile.dropped_outputs)}"
                 if profile.dropped_outputs

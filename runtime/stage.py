@@ -141,7 +141,8 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     model = model_file.build()
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
     leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
-    graph = build_layer_graph(model, sample_inputs, leaf_modules)
+    opaque = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
+    graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque)
     if graph.fingerprint != plan.profile_fingerprint:
         raise InputError(
             f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "

@@ -37,7 +37,8 @@ __all__ = ["build_layer_graph"]
 
 
 def build_layer_graph(
-    model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = ()
+    model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = (),
+    opaque_modules: Sequence[str] = (),
 ) -> LayerGraph:
     """Cut ``model`` into layers; ``sample_inputs`` runs once (no grad) to type each value.
 
@@ -46,6 +47,9 @@ def build_layer_graph(
     a model called with anything but positional tensors is captured with ``torch.export``.
 
     ``leaf_modules``: class names whose every call is one layer (fx and export captures).
+    ``opaque_modules``: class names whose every call is one layer run as the module itself,
+    never traced into (fx: a leaf; export: ``pipeplan.capture.opaque``); export adds the
+    class of a module it fails in (``LayerGraph.opaque_modules`` lists them all).
     An export capture specialises shapes to ``sample_inputs``: run its stages on inputs of
     the same shapes (the runtime captures at the micro-batch size).
 
@@ -66,10 +70,12 @@ def build_layer_graph(
                 f"an nn.Sequential takes one input, but sample_batch gave {len(tensors)}"
             )
         return _fx_layer_graph(model, _sequential_graph(model), "sequential", tensors)
-    traced = _trace(model, leaves) if sample_inputs.positional else None
+    traced = _trace(model, leaves | frozenset(opaque_modules)) if sample_inputs.positional else None
     if traced is not None:
-        return _fx_layer_graph(model, traced, "fx", tensors)
-    exported = export_graph(model, sample_inputs, leaves)
+        graph = _fx_layer_graph(model, traced, "fx", tensors)
+        graph.opaque_modules = tuple(opaque_modules)
+        return graph
+    exported = export_graph(model, sample_inputs, leaves, opaque_modules)
     graph_module = exported.graph_module
     with preserved_buffers(model):
         tensor_valued = _run_and_type(graph_module, tensors)
@@ -83,8 +89,10 @@ def build_layer_graph(
 
     layer_of_node = _group_nodes(graph_module, tensor_valued, layer_call)
     layers = _layer_nodes(graph_module, layer_of_node, layer_call, describe)
-    return LayerGraph(model, graph_module, layer_of_node, layers, "export", frozenset(tensor_valued),
-                      exported.out_spec, exported.dropped)
+    graph = LayerGraph(model, graph_module, layer_of_node, layers, "export", frozenset(tensor_valued),
+                       exported.out_spec, exported.dropped)
+    graph.opaque_modules = exported.opaque
+    return graph
 
 
 def _fx_layer_graph(

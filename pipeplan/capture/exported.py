@@ -44,6 +44,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pipeplan.capture.opaque import opaque_calls, run_opaque_calls
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
 
@@ -70,6 +71,7 @@ class ExportedGraph:
     layer_modules: dict[str, LayerModule]  # module call key -> the module
     out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
     dropped: tuple[str, ...]  # output fields set to None (values export cannot carry)
+    opaque: tuple[str, ...] = ()  # module classes run as themselves (asked for, or export failed in them)
 
 
 _PREFIX = "model."  # the user's model inside _UserCall
@@ -99,31 +101,75 @@ class _UserCall(nn.Module):
 
 
 def export_graph(
-    model: nn.Module, sample_inputs: ModelInputs, leaf_modules: Collection[str] = ()
+    model: nn.Module, sample_inputs: ModelInputs, leaf_modules: Collection[str] = (),
+    opaque_modules: Collection[str] = (),
 ) -> ExportedGraph:
     """Export ``model`` on ``sample_inputs`` (shapes are specialised to them) and name layers.
 
     The graph's inputs are the flat tensors of ``sample_inputs`` (``ModelInputs.tensors``).
-    Raises ``InputError`` (one line: exception, file:line, the way around) when export fails.
-    Runs the model once eagerly and once under export: O(ops).
+    Modules of the classes in ``opaque_modules`` are opaque layers (``pipeplan.capture.opaque``).
+    Where export fails inside a module, that module's class becomes opaque too (one line on
+    stderr says so) and export runs again, up to ``_MOST_OPAQUE`` classes. Raises
+    ``InputError`` (one line: exception, file:line, the way around) when export still fails.
+    Runs the model eagerly once, plus once per opaque attempt, and under export: O(ops).
     """
     with preserved_buffers(model):  # the sample run must not move BatchNorm statistics
         dropped = _register_outputs(model, sample_inputs)
     wrapped = bool(dropped) or not sample_inputs.positional
     root: nn.Module = _UserCall(model, sample_inputs, dropped) if wrapped else model
     prefix = _PREFIX if wrapped else ""
-    stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
-    try:
-        with _quiet_torch_logs(), redirect_stderr(stderr):
-            program = torch.export.export(root, sample_inputs.tensors(), strict=False)
-    except Exception as exc:
-        raise InputError(capture_error(model, exc, "torch.export")) from exc
-    sys.stderr.write(stderr.getvalue())
-    graph_module = _as_graph_module(model, program, prefix)
+    opaque = list(dict.fromkeys(opaque_modules))
+    while True:
+        try:
+            graph_module, out_spec = _export(model, root, sample_inputs.tensors(), prefix, opaque)
+            break
+        except _ExportFailed as failed:
+            exc = failed.__cause__ or failed
+            _, module_class = _failure_site(exc, model)
+            if not module_class or module_class in opaque or len(opaque) >= _MOST_OPAQUE:
+                raise InputError(capture_error(model, exc, "torch.export")) from exc
+            sys.stderr.write(f"pipeplan: torch.export cannot trace {module_class} ({_reason(exc)}); running "
+                             f"{module_class} as an opaque layer (--opaque-modules {module_class})\n")
+            opaque.append(module_class)
     _out_of_place(graph_module.graph)
     graph_module.recompile()
-    layer_call, layer_modules = _layers_of(model, graph_module, prefix, set(leaf_modules))
-    return ExportedGraph(graph_module, layer_call, layer_modules, program.call_spec.out_spec, dropped)
+    layer_call, layer_modules = _layers_of(model, graph_module, prefix, {*leaf_modules, *opaque})
+    return ExportedGraph(graph_module, layer_call, layer_modules, out_spec, dropped, tuple(opaque))
+
+
+_MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
+
+
+class _ExportFailed(Exception):
+    """torch.export raised (the cause); ``export_graph`` may retry with an opaque module."""
+
+
+def _export(
+    model: nn.Module, root: nn.Module, tensors: tuple[Any, ...], prefix: str, opaque: list[str]
+) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    """One export attempt with ``opaque`` classes run as themselves; the graph and output spec."""
+
+    def record() -> None:
+        with torch.no_grad(), preserved_buffers(model):
+            root(*tensors)
+
+    stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
+    with opaque_calls(model, opaque, record) as calls:
+        try:
+            with _quiet_torch_logs(), redirect_stderr(stderr):
+                program = torch.export.export(root, tensors, strict=False)
+        except Exception as exc:
+            raise _ExportFailed() from exc
+        sys.stderr.write(stderr.getvalue())
+        graph_module = _as_graph_module(model, program, prefix)
+        run_opaque_calls(graph_module, calls)
+    return graph_module, program.call_spec.out_spec
+
+
+def _reason(exc: BaseException) -> str:
+    """``Type: first line`` of an exception, at most 120 characters."""
+    message = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {message[:117] + '...' if len(message) > 120 else message}"
 
 
 @contextmanager
@@ -335,7 +381,8 @@ def capture_error(model: nn.Module, exc: BaseException, tool: str) -> str:
                 "Hugging Face model build it with use_cache=False)")
     elif module_class:
         hint = (f"name {module_class} in --leaf-modules (or LEAF_MODULES in the model file) so "
-                f"that torch.fx keeps it whole, or change the code there")
+                f"that torch.fx keeps it whole, or another module in --opaque-modules (OPAQUE_MODULES) "
+                f"so that it runs as itself, or change the code there")
     else:
         hint = "change the code there, or wrap the model as an nn.Sequential of its layers"
     at = f" at {where}" if where else ""

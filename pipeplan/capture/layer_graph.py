@@ -88,6 +88,7 @@ class LayerGraph:
         # flat tuple of tensors and result_spec rebuilds what the model returns
         self.result_spec = result_spec
         self.dropped_outputs = dropped_outputs  # output fields set to None (export only)
+        self.opaque_modules: tuple[str, ...] = ()  # module classes run as themselves (opaque layers)
         self.fingerprint = _fingerprint(model, layers, kind)
 
     def __len__(self) -> int:

@@ -36,6 +36,9 @@ Examples:
 @click.option("--leaf-modules", "leaf_modules", default=None, metavar="CLASS,CLASS",
               help="Module classes kept whole, one layer per call (e.g. GPT2Block); "
                    "overrides LEAF_MODULES in the model file.")
+@click.option("--opaque-modules", "opaque_modules", default=None, metavar="CLASS,CLASS",
+              help="Module classes run as themselves, never traced into (opaque layers); overrides "
+                   "OPAQUE_MODULES in the model file. A module torch.export fails in is made opaque anyway.")
 def profile(
     model: str,
     output_path: str,
@@ -47,6 +50,7 @@ def profile(
     threads: int | None,
     allow_nonfinite: bool,
     leaf_modules: str | None,
+    opaque_modules: str | None,
 ) -> None:
     """Measure MODEL (a model file, or a bundled model's name) layer by layer.
 
@@ -74,7 +78,8 @@ def profile(
 
         leaves = parse_leaf_modules(leaf_modules) if leaf_modules is not None else None
         result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads,
-                               allow_nonfinite=allow_nonfinite, leaf_modules=leaves)
+                               allow_nonfinite=allow_nonfinite, leaf_modules=leaves,
+                               opaque_modules=parse_leaf_modules(opaque_modules) if opaque_modules is not None else None)
     result.save(output_path)
     console.print(profile_table(result))
     for line in summary_lines(result):

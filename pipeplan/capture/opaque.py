@@ -1,0 +1,161 @@
+"""Opaque layers: modules ``torch.export`` does not trace into, run as themselves from the captured graph.
+
+Under ``opaque_calls(model, classes)`` every module of the named classes answers a call
+with one ``pipeplan::opaque`` op over its input tensors, whose outputs have the shapes and
+dtypes an eager run recorded, so export records a single node and never looks inside.
+``run_opaque_calls`` then turns each such node into a ``call_module`` of an
+``OpaqueLayer``: the user's module itself, called with the arguments it was called with
+(tensors from the graph, every other value as recorded), returning its output tensors.
+The stage that holds the layer trains the module's own parameters; autograd goes
+through its eager code. Shapes are those of the sample inputs, as for any export capture.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Collection, Iterator
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["OpaqueLayer", "opaque_calls", "run_opaque_calls"]
+
+torch.library.define("pipeplan::opaque", "(Tensor[] inputs, int call) -> Tensor[]")
+
+
+@dataclass
+class _Call:
+    """One call of an opaque module: its name, how to rebuild its arguments, its outputs."""
+
+    id: int  # the op's call argument
+    name: str  # qualified name in the user's model
+    module: nn.Module
+    in_spec: pytree.TreeSpec  # of (args, kwargs)
+    in_leaves: list[Any]  # non-tensor leaves as called; TENSOR where the graph gives a tensor
+    out_spec: pytree.TreeSpec
+    out_leaves: list[Any]  # non-tensor output leaves; TENSOR for each output tensor
+    out_meta: list[tuple[torch.Size, torch.dtype]]  # shape and dtype of each output tensor
+
+
+class TENSOR:
+    """Marks a tensor's place among a call's leaves (None is a value too); a class, so that
+    copies of a stage (deepcopy, pickle) still hold this very object."""
+
+_CALLS: dict[int, _Call] = {}  # call id -> call, for the op's fake kernel during export
+_IDS = itertools.count()
+
+
+@torch.library.register_fake("pipeplan::opaque")
+def _opaque_fake(inputs: list[torch.Tensor], call: int) -> list[torch.Tensor]:
+    meta = _CALLS[call].out_meta
+    device = inputs[0].device if inputs else torch.device("cpu")
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in meta]
+
+
+class OpaqueLayer(nn.Module):
+    """``forward(*tensors)``: the user's module called as it was (tensors put back into its
+    arguments), returning its output tensors as a list."""
+
+    def __init__(self, call: _Call) -> None:
+        super().__init__()
+        self.module = call.module
+        self.qualified_name = call.name
+        self.in_spec = call.in_spec
+        self.in_leaves = call.in_leaves
+
+    def forward(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        supply = iter(tensors)
+        leaves = [next(supply) if leaf is TENSOR else leaf for leaf in self.in_leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        output = self.module(*args, **kwargs)
+        return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+
+
+def _split(value: Any) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
+    """(tensors, leaves with each tensor replaced by TENSOR, spec) of a pytree."""
+    leaves, spec = pytree.tree_flatten(value)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return tensors, [TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
+
+
+@contextmanager
+def opaque_calls(model: nn.Module, classes: Collection[str], record: Any) -> Iterator[list[_Call]]:
+    """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
+
+    ``record()`` runs the model once eagerly (no grad) to learn each call's outputs; the
+    export run that follows must call the modules in the same order. Yields the calls.
+    """
+    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in classes]
+    calls: list[_Call] = []
+    if not targets:
+        yield calls
+        return
+    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True) for name, module in targets]
+    try:
+        record()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    pending = iter(calls)
+    originals = {}
+    for name, module in targets:
+        originals[name] = module.forward
+        module.forward = _stand_in(pending)  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        for name, module in targets:
+            module.forward = originals[name]  # type: ignore[method-assign]
+        for call in calls:
+            _CALLS.pop(call.id, None)
+
+
+def _recorder(name: str, calls: list[_Call]) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        _, in_leaves, in_spec = _split((args, kwargs))
+        out_tensors, out_leaves, out_spec = _split(output)
+        call = _Call(next(_IDS), name, module, in_spec, in_leaves, out_spec, out_leaves,
+                     [(t.shape, t.dtype) for t in out_tensors])
+        _CALLS[call.id] = call
+        calls.append(call)
+
+    return hook
+
+
+def _stand_in(pending: Iterator[_Call]) -> Any:
+    """A module's forward during export: the opaque op, then the recorded output structure."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call = next(pending)
+        tensors, _, _ = _split((args, kwargs))
+        outputs = iter(torch.ops.pipeplan.opaque(tensors, call.id))
+        leaves = [next(outputs) if leaf is TENSOR else leaf for leaf in call.out_leaves]
+        return pytree.tree_unflatten(leaves, call.out_spec)
+
+    return forward
+
+
+def run_opaque_calls(graph_module: fx.GraphModule, calls: list[_Call]) -> int:
+    """Replace each ``pipeplan::opaque`` node by a ``call_module`` of its ``OpaqueLayer``; return how many."""
+    by_id = {call.id: call for call in calls}
+    replaced = 0
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.pipeplan.opaque.default:
+            continue
+        inputs, call_id = node.args
+        call = by_id[int(call_id)]  # type: ignore[call-overload]
+        target = f"_pipeplan_opaque_{replaced}"
+        graph_module.add_submodule(target, OpaqueLayer(call))
+        with graph.inserting_before(node):
+            layer = graph.call_module(target, tuple(inputs))  # type: ignore[arg-type]
+        layer.meta = dict(node.meta)
+        node.replace_all_uses_with(layer)
+        graph.erase_node(node)
+        replaced += 1
+    graph_module.recompile()
+    return replaced
