@@ -142,7 +142,7 @@ class LiveLog:
 
 
 def open_live_log(config: Any, rank: int, spec: Any, samples_per_step: int, period: int,
-              across: bool, watchdog: Any, done_steps: int) -> Any:
+                  across: bool, watchdog: Any, done_steps: int) -> Any:
     """Rank 0's ``--log-dir`` writer (None elsewhere or without the option)."""
     if rank != 0 or config.log_dir is None or done_steps >= config.steps:
         return None
@@ -152,7 +152,7 @@ def open_live_log(config: Any, rank: int, spec: Any, samples_per_step: int, peri
 
 
 def publish_step(watchdog: Any, executor: Any, recorder: Any, spec: Any, rank: int, step: int,
-                  period: int, published: dict[str, float]) -> None:
+                 period: int, published: dict[str, float]) -> None:
     """This rank's share of step ``step`` (0-based) for rank 0's live log."""
     minibatches = range(step * period, (step + 1) * period)
     losses = [executor.losses[k] for k in minibatches if k in executor.losses]
