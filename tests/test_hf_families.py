@@ -36,7 +36,7 @@ PLAN_ONLY = ["qwen3", "phi3", "olmo", "gpt_neox", "qwen2_moe", "deepseek_v3", "m
 # family -> layers (module calls, pipeplan's granularity); every capture is torch.export
 LAYERS = {"llama": 12, "mistral": 12, "qwen2": 12, "qwen3": 12, "gemma3": 16, "phi3": 16, "olmo": 12,
           "gpt_neox": 17, "mixtral": 12, "qwen2_moe": 12, "deepseek_v3": 12, "modernbert": 17, "gpt2": 13,
-          "bert": 15, "t5": 71, "bart": 35, "whisper": 36, "vit": 16, "resnet": 27}
+          "bert": 15, "t5": 19, "bart": 35, "whisper": 36, "vit": 16, "resnet": 27}
 BATCH, MICROBATCHES, STEPS = 4, 2, 2
 # BatchNorm normalises over a micro-batch: ResNet equals whole-batch training with one
 ONE_MICROBATCH = {"resnet"}

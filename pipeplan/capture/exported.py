@@ -21,7 +21,8 @@ under ``past_key_values``) are dropped (set to ``None``) and named in ``dropped`
 *Layers* (``layer_of_node``): an op belongs to the outermost module of its stack that is
 a layer module (``is_layer_module``): a class named in ``leaf_modules``; a module with no
 children; or a child of a repeated block (an element of a ``ModuleList`` / ``Sequential``
-holding two or more modules of its class) that holds no repeated block itself. A GPT-2
+holding two or more modules of its class) that holds no repeated block itself (an element
+of a block's ``ModuleList``, which is iterated and never called, counts as its child: T5). A GPT-2
 block gives 4 layers (``ln_1``, ``attn``, ``ln_2``, ``mlp``), a BERT layer 3
 (``attention``, ``intermediate``, ``output``). Ops outside every layer module (a residual
 add in a block's ``forward``, mask construction) are folded into neighbours by
@@ -331,6 +332,11 @@ def _layers_of(
     modules = dict(model.named_modules(remove_duplicate=False))
     blocks = _repeated_blocks(model)
     holds_blocks = {name for name in modules if any(b.startswith(f"{name}.") for b in blocks)}
+    # a block's ModuleList / ModuleDict is iterated, never called (T5Block.layer): its
+    # elements are the block's children as far as layers go
+    parts = {f"{name}.{child}" for name, module in modules.items()
+             if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name.rpartition(".")[0] in blocks
+             for child, _ in module.named_children()}
     layer_call: dict[str, str] = {}
     layer_modules: dict[str, LayerModule] = {}
     for node in graph_module.graph.nodes:
@@ -340,7 +346,7 @@ def _layers_of(
             module = modules.get(name)
             if not name or module is None:
                 continue
-            if is_layer_module(name, module, leaf_modules, blocks, holds_blocks):
+            if is_layer_module(name, module, leaf_modules, blocks, holds_blocks, parts):
                 layer_call[node.name] = key
                 layer_modules[key] = LayerModule(name, type(module).__name__)
                 break
@@ -360,14 +366,16 @@ def _repeated_blocks(model: nn.Module) -> set[str]:
 
 
 def is_layer_module(
-    name: str, module: nn.Module, leaf_modules: set[str], blocks: set[str], holds_blocks: set[str]
+    name: str, module: nn.Module, leaf_modules: set[str], blocks: set[str], holds_blocks: set[str],
+    parts: Collection[str] = (),
 ) -> bool:
-    """Whether the module called ``name`` is one layer (see the module docstring)."""
+    """Whether the module called ``name`` is one layer (see the module docstring); ``parts``:
+    elements of a block's uncalled ModuleList / ModuleDict, which count as the block's children."""
     if type(module).__name__ in leaf_modules or not any(True for _ in module.children()):
         return True
     if name in holds_blocks or name in blocks:
         return False
-    return name.rpartition(".")[0] in blocks
+    return name.rpartition(".")[0] in blocks or name in parts
 
 
 def capture_error(model: nn.Module, exc: BaseException, tool: str) -> str:
