@@ -15,7 +15,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["keep_freed_blocks"]
+__all__ = ["keep_freed_blocks", "return_freed_blocks"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -37,3 +37,21 @@ def keep_freed_blocks() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
     )
+
+
+def return_freed_blocks() -> bool:
+    """Hand freed heap memory back to the kernel now (glibc ``malloc_trim(0)``); True if it did.
+
+    The layer-by-layer profiler calls it after freeing each layer, so the retention that
+    ``keep_freed_blocks`` allows does not add up across layers.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

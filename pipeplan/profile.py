@@ -4,7 +4,9 @@ A ``Profile`` holds one ``LayerProfile`` per layer, indexed by ``LayerProfile.in
 (0..N-1, a topological order: every producer index is smaller than its consumer's).
 Times are milliseconds for one minibatch of ``batch_size`` samples; sizes are bytes.
 Stored as JSON with ``"schema": "pipeplan.profile/2"``; version 1 files (without the
-tensor-parallel fields and ``estimated``) still load.
+tensor-parallel fields and ``estimated``) still load, and so do /2 files without the
+optional fields of a meta-device profile (``build``, ``step_not_measured``,
+``optimizer_sample_bytes``, ``LayerProfile.reused_from``).
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -81,6 +83,9 @@ class LayerProfile:
     tp_forward_allreduces: int = 0  # all-reduces per forward (Megatron block: 2; vocab embedding: 1)
     tp_backward_allreduces: int = 0  # per backward (block: 2; vocab head: 1; + the forward's under recompute)
     parameters: tuple[str, ...] = ()  # qualified names of the parameters the layer uses (sorted)
+    # -1: timed itself; else the index of the identical layer (same class, parameter and
+    # input shapes and dtypes) whose times it reuses (its bytes are always its own)
+    reused_from: int = -1
 
     @property
     def splits(self) -> bool:
@@ -132,6 +137,14 @@ class Profile:
     estimated: str = ""
     # the model's module tree in named_modules() order (module docstring); () when not recorded
     modules: tuple[ModuleRecord, ...] = ()
+    # "eager": the whole model was built and measured at once; "meta": it was built on the
+    # meta device and each layer materialised alone ("" in files from before)
+    build: str = ""
+    # why step_ms is 0 when the model was not measured whole ("" when it was, or in old files)
+    step_not_measured: str = ""
+    # bytes of parameters the optimizer steps were timed on; optimizer_ms scales that time
+    # linearly to all parameters (0: timed on all of them)
+    optimizer_sample_bytes: int = 0
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -228,6 +241,11 @@ def validate(profile: Profile) -> None:
                           integer=True)
         if not all(isinstance(name, str) and name for name in layer.parameters):
             raise InputError(f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names")
+        if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
+            raise InputError(
+                f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
+                f"is not -1 or an earlier layer"
+            )
         for position in layer.model_inputs:
             if not (isinstance(position, int) and position >= 0):
                 raise InputError(
@@ -235,8 +253,10 @@ def validate(profile: Profile) -> None:
                 )
     for name in ("step_ms", "step_ms_spread", "loss_ms", "data_ms"):
         _check_amount(getattr(profile, name), MAX_MS, f"profile {name}")
-    for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats"):
+    for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats", "optimizer_sample_bytes"):
         _check_amount(getattr(profile, name), MAX_BYTES, f"profile {name}", integer=True)
+    if profile.build not in ("", "eager", "meta"):
+        raise InputError(f"profile build = {profile.build!r} is not one of eager, meta")
     if not (isinstance(profile.tp_efficiency, (int, float)) and 0 < profile.tp_efficiency <= 1):
         raise InputError(f"profile tp_efficiency = {profile.tp_efficiency!r} is outside (0, 1]")
     for optimizer, value in profile.optimizer_ms.items():

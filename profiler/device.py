@@ -9,7 +9,7 @@ from typing import Any
 from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo
 
-__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "device_info", "cpu_name"]
+__all__ = ["DTYPES", "resolve_device", "resolve_dtype", "device_info", "cpu_name", "available_bytes"]
 
 DTYPES = ("float32", "bfloat16")
 
@@ -63,3 +63,31 @@ def device_info(device: Any) -> DeviceInfo:
     if device.type == "cuda":
         return DeviceInfo(type="cuda", name=torch.cuda.get_device_name(device))
     return DeviceInfo(type="cpu", name=cpu_name())
+
+
+def available_bytes(device: Any) -> int:
+    """Bytes this process may still allocate on ``device``: the GPU's free memory, or on
+    the CPU the smaller of the host's available memory and what the address-space limit
+    (``RLIMIT_AS``) leaves."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = 1 << 62
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            status = Path("/proc/self/status").read_text()
+            used = int(status.split("VmSize:")[1].split()[0]) * 1024
+        except (OSError, IndexError, ValueError):
+            used = 0
+        available = min(available, max(soft - used, 0))
+    return available

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.model_inputs import ModelInputs
+from pipeplan.memory_errors import memory_step
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
@@ -102,6 +103,9 @@ def profile_model(
     allow_nonfinite: bool = False,
     leaf_modules: Sequence[str] | None = None,
     opaque_modules: Sequence[str] | None = None,
+    build: str = "auto",
+    time_every_layer: bool = False,
+    whole_step: bool = True,
 ) -> Profile:
     """Measure every layer of the model file ``model`` (a path or a bundled model's name).
 
@@ -112,6 +116,10 @@ def profile_model(
     sets torch's intra-op CPU threads for the measurement (restored afterwards).
     ``leaf_modules`` (class names kept whole as one layer each) overrides the model
     file's ``LEAF_MODULES``; ``opaque_modules`` (classes run as themselves) its ``OPAQUE_MODULES``.
+    ``build`` (``auto``, ``eager``, ``meta``; ``pipeplan.capture.materialise.build_model``):
+    a model built on meta is measured one layer at a time (``pipeplan.profiler.meta_profile``),
+    identical layers timed once unless ``time_every_layer``; the whole step is measured there
+    only when it fits and ``whole_step``.
     """
     import torch
 
@@ -125,7 +133,7 @@ def profile_model(
         torch.set_num_threads(threads)
     try:
         return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite,
-                        leaf_modules, opaque_modules)
+                        leaf_modules, opaque_modules, build, time_every_layer, whole_step)
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -141,6 +149,9 @@ def _profile(
     allow_nonfinite: bool,
     leaf_modules: Sequence[str] | None,
     opaque_modules: Sequence[str] | None = None,
+    build: str = "auto",
+    time_every_layer: bool = False,
+    whole_step: bool = True,
 ) -> Profile:
     """``profile_model`` without the thread setting."""
     if batch_size <= 0:
@@ -150,24 +161,43 @@ def _profile(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype)
     model_file = load_model_file(resolve_model_path(model))
-    network = model_file.build().to(device=torch_device, dtype=torch_dtype).train()
+    from pipeplan.capture.materialise import build_model
+
+    with memory_step(f"build_model() ran (--build {build})",
+                     "profile with --build meta, which holds one layer at a time"):
+        network, lazy, note = build_model(model_file.build, build, seed=0)
+    if note and progress is not None:
+        progress(0, 1, note)
     raw_inputs, raw_targets = model_file.batch(batch_size, seed=0)
     inputs, targets = prepare_batch(raw_inputs, raw_targets, torch_device, torch_dtype)
-    check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
+    leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules
+    opaque = tuple(opaque_modules) if opaque_modules is not None else model_file.opaque_modules
+    _check_leaf_modules(network, (*leaves, *opaque))
+    if lazy:
+        from pipeplan.profiler.meta_profile import profile_on_meta
+
+        data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
+        return profile_on_meta(str(model), model_file, network, (raw_inputs, inputs), targets, batch_size,
+                               torch_device, dtype, warmup, repeats, progress, leaves, time_every_layer, data_ms,
+                               whole_step, opaque)
+    whole = "profile with --build meta, which holds one layer at a time, or lower --batch-size"
+    with memory_step("the whole model ran its check step (--build eager)", whole):
+        network = network.to(device=torch_device, dtype=torch_dtype).train()
+        check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
 
     from pipeplan.capture import build_layer_graph, module_records
 
     disable_inplace(network)
-    leaves = tuple(leaf_modules) if leaf_modules is not None else model_file.leaf_modules
-    opaque = tuple(opaque_modules) if opaque_modules is not None else model_file.opaque_modules
-    _check_leaf_modules(network, (*leaves, *opaque))
     graph = build_layer_graph(network, inputs, leaves, opaque)
     modules = module_records(network, inputs)
     timer = make_timer(torch_device)
-    layers, measured = measure_layers(
-        graph, inputs.tensors(), targets, model_file.loss_fn, timer, warmup, repeats, progress
-    )
-    optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
+    with memory_step("the layers and the whole step were measured (--build eager)", whole):
+        layers, measured = measure_layers(
+            graph, inputs.tensors(), targets, model_file.loss_fn, timer, warmup, repeats, progress
+        )
+    with memory_step("the optimizer steps were timed over every parameter (Adam adds two copies of them)",
+                     "profile with --build meta, which times them on a 16 MiB sample"):
+        optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
     data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
     return Profile(
         model=str(model),
@@ -190,6 +220,7 @@ def _profile(
         opaque_modules=graph.opaque_modules,
         dropped_outputs=graph.dropped_outputs,
         modules=modules,
+        build="eager",
     )
 
 

@@ -64,17 +64,30 @@ def summary_lines(profile: Profile) -> list[str]:
     backward = sum(layer.backward_ms for layer in profile.layers)
     saved = sum(layer.saved_bytes for layer in profile.layers)
     params = sum(layer.param_bytes for layer in profile.layers)
+    layers = f"sum of layers: {profile.sum_layers_ms:.3f} ms (forward {forward:.3f} ms + backward {backward:.3f} ms)"
+    if profile.step_not_measured:
+        step = f"{layers}, loss {profile.loss_ms:.3f} ms; whole step not measured: {profile.step_not_measured}"
+        whole = "not measured"
+    else:
+        step = (f"{layers}, measured step: {profile.step_ms:.3f} ± {profile.step_ms_spread:.3f} ms "
+                f"(loss {profile.loss_ms:.3f} ms of it), ratio: {profile.layers_vs_step_ratio:.3f}")
+        whole = format_bytes(profile.step_saved_bytes)
+    built: list[str] = []
+    if profile.build == "meta":
+        reused = sum(layer.reused_from >= 0 for layer in profile.layers)
+        built = [f"built on meta, one layer in memory at a time: {len(profile.layers) - reused} layers timed, "
+                 f"{reused} reuse an identical layer's times"]
+    sample = (f" (timed on {format_bytes(profile.optimizer_sample_bytes)} of parameters, scaled by bytes)"
+              if profile.optimizer_sample_bytes else "")
     return [
-        f"sum of layers: {profile.sum_layers_ms:.3f} ms (forward {forward:.3f} ms + backward "
-        f"{backward:.3f} ms), measured step: {profile.step_ms:.3f} ± {profile.step_ms_spread:.3f} ms "
-        f"(loss {profile.loss_ms:.3f} ms of it), ratio: {profile.layers_vs_step_ratio:.3f}",
+        step,
         f"saved for backward: sum of layers {format_bytes(saved)}, whole model "
-        f"{format_bytes(profile.step_saved_bytes)}; parameters: sum of layers {format_bytes(params)}; "
+        f"{whole}; parameters: sum of layers {format_bytes(params)}; "
         f"input: {format_bytes(profile.input_bytes)}",
-    ] + (
+    ] + built + (
         [
             "optimizer step (not in the step above): "
-            + ", ".join(f"{name} {ms:.3f} ms" for name, ms in profile.optimizer_ms.items())
+            + ", ".join(f"{name} {ms:.3f} ms" for name, ms in profile.optimizer_ms.items()) + sample
         ]
         if profile.optimizer_ms
         else []

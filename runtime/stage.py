@@ -1,7 +1,11 @@
 """This rank's stage: the plan's layer ranges turned into one ``StageModule``.
 
-Every rank builds the whole model from model.py under the same seed (so every stage,
-and every copy of a tied parameter, starts from identical weights), cuts it into the
+Every rank builds the model from model.py (``pipeplan.capture.materialise.build_model``):
+a model small enough is built whole under the run's seed, as always (so every stage,
+and every copy of a tied parameter, starts from identical weights); a larger one (or
+any, with ``--build meta``) is built on the meta device, and each rank materialises
+only the modules its own chunks hold, each initialised under a seed derived from its
+qualified name, so the weights do not depend on the plan either. The rank cuts it into the
 layer graph (``pipeplan.capture``: a slice for an ``nn.Sequential``, a ``torch.fx`` split,
 or a ``torch.export`` capture for a model fx cannot trace, taken at the micro-batch size
 since export specialises shapes), checks the graph's fingerprint against the plan,
@@ -36,6 +40,7 @@ from torch import nn
 
 from pipeplan.errors import InputError
 from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
+from pipeplan.capture.materialise import build_model, materialise, rebind
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
 
@@ -130,15 +135,16 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
     return owner
 
 
-def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int) -> PipelineSpec:
+def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int,
+                   build: str = "auto") -> PipelineSpec:
     """Build this rank's stage (module on CPU; the caller moves it to its device).
 
     ``sample_batch_size`` must be the micro-batch size the stages will run: a
     ``torch.export`` capture specialises shapes to the sample batch. The layers are
     rebuilt with the plan's leaf modules (else the model file's ``LEAF_MODULES``).
+    ``build`` (``auto``, ``eager``, ``meta``): see the module docstring.
     """
-    torch.manual_seed(seed)
-    model = model_file.build()
+    model, lazy, _ = build_model(model_file.build, build, seed)
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
     leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
     opaque = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
@@ -160,6 +166,10 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
         stage_index, replica = plan.stage_of_rank(rank)
         tp_index = plan.stages[stage_index].ranks.index(rank) % plan.stages[stage_index].tensor_parallel
         chunks = tuple(modules[c * positions + stage_index] for c in range(plan.virtual_stages))
+    if lazy:  # only this rank's chunks get storage; the rest of the model stays on meta
+        held = [t for chunk in chunks for t in (*chunk.module.parameters(), *chunk.module.buffers())]
+        materialise(model, held, "cpu", seed)
+        rebind([chunk.module for chunk in chunks], model)
     splits = _tensor_parallel_splits(model_file, model, plan, modules)
     return PipelineSpec(
         stage=chunks[0] if chunks else None,

@@ -85,6 +85,7 @@ class RunConfig:
     min_lr: float = 0.0
     clip_grad_norm: float | None = None  # max global gradient norm (1f1b-rr: per stage)
     log_dir: str | None = None  # live metrics: TensorBoard events and metrics.jsonl
+    build: str = "auto"  # pipeplan.capture.materialise.BUILDS: whole model, or only this rank's stage
 
     @property
     def schedule_settings(self) -> LRSchedule:
@@ -108,6 +109,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
     With ``--checkpoint-dir`` a directory holding another run's checkpoints (or any,
     without ``--resume``) is refused here, before any communication.
     """
+    from pipeplan.memory_errors import memory_step
     from pipeplan.modelfile import load_model_file, resolve_model_path
     from pipeplan.runtime.launch import check_world_size, read_env
     from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
@@ -142,8 +144,10 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
                 f"{config.microbatches} micro-batches"
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
-        spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
-                              config.plan.batch_size // config.microbatches)
+        with memory_step(f"rank {env.rank} built its stage (--build {config.build})",
+                         "with --build meta each rank materialises only its own layers; or plan more stages"):
+            spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
+                                  config.plan.batch_size // config.microbatches, config.build)
         replicas = spec.replicas
         period = steps_period(config.schedule, replicas)
         schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches,
@@ -207,6 +211,7 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from pipeplan.host_memory import keep_freed_blocks
+    from pipeplan.memory_errors import memory_step
     from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog
     from pipeplan.runtime.launch import init_distributed
 
@@ -218,7 +223,11 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix,
                         interval_s=min(1.0, silent_s / 4), heartbeat_timeout_s=silent_s).start()
     try:
-        summary = _train(config, env, model_file, spec, schedule, watchdog, identity)
+        stage = f"stage {spec.stage_index}" if spec.stage is not None else "no stage"
+        with memory_step(f"rank {env.rank} ({stage}) trained",
+                         "plan more stages (partition for more devices), fewer micro-batches in flight, "
+                         "or a smaller micro-batch (--microbatches)"):
+            summary = _train(config, env, model_file, spec, schedule, watchdog, identity)
     except BaseException as exc:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc

@@ -30,6 +30,7 @@ from torch import nn
 
 from pipeplan.capture.exported import export_graph, preserved_buffers
 from pipeplan.capture.layer_graph import LayerGraph, LayerNode
+from pipeplan.capture.materialise import on_meta
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs, model_inputs
 
@@ -39,6 +40,7 @@ __all__ = ["build_layer_graph"]
 def build_layer_graph(
     model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = (),
     opaque_modules: Sequence[str] = (),
+    device: torch.device | str = "cpu",
 ) -> LayerGraph:
     """Cut ``model`` into layers; ``sample_inputs`` runs once (no grad) to type each value.
 
@@ -51,7 +53,9 @@ def build_layer_graph(
     never traced into (fx: a leaf; export: ``pipeplan.capture.opaque``); export adds the
     class of a module it fails in (``LayerGraph.opaque_modules`` lists them all).
     An export capture specialises shapes to ``sample_inputs``: run its stages on inputs of
-    the same shapes (the runtime captures at the micro-batch size).
+    the same shapes (the runtime captures at the micro-batch size). A model on the meta
+    device is captured from shapes alone; ``device`` is where its stages will run (an
+    export capture records it in ops such as ``arange``).
 
     >>> g = build_layer_graph(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
     ...                       (torch.zeros(3, 4),))
@@ -78,7 +82,9 @@ def build_layer_graph(
     exported = export_graph(model, sample_inputs, leaves, opaque_modules)
     graph_module = exported.graph_module
     with preserved_buffers(model):
-        tensor_valued = _run_and_type(graph_module, tensors)
+        tensor_valued = _run_and_type(graph_module, tensors, model)
+    if on_meta(model):
+        _meta_devices_to(graph_module, torch.device(device))
 
     def layer_call(node: fx.Node) -> str | None:
         return exported.layer_call.get(node.name)
@@ -108,7 +114,7 @@ def _fx_layer_graph(
     def describe(call: str) -> tuple[str, str]:
         return targets[call], type(graph_module.get_submodule(targets[call])).__name__
 
-    tensor_valued = _run_and_type(graph_module, sample_inputs)
+    tensor_valued = _run_and_type(graph_module, sample_inputs, model)
     layer_of_node = _group_nodes(graph_module, tensor_valued, layer_call)
     layers = _layer_nodes(graph_module, layer_of_node, layer_call, describe)
     return LayerGraph(model, graph_module, layer_of_node, layers, kind, frozenset(tensor_valued))
@@ -169,8 +175,27 @@ def _trace(model: nn.Module, leaf_modules: frozenset[str]) -> fx.GraphModule | N
     return graph_module
 
 
-def _run_and_type(graph_module: fx.GraphModule, sample_inputs: tuple[torch.Tensor, ...]) -> set[str]:
-    """Run the graph once; return the names of nodes whose value is a single tensor."""
+def _meta_devices_to(graph_module: fx.GraphModule, target: torch.device) -> None:
+    """An export of a model on meta records ``device=meta`` in factory ops (``arange``,
+    ``full``); make them ``target``, the device its stages will run on."""
+    meta, cpu = torch.device("meta"), target
+    for module in graph_module.modules():  # higher-order ops' bodies too
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = tuple(cpu if _is(arg, meta) else arg for arg in node.args)
+                node.kwargs = {k: cpu if _is(v, meta) else v for k, v in node.kwargs.items()}
+            module.recompile()
+
+
+def _run_and_type(
+    graph_module: fx.GraphModule, sample_inputs: tuple[torch.Tensor, ...], model: nn.Module
+) -> set[str]:
+    """Run the graph once; return the names of nodes whose value is a single tensor.
+
+    A model on meta runs on meta inputs: shapes and dtypes only.
+    """
+    if on_meta(model):
+        sample_inputs = tuple(value.to("meta") for value in sample_inputs)
     tensor_valued: set[str] = set()
 
     class Typer(fx.Interpreter):
@@ -287,3 +312,7 @@ def _layer_nodes(
         LayerNode(i, names[i], types[i], tuple(sorted(inputs[i])), tuple(sorted(model_inputs[i])))
         for i in range(count)
     )
+
+
+def _is(value: Any, device: torch.device) -> bool:
+    return isinstance(value, torch.device) and value == device

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from pipeplan.capture.materialise import fake_mode_for, on_meta, probe_inputs
 from pipeplan.capture.opaque import opaque_calls, run_opaque_calls
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
@@ -151,14 +152,15 @@ def _export(
     """One export attempt with ``opaque`` classes run as themselves; the graph and output spec."""
 
     def record() -> None:
-        with torch.no_grad(), preserved_buffers(model):
-            root(*tensors)
+        with torch.no_grad(), preserved_buffers(model), fake_mode_for(model):
+            root(*probe_inputs(model, tensors))
 
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
+    exported = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in tensors) if on_meta(model) else tensors
     with opaque_calls(model, opaque, record) as calls:
         try:
-            with _quiet_torch_logs(), redirect_stderr(stderr):
-                program = torch.export.export(root, tensors, strict=False)
+            with _quiet_torch_logs(), redirect_stderr(stderr):  # a model on meta: on meta inputs
+                program = torch.export.export(root, exported, strict=False)
         except Exception as exc:
             raise _ExportFailed() from exc
         sys.stderr.write(stderr.getvalue())
@@ -199,8 +201,8 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 def _register_outputs(model: nn.Module, sample_inputs: ModelInputs) -> tuple[str, ...]:
     """Run the model once; register plain dataclass outputs with pytree; name fields to drop."""
-    with torch.no_grad():
-        output = sample_inputs.call(model)
+    with torch.no_grad(), fake_mode_for(model):  # a model on meta: shapes only
+        output = sample_inputs.with_tensors(probe_inputs(model, sample_inputs.tensors())).call(model)
     if dataclasses.is_dataclass(output) and type(output) not in pytree.SUPPORTED_NODES:
         pytree.register_dataclass(type(output))
     if isinstance(output, dict):

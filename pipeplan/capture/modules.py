@@ -30,9 +30,14 @@ def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tup
         return count
 
     hooks = [module.register_forward_pre_hook(counter(name)) for name, module in named]
+    from pipeplan.capture.materialise import fake_mode_for, probe_inputs
+
     try:
-        with torch.no_grad():
-            inputs.call(model) if isinstance(inputs, ModelInputs) else model(*inputs)
+        with torch.no_grad(), fake_mode_for(model):  # a model on meta runs on shapes alone
+            if isinstance(inputs, ModelInputs):
+                inputs.with_tensors(probe_inputs(model, inputs.tensors())).call(model)
+            else:
+                model(*probe_inputs(model, inputs))
     finally:
         for hook in hooks:
             hook.remove()

@@ -39,6 +39,15 @@ Examples:
 @click.option("--opaque-modules", "opaque_modules", default=None, metavar="CLASS,CLASS",
               help="Module classes run as themselves, never traced into (opaque layers); overrides "
                    "OPAQUE_MODULES in the model file. A module torch.export fails in is made opaque anyway.")
+@click.option("--build", "build", type=click.Choice(["auto", "eager", "meta"]), default="auto", show_default=True,
+              help="eager: build the whole model and measure it at once; meta: build on the meta device and "
+                   "materialise one layer at a time (peak memory: the largest layer); auto: meta above 1 GiB "
+                   "of parameters and buffers.")
+@click.option("--no-whole-step", is_flag=True,
+              help="With a meta build, measure the layers only, never the whole model at once "
+                   "(peak memory: the largest layer, whatever the depth).")
+@click.option("--time-every-layer", is_flag=True,
+              help="With a meta build, time every layer (default: identical layers are timed once).")
 def profile(
     model: str,
     output_path: str,
@@ -51,6 +60,9 @@ def profile(
     allow_nonfinite: bool,
     leaf_modules: str | None,
     opaque_modules: str | None,
+    build: str,
+    time_every_layer: bool,
+    no_whole_step: bool,
 ) -> None:
     """Measure MODEL (a model file, or a bundled model's name) layer by layer.
 
@@ -79,7 +91,8 @@ def profile(
         leaves = parse_leaf_modules(leaf_modules) if leaf_modules is not None else None
         result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads,
                                allow_nonfinite=allow_nonfinite, leaf_modules=leaves,
-                               opaque_modules=parse_leaf_modules(opaque_modules) if opaque_modules is not None else None)
+                               opaque_modules=parse_leaf_modules(opaque_modules) if opaque_modules is not None else None,
+                               build=build, time_every_layer=time_every_layer, whole_step=not no_whole_step)
     result.save(output_path)
     console.print(profile_table(result))
     for line in summary_lines(result):

@@ -1,0 +1,260 @@
+"""Models built on the meta device, and their weights materialised a few modules at a time.
+
+``build_on_meta`` runs the user's ``build_model()`` under ``torch.device("meta")``: every
+parameter and buffer has its shape and dtype and no storage, so a 7B-parameter model
+costs no memory. ``materialise(model, tensors, device, seed)`` gives real storage to the
+modules holding ``tensors`` and initialises them; ``release`` hands it back.
+
+New tensor objects replace the meta ones in every module of the model that holds them
+(a tied embedding and head keep sharing one); ``rebind`` points graph modules captured
+before (a stage's ``fx.GraphModule``) at them. Initial values do not depend on which modules are materialised
+together (the plan): a module is initialised alone, by its own initialiser, under a seed
+derived from the run's seed and its qualified name:
+
+- a Hugging Face ``PreTrainedModel`` (the root or an ancestor): its ``_init_weights(module)``,
+  which also recomputes non-persistent buffers (rotary ``inv_freq``);
+- else a torch.nn module's ``reset_parameters()`` (BatchNorm: statistics too);
+- a module holding tensors with neither cannot be materialised: ``InputError``.
+
+A tensor held by several modules (a tied embedding and head) is initialised by each of
+them in the model's module order, whatever the plan, so every copy agrees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from pipeplan.errors import InputError, one_line
+
+__all__ = [
+    "BUILDS",
+    "EAGER_BUILD_BYTES",
+    "build_model",
+    "build_on_meta",
+    "on_meta",
+    "model_bytes",
+    "materialise",
+    "release",
+    "rebind",
+    "fake_mode_for",
+    "probe_inputs",
+    "module_seed",
+]
+
+
+BUILDS = ("auto", "eager", "meta")  # --build
+# auto: a model whose parameters and buffers take at most this many bytes is built eagerly
+# (today's exact initial weights); a larger one stays on meta until each part is needed
+EAGER_BUILD_BYTES = 1 << 30
+
+
+def build_model(build: Any, mode: str, seed: int) -> tuple[nn.Module, bool, str]:
+    """``(model, on_meta, note)``: the user's ``build()`` eagerly under ``torch.manual_seed(seed)``
+    or on meta, as ``mode`` (one of ``BUILDS``) says.
+
+    ``note`` is one line when ``auto`` wanted meta but the model file cannot be built there
+    (the model is then built eagerly, as before); ``meta`` refuses such a file.
+    """
+    if mode not in BUILDS:
+        raise InputError(f"--build must be one of {', '.join(BUILDS)} (got {mode!r})")
+    note = ""
+    if mode != "eager":
+        model, reason = build_on_meta(build)
+        if model is not None and (mode == "meta" or model_bytes(model) > EAGER_BUILD_BYTES):
+            return model, True, ""
+        if model is None:
+            if mode == "meta":
+                raise InputError(f"build_model() cannot run on the meta device: {reason}")
+            note = f"build_model() cannot run on the meta device ({reason}): built whole"
+        del model
+    torch.manual_seed(seed)
+    return build(), False, note
+
+
+def build_on_meta(build: Any) -> tuple[nn.Module | None, str]:
+    """``(model, "")`` built by ``build()`` under the meta device, or ``(None, reason)``."""
+    try:
+        with torch.device("meta"):
+            model = build()
+    except InputError as exc:
+        return None, str(exc)
+    except Exception as exc:  # the user's code may not run on meta: say so, build eagerly
+        return None, one_line(exc)
+    if not isinstance(model, nn.Module):
+        return None, f"build_model() returned {type(model).__name__}"
+    real = [name for name, tensor in _named_tensors(model) if tensor.device.type != "meta"]
+    if real:
+        return None, f"{real[0]} was created on {dict(_named_tensors(model))[real[0]].device}, not on meta"
+    return model, ""
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` has no storage yet."""
+    return any(tensor.device.type == "meta" for _, tensor in _named_tensors(model))
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's distinct parameters and buffers (meta or not)."""
+    seen = {id(t): t.numel() * t.element_size() for _, t in _named_tensors(model)}
+    return sum(seen.values())
+
+
+def fake_mode_for(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """A ``FakeTensorMode`` when ``model`` is on meta (eager code runs with shapes only,
+    real integer inputs such as token ids allowed), else a no-op."""
+    if not on_meta(model):
+        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def probe_inputs(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """Inputs for an eager run of ``model`` under ``fake_mode_for``: on a model on meta the
+    floating-point ones go to meta too (devices must agree); integer ones (token ids, masks)
+    stay real, for Python code that reads their values."""
+    if not on_meta(model):
+        return tuple(inputs)
+    return tuple(v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in inputs)
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed module ``name`` is initialised under: a function of the run's seed and the name."""
+    return zlib.crc32(f"{seed}:{name}".encode()) & 0x7FFF_FFFF
+
+
+def materialise(
+    model: nn.Module, tensors: Iterable[torch.Tensor] | None, device: Any, seed: int,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Give storage on ``device`` to the meta tensors in ``tensors`` (None: all) and initialise
+    every module that holds one (with all its own tensors); return the bytes allocated.
+
+    New tensor objects replace the meta ones in every module of ``model`` that holds them
+    (tied copies stay one object); graph modules made from the model before see them after
+    ``rebind``. ``dtype`` casts floating-point tensors after initialisation.
+    """
+    wanted = None if tensors is None else {id(t) for t in tensors}
+    chosen: list[tuple[str, nn.Module]] = []
+    replaced: dict[int, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        own = _own_tensors(module)
+        if wanted is not None and not any(id(t) in wanted for t in own):
+            continue
+        if not any(t.device.type == "meta" for t in own):
+            continue
+        chosen.append((name, module))
+        for tensor in own:
+            if tensor.device.type == "meta" and id(tensor) not in replaced:
+                replaced[id(tensor)] = _like(tensor, torch.empty_like(tensor, device=device))
+    _replace(model, replaced)
+    for name, module in chosen:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, name))
+            _initialise(model, name, module)
+    if dtype is not None:
+        cast = {id(t): _like(t, t.detach().to(dtype)) for t in replaced.values()
+                if t.is_floating_point() and t.dtype != dtype}
+        _replace(model, cast)
+    return sum(t.numel() * t.element_size() for t in replaced.values())
+
+
+def release(model: nn.Module, tensors: Iterable[torch.Tensor]) -> None:
+    """Hand the storage of ``tensors`` back: in ``model`` each becomes a meta tensor again."""
+    real = [t for t in tensors if t.device.type != "meta"]
+    _replace(model, {id(t): _like(t, torch.empty_like(t, device="meta")) for t in real})
+    for tensor in real:  # free the memory now, whoever still holds the old tensor object
+        tensor.grad = None
+        tensor.detach().untyped_storage().resize_(0)
+
+
+def rebind(graph_modules: Iterable[nn.Module], model: nn.Module) -> None:
+    """Point the ``get_attr`` targets of ``graph_modules`` (fx graphs over ``model``, and the
+    graphs nested in them) at the model's current tensors of those qualified names."""
+    import torch.fx as fx
+
+    current: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    current.update(model.named_buffers(remove_duplicate=False))
+    for root in graph_modules:
+        for graph_module in root.modules():
+            if not isinstance(graph_module, fx.GraphModule):
+                continue
+            for node in graph_module.graph.nodes:
+                target = str(node.target)
+                if node.op != "get_attr" or target not in current:
+                    continue
+                path, _, field = target.rpartition(".")
+                holder = graph_module.get_submodule(path)
+                value = current[target]
+                if isinstance(value, nn.Parameter):
+                    holder._parameters[field] = value
+                else:
+                    holder._buffers[field] = value
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    own = list(module._parameters.values()) + list(module._buffers.values())
+    return [t for t in own if t is not None]
+
+
+def _like(old: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a Parameter when ``old`` is one (same ``requires_grad``)."""
+    if isinstance(old, nn.Parameter):
+        return nn.Parameter(value, requires_grad=old.requires_grad)
+    return value
+
+
+def _replace(model: nn.Module, replaced: dict[int, torch.Tensor]) -> None:
+    """In every module of ``model``, swap each tensor whose id is a key for its new value."""
+    if not replaced:
+        return
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for key, tensor in slots.items():
+                if tensor is not None and id(tensor) in replaced:
+                    slots[key] = replaced[id(tensor)]  # type: ignore[assignment]
+
+
+def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Initialise ``module``'s own tensors the way its library does (module docstring)."""
+    owner = _pretrained_owner(model, name)
+    if owner is not None:
+        owner._init_weights(module)
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        return
+    if isinstance(module, nn.Module) and not module._parameters and all(
+        b is None for b in module._buffers.values()
+    ):
+        return
+    raise InputError(
+        f"module {name or '(root)'} ({type(module).__name__}) holds tensors but defines no "
+        f"reset_parameters(), so it cannot be initialised after a meta build; define "
+        f"reset_parameters() on it, or build the model eagerly (--build eager)"
+    )
+
+
+def _pretrained_owner(model: nn.Module, name: str) -> Any:
+    """The nearest Hugging Face ``PreTrainedModel`` at or above module ``name``, if any."""
+    candidates = [model]
+    parts = name.split(".") if name else []
+    current: nn.Module = model
+    for part in parts:
+        current = getattr(current, part)
+        candidates.append(current)
+    for candidate in reversed(candidates):
+        if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config"):
+            return candidate
+    return None
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()

@@ -1,0 +1,253 @@
+"""Layer-by-layer measurement of a model built on meta: one layer holds memory at a time.
+
+For each layer, in order: its modules are materialised on the profiling device
+(``pipeplan.capture.materialise``: initialised as the runtime initialises them), its
+forward runs once without grad to produce the real values later layers read, then its
+forward and backward are timed on those inputs (``warmup`` + ``repeats`` passes; the
+backward seeded with random output gradients), its bytes counted, and its storage
+released. Values no later layer reads are dropped at once, so peak memory is the largest
+layer with its activations plus the values crossing it, whatever the depth.
+
+Layers that are the same computation (class, parameter shapes and dtypes, input shapes
+and dtypes: a transformer's repeated blocks) are timed once; the others reuse the
+figures (``LayerProfile.reused_from``) unless ``every_layer``.
+
+Saved bytes follow the whole-pass rule of ``pipeplan.profiler.measure``: a storage counts
+in the first layer that saves it, so an input that its producer (or an earlier reader)
+already saved does not count again.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from pipeplan.errors import InputError, one_line
+from pipeplan.host_memory import return_freed_blocks
+from pipeplan.memory_errors import memory_step
+from pipeplan.profile import LayerProfile
+from pipeplan.profiler.measure import Progress
+from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes, storage_key
+from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
+from pipeplan.units import format_bytes
+
+__all__: list[str] = ["LayerwiseResult", "measure_layerwise"]
+
+
+@dataclass(frozen=True)
+class LayerwiseResult:
+    layers: list[LayerProfile]
+    loss: Stats  # ms: loss forward + backward on the model output
+    measured: int  # layers timed (the others reuse a timed layer's figures)
+
+
+@dataclass(frozen=True)
+class _Timed:
+    index: int
+    forward: Stats
+    backward: Stats
+
+
+def measure_layerwise(
+    graph: Any, model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any],
+    timer: Timer, warmup: int, repeats: int, device: Any, dtype: Any, seed: int,
+    every_layer: bool = False, progress: Progress | None = None,
+) -> LayerwiseResult:
+    """Measure every layer of ``graph`` (captured from ``model``, which is on meta). O(layers)."""
+    import torch
+
+    from pipeplan.capture import MODEL_OUTPUT
+    from pipeplan.capture.materialise import materialise, rebind, release
+
+    stages: list[Any] = graph.layer_modules()
+    remaining = _reads(stages)
+    values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
+    timed: dict[tuple[Any, ...], _Timed] = {}
+    counted: set[str] = set()  # values (by name) some earlier layer saved
+    layers: list[LayerProfile] = []
+    loss = robust_stats([0.0])
+    for position in range(len(stages)):  # (enumerate would keep the last stage alive)
+        stage = stages[position]
+        node = graph.layers[position]
+        held = [*stage.module.parameters(), *stage.module.buffers()]
+        with memory_step(f"layer {position} ({node.name}, {format_bytes(param_bytes(held))} of parameters "
+                         f"and buffers) was measured alone",
+                         "lower --batch-size, or profile on a device with more memory"):
+            materialise(model, held, device, seed, dtype)
+            rebind([stage.module], model)
+            held = [*stage.module.parameters(), *stage.module.buffers()]  # the materialised tensors
+            args = tuple(_as_input(values[name]) for name in stage.input_names)
+            excluded = [a for name, a in zip(stage.input_names, args) if name in counted]
+            counter = SavedTensorCounter(exclude=[*stage.module.parameters(), *_tensors(excluded)])
+            with torch.enable_grad(), count_saved(counter=counter):
+                outputs = _run(stage, args)
+            for name, value in (*zip(stage.input_names, args), *zip(stage.output_names, outputs)):
+                if any(storage_key(t) in counter.storages for t in _tensors([value])):
+                    counted.add(name)
+            saved = counter.saved_bytes
+            produced = output_bytes(outputs)
+            key = _signature(stage, args)
+            reuse = None if every_layer else timed.get(key)
+            if reuse is None:
+                reuse = _time_layer(stage, args, outputs, timer, warmup, repeats, position)
+                timed[key] = reuse
+            if MODEL_OUTPUT in stage.output_names:
+                loss = _time_loss(outputs[-1], targets, loss_fn, timer, warmup, repeats)
+            layers.append(_layer_profile(graph.layers[position], reuse, position, produced,
+                                         param_bytes(stage.module.parameters()), saved,
+                                         tuple(sorted(set(stage.parameter_names.values())))))
+            for name, value in zip(stage.output_names, outputs):
+                values[name] = _detached(value)
+            del outputs, args, counter
+            for name in stage.input_names:
+                remaining[name] -= 1
+                if remaining[name] == 0 and not name.startswith("input:"):
+                    values.pop(name, None)
+        release(model, held)
+        stages[position] = None  # its module holds the layer's tensors: let them go
+        del held, stage
+        gc.collect()  # an fx.GraphModule sits in reference cycles: only the collector frees it
+        return_freed_blocks()  # and glibc keeps freed blocks unless told: the next layer starts clean
+        if progress is not None:
+            progress(position + 1, len(graph.layers), f"layer {position + 1}/{len(graph.layers)}")
+    return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}))
+
+
+def _tensors(values: Sequence[Any]) -> list[Any]:
+    import torch
+
+    from pipeplan.profiler.memory import tensors_in
+
+    return [t for t in tensors_in(list(values)) if isinstance(t, torch.Tensor)]
+
+
+def _reads(stages: Sequence[Any]) -> dict[str, int]:
+    """How many layers read each value."""
+    counts: dict[str, int] = {}
+    for stage in stages:
+        for name in stage.input_names:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _as_input(value: Any) -> Any:
+    """A value as a stage boundary hands it over: detached; floating tensors require grad."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    def leaf(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        return tensor.detach().requires_grad_(tensor.is_floating_point() and tensor.requires_grad)
+
+    return pytree.tree_map(leaf, value)
+
+
+def _detached(value: Any) -> Any:
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(
+        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
+def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    try:
+        return tuple(stage.module(*args))
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"layer {stage.index} raised when run on its own: {one_line(exc)}") from exc
+
+
+def _signature(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What makes two layers the same computation: the code of their graph (ops and the
+    classes of the modules they call), parameter and input shapes and dtypes."""
+    import torch
+
+    from pipeplan.profiler.memory import tensors_in
+
+    code = getattr(stage.module, "code", None) or type(stage.module).__name__
+    normalised = _normalise_names(str(code))
+    modules = _normalise_names(" ".join(type(m).__name__ for _, m in stage.module.named_modules()))
+    params = tuple((tuple(p.shape), str(p.dtype)) for p in stage.module.parameters())
+    shapes = tuple((tuple(t.shape), str(t.dtype)) for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor))
+    return normalised, modules, params, shapes, len(stage.output_names)
+
+
+def _normalise_names(code: str) -> str:
+    """The stage's generated code with layer-specific names (``h_3_attn``, ``add_17``) numbered away."""
+    import re
+
+    return re.sub(r"\d+", "#", code)
+
+
+def _time_layer(stage: Any, args: tuple[Any, ...], first: tuple[Any, ...], timer: Timer,
+                warmup: int, repeats: int, position: int) -> _Timed:
+    """Forward and backward of one layer, ``repeats`` timed passes after ``warmup``."""
+    import torch
+
+    from pipeplan.profiler.memory import tensors_in
+
+    differentiable = [t for t in tensors_in(list(first)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.randn_like(t) for t in differentiable]
+    forward, backward = [], []
+    for iteration in range(warmup + repeats):
+        with torch.enable_grad():
+            timer.start()
+            outputs = _run(stage, args)
+            forward_ms = read(timer.stop())
+            heads = [t for t in tensors_in(list(outputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            backward_ms = 0.0
+            if heads:
+                timer.start()
+                torch.autograd.backward(heads, grads[: len(heads)])
+                backward_ms = read(timer.stop())
+        del outputs, heads
+        for parameter in stage.module.parameters():
+            parameter.grad = None
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                arg.grad = None
+        if iteration >= warmup:
+            forward.append(forward_ms)
+            backward.append(backward_ms)
+    return _Timed(position, robust_stats(forward), robust_stats(backward))
+
+
+def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], timer: Timer,
+               warmup: int, repeats: int) -> Stats:
+    """The loss's forward + backward on the model output, ms."""
+    import torch
+
+    from pipeplan.profiler.measure import LossError
+
+    samples = []
+    for iteration in range(warmup + repeats):
+        value = _as_input(output)
+        with torch.enable_grad():
+            timer.start()
+            try:
+                loss = loss_fn(value, targets)
+            except Exception as exc:
+                raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
+            if loss.requires_grad:
+                loss.backward()
+            elapsed = read(timer.stop())
+        if iteration >= warmup:
+            samples.append(elapsed)
+    return robust_stats(samples)
+
+
+def _layer_profile(node: Any, timed: _Timed, position: int, produced: int, params: int, saved: int,
+                   names: tuple[str, ...]) -> LayerProfile:
+    return LayerProfile(
+        index=node.index, name=node.name, type=node.type, inputs=tuple(node.inputs),
+        forward_ms=timed.forward.median, backward_ms=timed.backward.median,
+        output_bytes=produced, param_bytes=params, saved_bytes=saved,
+        forward_ms_spread=timed.forward.spread, backward_ms_spread=timed.backward.spread,
+        model_inputs=tuple(node.model_inputs),
+        reused_from=-1 if timed.index == position else timed.index, parameters=names,
+    )

@@ -1,0 +1,139 @@
+"""``profile_on_meta``: the profile of a model built on the meta device, one layer in memory at a time.
+
+The layer graph is captured from shapes alone; each layer is then measured alone
+(``pipeplan.profiler.layerwise``). The whole step (and the optimizer over every
+parameter) is measured only when the whole model fits on the device with room to spare
+(``whole_step_fits``); otherwise the profile says why not (``step_not_measured``) and
+times the optimizers on a sample of the parameters (``OPTIMIZER_SAMPLE_BYTES``),
+scaling linearly to all of them (an optimizer step reads and writes every parameter's
+state once: its time is proportional to the bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pipeplan.memory_errors import OutOfMemory, memory_step
+from pipeplan.profile import Profile
+from pipeplan.profiler.device import available_bytes, device_info, resolve_dtype
+from pipeplan.profiler.layerwise import measure_layerwise
+from pipeplan.profiler.measure import Progress, disable_inplace, step_saved_bytes, time_optimizer_steps, time_step
+from pipeplan.profiler.memory import output_bytes
+from pipeplan.profiler.timing import make_timer, robust_stats
+from pipeplan.units import format_bytes
+
+__all__ = ["OPTIMIZER_SAMPLE_BYTES", "profile_on_meta", "whole_step_fits"]
+
+OPTIMIZER_SAMPLE_BYTES = 16 << 20  # parameters the optimizer steps are timed on, at most
+_ROOM = 0.5  # the whole model may use at most this share of the available memory
+
+
+def whole_step_fits(param_bytes: int, activation_bytes: int, available: int) -> tuple[bool, str]:
+    """Whether parameters, gradients, Adam's two moments (4x the parameters) and the
+    activations fit in ``_ROOM`` of ``available`` bytes; the reason when not."""
+    need = 4 * param_bytes + activation_bytes
+    if need <= _ROOM * available:
+        return True, ""
+    return False, (
+        f"the whole model needs about {format_bytes(need)} (parameters, gradients, Adam state, "
+        f"activations), more than half of the {format_bytes(available)} available"
+    )
+
+
+def profile_on_meta(
+    model_name: str, model_file: Any, network: Any, inputs: tuple[Any, Any],
+    targets: Any, batch_size: int, device: Any, dtype: str, warmup: int, repeats: int,
+    progress: Progress | None, leaf_modules: tuple[str, ...], every_layer: bool, data_ms: float,
+    whole_step: bool = True, opaque_modules: tuple[str, ...] = (),
+) -> Profile:
+    """Measure ``network`` (on meta) layer by layer; ``inputs`` = (as drawn, on the device),
+    each a ``ModelInputs``."""
+    from pipeplan.capture import build_layer_graph, module_records
+    from pipeplan.capture.materialise import release
+
+    torch_dtype = resolve_dtype(dtype)
+    raw_inputs, placed = inputs
+    device_inputs = placed.tensors()  # what the graph's placeholders take
+    network.train()
+    disable_inplace(network)
+    graph = build_layer_graph(network, raw_inputs, leaf_modules, opaque_modules, device=device)
+    modules = module_records(network, raw_inputs)
+    timer = make_timer(device)
+    result = measure_layerwise(graph, network, device_inputs, targets, model_file.loss_fn, timer, warmup,
+                               repeats, device, torch_dtype, seed=0, every_layer=every_layer, progress=progress)
+    parameters = _param_bytes(network, torch_dtype)
+    saved = sum(layer.saved_bytes for layer in result.layers)
+    fits, why = whole_step_fits(parameters, saved, available_bytes(device))
+    if not whole_step:
+        fits, why = False, "--no-whole-step was given"
+    step = robust_stats([0.0])
+    whole_saved = 0
+    sample_bytes = 0
+    if fits:
+        try:
+            with memory_step("the whole model was measured", "it is left out of the profile"):
+                step, whole_saved, optimizer_ms = _measure_whole(graph, network, device_inputs, targets,
+                                                                 model_file.loss_fn, timer, warmup, repeats,
+                                                                 device, torch_dtype)
+        except OutOfMemory as exc:
+            fits, why = False, str(exc)
+        finally:
+            release(network, [*network.parameters(), *network.buffers()])
+    if not fits:
+        optimizer_ms, sample_bytes = _sampled_optimizer_ms(network, device, torch_dtype, timer, warmup, repeats)
+    return Profile(
+        model=model_name, fingerprint=graph.fingerprint, device=device_info(device), batch_size=batch_size,
+        dtype=dtype, layers=tuple(result.layers), step_ms=step.median, step_ms_spread=step.spread,
+        input_bytes=output_bytes(device_inputs), warmup=warmup, repeats=repeats,
+        step_saved_bytes=whole_saved, loss_ms=result.loss.median, optimizer_ms=optimizer_ms,
+        data_ms=data_ms, capture=graph.kind, leaf_modules=leaf_modules,
+        dropped_outputs=graph.dropped_outputs, build="meta", step_not_measured=why,
+        optimizer_sample_bytes=sample_bytes, modules=modules, opaque_modules=graph.opaque_modules,
+    )
+
+
+def _measure_whole(graph: Any, network: Any, inputs: Sequence[Any], targets: Any, loss_fn: Any, timer: Any,
+                   warmup: int, repeats: int, device: Any, dtype: Any) -> tuple[Any, int, dict[str, float]]:
+    """The whole step (ms stats), its saved bytes and the optimizer steps, all parameters materialised."""
+    from pipeplan.capture.materialise import materialise, rebind
+    from pipeplan.profiler.measure import WholeGraph
+
+    materialise(network, None, device, 0, dtype)
+    rebind([graph.graph_module], network)
+    runner = WholeGraph(graph.split([0] * len(graph))[0]) if graph.kind == "export" else network
+    whole_saved = step_saved_bytes(runner, inputs, targets, loss_fn)
+    samples = [time_step(runner, inputs, targets, loss_fn, timer) for _ in range(warmup + repeats)][warmup:]
+    return robust_stats(samples), whole_saved, time_optimizer_steps(network, timer, warmup, repeats)
+
+
+def _param_bytes(network: Any, dtype: Any) -> int:
+    """Bytes of the distinct parameters in ``dtype`` (floating ones cast)."""
+    seen = {id(p): p.numel() * (p.new_empty((), dtype=dtype).element_size() if p.is_floating_point()
+                                else p.element_size()) for p in network.parameters()}
+    return sum(seen.values())
+
+
+def _sampled_optimizer_ms(network: Any, device: Any, dtype: Any, timer: Any, warmup: int,
+                          repeats: int) -> tuple[dict[str, float], int]:
+    """Optimizer step times over all parameters, timed on the first ``OPTIMIZER_SAMPLE_BYTES``
+    of them (fresh zero tensors of their shapes) and scaled by bytes; (times, sample bytes)."""
+    import torch
+    from torch import nn
+
+    total = _param_bytes(network, dtype)
+    sample: list[nn.Parameter] = []
+    taken = 0
+    for parameter in network.parameters():
+        if not parameter.requires_grad:
+            continue
+        size = parameter.numel() * torch.empty((), dtype=dtype).element_size()
+        numel = parameter.numel() if taken + size <= OPTIMIZER_SAMPLE_BYTES else max(
+            (OPTIMIZER_SAMPLE_BYTES - taken) // torch.empty((), dtype=dtype).element_size(), 1)
+        sample.append(nn.Parameter(torch.zeros(numel, device=device, dtype=dtype)))
+        taken += sample[-1].numel() * sample[-1].element_size()
+        if taken >= OPTIMIZER_SAMPLE_BYTES:
+            break
+    holder = nn.ParameterList(sample)
+    times = time_optimizer_steps(holder, timer, warmup, repeats)
+    scale = total / taken if taken else 0.0
+    return {name: value * scale for name, value in times.items()}, taken
