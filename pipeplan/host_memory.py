@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from typing import Any
 
 __all__ = ["keep_freed_blocks", "return_freed_blocks"]
 
@@ -25,12 +26,8 @@ _TRIM_THRESHOLD_BYTES = 1 << 30
 
 def keep_freed_blocks() -> bool:
     """Raise glibc's mmap and trim thresholds; True when glibc accepted both."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -45,13 +42,19 @@ def return_freed_blocks() -> bool:
     The layer-by-layer profiler calls it after freeing each layer, so the retention that
     ``keep_freed_blocks`` allows does not add up across layers.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = _glibc("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return bool(trim(0))
+
+
+def _glibc(name: str) -> Any:
+    """glibc's function ``name`` on Linux; None elsewhere or where libc lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None

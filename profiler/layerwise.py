@@ -27,7 +27,7 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.measure import Progress
+from pipeplan.profiler.measure import Progress, loss_backward
 from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes, storage_key
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
@@ -222,19 +222,12 @@ def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], ti
     """The loss's forward + backward on the model output, ms."""
     import torch
 
-    from pipeplan.profiler.measure import LossError
-
     samples = []
     for iteration in range(warmup + repeats):
         value = _as_input(output)
         with torch.enable_grad():
             timer.start()
-            try:
-                loss = loss_fn(value, targets)
-            except Exception as exc:
-                raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
-            if loss.requires_grad:
-                loss.backward()
+            loss_backward(loss_fn, value, targets)
             elapsed = read(timer.stop())
         if iteration >= warmup:
             samples.append(elapsed)

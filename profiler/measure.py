@@ -30,6 +30,7 @@ from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
     "LossError",
+    "loss_backward",
     "Progress",
     "LayerMeasurement",
     "PassSample",
@@ -116,6 +117,16 @@ def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(outputs)
 
 
+def loss_backward(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any) -> None:
+    """The loss on the captured layers' output and its backward; ``LossError`` if ``loss_fn`` raises."""
+    try:
+        loss = loss_fn(output, targets)
+    except Exception as exc:
+        raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
+    if loss.requires_grad:
+        loss.backward()
+
+
 def run_pass(
     stages: Sequence[Any],
     inputs: Sequence[Any],
@@ -156,12 +167,7 @@ def run_pass(
             values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
-        try:
-            loss = loss_fn(result, targets)
-        except Exception as exc:
-            raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
-        if loss.requires_grad:
-            loss.backward()
+        loss_backward(loss_fn, result, targets)
         sample.loss_ms = timer.stop()
         for position in reversed(range(len(stages))):
             stage = stages[position]
