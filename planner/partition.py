@@ -27,6 +27,7 @@ from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_fig
 from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.uniform import uniform_trees
+from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner import tensor_parallel as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
@@ -169,7 +170,8 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     failure: InfeasibleError | InputError | None = None
     choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
     for t in sorted(choices, reverse=True):  # large degrees first: big models' best, pruning the rest sooner
-        beat_ms = min((item[0] for item in found), default=math.inf)
+        # only simulated periods prune: a plan too large to simulate has its bubble-free figure
+        beat_ms = min((item[0] for item in found if item[2].predicted.simulated), default=math.inf)
         try:
             plan = _partition_degree(profile, topology, options, t, beat_ms)
         except _Dominated:
@@ -244,19 +246,29 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
     if not (options.uniform and kind.flushes):
         return _tree_plan(profile, topology, options, arrays, tree, time_ms, single_nodes)
-    candidates = [(time_ms, tree, single_nodes)]  # the DP's first: it wins ties
+    charged = model.charged_optimizer(options.optimizer)
+    bubble = model.predicts_by_simulation(kind)  # the flush bound holds for simulated periods
+
+    def bound_ms(stage_ms: float, shape: tuple[StageNode, ...]) -> float:
+        if not bubble:
+            return stage_ms
+        flat = flatten(shape, topology)
+        bound = flush_period_bound_ms(profile, family, flat, topology, options.schedule, options.microbatches, charged)
+        return max(stage_ms, bound * (1 - 1e-12))  # 1e-12: its sums add in another order than the simulation's
+
+    candidates = [(bound_ms(time_ms, tree), time_ms, tree, single_nodes)]  # the DP's first: it wins ties
     for _, _, shape in uniform_trees(arrays, topology):
         flat = flatten(shape, topology)
-        candidates.append((max(figure[3] for figure in stage_figures(flat, arrays, topology, options)), shape,
-                           frozenset()))
+        stage_ms = max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
+        candidates.append((bound_ms(stage_ms, shape), stage_ms, shape, frozenset()))
     best: Plan | None = None
     unsimulated: Plan | None = None  # the first plan too large to simulate, kept when none simulates
     failure: Exception = _Dominated()
-    for bound, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
+    for bound, stage_ms, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
         if bound > beat_ms or (best is not None and bound >= best.predicted.time_per_minibatch_ms):
-            break  # a period is never below its slowest stage: no later candidate can win (or tie a larger t)
+            break  # a period is never below its bound (slowest stage, flush bubble): no later candidate can win
         try:
-            plan = _tree_plan(profile, topology, options, arrays, shape, bound, nodes, steady=1)
+            plan = _tree_plan(profile, topology, options, arrays, shape, stage_ms, nodes, steady=1)
         except (InfeasibleError, InputError) as exc:  # does not fit, or its schedule cannot run it
             if shape is tree:
                 failure = exc

@@ -321,13 +321,13 @@ def simulate(
     positions = plan_positions(plan)
     replicas = tuple(stage.replicas for stage in plan.stages[:positions])
     total, warm, window = default_minibatches(name, replicas, steady)
-    if total * micro * len(plan.stages) > MAX_UNITS:
+    lanes = _lanes(name, replicas, micro, virtual, record)
+    if total * (micro // lanes) * len(plan.stages) > MAX_UNITS:  # one lane's tasks (``_lanes``)
         raise SimulationTooLarge(
             f"simulating {name} on replicas {list(replicas)} needs {total} minibatches x "
-            f"{micro} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
+            f"{micro // lanes} micro-batches x {len(plan.stages)} stages > {MAX_UNITS} tasks "
             f"(lcm of the replica counts is {math.lcm(*replicas)})"
         )
-    lanes = _lanes(name, replicas, micro, virtual, record)
     shown = plan if lanes == 1 else _one_lane(plan)
     ranks = [stage.ranks for stage in shown.stages[:positions]]
     with collector_paused():  # until the timeline is dropped (see collector_paused)

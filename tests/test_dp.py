@@ -209,6 +209,24 @@ def test_sparse_and_blocked_combines_equal_unpruned(case, block):
         assert reconstruct(pruned) == reconstruct(full)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(large_world_cases(), st.sampled_from(["1f1b-flush", "gpipe", "1f1b-rr"]))
+def test_top_combine_one_unit_count_at_a_time_equals_unpruned(case, schedule):
+    """The top level's combine over every first-stage unit count at once, taken one count
+    per numpy step (``TOP_BLOCK_ELEMENTS`` 1), with pruned passes (windows of live starts):
+    the unpruned optimum and plan, flush schedules (no tau) included."""
+    profile, topology, dp_settings = case
+    dp_settings = DPSettings(schedule, dp_settings.optimizer, dp_settings.straight, dp_settings.max_stages,
+                             dp_settings.use_fewer_devices, dp_settings.memory_check)
+    arrays = layer_arrays(profile)
+    full = solve(arrays, topology, dp_settings, prune=False)
+    with mock.patch.object(tables, "TOP_BLOCK_ELEMENTS", 1):
+        pruned = solve(arrays, topology, dp_settings)
+    assert pruned.time_ms == full.time_ms
+    if math.isfinite(full.time_ms):
+        assert reconstruct(pruned) == reconstruct(full)
+
+
 def test_data_parallel_bound_is_the_whole_model_on_every_device():
     """One stage of every layer on all 4 devices: compute / 4, or the all-reduce when it is
     slower; inf when straight (no replication) or when the model does not fit."""

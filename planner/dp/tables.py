@@ -292,7 +292,13 @@ def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple
 
 def _fill_top(ctx: _Context, band: int) -> np.ndarray:
     """S[m, q, i]: layers [i, N) on m units of the top level, tau = 0, top stages of at
-    most ``band`` (<= ctx.band) layers. O(sum_{f < m <= u} N Lt(f) Q^2)."""
+    most ``band`` (<= ctx.band) layers. O(sum_{f < m <= u} N Lt(f) Q^2).
+
+    Unbounded (one q), the choices of every first-stage unit count f of one m are combined
+    in one numpy operation (``_top_heads``, ``_combine_top``): the same maxes and mins as
+    one f at a time, so the same values, without a Python step per (m, f) pair (73,000 of
+    them on 384 units).
+    """
     top = len(ctx.levels)
     lv = ctx.levels[-1]
     u, per_unit, n = lv.count, ctx.devices_per_unit(top - 1), ctx.n
@@ -301,28 +307,118 @@ def _fill_top(ctx: _Context, band: int) -> np.ndarray:
     cut[: n + 1] = transfer_ms(ctx.arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
     starts = np.arange(n)
     lengths = n - starts
+    heads = None if ctx.bounded else _top_heads(ctx, band, cut)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
             whole = _stage_table(ctx, top, m, 0)
             fits = lengths <= min(band, whole.shape[1] - 1)
             suffix[m][:, starts[fits]] = whole[:, lengths[fits], starts[fits]]
-        for first_units in _split_choices(ctx.settings, m):
-            if m - first_units < 1:
-                continue
-            longest = min(band, ctx.first_len[top][first_units])
-            if longest < 1:
-                continue
-            inner_tau = math.ceil((m - first_units) * per_unit / first_units)
-            first = _stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
-            rest = sliding_window_view(suffix[m - first_units, :, 1 : n + longest], n, axis=-1)  # [q, t-1, i]: S[i+t]
-            head = np.maximum(first, sliding_window_view(cut[1 : n + longest], n)[None, :, :])
-            if ctx.bounded:
+        if heads is not None:
+            _combine_top(ctx, heads, suffix, m)
+        else:
+            for first_units in _split_choices(ctx.settings, m):
+                if m - first_units < 1:
+                    continue
+                longest = min(band, ctx.first_len[top][first_units])
+                if longest < 1:
+                    continue
+                inner_tau = math.ceil((m - first_units) * per_unit / first_units)
+                first = _stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
+                rest = sliding_window_view(suffix[m - first_units, :, 1 : n + longest], n, axis=-1)  # [q, t-1, i]: S[i+t]
+                head = np.maximum(first, sliding_window_view(cut[1 : n + longest], n)[None, :, :])
                 out = np.full(rest.shape, INF)
                 _combine(out, head, rest, True, np.empty(rest.shape[1:]))
-                best = out.min(axis=1)
-            else:
-                best = np.maximum(head, rest).min(axis=1)
-            np.minimum(suffix[m, :, :n], best, out=suffix[m, :, :n])
+                np.minimum(suffix[m, :, :n], out.min(axis=1), out=suffix[m, :, :n])
         if ctx.settings.use_fewer_devices and m > 1:
             np.minimum(suffix[m], suffix[m - 1], out=suffix[m])
     return suffix
+
+
+TOP_BLOCK_ELEMENTS = 1 << 20  # (f, t, i) elements per numpy step of ``_combine_top`` (8 MiB)
+
+
+class _TopHeads:
+    """First top stages of every unit count f, maxed with the cut after them:
+    ``get(f, tau)[t - 1, i]`` for the stage [i, i + t), inf past Lt(f) (memoised per
+    (f, tau key)); ``stacked`` holds all f at once when no table depends on tau."""
+
+    def __init__(self, ctx: _Context, band: int, cut: np.ndarray):
+        top = len(ctx.levels)
+        self.ctx, self.top, self.n = ctx, top, ctx.n
+        self.longest = [min(band, length) for length in ctx.first_len[top]]
+        self.width = max(self.longest[1:], default=0)
+        self.cut = sliding_window_view(cut[1 : ctx.n + max(self.width, 1)], ctx.n)  # [t - 1, i]: cut at i + t
+        self.cache: dict[tuple[int, int], np.ndarray] = {}
+        self.units = [f for f in range(1, ctx.levels[-1].count) if self.longest[f] >= 1]
+        self.stacked: np.ndarray | None = None
+        self.starts = _top_live_starts(ctx)
+        if not ctx.track_tau and self.units:
+            self.stacked = np.full((self.units[-1] + 1, self.width, ctx.n), INF)
+            for f in self.units:
+                self.stacked[f] = self.get(f, 0)
+
+    def get(self, f: int, tau: int) -> np.ndarray:
+        key = (f, self.ctx.tau_key(tau))
+        if key not in self.cache:
+            longest = self.longest[f]
+            head = np.full((self.width, self.n), INF)
+            first = _stage_table(self.ctx, self.top, f, tau)[0, 1 : longest + 1, : self.n]
+            np.maximum(first, self.cut[:longest], out=head[:longest])
+            self.cache[key] = head
+        return self.cache[key]
+
+
+def _top_live_starts(ctx: _Context) -> list[tuple[int, int]]:
+    """starts[m] = [a, b): the states from which a suffix on m top units can belong to a
+    plan of time <= the pruning limit V (all of them without a limit, or when idle units
+    blur what "m units" means, ``use_fewer_devices``). As in ``_top_regions``: such a
+    suffix from state i has compute <= V m D and the states before it run on the other
+    u - m units, so their compute is <= V (u - m) D. An entry outside [a, b) is left at
+    its single-stage value or inf, never below its exact value; every entry a plan <= V
+    reads is exact (its own choices stay inside the windows), so the optimum and the
+    reconstruction's ties are unchanged. O(u N)."""
+    top = len(ctx.levels)
+    u, per_unit, n = ctx.levels[-1].count, ctx.devices_per_unit(top - 1), ctx.n
+    v = ctx.limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+    if not math.isfinite(v) or ctx.settings.use_fewer_devices:
+        return [(0, n)] * (u + 1)
+    prefix = ctx.arrays.compute_ms[:n]
+    total = float(ctx.arrays.compute_ms[-1])
+    tolerance = 1e-9 * max(1.0, total) + ctx.arrays.shared_ends_ms  # the ends are paid once by a whole-model stage
+    out = [(0, 0)]
+    for m in range(1, u + 1):
+        live = np.nonzero((prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance))[0]
+        out.append((int(live[0]), int(live[-1]) + 1) if len(live) else (0, 0))
+    return out
+
+
+def _top_heads(ctx: _Context, band: int, cut: np.ndarray) -> _TopHeads:
+    return _TopHeads(ctx, band, cut)
+
+
+def _combine_top(ctx: _Context, heads: _TopHeads, suffix: np.ndarray, m: int) -> None:
+    """Unbounded top combine of m units: S[m, 0, i] = min(S[m, 0, i], min over f < m
+    and t <= Lt(f) of max(head_f[t, i], S[m - f, 0, i + t])), f in blocks of at most
+    ``TOP_BLOCK_ELEMENTS``. O(m Lt N)."""
+    units = [f for f in heads.units if f < m] if not ctx.settings.straight else [f for f in heads.units if f == 1 < m]
+    if not units or heads.width < 1:
+        return
+    n, width = heads.n, heads.width
+    per_unit = ctx.devices_per_unit(len(ctx.levels) - 1)
+    a, b = heads.starts[m]
+    if a >= b:
+        return
+    # rests[j, t - 1, i] = S[m - f, 0, i + t] with f = lo + j (rows m - lo down to m - hi)
+    windows = sliding_window_view(suffix[:, 0, 1 : n + width], n, axis=-1)  # [m', t - 1, i]
+    block = max(1, TOP_BLOCK_ELEMENTS // (width * (b - a)))
+    best = suffix[m, 0, a:b]
+    lo_all, hi_all = units[0], units[-1]
+    for lo in range(lo_all, hi_all + 1, block):
+        hi = min(hi_all, lo + block - 1)
+        rest = windows[m - lo : m - hi - 1 : -1, :, a:b]  # m - hi >= 1
+        if heads.stacked is not None:
+            head = heads.stacked[lo : hi + 1, :, a:b]
+        else:
+            head = np.stack([heads.get(f, math.ceil((m - f) * per_unit / f))[:, a:b] if heads.longest[f] >= 1
+                             else np.full((width, b - a), INF) for f in range(lo, hi + 1)])
+        np.minimum(best, np.maximum(head, rest).min(axis=(0, 1)), out=best)

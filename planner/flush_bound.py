@@ -1,0 +1,65 @@
+"""A lower bound (ms) of a flush schedule's simulated period, its bubble included.
+
+With 1F1B-flush or GPipe every minibatch k + 1 starts after position 0's "S" of
+minibatch k (the engine's completion, ``pipeplan.schedules.engine``): a worker of stage
+s can start its first forward no earlier than the forwards of one micro-batch through
+stages 0..s-1 (f = F / M each), then runs its ceil(M / n_s) micro-batches' forwards and
+backwards, and the gradient of its last one goes back through stages s-1..0 (b = B / M
+each) before position 0 all-reduces and steps (S_0). So
+
+    period >= max_s [ ceil(M / n_s) (f_s + b_s) + sum_{s' < s} (f_s' + b_s') ] + S_0,
+
+sends and waits only adding to it. For p equal stages on d replicas each that is
+W (1 + (p - 1) / m) + S_0 with W = (F + B) / d and m = M / d: Megatron's bubble
+(p - 1) / m (Narayanan et al., SC'21, section 2.2.1). ``planner.partition`` ranks and
+prunes candidate plans with it before simulating any of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from pipeplan.profile import Profile
+from pipeplan.schedules import schedule_kind
+from pipeplan.topology import Topology
+from pipeplan.planner.costs import update_ms
+from pipeplan.planner.cuts import CutFamily
+from pipeplan.planner.placement import FlatStage
+from pipeplan.planner.simulate import allreduce_ms
+
+__all__ = ["BOUNDED_SCHEDULES", "flush_period_bound_ms"]
+
+BOUNDED_SCHEDULES = ("1f1b-flush", "gpipe")  # one chunk, whole backwards, the next minibatch after S
+
+
+def flush_period_bound_ms(profile: Profile, family: CutFamily, flat: Sequence[FlatStage], topology: Topology,
+                          schedule: str, microbatches: int, charged_optimizer: str | None) -> float:
+    """The bound of the module docstring for the stages ``flat`` (cut states of
+    ``family``, ranks of ``topology``) under ``schedule`` with ``microbatches``; 0.0 for
+    a schedule it does not cover (``BOUNDED_SCHEDULES``). O(layers + stages).
+
+    >>> from pipeplan.profile import DeviceInfo, LayerProfile
+    >>> from pipeplan.topology import DeviceSpec, Level
+    >>> layers = tuple(LayerProfile(i, str(i), "x", (), 1.0, 2.0, 0, 0, 0) for i in range(4))
+    >>> profile = Profile("m", "f", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    >>> top = Topology("t", DeviceSpec("d", 1), (Level("n", 4, 1e9),))
+    >>> flat = [FlatStage(2 * s, 2 * s + 2, (s,), ()) for s in range(2)]
+    >>> flush_period_bound_ms(profile, CutFamily("prefix", 4), flat, top, "1f1b-flush", 4, None)  # 6 (1 + 1/4)
+    7.5
+    """
+    if schedule not in BOUNDED_SCHEDULES or not flat:
+        return 0.0
+    kind = schedule_kind(schedule)
+    assert kind.flushes and not kind.split_backward and not kind.virtual_stages
+    m = microbatches
+    best, before = 0.0, 0.0
+    for stage in flat:
+        layers = family.stage_layers(stage.start, stage.end)
+        per_micro = sum(profile.layers[i].forward_ms + profile.layers[i].backward_ms for i in layers) / m
+        best = max(best, before + math.ceil(m / stage.replicas) * per_micro)
+        before += per_micro
+    first = family.stage_layers(flat[0].start, flat[0].end)
+    params = float(sum(profile.layers[i].param_bytes for i in first))
+    step = update_ms(profile, charged_optimizer)
+    return best + allreduce_ms(topology, flat[0].ranks, params) + sum(step[i] for i in first)
