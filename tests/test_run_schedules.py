@@ -1,12 +1,13 @@
-"""The newer schedules under torchrun (gloo on CPU): interleaved 1F1B, zero bubble H1, 2BW.
+"""The newer schedules, and 1F1B-flush on uneven replicas, under torchrun (gloo on CPU).
 
-Flush schedules (interleaved-1f1b, zb-h1) must equal single-process training; 2BW must
+Flush schedules (interleaved-1f1b, zb-h1, 1f1b-flush) must equal single-process training; 2BW must
 equal its delayed-update rule W(t+1) = W(t) - lr * grad f(W(t-1)), emulated in one
 process. Each launch has a hard timeout.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -76,3 +77,22 @@ def test_2bw_delayed_updates_with_two_versions(tmp_path: Path) -> None:
     # and the delay is real: one-step-stale training differs from plain SGD
     plain, _ = train_reference(model, steps, 8, LR)
     assert any(not bool((final[n] - plain[n]).abs().max() < 1e-6) for n in final)
+
+
+def test_1f1b_flush_on_uneven_replicas_matches_single_process(tmp_path: Path) -> None:
+    """Replicas 1, 3, 1 with 4 micro-batches: the smallest plan whose old 1F1B-flush orders
+    deadlocked (s1r0 forwarded micro-batch 3 before the backward of 0, which s0r0 needed
+    first). The executor runs the fixed orders to the end and trains as one process does."""
+    model = str(FIXTURES / "mlp.py")
+    plan = make_plan(model, [[0, 1], [2, 3], [4, 5]], [1, 3, 1], "1f1b-flush", batch_size=8, microbatches=4,
+                     optimizer="momentum")
+    plan.save(tmp_path / "plan.json")
+    result = torchrun(5, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
+                          "--no-progress", "--record", str(tmp_path / "rec"),
+                          "--metrics", str(tmp_path / "m.json")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, ref_losses = train_reference(model, 3, 8, LR, optimizer="momentum")
+    recs = records(tmp_path / "rec")
+    assert sorted(rec["stage"] for rec in recs.values()) == [0, 1, 1, 1, 2]
+    assert_params_match(recs, reference)  # the three stage-1 replicas included
+    assert json.loads((tmp_path / "m.json").read_text())["losses"] == pytest.approx(ref_losses, rel=1e-5)

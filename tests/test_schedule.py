@@ -6,8 +6,10 @@ import doctest
 import math
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from pipeplan.schedules import actions as actions_module, checks, engine, kinds
+from pipeplan.schedules import actions as actions_module, checks, engine, kinds, orders as orders_module
 from pipeplan.errors import InputError
 from pipeplan.schedules import (
     SCHEDULE_KINDS,
@@ -32,7 +34,7 @@ def orders(schedule: Schedule) -> list[str]:
 
 
 def test_doctests() -> None:
-    results = [doctest.testmod(module) for module in (actions_module, checks, engine, kinds)]
+    results = [doctest.testmod(module) for module in (actions_module, checks, engine, kinds, orders_module)]
     assert sum(r.attempted for r in results) >= 8 and sum(r.failed for r in results) == 0
 
 
@@ -276,6 +278,98 @@ def test_validate_catches_deadlock() -> None:
     crossed[(1, 0)] = tuple(Action.parse(t) for t in "F0 F1 B0 S0 B1 S1".split())
     with pytest.raises(InputError, match="deadlocks"):
         validate(Schedule("1f1b-rr", (1, 1), 2, 1, crossed))
+
+
+# --------------------------------------------------------------------------- uneven replicas
+
+# The smallest deadlock of the old 1F1B-flush generator: replicas (1, 3, 1), M = 4. Each
+# replica counted S - s of its own micro-batches, so s1r0 (micro-batches 0 and 3) ran
+# F0 F3 before B0 while s0r0 runs F3 only after B0: a cycle. Now every replica runs its
+# position's order (window D = 3, 3, 1 micro-batches) on its own micro-batches.
+UNEVEN_1_3_1 = [
+    "F0 F0.1 F0.2 B0 F0.3 B0.1 B0.2 B0.3 S0",
+    "F0 B0 F0.3 B0.3 S0",
+    "F0.1 B0.1 S0",
+    "F0.2 B0.2 S0",
+    "F0 B0 F0.1 B0.1 F0.2 B0.2 F0.3 B0.3 S0",
+]
+
+
+def test_uneven_replicas_smallest_deadlock_now_runs() -> None:
+    flush = build_schedule("1f1b-flush", (1, 3, 1), 1, 4)
+    validate(flush)
+    assert orders(flush) == UNEVEN_1_3_1
+    assert [orders_module.flush_window((1, 3, 1), s, 4) for s in range(3)] == [3, 3, 1]
+    zb = build_schedule("zb-h1", (1, 3, 1), 1, 4)
+    validate(zb)
+    assert orders(zb)[1] == "F0 I0 F0.3 I0.3 W0 W0.3 S0"
+
+
+def test_planner_case_that_deadlocked_runs() -> None:
+    # issue 20's planner hit this one (8 stages, 1,536 micro-batches)
+    replicas = (32, 32, 74, 74, 74, 74, 95, 57)
+    schedule = build_schedule("1f1b-flush", replicas, 3, 1536)
+    validate(schedule)
+    peaks = [max(peak_in_flight(schedule.actions[(s, r)]) for r in range(n)) for s, n in enumerate(replicas)]
+    assert peaks == [8, 7, 4, 4, 4, 3, 2, 1]  # within 1F1B's S - s = 8, 7, ..., 1
+
+
+def test_flush_window_keeps_the_old_orders_when_replicas_do_not_grow() -> None:
+    # n_s * (S - s) falling with s: each replica admits S - s of its own micro-batches, as before
+    schedule = build_schedule("1f1b-flush", (2, 2, 1), 1, 8)
+    assert orders(schedule)[:2] == [
+        "F0 F0.2 F0.4 B0 F0.6 B0.2 B0.4 B0.6 S0",
+        "F0.1 F0.3 F0.5 B0.1 F0.7 B0.3 B0.5 B0.7 S0",
+    ]
+
+
+def _kind_args(name: str, replicas: tuple[int, ...], micro: int, minibatches: int) -> tuple[int, int, int]:
+    """(minibatches, micro-batches, virtual stages) near the drawn ones that ``name``'s rules accept."""
+    if name == "1f1b-rr":
+        return minibatches * math.lcm(*replicas), 1, 1
+    if name == "interleaved-1f1b":
+        return minibatches, micro * len(replicas), 2
+    if name == "2bw":
+        least = max(n * (warmup_forwards(replicas, s) + 1) for s, n in enumerate(replicas))
+        return minibatches, least + micro - 1, 1
+    return minibatches, micro, 1
+
+
+def _skip_connections(schedule: Schedule) -> engine.Durations:
+    """Unit durations with every model stage sending to every later one (a DAG, not a chain)."""
+    q = schedule.model_stages
+    one, zero = (1.0,) * q, (0.0,) * q
+    sends = tuple(tuple((t, 1.0) for t in range(s + 1, q)) for s in range(q))
+    return engine.Durations(one, one, one, one, zero, zero, sends)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from(SCHEDULE_NAMES),
+    replicas=st.lists(st.integers(1, 4), min_size=1, max_size=4).map(tuple),
+    micro=st.integers(1, 9),
+    minibatches=st.integers(1, 3),
+)
+@example(name="1f1b-flush", replicas=(1, 3, 1), micro=4, minibatches=1)  # hypothesis's smallest deadlock
+@example(name="zb-h1", replicas=(1, 3, 1), micro=4, minibatches=1)  # of the old generator
+def test_every_input_runs_to_completion(
+    name: str, replicas: tuple[int, ...], micro: int, minibatches: int
+) -> None:
+    """Every schedule, any replica counts: it validates (its unit-clock sweep finishes), runs in
+    the engine with skip connections, and 1F1B's flush schedules keep 1F1B's bound per replica."""
+    k, m, v = _kind_args(name, replicas, micro, minibatches)
+    schedule = build_schedule(name, replicas, k, m, v)
+    validate(schedule)
+    ranks = [[sum(replicas[:i]) + r for r in range(n)] for i, n in enumerate(replicas)]
+    timeline = engine.run_schedule(schedule, _skip_connections(schedule), ranks, lambda a, b, size: (0.0, 1.0))
+    assert all(len(timeline.ends[w]) == len(schedule.actions[w]) for w in schedule.workers)
+    for (s, r), actions in schedule.actions.items():
+        peak = peak_in_flight(actions)
+        if name == "1f1b-flush":  # 1F1B: S - s micro-batches on every replica, the memory model's figure
+            assert peak <= min(m, len(replicas) - s)
+            assert peak <= activations_in_flight(name, replicas, s, m) * m + 1e-9
+        elif name == "zb-h1":  # held until "W": 1F1B's window plus at most s deferred "W"
+            assert peak <= min(m, len(replicas))
 
 
 EVERY_KIND_ARGS = {  # name -> (microbatches, virtual stages) that fit replicas (2, 2, 1)

@@ -142,9 +142,10 @@ class ScheduleKind:
         """Minibatches' worth of saved activations a replica of ``stage`` holds at its peak.
 
         1f1b-rr: W_s + 1 whole minibatches. 1f1b-flush: min(M, S - s) micro-batches of
-        size 1/M each. gpipe: all M micro-batches, i.e. one whole minibatch. The others
-        (interleaved-1f1b summed over the device's chunks, 2bw, zb-h1 held until "W"):
-        the peak of their action list (``in_flight_by_chunk``).
+        size 1/M each (exact without replication; with it a bound no replica's order
+        exceeds, ``orders.flush_window``). gpipe: all M micro-batches, i.e. one whole
+        minibatch. The others (interleaved-1f1b summed over the device's chunks, 2bw,
+        zb-h1 held until "W"): the peak of their action list (``in_flight_by_chunk``).
         """
         if self.in_flight is not None:
             return self.in_flight(stage_replicas, stage, microbatches)

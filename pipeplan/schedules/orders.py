@@ -61,20 +61,60 @@ def _interleave(*columns: Sequence[T]) -> list[T]:
     return out
 
 
+def flush_window(replicas: Sequence[int], stage: int, microbatches: int) -> int:
+    """D_s: micro-batches of a minibatch position ``stage`` forwards before its first backward (1F1B).
+
+    Counted over the whole position (all its replicas), by micro-batch index. Without
+    replication it is 1F1B's min(M, S - s). With replication the largest window that
+    (a) never grows downstream (D_s <= D_{s-1}: what keeps the orders deadlock-free, see
+    ``_1f1b_order``) and (b) lets no replica hold more than 1F1B's S - s micro-batches
+    (D_s <= n_s * (S - s), n_s the replicas of s): min(M, min over t <= s of n_t * (S - t)).
+    Windows that grow downstream (n_s * (S - s) rising with s, e.g. replicas 1, 3, 1)
+    deadlocked when each replica counted S - s of its own micro-batches. O(stage).
+
+    >>> [flush_window((1, 1, 1, 1), s, 8) for s in range(4)]
+    [4, 3, 2, 1]
+    >>> [flush_window((1, 3, 1), s, 8) for s in range(3)]
+    [3, 3, 1]
+    """
+    stages = len(replicas)
+    return min([microbatches] + [n * (stages - t) for t, n in enumerate(replicas[: stage + 1])])
+
+
+def _1f1b_order(local: Sequence[int], window: int) -> list[tuple[str, int]]:
+    """A replica's 1F1B order: the position's order, F(0..D-1) then B(m), F(m + D) alternating,
+    restricted to the replica's micro-batches ``local``. O(L log L) for L local micro-batches.
+
+    Each action's slot in the position's order is a key: B(m) at 2m, F(m) right after
+    B(m - D) at 2(m - D) + 1. Every dependency goes to an equal or larger key: the worker's
+    own order rises; F(m) on s feeds F(m) on t > s (key 2(m - D_t) + 1 >= 2(m - D_s) + 1
+    because D_t <= D_s); B(m) on t feeds B(m) on s (same key 2m); the last stage's F(m)
+    precedes its B(m). Chains of equal keys only run forward through stages (F) or backward
+    (B), so no cycle; a minibatch's "S" (a barrier of the position's replicas) follows all
+    its keys and precedes the next minibatch's. So every order built this way runs to
+    completion, with any replica counts and any producer -> consumer stages. A replica
+    holds the local ones of D consecutive micro-batches at most: ceil(D / n) <= S - s.
+
+    >>> " ".join(f"{k}{m}" for k, m in _1f1b_order(range(6), 2))
+    'F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5'
+    >>> " ".join(f"{k}{m}" for k, m in _1f1b_order([1, 4], 2))
+    'F1 B1 F4 B4'
+    """
+    keyed = [(2 * (m - window) + 1, "F", m) for m in local] + [(2 * m, "B", m) for m in local]
+    return [(kind, m) for _, kind, m in sorted(keyed)]
+
+
 def worker_1f1b_flush(
     replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
-    """Per minibatch: min(M, S - s) forwards, then B, F alternating, drain, one "S"."""
+    """Per minibatch: the position's 1F1B order (``flush_window`` forwards, then B, F
+    alternating, then the drain) on the replica's micro-batches, then one "S"."""
+    window = flush_window(replicas, stage, microbatches)
     out: list[Action] = []
     for k in range(minibatches):
         local = _local_microbatches(replicas, stage, replica, k, microbatches)
-        ahead = min(len(local), len(replicas) - stage)
-        out += [Action("F", k, m) for m in local[:ahead]]
-        for i, m in enumerate(local):
-            out.append(Action("B", k, m))
-            if i + ahead < len(local):
-                out.append(Action("F", k, local[i + ahead]))
+        out += [Action(kind, k, m) for kind, m in _1f1b_order(local, window)]
         out.append(Action("S", k))
     return out
 
@@ -164,25 +204,26 @@ def worker_zb_h1(
 ) -> list[Action]:
     """ZB-H1: the 1F1B-flush order with each backward split into "I" then "W".
 
-    Per minibatch: min(M, S - s) forwards; then "I", F alternating as 1F1B's B, F; the
+    Per minibatch: 1F1B-flush's order (``_1f1b_order``) with "I" in place of "B"; the
     "W" of a micro-batch runs right after an "I" once position s has deferred s of them
     (later positions wait longer for their first input gradient, so they keep more "W"
-    to fill that bubble); the deferred ones drain before the minibatch's "S".
-    Activations are held until "W": min(M, S) units at the peak, 1F1B's peak.
+    to fill that bubble); the deferred ones drain before the minibatch's "S". A "W"
+    needs only its own worker, so the orders run to completion as 1F1B-flush's do.
+    Activations are held until "W": min(M, S) units at the peak without replication, 1F1B's peak.
     """
+    window = flush_window(replicas, stage, microbatches)
     out: list[Action] = []
     for k in range(minibatches):
         local = _local_microbatches(replicas, stage, replica, k, microbatches)
-        ahead = min(len(local), len(replicas) - stage)
-        out += [Action("F", k, m) for m in local[:ahead]]
         deferred: list[int] = []
-        for i, m in enumerate(local):
+        for kind, m in _1f1b_order(local, window):
+            if kind == "F":
+                out.append(Action("F", k, m))
+                continue
             out.append(Action("I", k, m))
             deferred.append(m)
             if len(deferred) > stage:
                 out.append(Action("W", k, deferred.pop(0)))
-            if i + ahead < len(local):
-                out.append(Action("F", k, local[i + ahead]))
         out += [Action("W", k, m) for m in deferred]
         out.append(Action("S", k))
     return out
