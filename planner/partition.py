@@ -179,7 +179,8 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         except InfeasibleError as exc:
             failure = exc
             continue
-        except InputError as exc:  # e.g. its schedule cannot run those replica counts: other degrees may
+        except InputError as exc:  # its schedule's rules refuse this degree's stages (2bw's micro-batches
+            # for its replica counts, interleaved-1f1b's for its positions): other degrees may run
             if len(choices) == 1:
                 raise
             failure = InputError(f"with tensor-parallel degree {t}: {exc}")
@@ -269,7 +270,7 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
             break  # a period is never below its bound (slowest stage, flush bubble): no later candidate can win
         try:
             plan = _tree_plan(profile, topology, options, arrays, shape, stage_ms, nodes, steady=1)
-        except (InfeasibleError, InputError) as exc:  # does not fit, or its schedule cannot run it
+        except InfeasibleError as exc:  # does not fit (a flush schedule runs any replica counts)
             if shape is tree:
                 failure = exc
             continue
