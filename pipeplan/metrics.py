@@ -2,9 +2,10 @@
 
 Written by ``pipeplan.runtime.report`` (rank 0 merges every rank's measurements), read
 by ``pipeplan.planner.report`` and ``pipeplan report``. Stored as JSON with
-``"schema": "pipeplan.metrics/1"`` (format in ``docs/metrics.md``). Times are
-milliseconds per minibatch, rates samples per second; a figure that was not measured
-or not predicted is ``None`` (JSON null). ``stages`` is indexed by position in the list,
+``"schema": "pipeplan.metrics/2"`` (format in ``docs/metrics.md``; version 1 files, written
+before the per-rank memory figures, still load with those ``None``). Times are
+milliseconds per minibatch, rates samples per second, memory bytes; a figure that was not
+measured or not predicted is ``None`` (JSON null). ``stages`` is indexed by position in the list,
 one entry per (stage, replica), i.e. per rank running a stage.
 
 Reading is tolerant in one way only: unknown keys are ignored (newer writers), and every
@@ -22,9 +23,11 @@ from typing import Any, Mapping
 from pipeplan.errors import InputError
 from pipeplan.jsonio import read_json, write_json_atomic
 
-__all__ = ["METRICS_SCHEMA", "StageMetrics", "Metrics"]
+__all__ = ["METRICS_SCHEMA", "OLDER_METRICS_SCHEMAS", "MEMORY_KINDS", "StageMetrics", "Metrics"]
 
-METRICS_SCHEMA = "pipeplan.metrics/1"
+METRICS_SCHEMA = "pipeplan.metrics/2"
+OLDER_METRICS_SCHEMAS = ("pipeplan.metrics/1",)  # still load (no memory figures)
+MEMORY_KINDS = ("rss", "cuda_allocated")  # StageMetrics.memory_kind: CPU resident set, GPU allocator
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,32 @@ class StageMetrics:
     predicted_time_per_minibatch_ms: float | None = None  # StagePlan.time_per_minibatch_ms
     predicted_compute_ms: float | None = None  # StagePlan.compute_ms
     predicted_weight_versions: int | None = None  # StagePlan.weight_versions
+    # memory of this rank: "rss" (CPU: the process's resident set) or "cuda_allocated"
+    # (GPU: torch.cuda.memory_allocated / max_memory_allocated); see pipeplan.runtime.memory_usage
+    memory_kind: str | None = None
+    baseline_memory_bytes: int | None = None  # before the stage was built
+    peak_memory_bytes: int | None = None  # the most at any moment of the run
+    predicted_memory_bytes: int | None = None  # StagePlan.memory_bytes (summed over the rank's chunks)
+
+    @property
+    def held_memory_bytes(self) -> int | None:
+        """What the rank held for its stage: peak - baseline (what ``predicted_memory_bytes`` predicts)."""
+        if self.peak_memory_bytes is None or self.baseline_memory_bytes is None:
+            return None
+        return self.peak_memory_bytes - self.baseline_memory_bytes
 
     @classmethod
     def from_dict(cls, obj: Any, where: str) -> "StageMetrics":
         if not isinstance(obj, Mapping) or "stage" not in obj:
             raise InputError(f"{where} has no 'stage'")
-        return cls(**_typed(cls, obj, where))
+        values = _typed(cls, obj, where)
+        kind = values.get("memory_kind")
+        if kind is not None and kind not in MEMORY_KINDS:
+            raise InputError(f"{where}: memory_kind {kind!r} is not one of {', '.join(MEMORY_KINDS)}")
+        for key in ("baseline_memory_bytes", "peak_memory_bytes", "predicted_memory_bytes"):
+            if (values.get(key) or 0) < 0:
+                raise InputError(f"{where}: {key} = {values[key]} is negative")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -110,7 +133,7 @@ class Metrics:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Metrics":
-        return cls.from_dict(read_json(path, METRICS_SCHEMA), where=str(path))
+        return cls.from_dict(read_json(path, METRICS_SCHEMA, OLDER_METRICS_SCHEMAS), where=str(path))
 
 
 def _finite(value: Any) -> Any:

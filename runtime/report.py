@@ -1,11 +1,13 @@
 """Measurements of every rank, merged on rank 0 into metrics.json and the Chrome trace.
 
-Format: ``docs/metrics.md`` (schema ``pipeplan.metrics/1``). Per (stage, replica):
+Format: ``docs/metrics.md`` (schema ``pipeplan.metrics/2``). Per (stage, replica):
 ``compute_ms`` (forward + backward + optimizer per minibatch handled), ``wait_ms``
 (blocked on receives and all-reduces per minibatch handled), ``time_per_minibatch_ms``
 (busy time, compute + all-reduce, per minibatch handled, divided by the stage's replicas:
 the stage's share of the period, comparable with ``StagePlan.time_per_minibatch_ms``),
 each beside the plan's prediction; the first ``warmup_minibatches`` are left out. The
+rank's memory (baseline before its stage was built, peak over the run:
+``pipeplan.runtime.memory_usage``) sits beside the plan's per-device figure. The
 pipeline's ``time_per_minibatch_ms`` is the steady-state spacing of minibatch
 completions on the input stage (the first ``noam`` minibatches are warm-up).
 """
@@ -46,6 +48,7 @@ class RankReport:
     done_ms: dict[int, float]  # global minibatch -> time its S finished here (from t0)
     peak_versions: int
     events: list[Any] = field(default_factory=list)
+    memory: Any = None  # pipeplan.runtime.memory_usage.MemoryReading
 
 
 def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> int:
@@ -58,7 +61,8 @@ def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> 
     return min(fill, max(total - 1, 0))
 
 
-def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: float, stash: Any) -> RankReport:
+def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: float, stash: Any,
+                memory: Any = None) -> RankReport:
     counted_from = recorder.count_from - executor.minibatch_offset
     handled = {a.minibatch for a in executor.actions if a.kind == "F" and a.minibatch >= counted_from}
     done = dict(executor.done_ms)
@@ -73,6 +77,7 @@ def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: flo
         done_ms=done,
         peak_versions=stash.peak_versions if stash is not None else 1,
         events=list(recorder.events),
+        memory=memory,
     )
 
 
@@ -170,6 +175,10 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
             predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
             predicted_compute_ms=sum(s.compute_ms for s in chunks),
             predicted_weight_versions=chunks[0].weight_versions,
+            memory_kind=r.memory.kind if r.memory is not None else None,
+            baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,
+            peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
+            predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
         ))
     metrics = Metrics(
         schedule=config.schedule,

@@ -103,8 +103,9 @@ def steps_period(schedule: str, replicas: tuple[int, ...]) -> int:
     return schedule_kind(schedule).minibatches_per_step(replicas)
 
 
-def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
-    """Environment, model file, pipeline spec, schedule and run identity; raises ``PrepareError``.
+def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """Environment, model file, pipeline spec, schedule, run identity and the memory meter
+    (started before the stage is built); raises ``PrepareError``.
 
     With ``--checkpoint-dir`` a directory holding another run's checkpoints (or any,
     without ``--resume``) is refused here, before any communication.
@@ -112,6 +113,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
     from pipeplan.memory_errors import memory_step
     from pipeplan.modelfile import load_model_file, resolve_model_path
     from pipeplan.runtime.launch import check_world_size, read_env
+    from pipeplan.runtime.memory_usage import MemoryMeter
     from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
     from pipeplan.runtime.stage import build_pipeline
     from pipeplan.schedules import build_schedule
@@ -144,6 +146,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
                 f"{config.microbatches} micro-batches"
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
+        meter = MemoryMeter(env.device)  # the baseline: imports done, nothing of the model built
         with memory_step(f"rank {env.rank} built its stage (--build {config.build})",
                          "with --build meta each rank materialises only its own layers; or plan more stages"):
             spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
@@ -167,7 +170,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any]:
         raise
     except InputError as exc:
         raise PrepareError(str(exc)) from exc
-    return env, model_file, spec, schedule, identity
+    return env, model_file, spec, schedule, identity, meter
 
 
 def _optimizer_identity(config: RunConfig, model_file: Any) -> str:
@@ -216,7 +219,7 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     from pipeplan.runtime.launch import init_distributed
 
     keep_freed_blocks()  # as the profiler does: no page faults per minibatch
-    env, model_file, spec, schedule, identity = _prepare(config)
+    env, model_file, spec, schedule, identity, meter = _prepare(config)
     init_distributed(env, config.timeout_s)
     prefix = f"run{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     silent_s = min(HEARTBEAT_TIMEOUT_S, config.timeout_s)  # a rank or store silent this long is dead
@@ -227,7 +230,7 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
         with memory_step(f"rank {env.rank} ({stage}) trained",
                          "plan more stages (partition for more devices), fewer micro-batches in flight, "
                          "or a smaller micro-batch (--microbatches)"):
-            summary = _train(config, env, model_file, spec, schedule, watchdog, identity)
+            summary = _train(config, env, model_file, spec, schedule, watchdog, identity, meter)
     except BaseException as exc:
         _report_failure(watchdog, env.rank, exc)
         raise _as_failure(env.rank, exc) from exc
@@ -275,7 +278,7 @@ def _as_failure(rank: int, exc: BaseException) -> PipeplanError:
 
 
 def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: Any, watchdog: Any,
-           identity: Any) -> dict[str, Any] | None:
+           identity: Any, meter: Any) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
@@ -400,7 +403,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
             store.prune_checkpoints(config.checkpoint_dir, identity.fingerprint, keep=2)
     if config.record_dir and module is not None:
         _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
-    reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash), env.rank)
+    reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash, meter.read()), env.rank)
     if env.rank != 0:
         return None
     return write_outputs(config, spec, schedule, reports, period, offset)

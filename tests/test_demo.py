@@ -34,7 +34,7 @@ def test_demo_runs_the_whole_flow_end_to_end(tmp_path: Path) -> None:
     assert len(plan.stages) == 2 and all(s.replicas == 1 for s in plan.stages)  # a real pipeline
     assert (out / "timeline.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["schema"] == "pipeplan.metrics/1" and len(metrics["losses"]) == 10
+    assert metrics["schema"] == "pipeplan.metrics/2" and len(metrics["losses"]) == 10
     assert metrics["time_per_minibatch_ms"] > 0
     # the task is learnable: the loss visibly falls within the demo's steps
     losses = metrics["losses"]

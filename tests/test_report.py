@@ -65,7 +65,7 @@ def test_compare_rejects_bad_values() -> None:
 def test_load_rejects_other_schema(tmp_path) -> None:
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"schema": "pipeplan.plan/1"}))
-    with pytest.raises(InputError, match="expected 'pipeplan.metrics/1'"):
+    with pytest.raises(InputError, match="expected 'pipeplan.metrics/2'"):
         load_report(path)
 
 
@@ -110,16 +110,20 @@ def test_metrics_contract_round_trips(tmp_path) -> None:
         samples_per_s=812.5, time_per_minibatch_ms=float("nan"), predicted_time_per_minibatch_ms=9.0,
         predicted_schedule="1f1b-flush", predicted_microbatches=2,
         stages=(StageMetrics(stage=0, rank=0, time_per_minibatch_ms=8.5, compute_ms=8.0, minibatches=4,
-                             weight_versions_used=1, predicted_time_per_minibatch_ms=9.0),),
+                             weight_versions_used=1, predicted_time_per_minibatch_ms=9.0, memory_kind="rss",
+                             baseline_memory_bytes=300 << 20, peak_memory_bytes=450 << 20,
+                             predicted_memory_bytes=128 << 20),),
     )
     path = tmp_path / "metrics.json"
     metrics.save(path)
     obj = json.loads(path.read_text())
-    assert obj["schema"] == "pipeplan.metrics/1" and obj["time_per_minibatch_ms"] is None  # NaN -> null
+    assert obj["schema"] == "pipeplan.metrics/2" and obj["time_per_minibatch_ms"] is None  # NaN -> null
+    assert obj["stages"][0]["peak_memory_bytes"] == 450 << 20
     back = Metrics.load(path)
     assert back == replace(metrics, time_per_minibatch_ms=None)
     assert back.plan == {"schedule": "1f1b-rr"} and back.schedule_name == "1f1b-flush"
     assert Metrics.from_dict(back.to_dict()) == back
+    assert back.stages[0].held_memory_bytes == 150 << 20
     with pytest.raises(InputError, match=r"m.json: 'steps' must be an integer \(got 2.5\)"):
         Metrics.from_dict({**obj, "steps": 2.5}, where="m.json")
 
@@ -138,3 +142,19 @@ def test_a_run_of_another_schedule_is_reported_against_its_own_prediction() -> N
     expected = simulate_plan(plan, None, "1f1b-flush", 2).time_per_minibatch_ms
     assert flush.predicted.time_per_minibatch_ms == pytest.approx(expected, rel=1e-12)
     assert flush.predicted.time_per_minibatch_ms == pytest.approx(9.0, rel=1e-9)
+
+
+def test_metrics_version_1_loads_without_memory_and_memory_values_are_checked(tmp_path) -> None:
+    from pipeplan.metrics import Metrics
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(METRICS))  # pipeplan.metrics/1: written before the memory figures
+    stage = Metrics.load(path).stages[0]
+    assert stage.peak_memory_bytes is None and stage.memory_kind is None and stage.held_memory_bytes is None
+    good = {"stage": 0, "memory_kind": "rss", "peak_memory_bytes": 10, "baseline_memory_bytes": 4}
+    with pytest.raises(InputError, match=r"stages\[0\]: memory_kind 'vram' is not one of rss, cuda_allocated"):
+        Metrics.from_dict({"stages": [{**good, "memory_kind": "vram"}]})
+    with pytest.raises(InputError, match=r"stages\[0\]: peak_memory_bytes = -1 is negative"):
+        Metrics.from_dict({"stages": [{**good, "peak_memory_bytes": -1}]})
+    with pytest.raises(InputError, match=r"'baseline_memory_bytes' must be an integer \(got 4.5\)"):
+        Metrics.from_dict({"stages": [{**good, "baseline_memory_bytes": 4.5}]})

@@ -80,13 +80,18 @@ def test_1f1b_flush_under_torchrun_matches_single_process(tmp_path: Path) -> Non
     reference, ref_losses = train_reference(model, steps, 8, LR)
     assert_params_match(records(tmp_path / "rec"), reference)
     metrics = json.loads((tmp_path / "m.json").read_text())
-    assert metrics["schema"] == "pipeplan.metrics/1" and metrics["schedule"] == "1f1b-flush"
+    assert metrics["schema"] == "pipeplan.metrics/2" and metrics["schedule"] == "1f1b-flush"
     assert metrics["losses"] == pytest.approx(ref_losses, rel=1e-5)
     assert metrics["samples_per_s"] > 0 and metrics["wall_samples_per_s"] > 0
     assert [(s["stage"], s["rank"]) for s in metrics["stages"]] == [(0, 0), (1, 1)]
     for stage in metrics["stages"]:
         assert stage["compute_ms"] > 0 and stage["wait_ms"] >= 0
         assert stage["predicted_time_per_minibatch_ms"] == 1.0
+        # the rank's own memory: RSS after imports (torch: > 50 MiB), a peak above it, the plan's figure
+        assert stage["memory_kind"] == "rss" and stage["baseline_memory_bytes"] > 50 << 20
+        assert stage["peak_memory_bytes"] >= stage["baseline_memory_bytes"]
+        assert stage["predicted_memory_bytes"] == 1 << 20  # make_plan's StagePlan.memory_bytes
+    assert "memory per rank" in result.stdout and "MiB" in result.stdout
     trace = json.loads((tmp_path / "t.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     categories = {(e["pid"], e["cat"]) for e in events}
