@@ -8,7 +8,9 @@ max(layers) + 1``; a plan without ``layers`` means the range) on ``replicas`` de
 its layers t ways (Megatron tensor parallelism) inside each replica: ``ranks`` then holds
 ``replicas * t`` ranks, replica-major (replica j's tensor-parallel group is
 ``ranks[j*t:(j+1)*t]``). Times are milliseconds per minibatch, memory in bytes per
-device. ``export_target`` names the engine whose cuts the planner kept to (``partition
+device. ``dtype`` is the compute precision (the profile's), ``master_dtype`` that of the
+master weights and optimizer state under mixed precision (``pipeplan.precision``; memory
+figures count them). ``export_target`` names the engine whose cuts the planner kept to (``partition
 --for``). Stored as JSON with ``"schema": "pipeplan.plan/2"``; version 1 files (no
 ``tensor_parallel``: t = 1, no ``export_target``) still load.
 """
@@ -22,6 +24,7 @@ from typing import Any
 from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
+from pipeplan.precision import Precision
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 __all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "EXPORT_TARGETS", "StagePlan", "Predicted", "Plan"]
@@ -101,10 +104,17 @@ class Plan:
     # the engine whose cuts the planner kept to (`partition --for`): "pipelining" | "torchtitan";
     # None: any cut pipeplan's runtime runs
     export_target: str | None = None
+    # mixed precision (pipeplan.precision): the dtype of the master weights, their gradients and
+    # the optimizer state when compute runs in ``dtype``; None: all in ``dtype`` (older plans)
+    master_dtype: str | None = None
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(self.dtype, self.master_dtype)
 
     def stage_of_rank(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) that global ``rank`` runs."""
@@ -186,6 +196,7 @@ def validate(plan: Plan) -> None:
         raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     if plan.export_target is not None and plan.export_target not in EXPORT_TARGETS:
         raise InputError(f"plan export_target {plan.export_target!r} is not one of {', '.join(EXPORT_TARGETS)}")
+    Precision(plan.dtype, plan.master_dtype)  # known dtypes, or one line naming the value
     if plan.world_size != plan.topology.world_size:
         raise InputError(
             f"plan world_size {plan.world_size} != topology world size {plan.topology.world_size}"

@@ -6,7 +6,7 @@ Times are milliseconds for one minibatch of ``batch_size`` samples; sizes are by
 Stored as JSON with ``"schema": "pipeplan.profile/2"``; version 1 files (without the
 tensor-parallel fields and ``estimated``) still load, and so do /2 files without the
 optional fields of a meta-device profile (``build``, ``step_not_measured``,
-``optimizer_sample_bytes``, ``LayerProfile.reused_from``).
+``optimizer_sample_bytes``, ``LayerProfile.reused_from``) or ``master_dtype``.
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -145,6 +145,11 @@ class Profile:
     # bytes of parameters the optimizer steps were timed on; optimizer_ms scales that time
     # linearly to all parameters (0: timed on all of them)
     optimizer_sample_bytes: int = 0
+    # mixed precision (``pipeplan.precision``): the dtype of the master weights that training
+    # in ``dtype`` keeps ("float32" for a measured bf16 profile): the optimizer steps were timed
+    # on them (plus the copy back into ``dtype``) and the planner charges them; None: every
+    # tensor in ``dtype`` (float32 profiles; estimated and older bf16 profiles)
+    master_dtype: str | None = None
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -216,6 +221,8 @@ def validate(profile: Profile) -> None:
         raise InputError(f"profile batch_size must be positive (got {profile.batch_size})")
     if not profile.layers:
         raise InputError("profile has no layers")
+    if profile.master_dtype not in (None, "float32"):
+        raise InputError(f"profile master_dtype must be null or 'float32' (got {profile.master_dtype!r})")
     for position, layer in enumerate(profile.layers):
         if layer.index != position:
             raise InputError(f"profile layer at position {position} has index {layer.index}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from pipeplan.plan import Plan, Predicted, StagePlan
+from pipeplan.precision import Precision
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays
 from pipeplan.planner.cuts import CutFamily
@@ -63,4 +64,5 @@ def assemble_plan(profile: Profile, topology: Topology, options: PartitionOption
         leaf_modules=profile.leaf_modules, opaque_modules=profile.opaque_modules,
         cut_family=family.name, cut_candidates=family.states,
         export_target=options.export_target,
+        master_dtype=profile.master_dtype,
     )

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.planner.cuts import CutFamily, prefix_family
 
@@ -55,6 +56,9 @@ class LayerArrays:
     # draw the minibatch), but paid once by a stage that holds them both (ms).
     shared_ends_ms: float = 0.0
     family: CutFamily | None = None  # None: the prefix family
+    # what the parameter bytes are (compute dtype) and what the memory rule charges beside them
+    # (the profile's: float32 masters for a measured bf16 profile; pipeplan.precision, planner.memory)
+    precision: Precision = Precision()
 
     @property
     def cut_family(self) -> CutFamily:
@@ -159,6 +163,7 @@ def layer_arrays(profile: Profile, optimizer: str | None = None, family: CutFami
         frontier_bytes=frontier,
         shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
         family=family,
+        precision=Precision(profile.dtype, profile.master_dtype),
     )
 
 
@@ -192,6 +197,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         frontier_bytes=frontier,
         shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
         family=family,
+        precision=Precision(profile.dtype, profile.master_dtype),
     )
 
 

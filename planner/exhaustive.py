@@ -73,6 +73,7 @@ def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topolog
             memory, _, _ = plan_stage_memory(
                 options.schedule, replicas, q, arrays.params(stage.start, stage.end),
                 arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
+                precision=arrays.precision,
             )
             if memory > topology.device.memory_bytes:
                 return math.inf

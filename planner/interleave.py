@@ -94,7 +94,7 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
         memory, versions, in_flight = plan_stage_memory(
             options.schedule, replicas, i, arrays.params(start, end), arrays.saved(start, end), optimizer,
-            micro, virtual, chunk=c)
+            micro, virtual, chunk=c, precision=arrays.precision)
         device_bytes[i] += memory
         compute = arrays.compute(start, end)
         stages.append(StagePlan(

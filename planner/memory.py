@@ -4,7 +4,14 @@ A replica of a stage keeps (bytes per device)::
 
     params * (weight_versions + 1 gradient + optimizer_states) + saved * activations_in_flight
 
-``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam. The counts are each
+``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam; ``params`` and ``saved``
+are the profile's bytes, in its dtype. Under mixed precision (``pipeplan.precision``:
+a bf16 profile plans bf16 compute with float32 masters) the weight versions are the
+compute copies and the rest is float32, ``master / compute`` bytes per compute byte::
+
+    params * (weight_versions + 2 * (1 master + 1 gradient + optimizer_states)) + saved * in_flight
+
+(bf16, Adam, one version: 2 + 4 + 4 + 8 = 18 bytes per parameter, Megatron's figure). The counts are each
 schedule's own, from the registry ``pipeplan.schedules.SCHEDULE_KINDS`` (shared with the
 runtime and the simulator): with 1F1B-RR a replica of stage s stashes ``W_s + 1`` weight
 versions and as many minibatches of activations, where ``W_s + 1 = ceil(after_s / n_s)``
@@ -20,11 +27,13 @@ from typing import Any, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
+from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 
 __all__ = [
     "OPTIMIZER_STATES",
     "optimizer_states",
+    "parameter_copies",
     "stage_memory_bytes",
     "in_flight_after",
     "plan_stage_memory",
@@ -43,13 +52,24 @@ def optimizer_states(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
-def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_flight: Any, optimizer: str) -> Any:
+def parameter_copies(versions: Any, optimizer: str, precision: Precision = Precision()) -> Any:
+    """Bytes per byte of (compute-dtype) parameters: the weight versions, the gradient,
+    the optimizer's states and, under mixed precision, the masters (module docstring).
+
+    >>> parameter_copies(1, "adam"), parameter_copies(1, "adam", Precision("bfloat16", "float32"))
+    (4.0, 9.0)
+    """
+    return versions + precision.state_copies(optimizer_states(optimizer))
+
+
+def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_flight: Any, optimizer: str,
+                       precision: Precision = Precision()) -> Any:
     """Bytes one replica keeps; elementwise on numpy arrays.
 
     >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")
-    630
+    630.0
     """
-    return param_bytes * (versions + 1 + optimizer_states(optimizer)) + saved_bytes * in_flight
+    return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight
 
 
 def in_flight_after(devices_from_stage: int, replicas: int) -> int:
@@ -73,6 +93,7 @@ def plan_stage_memory(
     microbatches: int = 1,
     virtual_stages: int = 1,
     chunk: int | None = None,
+    precision: Precision = Precision(),
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
@@ -85,5 +106,5 @@ def plan_stage_memory(
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
-    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer)
+    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer, precision)
     return int(math.ceil(memory)), versions, in_flight

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
@@ -55,7 +56,8 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     version, the last stage's activations in flight): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
     return [
-        stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer)
+        stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer,
+                           Precision(profile.dtype, profile.master_dtype))
         for layer in profile.layers
     ]
 
@@ -98,7 +100,7 @@ def _solve_pipedream(arrays: LayerArrays, topology: Topology, options: Partition
 def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
     settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
                           options.use_fewer_devices, options.memory_check,
-                          flush_in_flight(options, arrays.layers, topology.world_size))
+                          flush_in_flight(options, arrays.layers, topology.world_size), arrays.precision)
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()
@@ -300,6 +302,7 @@ def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, 
         memory, versions, in_flight = plan_stage_memory(
             options.schedule, replicas, q, arrays.params(stage.start, stage.end),
             arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
+            precision=arrays.precision,
         )
         if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
             raise InfeasibleError(

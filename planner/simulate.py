@@ -345,7 +345,7 @@ def simulate(
         del built, timeline, done
     if lanes > 1:
         kind = schedule_kind(name)
-        stages = [_all_lanes(sim, lanes, costs[sim.stage], plan.optimizer,
+        stages = [_all_lanes(sim, lanes, costs[sim.stage], plan,
                              kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions])
                   for sim in stages]
     return SimResult(
@@ -381,11 +381,12 @@ def _one_lane(plan: Plan) -> Plan:
     return replace(plan, stages=stages)
 
 
-def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, optimizer: str, versions: int, replicas: int) -> StageSim:
+def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, plan: Plan, versions: int, replicas: int) -> StageSim:
     """A stage's figures from one lane (``_lanes``): the same busy time per replica; the
     micro-batches held at the peak, the same count, are 1/lanes as much of a minibatch."""
     in_flight = sim.in_flight / lanes
-    memory = stage_memory_bytes(costs.param_bytes, costs.saved_bytes, versions, in_flight, optimizer)
+    memory = stage_memory_bytes(costs.param_bytes, costs.saved_bytes, versions, in_flight, plan.optimizer,
+                                plan.precision)
     return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
 
 
@@ -456,7 +457,8 @@ def _stage_figures(
         comm_ms = max((busiest[rank] for rank in stage.ranks if rank in busiest), default=0.0) / schedule.minibatches
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
-        memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer)
+        memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer,
+                                    plan.precision)
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
         idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(

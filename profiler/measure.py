@@ -226,7 +226,9 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
 
     The gradients are zeros, so the weights keep their values; the arithmetic (and, for
     momentum and Adam, the state updates) is the same as in training. The planner splits
-    a step's time among stages by their parameter bytes.
+    a step's time among stages by their parameter bytes. Parameters in less than float32
+    (a bf16 profile) train in mixed precision (``pipeplan.precision``), so the step is
+    timed as the runtime takes it: on float32 masters, then the copy back into them.
     """
     import torch
 
@@ -235,9 +237,14 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
     parameters = [p for p in model.parameters() if p.requires_grad]
     if not parameters:
         return {name: 0.0 for name in OPTIMIZERS}
+    copies: list[Any] = []
+    if parameters[0].is_floating_point() and parameters[0].element_size() < 4:
+        copies = parameters
+        parameters = [torch.nn.Parameter(p.detach().float()) for p in copies]
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
-    optimizers = {name: make_optimizer(name, parameters, lr=1e-3) for name in OPTIMIZERS}
+    optimizers = {name: _refreshing(make_optimizer(name, parameters, lr=1e-3), parameters, copies)
+                  for name in OPTIMIZERS}
     samples: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
     # Round-robin, so start-up costs (a thread pool waking up, state allocation) fall in
     # the untimed first rounds of every optimizer, not on whichever is timed first.
@@ -251,6 +258,21 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
     times = {name: robust_stats(values).median for name, values in samples.items()}
     _clear_grads(model)
     return times
+
+
+class _refreshing:
+    """An optimizer whose ``step`` also copies the (master) ``parameters`` into ``copies``."""
+
+    def __init__(self, optimizer: Any, parameters: list[Any], copies: list[Any]) -> None:
+        self.optimizer, self.parameters, self.copies = optimizer, parameters, copies
+
+    def step(self) -> None:
+        import torch
+
+        self.optimizer.step()
+        if self.copies:
+            with torch.no_grad():
+                torch._foreach_copy_(self.copies, self.parameters)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pipeplan.memory_errors import OutOfMemory, memory_step
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import available_bytes, device_info, resolve_dtype
 from pipeplan.profiler.layerwise import measure_layerwise
@@ -89,6 +90,7 @@ def profile_on_meta(
         data_ms=data_ms, capture=graph.kind, leaf_modules=leaf_modules,
         dropped_outputs=graph.dropped_outputs, build="meta", step_not_measured=why,
         optimizer_sample_bytes=sample_bytes, modules=modules, opaque_modules=graph.opaque_modules,
+        master_dtype=Precision.for_dtype(dtype).master_dtype,
     )
 
 

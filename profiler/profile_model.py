@@ -9,6 +9,7 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.model_inputs import ModelInputs
 from pipeplan.memory_errors import memory_step
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
 from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
@@ -221,6 +222,7 @@ def _profile(
         dropped_outputs=graph.dropped_outputs,
         modules=modules,
         build="eager",
+        master_dtype=Precision.for_dtype(dtype).master_dtype,
     )
 
 

@@ -37,7 +37,8 @@ class BatchSource:
     seed: int
     loader_replicas: int  # n0: replicas of the input stage (data_loader sharding)
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32  # floating-point inputs and targets are cast to it
+    dtype: torch.dtype = torch.float32  # floating-point inputs are cast to it
+    target_dtype: torch.dtype | None = None  # floating-point targets are cast to it (None: ``dtype``)
     _loaders: dict[int, tuple[Iterator[Any], int]] = field(default_factory=dict)
     _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
     _names: tuple[str, ...] | None = None  # the flat input tensors' argument names
@@ -99,12 +100,13 @@ class BatchSource:
                         f"{self.model_file.path}: minibatch {k} tensor {position} has "
                         f"{t.shape[0]} samples, expected the plan's batch size {self.batch_size}"
                     )
-            self._cache[k] = (tuple(self._placed(t) for t in inputs), self._placed(targets))
+            self._cache[k] = (tuple(self._placed(t, self.dtype) for t in inputs),
+                              self._placed(targets, self.target_dtype or self.dtype))
         return self._cache[k]
 
-    def _placed(self, value: torch.Tensor) -> torch.Tensor:
+    def _placed(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if value.is_floating_point():
-            return value.to(device=self.device, dtype=self.dtype)
+            return value.to(device=self.device, dtype=dtype)
         return value.to(self.device)
 
     def _draw(self, k: int) -> tuple[ModelInputs, Any]:

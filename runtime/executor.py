@@ -16,6 +16,11 @@
   norm (``pipeplan.runtime.clip``), optimizer step. With weight versions, the gradients
   of the minibatch's units (coalesced, 2BW) go on the live weights first.
 
+Mixed precision (``precision``; ``pipeplan.runtime.mixed_precision``): chunks run on
+bf16 compute copies of the float32 masters (or on bf16 weight versions), the loss is
+computed on the float32 model output, gradients reach the masters in float32 and the
+copies are refreshed after the optimizer step.
+
 Receives are posted ahead (``lookahead`` actions, gloo) so no wait is for a message the
 schedule could have asked for earlier; sends never block the worker.
 Routing uses the schedule's own unit ids, which every rank shares; ``minibatch_offset``
@@ -35,6 +40,7 @@ from pipeplan.capture import MODEL_OUTPUT, StageModule
 from pipeplan.runtime.clip import GradNorm
 from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpec
 from pipeplan.runtime.data import BatchSource
+from pipeplan.runtime.mixed_precision import MixedPrecision
 from pipeplan.runtime.recorder import Recorder, now_ms
 from pipeplan.runtime.split_backward import WeightGradients, backward_input, backward_weight
 from pipeplan.runtime.stage import PipelineSpec
@@ -87,6 +93,8 @@ class Executor:
     grad_norm: GradNorm | None = None  # measures (and clips) the gradient norm at each step
     # where the actions run (a tensor-parallel stage's DTensor settings); None: as they are
     compute_context: Callable[[], ContextManager[Any]] | None = None
+    precision: MixedPrecision | None = None  # mixed precision without weight versions: the compute copies
+    loss_dtype: torch.dtype | None = None  # mixed precision: the model output is cast to it for the loss
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
@@ -247,13 +255,18 @@ class Executor:
         if version is not None:
             assert self.stash is not None
             result = self.stash.forward(version, tuple(inputs))
+        elif self.precision is not None:
+            result = self.precision.forward(stage.module, inputs)
         else:
             result = stage.module(*inputs)
         values = result if isinstance(result, tuple) else (result,)
         outputs = dict(zip(stage.output_names, values))
         loss = None
         if self._is_loss_stage(stage):
-            loss = self.loss_fn(outputs[MODEL_OUTPUT], targets)
+            output = outputs[MODEL_OUTPUT]
+            if self.loss_dtype is not None and isinstance(output, torch.Tensor) and output.is_floating_point():
+                output = output.to(self.loss_dtype)
+            loss = self.loss_fn(output, targets)
             if self.microbatches > 1:
                 loss = loss / self.microbatches
         return outputs, loss
@@ -287,7 +300,9 @@ class Executor:
                     tensors.append(outputs[name])
                     grads.append(g)
             if action.kind == "I":
-                params = list(saved.version.params.values()) if saved.version is not None else list(stage.module.parameters())
+                params = (list(saved.version.params.values()) if saved.version is not None
+                          else self.precision.parameters(action.chunk) if self.precision is not None
+                          else list(stage.module.parameters()))
                 input_grads, saved.weight_work = backward_input(tensors, grads, saved.inputs, params)
             else:
                 del self._saved[(unit, action.chunk)]
@@ -322,6 +337,8 @@ class Executor:
                                 action.microbatch):
             if saved.weight_work is not None:
                 backward_weight(saved.weight_work)
+            if self.precision is not None:
+                self.precision.accumulate()  # backward_weight set the copies' .grad: no hook ran
             self._weights_done(action, saved)
 
     def _weights_done(self, action: Action, saved: _Saved) -> None:
@@ -361,6 +378,8 @@ class Executor:
                     self.stash.before_step()
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                if self.precision is not None:
+                    self.precision.refresh()
         if self.stash is not None:
             self.stash.stepped()
         self._steps += 1

@@ -12,6 +12,11 @@ weights the optimizer writes).
 
 Version ids count optimizer steps: version v holds the weights after v steps.
 
+Mixed precision (``compute_dtype``; ``pipeplan.runtime.mixed_precision``): the live
+parameters are the float32 masters and every version is a ``compute_dtype`` snapshot of
+them (one version too: the copy the layers run on); a version's gradients come back in
+the masters' dtype, so a minibatch's micro-batch gradients sum in float32.
+
 PipeDream-2BW (``delayed``): a forward of minibatch t runs on version t - 1 (chosen by
 the caller from ``ScheduleKind.forward_version``), so the version that the newest step
 replaces stays needed: ``before_step`` snapshots the live weights first when no forward
@@ -45,6 +50,7 @@ class WeightStash:
     module: nn.Module
     max_versions: int  # W_s + 1 (1F1B-RR), 2 (2BW): more versions in use at once is a schedule error
     delayed: bool = False  # 2BW: forwards of minibatch t run on version t - 1
+    compute_dtype: torch.dtype | None = None  # mixed precision: versions are snapshots in this dtype
     steps: int = 0  # optimizer steps applied to the live weights
     versions: dict[int, WeightVersion] = field(default_factory=dict)
     peak_versions: int = 0  # most versions in use at once
@@ -64,15 +70,12 @@ class WeightStash:
                 f"held: {sorted(self.versions)})"
             )
         if version is None:
-            if self.max_versions == 1:
+            if self.max_versions == 1 and self.compute_dtype is None:
                 # One version in use at a time: no optimizer step can come between its
                 # forward and its backward, so it may be the live weights (no copy).
                 params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
             else:
-                params = {
-                    name: p.detach().clone().requires_grad_(p.requires_grad)
-                    for name, p in self.module.named_parameters()
-                }
+                params = self._snapshot()
             version = WeightVersion(self.steps, params)
             self.versions[self.steps] = version
             self.peak_kept = max(self.peak_kept, len(self.versions))
@@ -93,8 +96,10 @@ class WeightStash:
     def collect_grads(self, version: WeightVersion) -> dict[str, torch.Tensor | None]:
         """Move the gradients of one backward out of ``version`` and release it."""
         grads = {}
+        masters = dict(self.module.named_parameters()) if self.compute_dtype is not None else {}
         for name, tensor in version.params.items():
-            grads[name] = tensor.grad
+            grad = tensor.grad
+            grads[name] = grad.to(masters[name].dtype) if grad is not None and masters else grad
             tensor.grad = None
         version.users -= 1
         if version.users == 0 and version.id < self._oldest_needed():
@@ -108,11 +113,17 @@ class WeightStash:
     def before_step(self) -> None:
         """2BW: keep the weights the step is about to overwrite (the next minibatch runs on them)."""
         if self.delayed and self.steps not in self.versions:
-            self.versions[self.steps] = WeightVersion(self.steps, {
-                name: p.detach().clone().requires_grad_(p.requires_grad)
-                for name, p in self.module.named_parameters()
-            })
+            self.versions[self.steps] = WeightVersion(self.steps, self._snapshot())
             self.peak_kept = max(self.peak_kept, len(self.versions))
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the live parameters as separate leaves (in ``compute_dtype`` when set)."""
+        dtype = self.compute_dtype
+        return {
+            name: (p.detach().to(dtype, copy=True) if dtype is not None else p.detach().clone()).requires_grad_(
+                p.requires_grad)
+            for name, p in self.module.named_parameters()
+        }
 
     def load_grads(self, grads: dict[str, torch.Tensor | None]) -> None:
         """Put one unit's gradients on the live parameters, for the optimizer step."""

@@ -27,6 +27,10 @@ replicas: a stage taking several updates in one step takes them at that step's l
 The gradient norm is global for the flush schedules and 2BW and the stage's own for
 1F1B-RR (see ``pipeplan.runtime.clip``).
 
+Precision (``pipeplan.precision``): ``--dtype bfloat16`` (or a plan of a bf16 profile)
+trains in mixed precision: bf16 compute copies, float32 masters, gradients and optimizer
+state (``pipeplan.runtime.mixed_precision``); checkpoints hold the masters.
+
 Checkpoints (``pipeplan.runtime.training_state``) hold the scheduler's state beside the
 optimizer's, so a resumed run continues the learning-rate curve exactly. They are taken at step boundaries, keyed by the model's qualified names
 (``pipeplan.runtime.checkpoint``), so ``--resume`` continues under another plan of the same
@@ -49,6 +53,7 @@ from typing import Any, Callable
 from pipeplan.errors import InputError, PipeplanError, RuntimeFailure, first_line
 from pipeplan.optimizers import OPTIMIZERS, LRSchedule
 from pipeplan.plan import Plan
+from pipeplan.precision import Precision
 
 __all__ = ["RunConfig", "PrepareError", "run_training", "OPTIMIZERS", "check_loss"]
 _FAULT_ENV = "PIPEPLAN_TEST_FAULT"  # tests only: "<rank>:<step>:kill|raise"
@@ -86,6 +91,11 @@ class RunConfig:
     clip_grad_norm: float | None = None  # max global gradient norm (1f1b-rr: per stage)
     log_dir: str | None = None  # live metrics: TensorBoard events and metrics.jsonl
     build: str = "auto"  # pipeplan.capture.materialise.BUILDS: whole model, or only this rank's stage
+    dtype: str | None = None  # compute dtype (bfloat16: float32 masters); None: the plan's precision
+
+    @property
+    def precision(self) -> Precision:
+        return self.plan.precision if self.dtype is None else Precision.for_dtype(self.dtype)
 
     @property
     def schedule_settings(self) -> LRSchedule:
@@ -140,6 +150,11 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
         if config.recompute and config.schedule != "gpipe":
             raise InputError(f"--recompute applies to gpipe, not {config.schedule}")
         _check_tensor_parallel(config)
+        if env.rank == 0 and config.precision.dtype != config.plan.dtype:
+            import sys
+
+            sys.stderr.write(f"note: the plan's times and memory are {config.plan.dtype}'s (its profile's "
+                             f"dtype); this run computes in {config.precision.dtype}\n")
         if config.plan.batch_size % config.microbatches:
             raise InputError(
                 f"batch size {config.plan.batch_size} is not divisible into "
@@ -200,6 +215,11 @@ def _check_tensor_parallel(config: RunConfig) -> None:
         raise InputError(
             f"the plan splits stages tensor-parallel (t = {degrees[0]}); pipeplan runs that with "
             f"1f1b-flush, gpipe or interleaved-1f1b, not {config.schedule}"
+        )
+    if config.precision.mixed:
+        raise InputError(
+            f"mixed precision ({config.precision.describe()}) with a tensor-parallel plan (t = {degrees[0]}) "
+            f"is not supported yet: train it in {config.precision.master_dtype} (--dtype float32)"
         )
     for flag, value in (("--checkpoint-dir", config.checkpoint_dir), ("--weights", config.weights)):
         if value:
@@ -287,6 +307,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.checkpoint import store
     from pipeplan.runtime.clip import make_grad_norm
     from pipeplan.runtime.live_log import open_live_log, publish_step
+    from pipeplan.runtime.mixed_precision import MixedPrecision, cast_buffers
     from pipeplan.runtime.comm import P2P
     from pipeplan.runtime.data import BatchSource
     from pipeplan.runtime.executor import Executor
@@ -307,8 +328,13 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
                           meshes=meshes)
     worker = (spec.stage_index, spec.replica)
     stage = spec.stage
-    dtype = getattr(torch, plan.dtype)  # the precision the plan was profiled (and predicted) in
-    module = spec.rank_module.to(device=env.device, dtype=dtype) if spec.rank_module is not None else None
+    precision = config.precision  # the plan's (its profile's dtype), or --dtype
+    dtype = getattr(torch, precision.dtype)  # compute: weights the layers run on, activations
+    master = getattr(torch, precision.master_dtype) if precision.mixed else None  # type: ignore[arg-type]
+    module = (spec.rank_module.to(device=env.device, dtype=master or dtype)
+              if spec.rank_module is not None else None)
+    if module is not None and master is not None:
+        cast_buffers(module, dtype)  # as the profile measured them; buffers have no masters
     tp_context = None
     if meshes is not None and module is not None and any(spec.tp_splits):
         for chunk, splits in zip(spec.chunks, spec.tp_splits):
@@ -334,17 +360,20 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     actions = schedule.actions.get(worker, ()) if remaining > 0 else ()
     offset = done_steps * period
 
-    stash = None
+    stash = mixed = None
     if kind.gradients != "exact" and module is not None:  # weight versions: stashed or delayed
         stash = WeightStash(module, kind.weight_versions(spec.replicas, spec.stage_index),
-                            delayed=kind.gradients == "delayed")
+                            delayed=kind.gradients == "delayed", compute_dtype=dtype if master else None)
+    elif master is not None and module is not None:  # after --resume / --weights filled the masters
+        mixed = MixedPrecision(dtype, [chunk.module for chunk in spec.chunks])
     recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.trace_path),
                         cuda=env.device.startswith("cuda"))
     recorder.count_from = offset + warmup_minibatches(config.schedule, spec.replicas, max(remaining, 0) * period)
     comm = P2P(env.rank, len(spec.value_ids), env.device, config.timeout_s, tagged=_tagged(env.backend),
                on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e))
     data = BatchSource(model_file, plan.batch_size, config.microbatches, config.seed,
-                       loader_replicas=spec.replicas[0], device=env.device, dtype=dtype)
+                       loader_replicas=spec.replicas[0], device=env.device, dtype=dtype,
+                       target_dtype=master or dtype)
     record: dict[str, Any] = {"digests": []}
     progress = _Progress(env.rank, config, plan.batch_size * period, watchdog, done_steps, offset)
     fault = _fault_hook(env.rank)
@@ -383,7 +412,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         loss_fn=model_file.loss_fn, optimizer=optimizer, sync=sync, recorder=recorder, grad_norm=grad_norm,
         stash=stash, recompute=config.recompute, minibatch_offset=offset,
         lookahead=2 * (peak_in_flight(actions) + 1), on_step=on_step, schedule=config.schedule,
-        compute_context=tp_context,
+        compute_context=tp_context, precision=mixed, loss_dtype=master,
     )
     if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
         data.draw_ahead(dict.fromkeys(a.minibatch + offset for a in actions if a.kind == "F"))

@@ -80,6 +80,9 @@ Examples:
               help="eager: build the whole model under --seed, then keep the stage; meta: build on the meta "
                    "device and materialise only this rank's layers (weights seeded by module name); "
                    "auto: meta above 1 GiB of parameters and buffers.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default=None,
+              help="Compute dtype; bfloat16 trains in mixed precision (bf16 compute and activations, "
+                   "float32 master weights, gradients and optimizer state) [default: the plan's].")
 @click.option("--record", "record_dir", type=click.Path(file_okay=False), default=None, hidden=True,
               help="Tests: write per-rank parameters, weight versions and digests here.")
 def run(plan_path: str, model_path: str, schedule: str | None, steps: int, microbatches: int | None,
@@ -88,7 +91,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
         weights: str | None, timeout_s: float, no_progress: bool, record_dir: str | None, allow_nonfinite: bool,
         weight_decay: float, lr_schedule: str, warmup_steps: int, min_lr: float,
         clip_grad_norm: float | None, log_dir: str | None,
-        build: str) -> None:
+        build: str, dtype: str | None) -> None:
     """Train with the plan's pipeline on the ranks torchrun started.
 
     Every rank builds only its stage; activations and gradients (skip connections
@@ -113,7 +116,7 @@ def run(plan_path: str, model_path: str, schedule: str | None, steps: int, micro
             resume=resume, weights=weights, record_dir=record_dir, progress=not no_progress,
             allow_nonfinite=allow_nonfinite, weight_decay=weight_decay, lr_schedule=lr_schedule,
             warmup_steps=warmup_steps, min_lr=min_lr, clip_grad_norm=clip_grad_norm, log_dir=log_dir,
-            build=build,
+            build=build, dtype=dtype,
         )
     except InputError:
         if rank != 0:

@@ -9,7 +9,8 @@ from typing import Callable
 import numpy as np
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
-from pipeplan.planner.memory import optimizer_states
+from pipeplan.planner.memory import parameter_copies
+from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
 
@@ -35,6 +36,7 @@ class DPSettings:
     # on the stages (``planner.partition.flush_in_flight``): thousands of micro-batches are
     # then not all charged
     flush_in_flight: float = 1.0
+    precision: Precision = Precision()  # the profile's (bf16: float32 masters charged; planner.memory)
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarr
         versions, in_flight = tau + 1, float(tau + 1)
     else:
         versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
-    return params * (versions + 1 + optimizer_states(settings.optimizer)) + saved * in_flight
+    return params * parameter_copies(versions, settings.optimizer, settings.precision) + saved * in_flight
 
 
 def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
