@@ -2,10 +2,12 @@
 
 On the CPU both are the process's resident set (RSS) as the OS counts it: the baseline is
 the RSS when the meter starts (torch, pipeplan and the model file imported, nothing
-built), the peak is the high-water mark ``VmHWM`` (``getrusage``'s ``ru_maxrss``). The
-meter first resets the high-water mark to the current RSS (``/proc/self/clear_refs``,
-Linux >= 4.0) so the peak is the run's, not the imports'; where that is refused the peak
-is the process's lifetime peak, which is never below the baseline either. On a GPU both
+built), the peak is the high-water mark ``VmHWM`` of /proc/self/status, which the meter
+first resets to the current RSS (``/proc/self/clear_refs``, Linux >= 4.0) so the peak is
+the run's, not the imports'. Not ``getrusage``'s ``ru_maxrss``: Linux carries into it the
+RSS of the process that forked this one (measured: a child started from a parent holding
+763 MiB reports 982 MiB for a bare ``python -c pass``), which is what made bench_memory's
+earlier per-rank peaks read high; it is used only where /proc is absent. On a GPU both
 are ``torch.cuda`` allocator figures for the rank's device: ``memory_allocated`` at the
 start, ``max_memory_allocated`` since (peak statistics reset at the start), so what the
 allocator caches but no tensor holds is not counted. ``held = peak - baseline`` is what
@@ -39,13 +41,13 @@ class MemoryReading:
 def current_rss_bytes() -> int:
     """This process's resident set now (``VmRSS``), in bytes; the peak where /proc is absent."""
     value = _status_kib("VmRSS")
-    return value * 1024 if value is not None else peak_rss_bytes()
+    return value * 1024 if value is not None else _max_rss_bytes()
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident-set high-water mark, in bytes (Linux gives KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    """This process's resident-set high-water mark (``VmHWM``), in bytes; ``ru_maxrss`` without /proc."""
+    value = _status_kib("VmHWM")
+    return value * 1024 if value is not None else _max_rss_bytes()
 
 
 def reset_peak_rss() -> bool:
@@ -80,6 +82,12 @@ class MemoryMeter:
             peak = int(torch.cuda.max_memory_allocated(self.device))
             return MemoryReading(CUDA_ALLOCATED, self.baseline, max(peak, self.baseline))
         return MemoryReading(RSS, self.baseline, max(peak_rss_bytes(), self.baseline))
+
+
+def _max_rss_bytes() -> int:
+    """``getrusage``'s peak (Linux gives KiB, macOS bytes): where /proc cannot be read."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def _status_kib(key: str) -> int | None:
