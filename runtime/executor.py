@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from pipeplan.errors import RuntimeFailure
 from pipeplan.capture import MODEL_OUTPUT, StageModule
@@ -264,8 +265,9 @@ class Executor:
         loss = None
         if self._is_loss_stage(stage):
             output = outputs[MODEL_OUTPUT]
-            if self.loss_dtype is not None and isinstance(output, torch.Tensor) and output.is_floating_point():
-                output = output.to(self.loss_dtype)
+            if self.loss_dtype is not None:  # its floating tensors (HF: a ModelOutput's logits)
+                dtype = self.loss_dtype
+                output = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
             loss = self.loss_fn(output, targets)
             if self.microbatches > 1:
                 loss = loss / self.microbatches

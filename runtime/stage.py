@@ -33,6 +33,7 @@ i, i+P, ...). ``stage`` is the rank's first chunk, ``chunks`` all of them;
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from torch import nn
 
 from pipeplan.errors import InputError
 from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
-from pipeplan.capture.materialise import build_model, materialise, rebind
+from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
 
@@ -136,25 +137,32 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
 
 
 def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int,
-                   build: str = "auto") -> PipelineSpec:
+                   build: str = "auto", dtype: torch.dtype | None = None) -> PipelineSpec:
     """Build this rank's stage (module on CPU; the caller moves it to its device).
 
     ``sample_batch_size`` must be the micro-batch size the stages will run: a
     ``torch.export`` capture specialises shapes to the sample batch. The layers are
     rebuilt with the plan's leaf modules (else the model file's ``LEAF_MODULES``).
-    ``build`` (``auto``, ``eager``, ``meta``): see the module docstring.
+    ``build`` (``auto``, ``eager``, ``meta``): see the module docstring. ``dtype``: the
+    compute dtype the graph is captured in (a torch.export graph bakes dtypes: HF masks, casts),
+    on meta stand-ins, so the model keeps its weights as built (the masters of mixed precision).
     """
     model, lazy, _ = build_model(model_file.build, build, seed)
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
     leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
     opaque = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
-    graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque)
-    if graph.fingerprint != plan.profile_fingerprint:
-        raise InputError(
-            f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
-            f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
-        )
-    modules = graph.split(stage_of_layers(plan, len(graph)))
+    stand_ins = dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters())
+    if stand_ins:
+        assert dtype is not None
+        sample_inputs = sample_inputs.map(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    with meta_stand_ins(model, dtype) if stand_ins else contextlib.nullcontext():  # type: ignore[arg-type]
+        graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque)
+        if graph.fingerprint != plan.profile_fingerprint:
+            raise InputError(
+                f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
+                f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
+            )
+        modules = graph.split(stage_of_layers(plan, len(graph)))  # names by identity: the stand-ins
     if len(modules) != len(plan.stages):
         raise InputError(f"the plan has {len(plan.stages)} stages, the split gave {len(modules)}")
     ranks = tuple(tuple(stage.ranks) for stage in plan.stages)
@@ -167,9 +175,13 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
         tp_index = plan.stages[stage_index].ranks.index(rank) % plan.stages[stage_index].tensor_parallel
         chunks = tuple(modules[c * positions + stage_index] for c in range(plan.virtual_stages))
     if lazy:  # only this rank's chunks get storage; the rest of the model stays on meta
+        if stand_ins:
+            rebind([chunk.module for chunk in chunks], model)  # the meta originals, to materialise
         held = [t for chunk in chunks for t in (*chunk.module.parameters(), *chunk.module.buffers())]
         materialise(model, held, "cpu", seed)
         rebind([chunk.module for chunk in chunks], model)
+    elif stand_ins:
+        rebind([chunk.module for chunk in chunks], model)  # the weights as built, not the stand-ins
     splits = _tensor_parallel_splits(model_file, model, plan, modules)
     return PipelineSpec(
         stage=chunks[0] if chunks else None,

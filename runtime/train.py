@@ -120,6 +120,8 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
     With ``--checkpoint-dir`` a directory holding another run's checkpoints (or any,
     without ``--resume``) is refused here, before any communication.
     """
+    import torch
+
     from pipeplan.memory_errors import memory_step
     from pipeplan.modelfile import load_model_file, resolve_model_path
     from pipeplan.runtime.launch import check_world_size, read_env
@@ -165,7 +167,8 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
         with memory_step(f"rank {env.rank} built its stage (--build {config.build})",
                          "with --build meta each rank materialises only its own layers; or plan more stages"):
             spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
-                                  config.plan.batch_size // config.microbatches, config.build)
+                                  config.plan.batch_size // config.microbatches, config.build,
+                                  getattr(torch, config.precision.dtype))
         replicas = spec.replicas
         period = steps_period(config.schedule, replicas)
         schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches,

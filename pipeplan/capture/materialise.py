@@ -39,6 +39,7 @@ __all__ = [
     "on_meta",
     "model_bytes",
     "materialise",
+    "meta_stand_ins",
     "release",
     "rebind",
     "fake_mode_for",
@@ -164,6 +165,28 @@ def materialise(
     return sum(t.numel() * t.element_size() for t in replaced.values())
 
 
+@contextlib.contextmanager
+def meta_stand_ins(model: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """Inside, every floating-point tensor of ``model`` is a storage-less meta stand-in in
+    ``dtype``; the originals come back after (no copy, no rounding). A graph captured inside
+    bakes ``dtype`` where the model's code reads it (mixed precision captures the layers in
+    their compute dtype while the model keeps its float32 weights); ``rebind`` graph modules
+    made inside to the originals."""
+    stand_ins: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensor in _own_tensors(module):
+            if tensor.is_floating_point() and tensor.dtype != dtype and id(tensor) not in stand_ins:
+                stand_in = _like(tensor, torch.empty_like(tensor, device="meta", dtype=dtype))
+                stand_ins[id(tensor)] = stand_in
+                originals[id(stand_in)] = tensor
+    _replace(model, stand_ins)
+    try:
+        yield
+    finally:
+        _replace(model, originals)
+
+
 def release(model: nn.Module, tensors: Iterable[torch.Tensor]) -> None:
     """Hand the storage of ``tensors`` back: in ``model`` each becomes a meta tensor again."""
     real = [t for t in tensors if t.device.type != "meta"]
@@ -175,7 +198,9 @@ def release(model: nn.Module, tensors: Iterable[torch.Tensor]) -> None:
 
 def rebind(graph_modules: Iterable[nn.Module], model: nn.Module) -> None:
     """Point the ``get_attr`` targets of ``graph_modules`` (fx graphs over ``model``, and the
-    graphs nested in them) at the model's current tensors of those qualified names."""
+    graphs nested in them) at the model's current tensors of those qualified names. A tensor
+    constant captured on meta with no elements (an empty tensor the model made: GPT-2's) gets
+    an empty one on the CPU: it has no values to lose."""
     import torch.fx as fx
 
     current: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
@@ -186,7 +211,10 @@ def rebind(graph_modules: Iterable[nn.Module], model: nn.Module) -> None:
                 continue
             for node in graph_module.graph.nodes:
                 target = str(node.target)
-                if node.op != "get_attr" or target not in current:
+                if node.op != "get_attr":
+                    continue
+                if target not in current:
+                    _fill_empty_constant(graph_module, target)
                     continue
                 path, _, field = target.rpartition(".")
                 holder = graph_module.get_submodule(path)
@@ -195,6 +223,18 @@ def rebind(graph_modules: Iterable[nn.Module], model: nn.Module) -> None:
                     holder._parameters[field] = value
                 else:
                     holder._buffers[field] = value
+
+
+def _fill_empty_constant(graph_module: nn.Module, target: str) -> None:
+    path, _, field = target.rpartition(".")
+    holder = graph_module.get_submodule(path)
+    value = getattr(holder, field, None)
+    if isinstance(value, torch.Tensor) and value.device.type == "meta" and value.numel() == 0:
+        empty = torch.empty_like(value, device="cpu")
+        if field in holder._buffers:
+            holder._buffers[field] = empty
+        else:
+            setattr(holder, field, empty)
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
