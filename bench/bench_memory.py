@@ -1,25 +1,30 @@
-"""Benchmark: peak memory (RSS) of the profiler against depth, and of the largest rank against ranks.
+"""Benchmark: peak memory (RSS) of the profiler against depth, and what each rank holds against ranks.
 
 1. ``pipeplan profile`` of ``bench/blocks.py`` with 4, 8, 16 and 32 blocks of one width,
    built on meta with ``--no-whole-step`` (one layer in memory at a time: flat) and eagerly
-   (the whole model, with every optimizer's state: grows).
+   (the whole model, with every optimizer's state: grows). Each figure is the profile
+   process's own peak RSS, from ``os.wait4`` in a small helper process that starts it (a
+   child's ``ru_maxrss`` includes the RSS of the process it was forked from: started from
+   this benchmark, which holds models, a bare interpreter read 982 MiB).
 2. ``pipeplan run`` (1F1B-flush, SGD, ``--build meta``) of one model on 1, 2 and 4 ranks, each
-   rank holding an equal share of the blocks: the largest rank's peak RSS falls with its
-   share. Each rank is started as torchrun would start it (its environment) and reaped with
-   ``os.wait4``, whose rusage gives that process's own peak RSS. The planner's figure for the
-   largest stage (``pipeplan.planner.memory.plan_stage_memory`` on a profile of the model at
-   the micro-batch size) is set against what the rank held: its peak RSS less the peak RSS of
-   a rank of the same launch that holds a model of a few KiB (torch, gloo, Python).
+   rank holding an equal share of the blocks, with 2 and with 1 micro-batch. The plan's
+   per-device figure for each stage is the planner's rule (``plan_stage_memory`` on a
+   profile of the model at the micro-batch size); each rank measures its own baseline
+   (RSS after its imports, before its stage is built) and peak (``VmHWM``, reset at the
+   baseline) into metrics.json. A launch of the same shape whose model is a few KiB gives
+   the runtime's own cost per rank (capture code, process group, threads); what a rank
+   holds for its stage is ``peak - baseline - that``, set against the plan's figure.
 
 Prints tables and writes JSON (``--out``, default bench/results/memory.json).
 
     python bench/bench_memory.py
-    python bench/bench_memory.py --depths 4 8 --ranks 1 2 --width 1024
+    python bench/bench_memory.py --depths --ranks 2 4 --microbatches 2   # the run tables only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -49,16 +54,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _peak_rss(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int]:
-    """Wait for each process; its own peak RSS in bytes (Linux reports ru_maxrss in KiB)."""
-    peaks = []
-    for process in processes:
-        _, status, usage = os.wait4(process.pid, 0)
-        process.returncode = os.waitstatus_to_exitcode(status)
-        if process.returncode != 0:
-            raise SystemExit(f"{' '.join(map(str, process.args))} failed (exit {process.returncode})")  # type: ignore[arg-type]
-        peaks.append(usage.ru_maxrss * 1024)
-    return peaks
+# Starts the command given as its arguments and prints that process's own peak RSS (KiB):
+# forked from this small interpreter, the child's ru_maxrss carries only the helper's few MiB.
+_HELPER = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+           "_, status, usage = os.wait4(p.pid, 0); code = os.waitstatus_to_exitcode(status); "
+           "print(usage.ru_maxrss); sys.exit(code)")
+
+
+def _own_peak_rss(command: list[str], env: dict[str, str], timeout_s: float = 1800.0) -> int:
+    """Run ``command``; its own peak RSS in bytes (Linux reports ru_maxrss in KiB)."""
+    result = subprocess.run([sys.executable, "-c", _HELPER, *command], env=env, capture_output=True, text=True,
+                            timeout=timeout_s)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed (exit {result.returncode}): {result.stderr[-2000:]}")
+    return int(result.stdout.split()[-1]) * 1024
 
 
 def _env(blocks: int, width: int, threads: int) -> dict[str, str]:
@@ -66,65 +75,108 @@ def _env(blocks: int, width: int, threads: int) -> dict[str, str]:
             "OMP_NUM_THREADS": str(threads)}
 
 
-def profile_peak(blocks: int, width: int, build: str, batch_size: int, threads: int, folder: Path) -> dict[str, Any]:
+def profile_peak(blocks: int, width: int, build: str, batch_size: int, threads: int, folder: Path,
+                 timeout_s: float = 1800.0) -> dict[str, Any]:
     """Peak RSS of one ``pipeplan profile`` (and the profile it wrote)."""
     out = folder / f"profile-{build}-{blocks}.json"
     command = [sys.executable, "-m", "pipeplan", "profile", MODEL, "--build", build, "--device", "cpu",
                "-b", str(batch_size), "--warmup", "1", "--repeats", "3", "--threads", str(threads), "-o", str(out)]
     if build == "meta":
         command.append("--no-whole-step")  # layers only: the flat line
-    process = subprocess.Popen(command, env=_env(blocks, width, threads), stdout=subprocess.DEVNULL)
-    peak = _peak_rss([process], 1800)[0]
+    peak = _own_peak_rss(command, _env(blocks, width, threads), timeout_s)
     profile = json.loads(out.read_text())
     params = sum(layer["param_bytes"] for layer in profile["layers"])
     return {"blocks": blocks, "build": build, "peak_rss_bytes": peak, "param_bytes": params,
             "step_measured": profile["step_ms"] > 0, "profile": str(out)}
 
 
-def run_peaks(blocks: int, width: int, ranks: int, batch_size: int, microbatches: int, threads: int,
-              folder: Path) -> list[int]:
-    """Peak RSS of every rank of one ``pipeplan run`` on ``ranks`` ranks (equal shares of the blocks)."""
-    os.environ.update(_env(blocks, width, threads))  # make_plan builds the model in this process
-    children = 2 * blocks + 1
+def stage_layers(blocks: int, ranks: int) -> list[list[int]]:
+    """Equal shares of the blocks (children 2b, 2b + 1); the last stage also takes the head."""
     per = 2 * (blocks // ranks)
     stages = [list(range(i * per, (i + 1) * per)) for i in range(ranks - 1)]
-    stages.append(list(range((ranks - 1) * per, children)))
-    plan = make_plan(MODEL, stages, [1] * ranks, "1f1b-flush", batch_size=batch_size, microbatches=microbatches)
-    path = folder / f"plan-{blocks}-{ranks}.json"
+    return stages + [list(range((ranks - 1) * per, 2 * blocks + 1))]
+
+
+def planned_plan(blocks: int, width: int, ranks: int, batch_size: int, microbatches: int, threads: int,
+                 folder: Path, timeout_s: float = 1800.0) -> Any:
+    """The run's plan, each stage's ``memory_bytes`` the planner's rule on a profile at the micro-batch size."""
+    from pipeplan.planner.memory import plan_stage_memory
+    from pipeplan.profile import Profile
+
+    reference = profile_peak(blocks, width, "meta", batch_size // microbatches, threads, folder, timeout_s)
+    profile = Profile.load(reference["profile"])
+    os.environ.update(_env(blocks, width, threads))  # make_plan builds the model in this process
+    layers = stage_layers(blocks, ranks)
+    plan = make_plan(MODEL, layers, [1] * ranks, "1f1b-flush", batch_size=batch_size, microbatches=microbatches)
+    stages = []
+    for stage, share in zip(plan.stages, layers):
+        params = sum(profile.layers[i].param_bytes for i in share)
+        saved = sum(profile.layers[i].saved_bytes for i in share)
+        memory, _, in_flight = plan_stage_memory("1f1b-flush", [1] * ranks, stage.index, params, saved, "sgd",
+                                                 microbatches)
+        stages.append(dataclasses.replace(stage, memory_bytes=memory, in_flight=max(1, int(in_flight))))
+    return dataclasses.replace(plan, stages=tuple(stages))
+
+
+def run_ranks(plan: Any, blocks: int, width: int, threads: int, steps: int, folder: Path,
+              timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+    """Launch every rank of ``plan`` as torchrun would (its environment); each rank's metrics entry."""
+    ranks = plan.world_size
+    path = folder / f"plan-{blocks}-{ranks}-{plan.microbatches}.json"
+    metrics = folder / f"metrics-{blocks}-{ranks}-{plan.microbatches}.json"
     plan.save(path)
     port = str(_free_port())
     processes = []
     for rank in range(ranks):
         env = {**_env(blocks, width, threads), "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        command = [sys.executable, "-m", "pipeplan", "run", str(path), "--model", MODEL, "--steps", "3",
-                   "--build", "meta", "--no-progress"]
+        command = [sys.executable, "-m", "pipeplan", "run", str(path), "--model", MODEL, "--steps", str(steps),
+                   "--build", "meta", "--no-progress", "--metrics", str(metrics)]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
-    return _peak_rss(processes, 1800)
+    try:
+        codes = [process.wait(timeout=timeout_s) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    if any(codes):
+        raise SystemExit(f"pipeplan run on {ranks} ranks failed (exit codes {codes})")
+    return list(json.loads(metrics.read_text())["stages"])
 
 
-def planned_bytes(profile_path: Path, blocks: int, ranks: int, microbatches: int) -> int:
-    """The planner's memory figure for the largest stage (the first; equal shares, SGD)."""
-    from pipeplan.planner.memory import plan_stage_memory
-    from pipeplan.profile import Profile
+def held(stage: dict[str, Any]) -> int:
+    return int(stage["peak_memory_bytes"]) - int(stage["baseline_memory_bytes"])
 
-    profile = Profile.load(profile_path)
-    per = 2 * (blocks // ranks)
-    layers = profile.layers[:per] if ranks > 1 else profile.layers
-    params = sum(layer.param_bytes for layer in layers)
-    saved = sum(layer.saved_bytes for layer in layers)
-    memory, _, _ = plan_stage_memory("1f1b-flush", [1] * ranks, 0, params, saved, "sgd", microbatches)
-    return memory
+
+def check_ranks(blocks: int, width: int, ranks: int, batch_size: int, microbatches: int, threads: int, steps: int,
+                folder: Path, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """One launch of the model and one of a few-KiB model of the same shape: held vs planned per rank."""
+    plan = planned_plan(blocks, width, ranks, batch_size, microbatches, threads, folder, timeout_s)
+    stages = run_ranks(plan, blocks, width, threads, steps, folder, timeout_s)
+    os.environ.update(_env(ranks, 8, threads))  # one block of width 8 per rank: a few KiB
+    tiny = make_plan(MODEL, stage_layers(ranks, ranks), [1] * ranks, "1f1b-flush", batch_size=batch_size,
+                     microbatches=microbatches)
+    overhead = [held(s) for s in run_ranks(tiny, ranks, 8, threads, steps, folder, timeout_s)]
+    rows = []
+    for stage in stages:
+        own = held(stage) - overhead[stage["rank"]]
+        rows.append({"rank": stage["rank"], "baseline_bytes": stage["baseline_memory_bytes"],
+                     "peak_bytes": stage["peak_memory_bytes"], "runtime_bytes": overhead[stage["rank"]],
+                     "held_bytes": own, "planned_bytes": stage["predicted_memory_bytes"],
+                     "held_over_planned": own / stage["predicted_memory_bytes"]})
+    return {"ranks": ranks, "microbatches": microbatches, "per_rank": rows,
+            "worst_held_over_planned": max((r["held_over_planned"] for r in rows), key=lambda x: abs(x - 1.0))}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--depths", type=int, nargs="*", default=[4, 8, 16, 32], help="none: skip the profiles")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[1, 2, 4], help="none: skip the runs")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--run-blocks", type=int, default=16, help="blocks of the model trained on 1, 2, 4 ranks")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory.json"))
     args = parser.parse_args()
@@ -140,30 +192,29 @@ def main() -> None:
             meta, eager = (next(p for p in profiles if p["blocks"] == depth and p["build"] == b) for b in ("meta", "eager"))
             table.add_row(str(depth), format_bytes(meta["param_bytes"]), format_bytes(meta["peak_rss_bytes"]),
                           format_bytes(eager["peak_rss_bytes"]))
+        if profiles:
+            console.print(table)
+        runs = [check_ranks(args.run_blocks, args.width, ranks, args.batch_size, micro, args.threads, args.steps, folder)
+                for micro in args.microbatches for ranks in args.ranks]
+    table = Table(title=f"pipeplan run --build meta: what each rank holds against the plan ({args.run_blocks} blocks "
+                        f"of width {args.width}, batch {args.batch_size}, 1f1b-flush, sgd, {args.steps} steps)")
+    for column in ("micro-batches", "ranks", "peak - baseline", "runtime's own", "held for the stage", "planned",
+                   "held / planned"):
+        table.add_column(column, justify="right")
+    for run in runs:  # none with --ranks alone
+        rows = run["per_rank"]
+        table.add_row(str(run["microbatches"]), str(run["ranks"]),
+                      ", ".join(format_bytes(r["peak_bytes"] - r["baseline_bytes"]) for r in rows),
+                      ", ".join(format_bytes(r["runtime_bytes"]) for r in rows),
+                      ", ".join(format_bytes(r["held_bytes"]) for r in rows),
+                      ", ".join(format_bytes(r["planned_bytes"]) for r in rows),
+                      ", ".join(f"{r['held_over_planned']:.2f}" for r in rows))
+    if runs:
         console.print(table)
-
-        micro = args.batch_size // args.microbatches
-        reference = profile_peak(args.run_blocks, args.width, "meta", micro, args.threads, folder)
-        baseline = max(run_peaks(1, 8, 1, args.batch_size, args.microbatches, args.threads, folder))
-        runs = []
-        for ranks in args.ranks:
-            peaks = run_peaks(args.run_blocks, args.width, ranks, args.batch_size, args.microbatches, args.threads, folder)
-            planned = planned_bytes(Path(reference["profile"]), args.run_blocks, ranks, args.microbatches)
-            held = max(peaks) - baseline
-            runs.append({"ranks": ranks, "peak_rss_bytes": peaks, "largest_peak_rss_bytes": max(peaks),
-                         "held_bytes": held, "planned_bytes": planned, "held_over_planned": held / planned})
-        table = Table(title=f"pipeplan run --build meta: the largest rank against ranks ({args.run_blocks} blocks of "
-                            f"width {args.width}, 1f1b-flush, sgd; baseline rank {format_bytes(baseline)})")
-        for column in ("ranks", "largest rank peak RSS", "held (peak - baseline)", "planned", "held / planned"):
-            table.add_column(column, justify="right")
-        for run in runs:
-            table.add_row(str(run["ranks"]), format_bytes(run["largest_peak_rss_bytes"]), format_bytes(run["held_bytes"]),
-                          format_bytes(run["planned_bytes"]), f"{run['held_over_planned']:.3f}")
-        console.print(table)
-    result = {"schema": "pipeplan.bench.memory/1", "machine": platform.platform(), "width": args.width,
+    result = {"schema": "pipeplan.bench.memory/2", "machine": platform.platform(), "width": args.width,
               "batch_size": args.batch_size, "microbatches": args.microbatches, "threads": args.threads,
               "profiles": [{k: v for k, v in p.items() if k != "profile"} for p in profiles],
-              "run_blocks": args.run_blocks, "baseline_rank_peak_rss_bytes": baseline, "runs": runs}
+              "run_blocks": args.run_blocks, "steps": args.steps, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, result)
     console.print(f"wrote {args.out}")
