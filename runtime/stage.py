@@ -137,7 +137,8 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
 
 
 def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int,
-                   build: str = "auto", dtype: torch.dtype | None = None) -> PipelineSpec:
+                   build: str = "auto", dtype: torch.dtype | None = None,
+                   loaded_after: bool = False) -> PipelineSpec:
     """Build this rank's stage (module on CPU; the caller moves it to its device).
 
     ``sample_batch_size`` must be the micro-batch size the stages will run: a
@@ -146,6 +147,8 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     ``build`` (``auto``, ``eager``, ``meta``): see the module docstring. ``dtype``: the
     compute dtype the graph is captured in (a torch.export graph bakes dtypes: HF masks, casts),
     on meta stand-ins, so the model keeps its weights as built (the masters of mixed precision).
+    ``loaded_after`` (``--weights``): on meta, modules holding only parameters are not
+    initialised, since the weights fill every parameter (``materialise``).
     """
     model, lazy, _ = build_model(model_file.build, build, seed)
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
@@ -178,7 +181,7 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
         if stand_ins:
             rebind([chunk.module for chunk in chunks], model)  # the meta originals, to materialise
         held = [t for chunk in chunks for t in (*chunk.module.parameters(), *chunk.module.buffers())]
-        materialise(model, held, "cpu", seed)
+        materialise(model, held, "cpu", seed, loaded_after=loaded_after)
         rebind([chunk.module for chunk in chunks], model)
     elif stand_ins:
         rebind([chunk.module for chunk in chunks], model)  # the weights as built, not the stand-ins

@@ -95,43 +95,61 @@ def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(tmp_path: Path,
     assert not torch.equal(tied[0], initial["transformer.wte.weight"])  # it trained
 
 
-def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles: dict[str, Path]) -> None:
-    """save_pretrained (sharded) -> run --weights starts from those weights (the first loss is theirs in
-    one process; the tied wte/lm_head, saved once, reaches both stages); after training,
-    export-weights -> from_pretrained holds the pipeline's weights (same logits)."""
-    from transformers import GPT2LMHeadModel
-
+def assert_weights_round_trip(tmp_path: Path, model: str, profile: Path, *build: str) -> None:
+    """save_pretrained (sharded) -> run --weights on 2 stages starts from those weights (the first loss is
+    theirs in one process; a tied embedding saved once reaches both stages); after training, export-weights
+    -> from_pretrained holds the pipeline's weights (the same logits, exactly). One torchrun launch;
+    ``build`` (``--build meta``): the stage is materialised alone and not initialised before the load."""
     from pipeplan.modelfile import load_model_file
 
-    model_file = load_model_file(MODELS["gpt2"])
+    model_file = load_model_file(model)
     torch.manual_seed(123)  # other weights than the run's own seed-0 initialisation
     pretrained = model_file.build()
-    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="200KB")  # sharded, with its index
+    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="50KB")  # sharded, with its index
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    tied = pretrained.get_output_embeddings().weight is pretrained.get_input_embeddings().weight
     inputs, targets = model_file.batch(BATCH, 0)  # minibatch 0 of a seed-0 run
     with torch.no_grad():
-        first_loss = float(model_file.loss_fn(pretrained(*inputs), targets))
+        first_loss = float(model_file.loss_fn(inputs.call(pretrained), targets))
         torch.manual_seed(0)
-        seeded_loss = float(model_file.loss_fn(model_file.build()(*inputs), targets))
+        seeded_loss = float(model_file.loss_fn(inputs.call(model_file.build()), targets))
     assert abs(first_loss - seeded_loss) > 1e-3  # the check below can tell the two apart
 
-    partition(profiles["gpt2"], "1f1b-flush", 2, tmp_path / "plan.json")
-    recs = run(tmp_path, MODELS["gpt2"], tmp_path / "plan.json", 2, "--weights", str(tmp_path / "hf"),
+    partition(profile, "1f1b-flush", 2, tmp_path / "plan.json")
+    recs = run(tmp_path, model, tmp_path / "plan.json", 2, "--weights", str(tmp_path / "hf"), *build,
                "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.json"))
     losses = json.loads((tmp_path / "m.json").read_text())["losses"]
     assert losses[0] == pytest.approx(first_loss, rel=1e-5)
 
     out = tmp_path / "exported"
-    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "ckpt"), "--model", MODELS["gpt2"],
+    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "ckpt"), "--model", model,
                                       "-o", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "save_pretrained" in result.output
-    loaded = GPT2LMHeadModel.from_pretrained(out)
-    assert loaded.lm_head.weight is loaded.transformer.wte.weight  # re-tied on load
+    loaded = type(pretrained).from_pretrained(out)
+    assert (loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight) == tied  # re-tied
     trained = model_file.build()
     params = {name: value for rec in recs.values() for name, value in rec["params"].items()}
     assert set(params) == {name for name, _ in trained.named_parameters()}
-    trained.load_state_dict(params, strict=False)  # lm_head.weight is wte's tensor
+    trained.load_state_dict(params, strict=False)  # a tied head is the embedding's tensor
     with torch.no_grad():
-        torch.testing.assert_close(loaded(inputs[0]).logits, trained(inputs[0]).logits, rtol=0, atol=0)
-    assert not torch.equal(params["transformer.wte.weight"], pretrained.transformer.wte.weight)  # it trained
+        torch.testing.assert_close(inputs.call(loaded).logits, inputs.call(trained).logits, rtol=0, atol=0)
+    embedding = next(name for name, p in trained.named_parameters() if p is trained.get_input_embeddings().weight)
+    assert not torch.equal(params[embedding], pretrained.get_input_embeddings().weight)  # it trained
+
+
+def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles: dict[str, Path]) -> None:
+    """Test (c) on GPT-2 (tied wte / lm_head)."""
+    assert_weights_round_trip(tmp_path, MODELS["gpt2"], profiles["gpt2"])
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+def test_llama_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, family: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test (c) on a tiny LlamaForCausalLM (rotary, RMSNorm, grouped KV heads), untied and tied, each rank
+    building only its stage on meta (rotary ``inv_freq``, a computed buffer, initialised; the rest loaded)."""
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+    model = str(Path(__file__).parent / "fixtures" / "models" / "hf_family.py")
+    profile = profile_model(model, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
+    profile.save(tmp_path / "profile.json")
+    assert_weights_round_trip(tmp_path, model, tmp_path / "profile.json", "--build", "meta")

@@ -57,6 +57,27 @@ def test_stage_weights_do_not_depend_on_the_plan() -> None:
     assert spec.stage.parameters_by_qualified_name()["wte.weight"].shape == (11, 8)
 
 
+def test_modules_the_weights_overwrite_are_not_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run --weights`` on meta: a module holding only stage parameters gets storage, no initialisation
+    (the weights fill it); a module with a buffer (BatchNorm's statistics) is initialised as always."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+        other = nn.Sequential(nn.Linear(4, 4))
+    calls: list[str] = []
+    for cls in (nn.Linear, nn.BatchNorm1d):
+        original = cls.reset_parameters
+        monkeypatch.setattr(cls, "reset_parameters",
+                            lambda self, original=original: (calls.append(type(self).__name__), original(self))[1])
+    held = [*model[0].parameters(), *model[1].parameters(), *model[1].buffers()]  # a stage of the first two
+    materialise(model, held, "cpu", seed=0, loaded_after=True)
+    assert calls == ["BatchNorm1d"]
+    assert not model[0].weight.is_meta and model[2].weight.is_meta  # storage for the stage's only
+    assert torch.equal(model[1].running_var, torch.ones(4))
+    calls.clear()
+    materialise(other, [other[0].weight], "cpu", seed=0, loaded_after=True)  # its bias is not the stage's
+    assert calls == ["Linear"]
+
+
 def test_a_module_without_an_initialiser_is_one_line(tmp_path: Path) -> None:
     class Scale(nn.Module):
         def __init__(self) -> None:

@@ -131,7 +131,7 @@ def module_seed(seed: int, name: str) -> int:
 
 def materialise(
     model: nn.Module, tensors: Iterable[torch.Tensor] | None, device: Any, seed: int,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, loaded_after: bool = False,
 ) -> int:
     """Give storage on ``device`` to the meta tensors in ``tensors`` (None: all) and initialise
     every module that holds one (with all its own tensors); return the bytes allocated.
@@ -139,6 +139,10 @@ def materialise(
     New tensor objects replace the meta ones in every module of ``model`` that holds them
     (tied copies stay one object); graph modules made from the model before see them after
     ``rebind``. ``dtype`` casts floating-point tensors after initialisation.
+    ``loaded_after`` (``run --weights``, which fails unless it fills every parameter of the
+    stage): a module whose own tensors are all parameters among ``tensors`` is given storage
+    but not initialised, since the weights overwrite it; a module holding a buffer (computed
+    ones such as rotary ``inv_freq`` are not in the weights) is initialised as always.
     """
     wanted = None if tensors is None else {id(t) for t in tensors}
     chosen: list[tuple[str, nn.Module]] = []
@@ -149,7 +153,10 @@ def materialise(
             continue
         if not any(t.device.type == "meta" for t in own):
             continue
-        chosen.append((name, module))
+        overwritten = loaded_after and not any(b is not None for b in module._buffers.values()) and (
+            wanted is None or all(id(t) in wanted for t in own))
+        if not overwritten:
+            chosen.append((name, module))
         for tensor in own:
             if tensor.device.type == "meta" and id(tensor) not in replaced:
                 replaced[id(tensor)] = _like(tensor, torch.empty_like(tensor, device=device))
