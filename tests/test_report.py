@@ -84,6 +84,20 @@ def test_report_cli(tmp_path) -> None:
     path.write_text(json.dumps(fine))
     out = runner.invoke(cli, ["report", str(path), "--strict"], catch_exceptions=False)
     assert out.exit_code == 0 and "every stage within 20%" in out.output
+    assert "memory per rank" not in out.output  # a metrics/1 file has no memory figures
+
+
+def test_report_cli_prints_each_rank_memory_against_the_plan(tmp_path) -> None:
+    memory = {"memory_kind": "rss", "baseline_memory_bytes": 300 << 20, "peak_memory_bytes": 450 << 20,
+              "predicted_memory_bytes": 128 << 20}
+    metrics = {**METRICS, "schema": "pipeplan.metrics/2",
+               "stages": [{**stage, **memory} for stage in METRICS["stages"]]}
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    out = CliRunner(env={"COLUMNS": "160"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "memory per rank (CPU: the process's RSS" in out.output
+    assert "128.0 MiB" in out.output and "150.0 MiB" in out.output and "1.17" in out.output  # 150 / 128
 
 
 def test_report_cli_error_is_one_line(tmp_path) -> None:

@@ -1,15 +1,15 @@
-"""``pipeplan report``: predicted vs measured time per minibatch, per stage; the loss curve as PNG."""
+"""``pipeplan report``: predicted vs measured time per minibatch and memory, per stage; the loss curve as PNG."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 if TYPE_CHECKING:  # typing only: rich stays out of --help
     from rich.console import Console
 
-__all__ = ["report"]
+__all__ = ["report", "memory_table"]
 
 
 @click.command(
@@ -83,9 +83,10 @@ def _compare(metrics_path: str, console: Console) -> bool:
     """The predicted-vs-measured tables; True when a stage is flagged."""
     from rich.table import Table
 
-    from pipeplan.planner.report import OFF_THRESHOLD, Comparison, load_report
+    from pipeplan.planner.report import OFF_THRESHOLD, Comparison, compare, read_metrics
 
-    result = load_report(metrics_path)
+    metrics = read_metrics(metrics_path)
+    result = compare(metrics, where=metrics_path)
 
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -121,6 +122,8 @@ def _compare(metrics_path: str, console: Console) -> bool:
                       ratio(s.time_per_minibatch), ms(s.compute.predicted_ms),
                       ms(s.compute.measured_ms), ratio(s.compute), ms(s.wait_ms), flag)
     console.print(table)
+    if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
+        console.print(memory_table(metrics.to_dict()["stages"]))
     flagged = result.flagged
     if flagged:
         names = ", ".join(f"stage {s.stage} replica {s.replica} ({s.time_per_minibatch.ratio:.2f}x)"
@@ -130,3 +133,26 @@ def _compare(metrics_path: str, console: Console) -> bool:
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
     return False
+
+
+def memory_table(stages: list[dict[str, Any]]) -> Any:
+    """Per rank: the plan's per-device figure against what the rank held (peak - baseline)."""
+    from rich.table import Table
+
+    from pipeplan.units import format_bytes
+
+    def size(value: Any) -> str:
+        return "-" if value is None else format_bytes(value)
+
+    kinds = {s.get("memory_kind") for s in stages} - {None}
+    what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
+    table = Table(title=f"memory per rank ({what}; held = peak - baseline before the stage was built)")
+    for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
+        table.add_column(column, justify="right")
+    for s in stages:
+        peak, baseline, planned = s.get("peak_memory_bytes"), s.get("baseline_memory_bytes"), s.get("predicted_memory_bytes")
+        held = None if peak is None or baseline is None else peak - baseline
+        ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
+        table.add_row(str(s["stage"]), str(s["replica"]), str(s["rank"]), size(planned), size(held), ratio,
+                      size(peak), size(baseline))
+    return table

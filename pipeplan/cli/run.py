@@ -148,29 +148,6 @@ def _die(message: str) -> None:
     os._exit(2)
 
 
-def _memory_table(stages: list[dict[str, Any]]) -> Any:
-    """Per rank: the plan's per-device figure against what the rank held (peak - baseline)."""
-    from rich.table import Table
-
-    from pipeplan.units import format_bytes
-
-    def size(value: Any) -> str:
-        return "-" if value is None else format_bytes(value)
-
-    kinds = {s.get("memory_kind") for s in stages} - {None}
-    what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
-    table = Table(title=f"memory per rank ({what}; held = peak - baseline before the stage was built)")
-    for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
-        table.add_column(column, justify="right")
-    for s in stages:
-        peak, baseline, planned = s.get("peak_memory_bytes"), s.get("baseline_memory_bytes"), s.get("predicted_memory_bytes")
-        held = None if peak is None or baseline is None else peak - baseline
-        ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
-        table.add_row(str(s["stage"]), str(s["replica"]), str(s["rank"]), size(planned), size(held), ratio,
-                      size(peak), size(baseline))
-    return table
-
-
 def _print_summary(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -188,7 +165,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
                       ms(s["predicted_time_per_minibatch_ms"]))
     console = Console()
     console.print(table)
-    console.print(_memory_table(summary["stages"]))
+    from pipeplan.cli.report import memory_table
+
+    console.print(memory_table(summary["stages"]))
     losses = summary["losses"]
     last = f"{losses[-1]:.4f}" if losses else "-"
     rate = summary["samples_per_s"]
