@@ -220,23 +220,28 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
 
 
 @pytest.mark.multiprocess
-def test_bf16_2bw_stashes_bf16_versions_of_the_float32_masters(tmp_path: Path) -> None:
-    """2BW (weight versions: the stash path) in bf16 on 2 gloo ranks equals its rule in one
-    process: each version a bf16 snapshot of the float32 masters, micro-batch gradients summed
-    in float32, the delayed update on the masters."""
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b-rr"])
+def test_bf16_weight_versions_are_bf16_snapshots_of_the_float32_masters(tmp_path: Path, schedule: str) -> None:
+    """2BW and 1F1B-RR (weight versions: the stash path) in bf16 on 2 gloo ranks equal their rule
+    in one process: each version a bf16 snapshot of the float32 masters, gradients summed (2BW's
+    micro-batches) in float32, the update on the masters. The float32 rule differs by ~5e-5."""
     from plans import make_plan
-    from reference import emulate_2bw
+    from reference import emulate_1f1b_rr, emulate_2bw
     from test_run_torchrun import LR, records, torchrun
 
-    model, steps = str(FIXTURES / "mlp.py"), 5
-    plan = make_plan(model, [[0, 1, 2], [3, 4, 5]], [1, 1], "2bw", batch_size=8, microbatches=2)
+    model, steps, layers = str(FIXTURES / "mlp.py"), 4, [[0, 1, 2], [3, 4, 5]]
+    micro = 2 if schedule == "2bw" else 1
+    plan = make_plan(model, layers, [1, 1], schedule, batch_size=8, microbatches=micro)
     replace(plan, dtype="bfloat16", master_dtype="float32").save(tmp_path / "plan.json")
     result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(steps), "--lr", str(LR),
                           "--no-progress", "--record", str(tmp_path / "rec")], timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    final, _ = emulate_2bw(model, steps, 8, LR, dtype=torch.bfloat16, microbatches=2)
+    if schedule == "2bw":
+        final, _ = emulate_2bw(model, steps, 8, LR, dtype=torch.bfloat16, microbatches=micro)
+    else:
+        final = emulate_1f1b_rr(model, layers, [1, 1], steps, 8, LR, dtype=torch.bfloat16)
     recs = records(tmp_path / "rec")
-    assert recs[0]["peak_versions"] == 2  # two bf16 versions in use at once
+    assert recs[0]["peak_versions"] == 2  # two bf16 versions in use at once on stage 0
     for rec in recs.values():
         for name, value in rec["params"].items():
             assert value.dtype == torch.float32
