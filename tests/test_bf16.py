@@ -212,7 +212,22 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
         assert stage["predicted_memory_bytes"] == planned.memory_bytes == rule
         assert stage["memory_kind"] == "rss" and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
 
-    export_weights(str(tmp_path / "ckpt"), load_model_file(model), str(tmp_path / "out"))
+    # --weights fills the masters before the bf16 copies are made: the first loss of a run from
+    # the step-4 checkpoint (another seed) is the rule's loss of those masters on minibatch 0
+    third = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--no-progress", "--steps", "1",
+                         "--seed", "0", "--weights", str(tmp_path / "ckpt"), "--build", "meta",
+                         "--metrics", str(tmp_path / "m3.json")], timeout=240)
+    assert third.returncode == 0, third.stderr[-3000:]
+    model_file = load_model_file(model)
+    network = model_file.build()
+    copies = {name: value.bfloat16() for name, value in masters.items()}
+    inputs, targets = model_file.batch(batch, 0)
+    expected = sum(float(model_file.loss_fn(
+        torch.func.functional_call(network, copies, (x.bfloat16(),)).float(), t)) / 2
+        for x, t in zip(inputs.tensors()[0].tensor_split(2), targets.tensor_split(2)))
+    assert json.load(open(tmp_path / "m3.json"))["losses"][0] == pytest.approx(expected, rel=1e-6)
+
+    export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out"))
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert {t.dtype for t in exported.values()} == {torch.float32}
     for name, value in masters.items():
