@@ -32,7 +32,7 @@ from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_byt
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
 
-__all__: list[str] = ["LayerwiseResult", "measure_layerwise"]
+__all__: list[str] = ["LayerwiseResult", "measure_layerwise", "time_layer", "layer_signature", "as_input"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def measure_layerwise(
             materialise(model, held, device, seed, dtype)
             rebind([stage.module], model)
             held = [*stage.module.parameters(), *stage.module.buffers()]  # the materialised tensors
-            args = tuple(_as_input(values[name]) for name in stage.input_names)
+            args = tuple(as_input(values[name]) for name in stage.input_names)
             excluded = [a for name, a in zip(stage.input_names, args) if name in counted]
             counter = SavedTensorCounter(exclude=[*stage.module.parameters(), *_tensors(excluded)])
             with torch.enable_grad(), count_saved(counter=counter):
@@ -87,10 +87,10 @@ def measure_layerwise(
                     counted.add(name)
             saved = counter.saved_bytes
             produced = output_bytes(outputs)
-            key = _signature(stage, args)
+            key = layer_signature(stage, args)
             reuse = None if every_layer else timed.get(key)
             if reuse is None:
-                reuse = _time_layer(stage, args, outputs, timer, warmup, repeats, position)
+                reuse = time_layer(stage, args, outputs, timer, warmup, repeats, position)
                 timed[key] = reuse
             if MODEL_OUTPUT in stage.output_names:
                 loss = _time_loss(outputs[-1], targets, loss_fn, timer, warmup, repeats)
@@ -131,7 +131,7 @@ def _reads(stages: Sequence[Any]) -> dict[str, int]:
     return counts
 
 
-def _as_input(value: Any) -> Any:
+def as_input(value: Any) -> Any:
     """A value as a stage boundary hands it over: detached; floating tensors require grad."""
     import torch
     from torch.utils import _pytree as pytree
@@ -162,7 +162,7 @@ def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         raise InputError(f"layer {stage.index} raised when run on its own: {one_line(exc)}") from exc
 
 
-def _signature(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def layer_signature(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What makes two layers the same computation: the code of their graph (ops and the
     classes of the modules they call), parameter and input shapes and dtypes."""
     import torch
@@ -184,7 +184,7 @@ def _normalise_names(code: str) -> str:
     return re.sub(r"\d+", "#", code)
 
 
-def _time_layer(stage: Any, args: tuple[Any, ...], first: tuple[Any, ...], timer: Timer,
+def time_layer(stage: Any, args: tuple[Any, ...], first: tuple[Any, ...], timer: Timer,
                 warmup: int, repeats: int, position: int) -> _Timed:
     """Forward and backward of one layer, ``repeats`` timed passes after ``warmup``."""
     import torch
@@ -224,7 +224,7 @@ def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], ti
 
     samples = []
     for iteration in range(warmup + repeats):
-        value = _as_input(output)
+        value = as_input(output)
         with torch.enable_grad():
             timer.start()
             loss_backward(loss_fn, value, targets)

@@ -62,6 +62,12 @@ def profile_on_meta(
     timer = make_timer(device)
     result = measure_layerwise(graph, network, device_inputs, targets, model_file.loss_fn, timer, warmup,
                                repeats, device, torch_dtype, seed=0, every_layer=every_layer, progress=progress)
+    from pipeplan.profiler.tensor_split import fill_split_fields, layer_layouts
+
+    # sizes and all-reduce counts only: the shares are measured on a whole model (docs/profile-format.md)
+    element_size = torch_dtype.itemsize
+    layers = fill_split_fields(result.layers, layer_layouts(network, model_file.tp_plan, result.layers,
+                                                            str(model_file.path), element_size), {})
     parameters = _param_bytes(network, torch_dtype)
     saved = sum(layer.saved_bytes for layer in result.layers)
     fits, why = whole_step_fits(parameters, saved, available_bytes(device))
@@ -84,7 +90,7 @@ def profile_on_meta(
         optimizer_ms, sample_bytes = _sampled_optimizer_ms(network, device, torch_dtype, timer, warmup, repeats)
     return Profile(
         model=model_name, fingerprint=graph.fingerprint, device=device_info(device), batch_size=batch_size,
-        dtype=dtype, layers=tuple(result.layers), step_ms=step.median, step_ms_spread=step.spread,
+        dtype=dtype, layers=tuple(layers), step_ms=step.median, step_ms_spread=step.spread,
         input_bytes=output_bytes(device_inputs), warmup=warmup, repeats=repeats,
         step_saved_bytes=whole_saved, loss_ms=result.loss.median, optimizer_ms=optimizer_ms,
         data_ms=data_ms, capture=graph.kind, leaf_modules=leaf_modules,

@@ -196,6 +196,10 @@ def _profile(
         layers, measured = measure_layers(
             graph, inputs.tensors(), targets, model_file.loss_fn, timer, warmup, repeats, progress
         )
+    from pipeplan.profiler.tensor_split import split_fields
+
+    layers = split_fields(network, model_file.tp_plan, graph, layers, inputs.tensors(), timer, warmup, repeats,
+                          torch_device.type, str(model_file.path))
     with memory_step("the optimizer steps were timed over every parameter (Adam adds two copies of them)",
                      "profile with --build meta, which times them on a 16 MiB sample"):
         optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)

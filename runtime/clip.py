@@ -36,7 +36,7 @@ from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.sync import GradSync
-from pipeplan.runtime.tensor_parallel.apply import counted_here, local as local_shard
+from pipeplan.tensor_parallel.apply import counted_here, local as local_shard
 
 __all__ = ["GradNorm", "make_grad_norm"]
 

@@ -205,7 +205,7 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
 def _tensor_parallel_splits(model_file: ModelFile, model: nn.Module, plan: Plan,
                             modules: list[StageModule]) -> list[dict[str, dict[str, int]]]:
     """Each stage's split parameters (empty where t = 1); ``InputError`` on a refusal."""
-    from pipeplan.runtime.tensor_parallel.plans import resolve_splits, stage_splits
+    from pipeplan.tensor_parallel.plans import resolve_splits, stage_splits
 
     degrees = {stage.tensor_parallel for stage in plan.stages if stage.tensor_parallel > 1}
     if not degrees:

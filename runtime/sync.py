@@ -34,7 +34,7 @@ from torch import nn
 from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec, rank_names_of
-from pipeplan.runtime.tensor_parallel.apply import local, settle_gradients
+from pipeplan.tensor_parallel.apply import local, settle_gradients
 
 __all__ = ["GradSync", "make_grad_sync"]
 

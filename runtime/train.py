@@ -318,7 +318,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
-    from pipeplan.runtime.tensor_parallel.apply import compute_context, parallelize_stage
+    from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
     from pipeplan.runtime.tensor_parallel.mesh import stage_meshes
     from pipeplan.schedules import build_schedule, peak_in_flight, schedule_kind
 
@@ -451,7 +451,7 @@ def check_loss(loss: float, step: int, minibatch: int, stage: int, rank: int) ->
 
 
 def _digests(module: Any) -> dict[str, float]:
-    from pipeplan.runtime.tensor_parallel.apply import full
+    from pipeplan.tensor_parallel.apply import full
 
     return {name: float(full(p.detach()).double().sum()) for name, p in module.named_parameters()}
 
@@ -464,7 +464,7 @@ def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any,
     from pipeplan.jsonio import write_atomic
 
     names = spec.qualified_names
-    from pipeplan.runtime.tensor_parallel.apply import full
+    from pipeplan.tensor_parallel.apply import full
 
     params = {names[n]: full(p.detach()).cpu().clone() for n, p in module.named_parameters()}
     obj = {

@@ -4,7 +4,9 @@ The multi-process cases train 2 steps of 1F1B-Flush (2 micro-batches, gradients 
 to a global norm below theirs) on 4 CPU ranks and compare the logged norms and losses
 and every rank's whole parameters (split ones gathered) with plain training on the same
 batches: Hugging Face GPT-2 at t=2 x p=2 (its tied embedding and head on two stages),
-BERT at t=2 x d=2 (two model inputs), and a model file's own ``TP_PLAN`` at t=2 x p=2.
+BERT at t=2 x d=2 (two model inputs), a model file's own ``TP_PLAN`` at t=2 x p=2, Llama
+at t=2 x d=2 (vocabulary-parallel embedding and head), and Llama at t=2 x p=2 planned by
+``partition --tensor-parallel 2`` from a measured profile.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
-from pipeplan.runtime.tensor_parallel.plans import resolve_splits  # noqa: E402
+from pipeplan.tensor_parallel.plans import resolve_splits  # noqa: E402
 from pipeplan.runtime.train import RunConfig, _check_tensor_parallel  # noqa: E402
 from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
 
@@ -38,6 +40,7 @@ BERT = str(ROOT / "tests" / "fixtures" / "models" / "hf_bert.py")  # 2 heads, id
 USER_PLAN = str(ROOT / "tests" / "fixtures" / "models" / "tp_plan_mlp.py")  # 8 layers, TP_PLAN
 BUNDLED_GPT = str(ROOT / "configs" / "models" / "gpt.py")
 MLP = str(FIXTURES / "mlp.py")
+LLAMA = str(ROOT / "tests" / "fixtures" / "models" / "hf_family.py")  # LlamaForCausalLM: 4 heads, 2 kv heads, untied
 STEPS, BATCH, CLIP = 2, 8, 0.05
 
 
@@ -54,13 +57,20 @@ def _layers(model: str) -> int:
     (GPT2, 1, 2),  # t=2 x p=2
     (BERT, 2, 1),  # t=2 x d=2
     (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
-], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2"])
+    (LLAMA, 2, 1),  # t=2 x d=2 (t=2 x p=2: the planner's plan, below)
+], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2", "llama-t2xd2"])
 def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
     n = _layers(model)
     cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
     plan = make_plan(model, cut, [replicas] * stages, "1f1b-flush", batch_size=BATCH, microbatches=2,
                      tensor_parallel=[2] * stages)
     plan.save(tmp_path / "plan.json")
+    _run_matches_single_process(tmp_path, model, replicas, stages)
+
+
+def _run_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
+    """Run ``tmp_path/plan.json`` on 4 ranks: norms, losses and every rank's whole parameters
+    equal one process's training on the same batches."""
     result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(STEPS), "--lr", str(LR),
                           "--clip-grad-norm", str(CLIP), "--no-progress", "--record", str(tmp_path / "rec"),
                           "--metrics", str(tmp_path / "metrics.json"), "--log-dir", str(tmp_path / "log")],
@@ -79,6 +89,47 @@ def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str
 
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["losses"] == pytest.approx(losses, rel=1e-5)  # one loss per step, not one per rank
+
+
+@pytest.mark.multiprocess
+def test_llama_profile_partition_run_with_tensor_parallel(tmp_path: Path) -> None:
+    """A measured profile carries the splits: ``profile`` -> ``partition --tensor-parallel 2`` -> ``run``."""
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+    from pipeplan.profile import Profile
+    from pipeplan.profiler.profile_model import profile_model
+
+    profile = profile_model(LLAMA, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
+    profile.save(tmp_path / "profile.json")
+    split = {layer.name: layer for layer in profile.layers if layer.splits}
+    assert sorted(split) == ["lm_head", "model.embed_tokens", *(f"model.layers.{i}.{m}" for i in range(2)
+                                                                 for m in ("mlp", "self_attn"))]
+    attention, mlp = split["model.layers.0.self_attn"], split["model.layers.0.mlp"]
+    assert attention.tp_units == 2  # gcd of 4 heads and 2 key/value heads
+    assert attention.tp_split_param_bytes == (32 * 32 + 2 * 16 * 32 + 32 * 32) * 4  # q, k, v, o (no biases)
+    assert mlp.tp_split_param_bytes == 3 * 64 * 32 * 4 == mlp.param_bytes
+    # Megatron's count: one column -> row pair each; the vocabulary-parallel embedding one forward
+    assert (attention.tp_forward_allreduces, attention.tp_backward_allreduces) == (1, 1)
+    assert attention.tp_allreduce_bytes == attention.output_bytes == BATCH * 16 * 32 * 4
+    embedding = split["model.embed_tokens"]
+    assert (embedding.tp_forward_allreduces, embedding.tp_backward_allreduces) == (1, 0)
+    assert (split["lm_head"].tp_forward_allreduces, split["lm_head"].tp_backward_allreduces) == (0, 1)
+    for layer in split.values():  # measured shares: within the layer's own figures
+        assert 0 <= layer.tp_split_forward_ms <= layer.forward_ms and 0 <= layer.tp_split_saved_bytes <= layer.saved_bytes
+    assert mlp.tp_split_saved_bytes > 0  # the MLP's wide activations split
+    assert Profile.load(tmp_path / "profile.json") == profile
+    (tmp_path / "cpu4.yaml").write_text(
+        "name: cpu4\ndevice: {name: cpu, memory: 4 GiB, kind: cpu}\n"
+        "levels:\n  - {name: host, count: 4, bandwidth: 5 GB/s, latency: 20 us}\n")
+    result = CliRunner().invoke(cli, ["partition", str(tmp_path / "profile.json"), "--topology",
+                                      str(tmp_path / "cpu4.yaml"), "--straight", "--schedule", "1f1b-flush",
+                                      "--microbatches", "2", "--tensor-parallel", "2", "-o",
+                                      str(tmp_path / "plan.json")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(tmp_path / "plan.json")
+    assert [(s.tensor_parallel, s.replicas) for s in plan.stages] == [(2, 1), (2, 1)]  # t=2 x p=2
+    _run_matches_single_process(tmp_path, LLAMA, 1, 2)
 
 
 def test_plan_with_tensor_parallel_round_trips(tmp_path: Path) -> None:
@@ -173,3 +224,27 @@ def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, exp
                        microbatches=1, **extra)
     with pytest.raises(InputError, match=expected):
         _check_tensor_parallel(config)
+
+
+def test_layer_layouts_count_megatrons_allreduces() -> None:
+    """A whole GPT-2 block: 2 and 2; the bundled GPT's layers one module each; no plan: nothing."""
+    from types import SimpleNamespace
+
+    from pipeplan.profiler.tensor_split import layer_layouts
+
+    def layers(model: torch.nn.Module, prefixes: list[str]) -> list[SimpleNamespace]:
+        names = [name for name, _ in model.named_parameters()]
+        return [SimpleNamespace(index=i, parameters=tuple(n for n in names if n.startswith(prefix + ".")))
+                for i, prefix in enumerate(prefixes)]
+
+    gpt2 = load_model_file(GPT2).build()
+    block = layer_layouts(gpt2, None, layers(gpt2, ["transformer.wte", "transformer.h.0"]), "m.py")
+    assert list(block) == [1]  # the tied embedding stays whole
+    assert (block[1].forward_allreduces, block[1].backward_allreduces, block[1].units) == (2, 2, 4)
+    w = 64  # c_attn, c_proj, c_fc, c_proj weights and the column-parallel biases (a row's bias stays whole)
+    assert block[1].param_bytes == 4 * (w * 3 * w + 3 * w + w * w + w * 4 * w + 4 * w + 4 * w * w)
+    gpt = load_model_file(BUNDLED_GPT).build()
+    parts = layer_layouts(gpt, None, layers(gpt, ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0"]),
+                          "gpt.py")
+    assert [(p.forward_allreduces, p.backward_allreduces) for p in parts.values()] == [(0, 1), (1, 0), (0, 1)]
+    assert layer_layouts(load_model_file(MLP).build(), None, [], "mlp.py") == {}

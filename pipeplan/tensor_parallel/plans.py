@@ -24,7 +24,8 @@ from torch import nn
 
 from pipeplan.errors import InputError
 
-__all__ = ["Split", "FAMILIES", "resolve_splits", "check_heads", "stage_splits"]
+__all__ = ["Split", "FAMILIES", "COLWISE", "ROWWISE", "resolve_splits", "has_plan", "head_counts", "check_heads",
+           "stage_splits"]
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -120,8 +121,25 @@ def resolve_splits(model: nn.Module, tp_plan: dict[str, Any] | None, degrees: se
     return splits
 
 
+def has_plan(model: nn.Module, tp_plan: dict[str, Any] | None) -> bool:
+    """Whether ``resolve_splits`` has a plan to resolve: the model file's ``TP_PLAN`` or a built-in one."""
+    return tp_plan is not None or bool(_builtin_styles(model))
+
+
 def check_heads(model: nn.Module, degrees: set[int], where: str) -> None:
     """``InputError`` when a degree does not divide the attention (or key/value) heads."""
+    heads = head_counts(model)
+    for t in sorted(degrees):
+        for name, count in heads.items():
+            if count % t:
+                raise InputError(
+                    f"{where}: tensor_parallel {t} does not divide the model's {count} attention "
+                    f"heads ({name}); choose a degree dividing {count}"
+                )
+
+
+def head_counts(model: nn.Module) -> dict[str, int]:
+    """The model's attention head counts by attribute name (config or bundled GPT); a degree must divide each."""
     heads: dict[str, int] = {}
     config = getattr(model, "config", None)
     for name in ("num_attention_heads", "n_head", "num_key_value_heads"):
@@ -132,13 +150,7 @@ def check_heads(model: nn.Module, degrees: set[int], where: str) -> None:
         count = getattr(module, "heads", None)
         if type(module).__name__ == "CausalSelfAttention" and isinstance(count, int):
             heads["heads"] = count
-    for t in sorted(degrees):
-        for name, count in heads.items():
-            if count % t:
-                raise InputError(
-                    f"{where}: tensor_parallel {t} does not divide the model's {count} attention "
-                    f"heads ({name}); choose a degree dividing {count}"
-                )
+    return heads
 
 
 def _builtin_styles(model: nn.Module) -> dict[str, str]:

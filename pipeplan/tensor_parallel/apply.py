@@ -65,6 +65,7 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
     ``splits``: local module path in ``module`` -> {parameter name: dim}.
     """
     _drop_metadata_asserts(module)
+    _reduce_after_embeddings(module)
     owners = _owners(module)
     parallelize_module(module, mesh, {path: SplitParameters(dims) for path, dims in splits.items()})
     for holders in owners.values():  # every other parameter: one replicated DTensor per tensor
@@ -97,6 +98,53 @@ def _drop_metadata_asserts(module: nn.Module) -> None:
                 sub.graph.erase_node(node)
             if asserts:
                 sub.recompile()
+
+
+def _reduce_after_embeddings(module: nn.Module) -> None:
+    """All-reduce each embedding lookup's output where it is made (Megatron's vocabulary-parallel embedding).
+
+    A lookup in a row-split table yields a masked partial sum whose mask lives only until
+    the next op: an op in between (a dtype cast, as Llama's norm makes) loses it and
+    DTensor then cannot reduce. Reducing at once is what Megatron does.
+    """
+    import torch.fx as fx
+
+    target = torch.ops.aten.embedding.default
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        lookups = [node for node in sub.graph.nodes if node.op == "call_function" and node.target is target]
+        for node in lookups:
+            with sub.graph.inserting_after(node):
+                reduced = sub.graph.call_function(replicate_partial, (node,))
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+        if lookups:
+            sub.recompile()
+
+
+def replicate_partial(value: Any) -> Any:
+    """``value`` replicated when it is a partial-sum DTensor (an all-reduce), else itself.
+
+    Its gradient is replicated first (an all-reduce where it arrives as a partial sum):
+    DTensor cannot turn a plain partial sum back into an embedding's masked one.
+    """
+    if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
+        return _ReplicatedGradient.apply(value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)))
+    return value
+
+
+class _ReplicatedGradient(torch.autograd.Function):
+    """Identity forward; the gradient leaves as a replicated DTensor."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if isinstance(grad, DTensor) and grad.placements != tuple([Replicate()] * len(grad.placements)):
+            return grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
+        return grad
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
