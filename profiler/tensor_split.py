@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.timing import Timer
 
-MIN_TURNS = 3  # whole / split timings at least, whatever --repeats says (tiny layers are noisy)
+MIN_TURNS = 5  # whole / split timings at least, whatever --repeats says (tiny layers are noisy)
 
 __all__ = ["SplitLayout", "SplitShare", "layer_layouts", "fill_split_fields", "measure_split_degree",
            "measure_shares", "split_fields"]
@@ -208,14 +208,18 @@ def _share(stage: Any, args: tuple[Any, ...], layout: SplitLayout, degree: int, 
         wholes.append(_timed(stage, args, timer, warmup if turn == 0 else 0, 1))
         with compute_context(device_type):
             parts.append(_timed(split_stage, args, timer, warmup if turn == 0 else 0, 1))
-    whole = [statistics.median(sample[k] for sample in wholes) for k in range(3)]
-    part = [statistics.median(sample[k] for sample in parts) for k in range(3)]
     scale = degree / (degree - 1)
 
-    def share(one: float, at_t: float) -> float:
-        return min(1.0, max(0.0, (one - at_t) / one * scale)) if one > 0 else 0.0
+    def share(k: int) -> float:
+        """Of quantity k, the share that divides by t; 0 unless every split timing beat every
+        whole one (a share that noise can give is not credited: the planner charges it whole)."""
+        one = statistics.median(sample[k] for sample in wholes)
+        at_t = statistics.median(sample[k] for sample in parts)
+        if one <= 0 or max(sample[k] for sample in parts) >= min(sample[k] for sample in wholes):
+            return 0.0
+        return min(1.0, (one - at_t) / one * scale)
 
-    return SplitShare(share(whole[0], part[0]), share(whole[1], part[1]), share(whole[2], part[2]))
+    return SplitShare(share(0), share(1), share(2))
 
 
 def _timed(stage: Any, args: tuple[Any, ...], timer: Timer, warmup: int, repeats: int) -> tuple[float, float, float]:

@@ -50,7 +50,7 @@ def plan_family(family: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> P
     profile.save(folder / f"{family}.profile.json")
     out = folder / f"{family}.plan.json"
     result = CliRunner().invoke(cli, ["partition", str(folder / f"{family}.profile.json"), "--topology",
-                                      "local-cpu", "--straight", "--schedule", "1f1b-flush", "--microbatches",
+                                      "local-cpu", "--straight", "--tensor-parallel", "1", "--schedule", "1f1b-flush", "--microbatches",
                                       str(1 if family in ONE_MICROBATCH else MICROBATCHES), "-o", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)

@@ -50,7 +50,7 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def partition(profile: Path, schedule: str, microbatches: int, out: Path) -> Plan:
     result = CliRunner().invoke(cli, ["partition", str(profile), "--topology", "local-cpu", "--straight",
-                                      "--schedule", schedule, "--microbatches", str(microbatches),
+                                      "--tensor-parallel", "1", "--schedule", schedule, "--microbatches", str(microbatches),
                                       "-o", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)

@@ -248,3 +248,48 @@ def test_layer_layouts_count_megatrons_allreduces() -> None:
                           "gpt.py")
     assert [(p.forward_allreduces, p.backward_allreduces) for p in parts.values()] == [(0, 1), (1, 0), (0, 1)]
     assert layer_layouts(load_model_file(MLP).build(), None, [], "mlp.py") == {}
+
+
+@pytest.mark.parametrize("model,forward,backward", [
+    # Megatron's count: 2 all-reduces per block each way; the vocabulary-parallel embedding one
+    # forward, the column-parallel head one backward and its output gathered where it leaves
+    (LLAMA, {"all_reduce": 5, "all_gather_into_tensor": 1}, {"all_reduce": 5}),
+    (BERT, {"all_reduce": 4}, {"all_reduce": 4}),
+    # GPT-2's fused c_attn: splitting its sharded output into q, k, v gathers it (not Megatron's)
+    (GPT2, {"all_reduce": 4, "all_gather_into_tensor": 2}, {"all_reduce": 4, "all_gather_into_tensor": 4}),
+], ids=["llama", "bert", "gpt2"])
+def test_split_stage_communicates_where_megatron_does(model: str, forward: dict, backward: dict) -> None:
+    """Collectives of one forward and one backward of the whole model split t=2 (one process, fake group)."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from pipeplan.capture import build_layer_graph
+    from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
+    from pipeplan.tensor_parallel.plans import stage_splits
+
+    model_file = load_model_file(model)
+    torch.manual_seed(0)
+    network = model_file.build()
+    inputs, targets = model_file.batch(4, 0)
+    graph = build_layer_graph(network, inputs)
+    stage = graph.split([0] * len(graph.layers))[0]
+    splits = resolve_splits(network, None, {2}, model)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        parallelize_stage(stage.module, stage_splits(stage.parameter_names, splits), init_device_mesh("cpu", (2,)))
+        counts = []
+        with compute_context("cpu"):
+            with CommDebugMode() as mode:
+                output = stage.module(*inputs.tensors())
+            counts.append(mode.get_comm_counts())
+            loss = model_file.loss_fn(output[-1], targets)
+            with CommDebugMode() as mode:
+                loss.backward()
+            counts.append(mode.get_comm_counts())
+    finally:
+        dist.destroy_process_group()
+    named = [{str(op).split(".")[-1]: n for op, n in c.items()} for c in counts]
+    assert named == [forward, backward]
+

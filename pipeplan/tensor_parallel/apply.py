@@ -68,6 +68,7 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
     _reduce_after_embeddings(module)
     owners = _owners(module)
     parallelize_module(module, mesh, {path: SplitParameters(dims) for path, dims in splits.items()})
+    _megatron_collectives(module)
     for holders in owners.values():  # every other parameter: one replicated DTensor per tensor
         first_owner, first_name = holders[0]
         param = first_owner._parameters[first_name]
@@ -122,19 +123,72 @@ def _reduce_after_embeddings(module: nn.Module) -> None:
             sub.recompile()
 
 
+def _megatron_collectives(module: nn.Module) -> None:
+    """Communicate where Megatron does, around each matmul that reads a split weight.
+
+    After it, a partial sum (a row-parallel output) is all-reduced at once; before it, the
+    activation it reads gets its gradient all-reduced where that gradient is a partial sum
+    (a column-parallel input; q, k and v reading one activation share one all-reduce).
+    Left to itself, DTensor defers a partial sum through the residual add and then, on
+    small layers, gathers the next column-parallel weight instead of splitting its matmul.
+    Only a stage captured by ``torch.export`` (ATen ops reading weights as graph
+    attributes) is rewritten; other graphs keep DTensor's own choices.
+    """
+    import torch.fx as fx
+
+    matmuls = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.matmul.default}
+    for sub in module.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        split = {node for node in sub.graph.nodes if node.op == "get_attr" and _is_split(sub, str(node.target))}
+        reduced: dict[fx.Node, fx.Node] = {}  # activation -> its gradient-reducing identity
+        changed = False
+        for node in list(sub.graph.nodes):
+            if node.op != "call_function" or node.target not in matmuls or not any(a in split for a in node.args):
+                continue
+            for arg in node.args:
+                if isinstance(arg, fx.Node) and arg not in split and arg.op != "get_attr":
+                    if arg not in reduced:
+                        with sub.graph.inserting_after(arg):
+                            reduced[arg] = sub.graph.call_function(reduce_gradient, (arg,))
+                    node.replace_input_with(arg, reduced[arg])
+            with sub.graph.inserting_after(node):
+                after = sub.graph.call_function(replicate_partial, (node,))
+            node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
+            changed = True
+        if changed:
+            sub.recompile()
+
+
+def _is_split(sub: nn.Module, target: str) -> bool:
+    try:
+        param = sub.get_parameter(target)
+    except AttributeError:
+        return False
+    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
+
+
 def replicate_partial(value: Any) -> Any:
     """``value`` replicated when it is a partial-sum DTensor (an all-reduce), else itself.
 
-    Its gradient is replicated first (an all-reduce where it arrives as a partial sum):
-    DTensor cannot turn a plain partial sum back into an embedding's masked one.
+    Its gradient is all-reduced where it arrives as a partial sum: DTensor cannot turn a
+    plain partial sum back into an embedding's masked one.
     """
     if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
-        return _ReplicatedGradient.apply(value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)))
+        return _ReducedGradient.apply(value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)))
     return value
 
 
-class _ReplicatedGradient(torch.autograd.Function):
-    """Identity forward; the gradient leaves as a replicated DTensor."""
+def reduce_gradient(value: Any) -> Any:
+    """``value`` itself; its gradient all-reduced where it is a partial sum (Megatron's f)."""
+    if isinstance(value, DTensor) and value.requires_grad:
+        return _ReducedGradient.apply(value)
+    return value
+
+
+class _ReducedGradient(torch.autograd.Function):
+    """Identity forward; a partial-sum gradient leaves replicated (one all-reduce)."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -142,7 +196,7 @@ class _ReplicatedGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(grad, DTensor) and grad.placements != tuple([Replicate()] * len(grad.placements)):
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             return grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
         return grad
 
