@@ -198,7 +198,7 @@ def _profile(
         )
     from pipeplan.profiler.tensor_split import split_fields
 
-    layers = split_fields(network, model_file.tp_plan, graph, layers, inputs.tensors(), timer, warmup, repeats,
+    layers = split_fields(network, model_file.tp_plan, graph, layers, inputs.tensors(), timer, warmup,
                           torch_device.type, str(model_file.path))
     with memory_step("the optimizer steps were timed over every parameter (Adam adds two copies of them)",
                      "profile with --build meta, which times them on a 16 MiB sample"):

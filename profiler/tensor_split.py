@@ -40,7 +40,7 @@ from typing import Any, Sequence
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.timing import Timer
 
-MIN_TURNS = 5  # whole / split timings at least, whatever --repeats says (tiny layers are noisy)
+SHARE_TURNS = 5  # whole / split timings of a layer, whatever --repeats says (DTensor on a CPU is slow)
 
 __all__ = ["SplitLayout", "SplitShare", "layer_layouts", "fill_split_fields", "measure_split_degree",
            "measure_shares", "split_fields"]
@@ -143,7 +143,7 @@ def measure_split_degree(layouts: dict[int, SplitLayout]) -> int:
 
 
 def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLayout], degree: int,
-                   timer: Timer, warmup: int, repeats: int, device_type: str) -> dict[int, SplitShare]:
+                   timer: Timer, warmup: int, device_type: str) -> dict[int, SplitShare]:
     """Per split layer, the measured shares that divide by ``degree`` (module docstring).
 
     Runs the layers in order on ``inputs`` (no grad) to give each its real inputs; layers
@@ -173,7 +173,7 @@ def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLa
             if layout is not None:
                 key = layer_signature(stage, args)
                 if key not in measured:
-                    measured[key] = _share(stage, args, layout, degree, mesh, timer, warmup, repeats, device_type)
+                    measured[key] = _share(stage, args, layout, degree, mesh, timer, warmup, device_type)
                 shares[graph.layers[position].index] = measured[key]
             with torch.no_grad():
                 outputs = tuple(stage.module(*args))
@@ -191,7 +191,7 @@ def _plain(value: Any) -> Any:
 
 
 def _share(stage: Any, args: tuple[Any, ...], layout: SplitLayout, degree: int, mesh: Any, timer: Timer,
-           warmup: int, repeats: int, device_type: str) -> SplitShare:
+           warmup: int, device_type: str) -> SplitShare:
     """One layer whole and as one rank of a ``degree``-group: the shares that divide by t."""
     from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
     from pipeplan.tensor_parallel.plans import Split, stage_splits
@@ -204,7 +204,7 @@ def _share(stage: Any, args: tuple[Any, ...], layout: SplitLayout, degree: int, 
     parallelize_stage(split_stage.module, dims, mesh)
     # whole and split timed in turns, so a change of load on the machine falls on both alike
     wholes, parts = [], []
-    for turn in range(max(repeats, MIN_TURNS)):
+    for turn in range(SHARE_TURNS):
         wholes.append(_timed(stage, args, timer, warmup if turn == 0 else 0, 1))
         with compute_context(device_type):
             parts.append(_timed(split_stage, args, timer, warmup if turn == 0 else 0, 1))
@@ -263,12 +263,12 @@ class _LocalCounter:
 
 
 def split_fields(model: Any, tp_plan: dict[str, Any] | None, graph: Any, layers: Sequence[LayerProfile],
-                 inputs: Sequence[Any], timer: Timer, warmup: int, repeats: int, device_type: str,
+                 inputs: Sequence[Any], timer: Timer, warmup: int, device_type: str,
                  where: str) -> list[LayerProfile]:
     """``layers`` with their tensor-parallel fields (module docstring); unchanged without a plan."""
     layouts = layer_layouts(model, tp_plan, layers, where)
     if not layouts:
         return list(layers)
     degree = measure_split_degree(layouts)
-    shares = measure_shares(graph, inputs, layouts, degree, timer, warmup, repeats, device_type)
+    shares = measure_shares(graph, inputs, layouts, degree, timer, warmup, device_type)
     return fill_split_fields(layers, layouts, shares)
