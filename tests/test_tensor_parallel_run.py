@@ -5,8 +5,9 @@ to a global norm below theirs) on 4 CPU ranks and compare the logged norms and l
 and every rank's whole parameters (split ones gathered) with plain training on the same
 batches: Hugging Face GPT-2 at t=2 x p=2 (its tied embedding and head on two stages),
 BERT at t=2 x d=2 (two model inputs), a model file's own ``TP_PLAN`` at t=2 x p=2, Llama
-at t=2 x d=2 (vocabulary-parallel embedding and head), and Llama at t=2 x p=2 planned by
-``partition --tensor-parallel 2`` from a measured profile.
+at t=2 x d=2 (vocabulary-parallel embedding and head), the bundled GPT (fx capture) at
+t=2 x p=2, and Llama at t=2 x p=2 planned by ``partition --tensor-parallel 2`` from a
+measured profile.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _layers(model: str) -> int:
     (BERT, 2, 1),  # t=2 x d=2
     (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
     (LLAMA, 2, 1),  # t=2 x d=2 (t=2 x p=2: the planner's plan, below)
-], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2", "llama-t2xd2"])
+    (BUNDLED_GPT, 1, 2),  # fx capture: Megatron's collectives around nn.Linear calls
+], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2", "llama-t2xd2", "gpt-t2xp2"])
 def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
     n = _layers(model)
     cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
@@ -255,9 +257,11 @@ def test_layer_layouts_count_megatrons_allreduces() -> None:
     # forward, the column-parallel head one backward and its output gathered where it leaves
     (LLAMA, {"all_reduce": 5, "all_gather_into_tensor": 1}, {"all_reduce": 5}),
     (BERT, {"all_reduce": 4}, {"all_reduce": 4}),
-    # GPT-2's fused c_attn: splitting its sharded output into q, k, v gathers it (not Megatron's)
+    # a fused qkv (GPT-2's c_attn, the bundled GPT's qkv): splitting its sharded output into
+    # q, k, v gathers it (not Megatron's)
     (GPT2, {"all_reduce": 4, "all_gather_into_tensor": 2}, {"all_reduce": 4, "all_gather_into_tensor": 4}),
-], ids=["llama", "bert", "gpt2"])
+    (BUNDLED_GPT, {"all_reduce": 4, "all_gather_into_tensor": 2}, {"all_reduce": 4, "all_gather_into_tensor": 4}),
+], ids=["llama", "bert", "gpt2", "gpt"])
 def test_split_stage_communicates_where_megatron_does(model: str, forward: dict, backward: dict) -> None:
     """Collectives of one forward and one backward of the whole model split t=2 (one process, fake group)."""
     import torch.distributed as dist

@@ -131,8 +131,8 @@ def _megatron_collectives(module: nn.Module) -> None:
     (a column-parallel input; q, k and v reading one activation share one all-reduce).
     Left to itself, DTensor defers a partial sum through the residual add and then, on
     small layers, gathers the next column-parallel weight instead of splitting its matmul.
-    Only a stage captured by ``torch.export`` (ATen ops reading weights as graph
-    attributes) is rewritten; other graphs keep DTensor's own choices.
+    Matmuls are ATen ops reading weights as graph attributes (a ``torch.export`` capture)
+    or calls of ``nn.Linear`` modules (an fx capture).
     """
     import torch.fx as fx
 
@@ -145,7 +145,9 @@ def _megatron_collectives(module: nn.Module) -> None:
         reduced: dict[fx.Node, fx.Node] = {}  # activation -> its gradient-reducing identity
         changed = False
         for node in list(sub.graph.nodes):
-            if node.op != "call_function" or node.target not in matmuls or not any(a in split for a in node.args):
+            reads_split = (node.op == "call_function" and node.target in matmuls and any(a in split for a in node.args)
+                           or node.op == "call_module" and _holds_split(sub, str(node.target)))
+            if not reads_split:
                 continue
             for arg in node.args:
                 if isinstance(arg, fx.Node) and arg not in split and arg.op != "get_attr":
@@ -159,6 +161,12 @@ def _megatron_collectives(module: nn.Module) -> None:
             changed = True
         if changed:
             sub.recompile()
+
+
+def _holds_split(sub: nn.Module, target: str) -> bool:
+    """Whether the module ``target`` (an fx capture's linear layer) holds a split weight."""
+    module = sub.get_submodule(target)
+    return isinstance(module, nn.Linear) and _is_split(module, "weight")
 
 
 def _is_split(sub: nn.Module, target: str) -> bool:
