@@ -91,7 +91,7 @@ def summary_lines(profile: Profile) -> list[str]:
         ]
         if profile.optimizer_ms
         else []
-    ) + (
+    ) + _split_lines(profile) + (
         [
             f"capture: {profile.capture}, {len(profile.layers)} layers"
             + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
@@ -105,3 +105,23 @@ def summary_lines(profile: Profile) -> list[str]:
         if profile.capture
         else []
     )
+
+
+def _split_lines(profile: Profile) -> list[str]:
+    """What tensor parallelism splits, summed over the splitting layers (none: no line)."""
+    import math
+
+    split = [layer for layer in profile.layers if layer.splits]
+    if not split:
+        return []
+    units = math.gcd(*(layer.tp_units for layer in split))
+    measured = "shares not measured: built on meta" if profile.build == "meta" else (
+        f"shares measured at t={next((t for t in range(2, units + 1) if units % t == 0), 1)}")
+    return [
+        f"tensor parallelism: {len(split)} layers split (t must divide {units}); of their forward "
+        f"{sum(l.forward_ms for l in split):.3f} ms, {sum(l.tp_split_forward_ms for l in split):.3f} ms divide by t, "
+        f"of backward {sum(l.backward_ms for l in split):.3f} ms, {sum(l.tp_split_backward_ms for l in split):.3f} ms "
+        f"({measured}); parameters {format_bytes(sum(l.tp_split_param_bytes for l in split))} of "
+        f"{format_bytes(sum(l.param_bytes for l in split))} split, saved "
+        f"{format_bytes(sum(l.tp_split_saved_bytes for l in split))} of {format_bytes(sum(l.saved_bytes for l in split))}"
+    ]
