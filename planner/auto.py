@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
@@ -21,12 +22,15 @@ from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
 from pipeplan.planner.options import PartitionOptions
-from pipeplan.planner.partition import partition
+from pipeplan.planner.partition import partition, resimulated
 
 
 __all__ = ["Candidate", "SearchResult", "candidate_shapes", "choose_schedule", "device_peak_bytes", "search"]
 
-MAX_MICROBATCHES = 64
+MAX_MICROBATCHES = 64  # powers of two tried up to this count (and 4 per device)
+# samples per micro-batch also tried, whatever the batch: M = batch / b reaches the regime of
+# Megatron's large runs (global batches of 512-3,072 sequences, micro-batches of 1-8)
+MICROBATCH_SIZES = (1, 2, 4, 8)
 TIE_REL = 1e-6  # simulated times this close are a tie: fewer micro-batches, then less memory
 
 
@@ -62,20 +66,27 @@ def device_peak_bytes(plan: Plan) -> int:
 
 def _counts(options: PartitionOptions, batch_size: int, world_size: int) -> list[int]:
     """Micro-batch counts to try: the user's, or powers of two dividing the batch up to
-    4 per device (at most ``MAX_MICROBATCHES``).
+    4 per device (at most ``MAX_MICROBATCHES``) and the batch split into micro-batches
+    of each size in ``MICROBATCH_SIZES``.
 
     >>> from types import SimpleNamespace
     >>> _counts(SimpleNamespace(microbatches=1), 24, 2)
-    [2, 4, 8]
+    [2, 3, 4, 6, 8, 12, 24]
+    >>> _counts(SimpleNamespace(microbatches=1), 3072, 3072)[-4:]
+    [384, 768, 1536, 3072]
     """
     if options.microbatches > 1:
         return [options.microbatches]
     limit = min(batch_size, 4 * world_size, MAX_MICROBATCHES)
-    return [2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0] or [1]
+    small = {2**k for k in range(1, 7) if 2**k <= limit and batch_size % 2**k == 0}
+    large = {batch_size // b for b in MICROBATCH_SIZES if batch_size % b == 0 and batch_size // b > 1}
+    return sorted(small | large) or [1]
 
 
-def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int) -> list[tuple[str, int, int | None]]:
-    """(schedule, micro-batches, virtual stages) to plan, in registry order.
+def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int,
+                     schedules: Sequence[str] | None = None) -> list[tuple[str, int, int | None]]:
+    """(schedule, micro-batches, virtual stages) to plan, in registry order (only
+    ``schedules`` when given).
 
     Schedules of whole minibatches try M = 1 only; virtual-stage schedules each v of
     ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with micro-batch counts
@@ -84,6 +95,8 @@ def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int
     counts = _counts(options, batch_size, world_size)
     out: list[tuple[str, int, int | None]] = []
     for name, kind in SCHEDULE_KINDS.items():
+        if schedules is not None and name not in schedules:
+            continue
         if kind.whole_minibatches:
             out.append((name, 1, 1))
         elif kind.virtual_stages:
@@ -94,33 +107,50 @@ def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int
     return out
 
 
-def search(profile: Profile, topology: Topology, options: PartitionOptions) -> SearchResult:
-    """Plan every candidate shape; the fastest that fits (ties within ``TIE_REL``: fewer
-    micro-batches, whose per-message costs the time model leaves out, then the smaller
-    peak memory, then the earlier candidate).
+def search(profile: Profile, topology: Topology, options: PartitionOptions,
+           schedules: Sequence[str] | None = None, misfit_memory: bool = True) -> SearchResult:
+    """Plan every candidate shape (of ``schedules`` only, when given); the fastest that
+    fits (ties within ``TIE_REL``: fewer micro-batches, whose per-message costs the time
+    model leaves out, then the smaller peak memory, then the earlier candidate).
 
+    A candidate with no plan that fits is planned again without the memory check to
+    report the memory it would need; with ``misfit_memory=False`` only when no candidate
+    fits (the others are listed without a figure: one partition each saved).
     Raises ``InfeasibleError`` naming the smallest per-device memory that one of the
     candidates' plans needs when none fits. Time: one partition and one simulation per
-    candidate.
+    candidate (two for one that does not fit).
     """
+    if not misfit_memory:
+        try:
+            return _search(profile, topology, options, schedules, misfit_memory=False)
+        except InfeasibleError:
+            pass  # none fits: the full search names the smallest memory that would
+    return _search(profile, topology, options, schedules, misfit_memory=True)
+
+
+def _search(profile: Profile, topology: Topology, options: PartitionOptions, schedules: Sequence[str] | None,
+            misfit_memory: bool) -> SearchResult:
     candidates: list[Candidate] = []
     plans: list[Plan | None] = []
-    for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size):
+    for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size, schedules):
         shape = replace(options, schedule=name, microbatches=micro,
                         virtual_stages=virtual if schedule_kind(name).virtual_stages else None)
         plan: Plan | None = None
         note = ""
         fits = True
         try:
-            plan = partition(profile, topology, shape)
+            plan = partition(profile, topology, shape, resimulate=False)  # the chosen one is, below
         except InputError as exc:
             note = str(exc)
-        except InfeasibleError:
+        except InfeasibleError as exc:
             fits = False
-            try:
-                plan = partition(profile, topology, replace(shape, memory_check=False))
-            except (InputError, InfeasibleError) as exc:
-                note = str(exc)
+            note = f"no plan fits: {exc}"
+            if misfit_memory:
+                note = ""
+                try:
+                    plan = partition(profile, topology, replace(shape, memory_check=False), resimulate=False)
+                except (InputError, InfeasibleError) as exc:
+                    note = str(exc)
         if plan is None:
             candidates.append(Candidate(name, micro, virtual or 1, math.inf, 0, False, note))
         else:
@@ -146,7 +176,9 @@ def search(profile: Profile, topology: Topology, options: PartitionOptions) -> S
     chosen = min(tied, key=lambda i: (candidates[i].microbatches, candidates[i].peak_memory_bytes, i))
     plan = plans[chosen]
     assert plan is not None  # a fitting candidate has a plan
-    return SearchResult(tuple(candidates), chosen, plan)
+    best = candidates[chosen]
+    shape = replace(options, schedule=best.schedule, microbatches=best.microbatches)
+    return SearchResult(tuple(candidates), chosen, resimulated(plan, profile, shape))
 
 
 def choose_schedule(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[str, int, str]:

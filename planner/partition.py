@@ -8,6 +8,7 @@ per-stage and predicted figures (ms per minibatch, bytes per device).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -35,14 +36,22 @@ from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, target_cuts, target_family
 
-__all__ = ["PartitionOptions", "partition", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
+__all__ = ["PartitionOptions", "partition", "resimulated", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
 
 
 def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
     """Fewest minibatches of activations the schedule charges any stage: its last stage's."""
-    kind = schedule_kind(options.schedule)
+    return _least_in_flight_of(options.schedule, options.microbatches, world_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _least_in_flight_of(schedule: str, micro: int, world_size: int) -> float:
+    """``_least_in_flight`` (memoised: the action list of a pipeline as deep as the world is
+    O(M) to build, and ``partition`` asks once per tensor-parallel degree)."""
+    kind = schedule_kind(schedule)
     depth = max(world_size, 2 if kind.virtual_stages else 1)
-    micro = options.microbatches
+    if kind.in_flight is not None and not kind.virtual_stages:  # its closed form: no action list
+        return kind.activations_in_flight((1,) * depth, depth - 1, micro)
     if kind.virtual_stages:
         micro = depth * math.ceil(micro / depth)
     elif kind.gradients == "delayed":
@@ -157,13 +166,16 @@ def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> 
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
 
 
-def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions()) -> Plan:
+def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions(), *,
+              resimulate: bool = True) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, over the
     tensor-parallel degrees ``planner.tensor_parallel.degrees`` allows: one exact plan per
     degree (``_partition`` on its group topology and split profile), the fastest
     (simulated) wins, ties to the smaller degree. A profile without splitting layers plans
     t = 1 only: the plan ``_partition`` makes. Raises ``InputError`` for bad options or a
     degree the profile or topology refuse, ``InfeasibleError`` when no degree fits.
+    ``resimulate=False`` keeps the one-minibatch window the uniform candidates were
+    compared on (``resimulated`` does the rest: ``planner.auto`` calls it for its choice).
     """
     options.validate()
     if options.uniform is None:  # transformers (splitting layers) also try Megatron's uniform shapes
@@ -192,12 +204,20 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         raise failure if failure is not None else InfeasibleError("no plan (internal: every degree dominated)")
     # simulated periods first: a plan too large to simulate has only its bubble-free figure
     best = min(found, key=lambda item: (not item[2].predicted.simulated, item[0], item[1]))[2]
+    return resimulated(best, profile, options) if resimulate else best
+
+
+def resimulated(plan: Plan, profile: Profile, options: PartitionOptions) -> Plan:
+    """``plan`` predicted over the default window when ``partition`` priced it on one
+    minibatch (the uniform candidates of a flush schedule), else ``plan``."""
+    if options.uniform is None:
+        options = replace(options, uniform=not options.export_target and any(layer.splits for layer in profile.layers))
     if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
         try:
-            best = predict(best, profile)  # the default window, as every plan's figures
-        except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat exactly
+            return predict(plan, profile)  # the default window, as every plan's figures
+        except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat
             pass
-    return best
+    return plan
 
 
 class _Dominated(Exception):
@@ -245,9 +265,10 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
             max(_least_need_bytes(profile, topology, options)) > topology.device.memory_bytes:
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))  # what the DP would find
     time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options)
-    if not math.isfinite(time_ms):
+    uniform = options.uniform and kind.flushes
+    if not math.isfinite(time_ms) and not uniform:
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
-    if not (options.uniform and kind.flushes):
+    if not uniform:
         return _tree_plan(profile, topology, options, arrays, tree, time_ms, single_nodes)
     charged = model.charged_optimizer(options.optimizer)
     bubble = model.predicts_by_simulation(kind)  # the flush bound holds for simulated periods
@@ -259,14 +280,18 @@ def _partition(profile: Profile, topology: Topology, options: PartitionOptions, 
         bound = flush_period_bound_ms(profile, family, flat, topology, options.schedule, options.microbatches, charged)
         return max(stage_ms, bound * (1 - 1e-12))  # 1e-12: its sums add in another order than the simulation's
 
-    candidates = [(bound_ms(time_ms, tree), time_ms, tree, single_nodes)]  # the DP's first: it wins ties
+    # the DP's first: it wins ties. It charges a 1f1b-flush stage min(M, K) / M minibatches of
+    # activations (K >= stages, ``flush_in_flight``) where a uniform pipeline of p stages holds
+    # min(M, p - s) / M: with few micro-batches the DP may find nothing that the uniform shapes do
+    candidates = [(bound_ms(time_ms, tree), time_ms, tree, single_nodes)] if math.isfinite(time_ms) else []
+    failure: Exception = _Dominated() if candidates else InfeasibleError(
+        _infeasible_message(arrays, profile, topology, options))
     for _, _, shape in uniform_trees(arrays, topology):
         flat = flatten(shape, topology)
         stage_ms = max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
         candidates.append((bound_ms(stage_ms, shape), stage_ms, shape, frozenset()))
     best: Plan | None = None
     unsimulated: Plan | None = None  # the first plan too large to simulate, kept when none simulates
-    failure: Exception = _Dominated()
     for bound, stage_ms, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
         if bound > beat_ms or (best is not None and bound >= best.predicted.time_per_minibatch_ms):
             break  # a period is never below its bound (slowest stage, flush bubble): no later candidate can win

@@ -6,6 +6,8 @@ import sys
 from unittest import mock
 
 import pytest
+
+from pipeplan.errors import InfeasibleError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -80,3 +82,43 @@ def test_pruning_by_the_bound_keeps_the_plan(schedule, micro):
         every = partition(profile, topology, options)
     assert pruned == every
     assert math.isfinite(pruned.predicted.time_per_minibatch_ms)
+
+
+def chain_profile(layers: int, saved_bytes: int) -> Profile:
+    return Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(
+        LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, saved_bytes) for i in range(layers)))
+
+
+def test_fewest_stages_prove_infeasibility_without_passes():
+    """8 layers of 1 MB saved, gpipe (a whole minibatch in flight), 2.5 MB per device: at
+    least 4 stages of 2 layers; on 3 devices nothing fits, on 4 a plan does (as unpruned)."""
+    from pipeplan.planner.costs import layer_arrays
+    from pipeplan.planner.dp import DPSettings, solve
+    from pipeplan.planner.dp.bounds import _fewest_stages
+
+    arrays = layer_arrays(chain_profile(8, 10**6))
+    for devices, feasible in ((3, False), (4, True)):
+        topology = Topology("t", DeviceSpec("d", int(2.5e6)), (Level("n", devices, 1e9),))
+        settings = DPSettings(schedule="gpipe")
+        assert _fewest_stages(arrays, topology, settings) == 4
+        assert math.isfinite(solve(arrays, topology, settings).time_ms) == feasible
+        assert solve(arrays, topology, settings).time_ms == solve(arrays, topology, settings, prune=False).time_ms
+    small = Topology("t", DeviceSpec("d", int(0.5e6)), (Level("n", 16, 1e9),))
+    assert _fewest_stages(arrays, small, DPSettings(schedule="gpipe")) == math.inf  # one layer alone is too big
+
+
+def test_uniform_plans_when_the_dp_charge_finds_nothing():
+    """8 layers on 2 x 8 devices, the first saving 8 MB, 1f1b-flush with 8 micro-batches,
+    3 MB per device: the DP charges any stage min(M, K) / M = 8/8 of its activations (K = 8
+    = the stages it might plan), so the first layer fits nowhere; a uniform pipeline of p
+    stages holds min(M, p - s) / M: one stage on all 16 devices holds 1/8 of 8 MB, and
+    is planned (before, the DP's failure hid it)."""
+    layers = tuple(LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, 8 * 10**6 if i == 0 else 1000)
+                   for i in range(8))
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    topology = Topology("t", DeviceSpec("d", 3 * 10**6), (Level("n", 2, 1e9), Level("c", 8, 1e8)))
+    plan = partition(profile, topology, PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=True))
+    assert [(s.replicas, len(s.layers)) for s in plan.stages] == [(16, 8)]
+    assert plan.stages[0].memory_bytes <= 3 * 10**6 and plan.predicted.simulated
+    with pytest.raises(InfeasibleError):
+        partition(profile, topology, PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=False))

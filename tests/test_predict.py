@@ -119,7 +119,9 @@ def test_auto_chooses_the_fastest_that_fits() -> None:
 def test_auto_infeasible_names_the_smallest_memory_that_fits() -> None:
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     with pytest.raises(InfeasibleError) as caught:
-        search(heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 29), PartitionOptions(straight=True))
+        # 8 micro-batches (with the batch of 32 split further, 1f1b-flush would fit: 2/32 of 4 GiB)
+        search(heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 29),
+               PartitionOptions(straight=True, microbatches=8))
     message = str(caught.value)
     assert "\n" not in message and "the smallest that would fit is" in message
     # 1f1b-flush / zb-h1 with 8 micro-batches keep min(8, 2)/8 of 4 GiB = 1 GiB on stage 0
@@ -148,3 +150,24 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     for text in (" 1f1b-flush ", " 10.500 ", " interleaved-1f1b ", " 8.250 ", " zb-h1 ", " 7.500 "):
         assert text in result.output
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output
+
+
+def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -> None:
+    """``misfit_memory=False`` plans no candidate twice: the same choice, candidates that
+    do not fit listed without a figure; micro-batch counts reach the batch (32 here,
+    above the old cap of 4 per device) and win when they cut the bubble."""
+    heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
+    topology = make_topology(per_server=2, servers=1, memory_bytes=3 << 30)  # gpipe's 4 GiB per stage does not fit
+    options = PartitionOptions(straight=True)
+    full = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"))
+    quick = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"), misfit_memory=False)
+    assert quick.best == full.best and quick.plan == full.plan
+    assert {c.schedule for c in quick.candidates} == {"1f1b-flush", "gpipe"}
+    assert max(c.microbatches for c in quick.candidates) == 32 and full.best.microbatches == 32
+    assert any(not c.fits and c.peak_memory_bytes for c in full.candidates)
+    for a, b in zip(quick.candidates, full.candidates):
+        assert a.fits == b.fits
+        assert (a.peak_memory_bytes, a.time_per_minibatch_ms) == ((b.peak_memory_bytes, b.time_per_minibatch_ms)
+                                                                  if b.fits else (0, math.inf))
+    with pytest.raises(InfeasibleError, match="the smallest that would fit is"):
+        search(heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 26), options, misfit_memory=False)

@@ -143,6 +143,28 @@ def _some_layer_never_fits(ctx: _Context) -> bool:
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
+def _fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+    """Fewest stages any plan needs under the DP's memory rule, for a chain (the prefix
+    family; 0 otherwise, or without the memory check): a stage needs at least its bytes
+    at tau = 0 on each of its devices, whatever its replicas, and those grow with the
+    range, so filling each stage as far as it fits is optimal. inf when some layer alone
+    does not fit. O(N^2) at most, numpy over the ends."""
+    if not settings.memory_check or not arrays.cut_family.is_prefix:
+        return 0
+    n, memory = arrays.layers, topology.device.memory_bytes
+    count, start = 0, 0
+    while start < n:
+        ends = np.arange(start + 1, n + 1)
+        need = _device_need_bytes(settings, arrays.param_bytes[ends] - arrays.param_bytes[start],
+                                  arrays.saved_bytes[ends] - arrays.saved_bytes[start], 0)
+        fits = int(np.searchsorted(need > memory, True))  # need grows with the end: a prefix of ends fits
+        if fits == 0:
+            return INF
+        start += fits
+        count += 1
+    return count
+
+
 def _solution(ctx: _Context, band: int) -> DPSolution:
     top = _fill_top(ctx, band)
     value = float(top[ctx.levels[-1].count, ctx.q - 1, 0])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from pipeplan.planner.costs import LayerArrays
-from pipeplan.planner.dp.bounds import FIRST_BAND_GROWTH, _band_bound, _check_memory, _data_parallel_bound_ms, _lower_bound_ms, _next_limit, _solution, _some_layer_never_fits
+from pipeplan.planner.dp.bounds import FIRST_BAND_GROWTH, _fewest_stages, _band_bound, _check_memory, _data_parallel_bound_ms, _lower_bound_ms, _next_limit, _solution, _some_layer_never_fits
 from pipeplan.planner.dp.context import DPSettings, DPSolution, INF, LIMIT_GROWTH, _Context
 from pipeplan.topology import Topology
 
@@ -53,6 +55,10 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
+    if _fewest_stages(arrays, topology, settings) > min(topology.world_size, settings.max_stages or topology.world_size):
+        # no plan has so few stages that each fits on a device: infeasible, without the passes
+        # that would grow the limit to inf to prove it
+        return DPSolution(INF, arrays, topology, settings, 0, np.full((1, 1, 1), INF))
     if not prune:
         return _exact_pass(arrays, topology, settings, n, prune=False)
     whole = _data_parallel_bound_ms(arrays, topology, settings)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeplan.planner.costs import transfer_ms
+from pipeplan.planner.costs import ring_allreduce_ms, transfer_ms
 from pipeplan.planner.dp.context import DPSettings, INF, PRUNE_SLACK, _Context, _device_table, _device_time
 
 
@@ -353,9 +353,26 @@ class _TopHeads:
         self.stacked: np.ndarray | None = None
         self.starts = _top_live_starts(ctx)
         if not ctx.track_tau and self.units:
-            self.stacked = np.full((self.units[-1] + 1, self.width, ctx.n), INF)
-            for f in self.units:
-                self.stacked[f] = self.get(f, 0)
+            self.stacked = self._stack(cut)
+
+    def _stack(self, cut: np.ndarray) -> np.ndarray:
+        """``get(f, 0)`` of every f at once: ``_stage_table``'s max(unit / f, all-reduce on
+        f) with f broadcast, the same operations elementwise, so the same values."""
+        ctx, n, width = self.ctx, self.n, self.width
+        lv = ctx.levels[-1]
+        units = np.arange(self.units[-1] + 1, dtype=np.float64)[1:, None, None]
+        unit = _unit_table(ctx, self.top - 1, 0)[0, 1 : width + 1, :n]
+        params = ctx.params[1 : width + 1, :n]
+        heads = np.empty((len(units) + 1, width, n))
+        heads[0] = INF
+        np.divide(unit[None], units, out=heads[1:])
+        np.maximum(heads[1:], ring_allreduce_ms(params[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
+                   out=heads[1:])
+        np.maximum(heads[1:], self.cut[:width][None], out=heads[1:])
+        lengths = np.arange(1, width + 1)[None, :]
+        longest = np.array(self.longest[: len(units) + 1])[:, None]
+        heads[lengths.repeat(len(units) + 1, axis=0) > longest] = INF  # past Lt(f), and f without choices
+        return heads
 
     def get(self, f: int, tau: int) -> np.ndarray:
         key = (f, self.ctx.tau_key(tau))
