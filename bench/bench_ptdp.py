@@ -1,16 +1,20 @@
 """PTD-P's GPT configurations (Narayanan et al., SC'21, Table 1) planned by pipeplan.
 
 For each row: the what-if profile of the GPT on an A100 80 GB (``pipeplan estimate``:
-datasheet rates, GEMMs at the calibrated 0.64 of peak, full recomputation, marked
-estimated), a Megatron-like cluster (8 A100 per node over NVLink 3 at 300 GB/s, 8 x
-200 Gbit/s InfiniBand per node = 200 GB/s between nodes), and ``partition`` with
-1F1B-flush, micro-batches of one sequence (M = the global batch), mixed-precision Adam
-(4-byte parameters, ``profiler.estimate.PARAM_BYTES``), pipeplan choosing t, p, d and the
-stages. Predicted TFLOP/s per GPU use the paper's own count (eq. 3, recomputation
-included) over the simulated time per iteration. Prints a markdown table, writes JSON.
+datasheet rates, every kernel at its roofline, one GEMM efficiency calibrated on the 1.7B
+row (``--calibrate``), full recomputation, bf16 weights on float32 masters: Megatron's 18
+bytes per parameter with Adam, marked estimated), a Megatron-like cluster (8 A100 per node over NVLink
+3 at 300 GB/s, 8 x 200 Gbit/s InfiniBand per node = 200 GB/s between nodes), and
+``planner.auto.search`` over the schedules that train as Megatron does (``SCHEDULES``) x
+micro-batch counts x t, p, d, Adam. Beside it, pipeplan's prediction for the paper's own t,
+p, d (``plan_uniform``, 1F1B-flush, micro-batches of one sequence) and Megatron's bubble
+(p - 1)/m of both. Predicted TFLOP/s per GPU use the paper's own count (eq. 3,
+recomputation included) over the simulated time per iteration. Prints a markdown table,
+writes JSON.
 
     python bench/bench_ptdp.py --out bench/results/ptdp.json
     python bench/bench_ptdp.py --rows 1.7,1008
+    python bench/bench_ptdp.py --calibrate
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from pipeplan.jsonio import write_json_atomic
 from pipeplan.plan import Plan
 from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, GPTShape, estimate_gpt
 from pipeplan.topology import DeviceSpec, Level, Topology
-from pipeplan.planner.partition import PartitionOptions, partition
+from pipeplan.planner.auto import search
+from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.planner.partition import PartitionOptions, partition, plan_uniform
 
 TARGET_S = 10.0
 
@@ -67,16 +73,47 @@ def megatron_cluster(gpus: int) -> Topology:
                     (Level("node", 8, 300e9, 0.002), Level("cluster", gpus // 8, 200e9, 0.005)))
 
 
-def plan_row(row: Row, gpus: int | None = None, batch: int | None = None) -> tuple[Plan, float, float]:
+# the schedules searched: those that train as Megatron does (every minibatch's exact gradient,
+# a flush), one model chunk per device. Left out: interleaved-1f1b (pipeplan plans it without
+# replicas, d = 1: no plan on 32+ GPUs for these layer counts), 1f1b-rr and 2bw (they change
+# the training algorithm), and zb-h1, whose simulation splits every backward into halves of
+# input and weight gradients (simulate.INPUT_GRAD_SHARE) where, with full recomputation,
+# the input part is two thirds (the forward again and the input gradient): it would
+# understate zb-h1's bubble
+SCHEDULES = ("1f1b-flush", "gpipe")
+
+
+def plan_row(row: Row, gpus: int | None = None, batch: int | None = None,
+             schedule: str | None = None, matmul_efficiency: float = MATMUL_EFFICIENCY) -> tuple[Plan, float, float]:
     """(pipeplan's plan, planning wall seconds, planning CPU seconds of this process) of
-    ``row`` (optionally on other counts). CPU seconds do not count waiting for a core the
-    shared machine's other jobs hold."""
+    ``row`` (optionally on other counts): ``planner.auto.search`` over ``SCHEDULES`` x
+    micro-batch counts (powers of two, and micro-batches of 1, 2, 4, 8 sequences) x t, p,
+    d; with ``schedule``, that schedule with micro-batches of one sequence only. CPU
+    seconds do not count waiting for a core the shared machine's other jobs hold."""
     gpus, batch = gpus or row.gpus, batch or row.batch
-    profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], batch)
+    profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], batch, matmul_efficiency=matmul_efficiency)
     start, cpu = time.perf_counter(), time.process_time()
-    plan = partition(profile, megatron_cluster(gpus),
-                     PartitionOptions(schedule="1f1b-flush", microbatches=batch, optimizer="adam"))
+    if schedule:
+        plan = partition(profile, megatron_cluster(gpus),
+                         PartitionOptions(schedule=schedule, microbatches=batch, optimizer="adam"))
+    else:
+        plan = search(profile, megatron_cluster(gpus), PartitionOptions(optimizer="adam"), SCHEDULES,
+                      misfit_memory=False).plan
     return plan, time.perf_counter() - start, time.process_time() - cpu
+
+
+def calibrate(row: Row, tolerance: float = 1e-4) -> float:
+    """The GEMM efficiency at which pipeplan's plan of ``row`` reaches the paper's TFLOP/s
+    per GPU (bisection; the throughput grows with the efficiency)."""
+    low, high = 0.3, 1.0
+    while high - low > tolerance:
+        middle = (low + high) / 2
+        plan, _, _ = plan_row(row, matmul_efficiency=middle)
+        if tflops_per_gpu(row, plan, row.gpus, row.batch) < row.tflops:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
 
 
 def tflops_per_gpu(row: Row, plan: Plan, gpus: int, batch: int) -> float:
@@ -84,14 +121,39 @@ def tflops_per_gpu(row: Row, plan: Plan, gpus: int, batch: int) -> float:
     return row.shape.training_flops(batch) / (plan.predicted.time_per_minibatch_ms / 1e3) / gpus / 1e12
 
 
+def paper_config(row: Row) -> dict:
+    """pipeplan's prediction for the paper's own t, p, d (``plan_uniform``): 1F1B-flush with
+    micro-batches of one sequence (the paper ran its interleaved schedule, which pipeplan
+    plans without replicas only); {"error": ...} when it does not fit pipeplan's memory."""
+    profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], row.batch)
+    try:
+        plan = plan_uniform(profile, megatron_cluster(row.gpus),
+                            PartitionOptions(schedule="1f1b-flush", microbatches=row.batch, optimizer="adam"),
+                            row.t, row.p)
+    except (InfeasibleError, InputError) as exc:
+        return {"error": str(exc)}
+    return {"tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
+            "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3}
+
+
+def bubble(p: int, d: int, microbatches: int) -> float:
+    """Megatron's pipeline bubble (p - 1) / m, m = micro-batches per pipeline (SC'21, 2.2.1)."""
+    return (p - 1) / (microbatches / d)
+
+
 def describe(row: Row, plan: Plan, seconds: float, cpu_seconds: float) -> dict:
     t = plan.stages[0].tensor_parallel
+    p, d = len(plan.stages), plan.stages[0].replicas
+    paper_d = row.gpus // (row.t * row.p)
     return {
         "params_billions": row.billions, "gpus": row.gpus, "batch": row.batch,
-        "paper": {"t": row.t, "p": row.p, "d": row.gpus // (row.t * row.p), "tflops_per_gpu": row.tflops},
-        "pipeplan": {"t": t, "p": len(plan.stages), "d": plan.stages[0].replicas,
+        "paper": {"t": row.t, "p": row.p, "d": paper_d, "tflops_per_gpu": row.tflops,
+                  "bubble_1f1b_one_sequence": bubble(row.p, paper_d, row.batch)},
+        "pipeplan_at_paper_config": paper_config(row),
+        "pipeplan": {"t": t, "p": p, "d": d,
                      "replicas": [s.replicas for s in plan.stages], "schedule": plan.schedule,
                      "microbatches": plan.microbatches, "simulated": plan.predicted.simulated,
+                     "bubble": bubble(p, d, plan.microbatches),
                      "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3,
                      "tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
                      "peak_memory_gib": max(s.memory_bytes for s in plan.stages) / 2**30},
@@ -101,17 +163,23 @@ def describe(row: Row, plan: Plan, seconds: float, cpu_seconds: float) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    head = ("| params | GPUs | batch | paper t, p, d | paper TFLOP/s/GPU | pipeplan t, p, d | schedule, micro-batches "
-            "| pipeplan TFLOP/s/GPU (estimated) | vs paper | planning (wall, CPU) |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| params | GPUs | batch | paper t, p, d | paper TFLOP/s/GPU | pipeplan at the paper's t, p, d "
+            "| pipeplan t, p, d | schedule, micro-batches | pipeplan TFLOP/s/GPU (estimated) | vs paper "
+            "| bubble (p-1)/m: pipeplan, paper's p, d at 1F1B, b=1 | peak GiB per GPU "
+            "| planning (wall, CPU) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in results:
-        paper, ours = r["paper"], r["pipeplan"]
+        paper, ours, theirs = r["paper"], r["pipeplan"], r["pipeplan_at_paper_config"]
         d = str(ours["d"]) if len(set(ours["replicas"])) == 1 else "/".join(map(str, sorted(set(ours["replicas"]))))
+        at_paper = f"{theirs['tflops_per_gpu']:.1f}" if "tflops_per_gpu" in theirs else "does not fit"
         lines.append(
             f"| {r['params_billions']:g}B | {r['gpus']:,} | {r['batch']:,} | {paper['t']}, {paper['p']}, {paper['d']} "
-            f"| {paper['tflops_per_gpu']:.0f} | {ours['t']}, {ours['p']}, {d} | {ours['schedule']}, {ours['microbatches']:,} "
+            f"| {paper['tflops_per_gpu']:.0f} | {at_paper} | {ours['t']}, {ours['p']}, {d} "
+            f"| {ours['schedule']}, {ours['microbatches']:,} "
             f"| {ours['tflops_per_gpu']:.1f}{'' if ours['simulated'] else ' (not simulated)'} "
             f"| {100 * (ours['tflops_per_gpu'] / paper['tflops_per_gpu'] - 1):+.1f}% "
+            f"| {100 * ours['bubble']:.1f}%, {100 * paper['bubble_1f1b_one_sequence']:.1f}% "
+            f"| {ours['peak_memory_gib']:.1f} "
             f"| {r['planning_seconds']:.1f} s, {r['planning_cpu_seconds']:.1f} s |")
     return head + "\n".join(lines)
 
@@ -120,7 +188,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/ptdp.json")
     parser.add_argument("--rows", default="", help="comma-separated parameter counts in billions (default: all)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="print the GEMM efficiency that brings the 1.7B row to the paper's figure, and stop")
     args = parser.parse_args()
+    if args.calibrate:
+        print(f"GEMM efficiency calibrated on the {TABLE_1[0].billions:g}B row: {calibrate(TABLE_1[0]):.4f}")
+        return
     chosen = [row for row in TABLE_1 if not args.rows or f"{row.billions:g}" in args.rows.split(",")]
     results = []
     for row in chosen:
@@ -133,9 +206,10 @@ def main() -> None:
     print(f"\nrows over {TARGET_S:.0f} s of planning (wall): {len(slow)} of {len(results)}" + (f" ({', '.join(slow)})" if slow else ""))
     slow = [f"{r['params_billions']:g}B" for r in results if r["planning_cpu_seconds"] > TARGET_S]
     print(f"rows over {TARGET_S:.0f} s of planning (CPU): {len(slow)} of {len(results)}" + (f" ({', '.join(slow)})" if slow else ""))
-    print(f"GEMM efficiency {MATMUL_EFFICIENCY} of the A100's 312 TFLOP/s (calibrated on the 1.7B row); "
+    print(f"GEMM efficiency {MATMUL_EFFICIENCY:.3f} of the A100's 312 TFLOP/s (calibrated on the 1.7B row); "
           f"every pipeplan figure rests on an ESTIMATED profile")
-    write_json_atomic(args.out, {"schema": "pipeplan.bench.ptdp/1", "matmul_efficiency": MATMUL_EFFICIENCY,
+    write_json_atomic(args.out, {"schema": "pipeplan.bench.ptdp/2", "matmul_efficiency": MATMUL_EFFICIENCY,
+                                 "schedules": list(SCHEDULES),
                                  "rows": results})
 
 

@@ -36,7 +36,7 @@ from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, target_cuts, target_family
 
-__all__ = ["PartitionOptions", "partition", "resimulated", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
+__all__ = ["PartitionOptions", "partition", "resimulated", "plan_uniform", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
 
 
 def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
@@ -218,6 +218,31 @@ def resimulated(plan: Plan, profile: Profile, options: PartitionOptions) -> Plan
         except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat
             pass
     return plan
+
+
+def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions, t: int, p: int) -> Plan:
+    """The uniform plan of degree ``t`` and ``p`` balanced stages on every device
+    (``planner.uniform``: d = devices / (t p) replicas each), priced, memory-checked and
+    simulated as ``partition`` prices its candidates: what pipeplan predicts for a
+    configuration chosen elsewhere (Megatron's own t, p, d). ``InputError`` when the
+    topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
+    options.validate()
+    tp.check_degree(profile, topology, t)
+    split, grouped = tp.split_profile(profile, topology, t), tp.group_topology(topology, t)
+    model = cost_model(options.cost_model)
+    arrays = layer_arrays(split, model.charged_optimizer(options.optimizer), cut_family(split))
+    for stages, _, tree in uniform_trees(arrays, grouped):
+        if stages == p:
+            flat = flatten(tree, grouped)
+            stage_ms = max(figure[3] for figure in stage_figures(flat, arrays, grouped, options))
+            plan = _tree_plan(split, grouped, options, arrays, tree, stage_ms, frozenset())
+            if t == 1:
+                return plan
+            whole = layer_arrays(profile, model.charged_optimizer(options.optimizer))
+            baselines = (whole.compute(0, whole.layers), data_parallel_ms(whole, topology, options.cost_model))
+            return tp.expand_plan(plan, topology, t, baselines_ms=baselines)
+    raise InputError(f"no uniform plan of {p} stages with tensor-parallel degree {t} on {topology.name}: "
+                     f"{topology.world_size // t} groups do not split into {p} stages laid out within the levels")
 
 
 class _Dominated(Exception):

@@ -3,19 +3,32 @@
 ``estimate_gpt(shape, rates, batch_size)`` builds a ``Profile`` (marked ``estimated``)
 for a Megatron GPT (learned position embeddings, pre-LayerNorm blocks of attention and a
 4h GeLU MLP, a head tied to the embedding, vocab-parallel cross-entropy) without running
-it: each layer's time is a roofline sum
+it: each kernel runs at its roofline, the slower of its FLOPs at the GEMM rate (peak x
+``matmul_efficiency``) and its bytes at the HBM rate (datasheet x ``memory_efficiency``),
+and a layer's time is the sum of its kernels':
 
-    GEMM FLOPs / (peak FLOP/s * matmul_efficiency) + elementwise bytes / (HBM B/s * memory_efficiency)
+    dense GEMMs: 24 h^2 FLOPs per token and block (QKV, projection, MLP), compute-bound: at
+        s = 2048 tokens even one sequence per micro-batch gives them >= 700 FLOP/byte (h >=
+        2304), far above the A100's ridge (~130 FLOP/byte at these efficiencies);
+    attention's batched GEMMs (scores Q K^T and scores x V, per head [s, h/a] x [h/a, s]):
+        4 s h FLOPs per token over 2 (2 h + a s) elements per token read and written, about
+        s (h/a) / (s + 2 h/a) FLOP/byte: 88 at h/a = 96 (the 1.7B row, memory-bound), 138
+        at h/a = 160 (the 1T row, at the ridge), and a larger share of the FLOPs in small
+        GPTs (s / 6h: 15% at h = 2304, 1.3% at h = 25600): one reason small GPTs reach less
+        of the peak than large ones;
+    elementwise kernels (layer norms, GeLU, softmax, dropout, bias-dropout-add): bytes only,
+        as Megatron's fused kernels read and write them (counts below, 2-byte elements);
 
 with the FLOPs of Narayanan et al. (SC'21, eq. 3: per block and token 24 h^2 + 4 s h
-forward, twice that backward; the head 2 h V forward) and the bytes the fused kernels of
-Megatron read and write (counts below, per token, 2-byte elements). Full activation
+forward, twice that backward; the head 2 h V forward). A backward kernel pair costs
+twice its forward. Full activation
 recomputation (the paper's setting, ``recompute=True``) keeps only each block's input for
 backward and runs its forward again inside the backward. Sizes follow Korthikanti et al.
 (2022): a block saves s b h (34 + 5 a s / h) bytes without recomputation, of which
 s b h (24 + 5 a s / h) split t ways. Every layer carries its tensor-parallel split
 (``pipeplan.profile``): blocks split by heads, the embedding and head by the vocabulary.
-Parameters count 4 bytes each (``PARAM_BYTES``: Megatron's fp32 master state). Left out:
+Parameters count 2 bytes each (``PARAM_BYTES``: Megatron's bf16 weights) with float32
+masters (``master_dtype``), 18 bytes per parameter with Adam in the planner. Left out:
 the cross-entropy's small all-reduces (3 floats per token), kernel launch
 gaps, and the transient activations of the one block being recomputed.
 """
@@ -29,22 +42,26 @@ from dataclasses import dataclass
 from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 
-__all__ = ["DeviceRates", "DEVICE_RATES", "GPTShape", "estimate_gpt", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "PARAM_BYTES"]
+__all__ = ["DeviceRates", "DEVICE_RATES", "GPTShape", "estimate_gpt", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "PARAM_BYTES",
+           "MASTER_BYTES"]
 
 # Calibrated, not measured (no A100 at hand): the one factor that brings the roofline of the
 # PTD-P paper's smallest row (1.7B, pure data parallelism: no pipeline, no tensor
-# parallelism, its all-reduce hidden) to its reported 137 TFLOP/s; every other row is then
-# a prediction (README, "PTD-P's GPT configurations").
-MATMUL_EFFICIENCY = 0.64
+# parallelism, its all-reduce hidden) to its reported 137 TFLOP/s
+# (``python bench/bench_ptdp.py --calibrate``); every other row is then a prediction
+# (README, "PTD-P's GPT configurations").
+MATMUL_EFFICIENCY = 0.675
 # Bandwidth-bound kernels reach about this share of the datasheet HBM rate (an assumption).
 MEMORY_EFFICIENCY = 0.8
 ELEMENT_BYTES = 2  # bf16 / fp16 activations and the GEMMs' weights
-# Parameter bytes as the planner counts them: Megatron's mixed precision keeps fp32 main
-# gradients, master weights and Adam moments, so the planner's memory rule (parameters x
-# (1 weight + 1 gradient + 2 Adam moments)) on 4-byte parameters gives 16 bytes per
-# parameter (Megatron: 18 with its 16-bit working copy), and gradients all-reduce in fp32
-# as Megatron's main_grad does.
-PARAM_BYTES = 4
+# Megatron's mixed precision: the layers run on bf16 weights (the profile's parameter bytes,
+# 2 per parameter) and the optimizer keeps float32 masters, gradients and moments: the
+# profile says master_dtype "float32" and the planner's memory rule (planner.memory) charges
+# 2 + 4 + 4 + 8 = 18 bytes per parameter with Adam, Megatron's figure. Its gradient
+# all-reduce is priced on the bf16 bytes (Megatron's float32 main_grad all-reduce moves twice
+# that: under 0.5% of a PTD-P row's iteration, README).
+PARAM_BYTES = 2
+MASTER_BYTES = 4  # float32 masters, gradients and moments
 
 
 @dataclass(frozen=True)
@@ -94,7 +111,12 @@ class _Rates:
     bytes: float  # effective HBM bytes/s
 
     def ms(self, flops: float, elements: float) -> float:
+        """Compute-bound GEMMs (``flops``) plus bandwidth-bound elementwise kernels (``elements``)."""
         return (flops / self.flops + elements * ELEMENT_BYTES / self.bytes) * 1e3
+
+    def roofline_ms(self, flops: float, elements: float) -> float:
+        """A kernel of ``flops`` over ``elements`` read and written: the slower of the two rates."""
+        return max(flops / self.flops, elements * ELEMENT_BYTES / self.bytes) * 1e3
 
 
 def _check(shape: GPTShape, batch_size: int) -> None:
@@ -109,23 +131,32 @@ def _check(shape: GPTShape, batch_size: int) -> None:
 
 def estimate_gpt(shape: GPTShape, rates: DeviceRates, batch_size: int, *, recompute: bool = True,
                  matmul_efficiency: float = MATMUL_EFFICIENCY, memory_efficiency: float = MEMORY_EFFICIENCY,
-                 tp_efficiency: float = 1.0) -> Profile:
+                 tp_efficiency: float = 1.0, mixed_precision: bool = True) -> Profile:
     """The what-if profile of ``shape`` on ``rates`` for minibatches of ``batch_size``
-    sequences (module docstring). Layers: the embedding, one per block, the head (final
-    LayerNorm, logits, cross-entropy). O(layers)."""
+    sequences (module docstring). ``mixed_precision`` (Megatron's): 2-byte bf16 parameters
+    with float32 masters, 18 bytes per parameter with Adam in the planner's memory rule;
+    without it every tensor of training is 4-byte (16 bytes per parameter with Adam).
+    Layers: the embedding, one per block, the head (final LayerNorm, logits,
+    cross-entropy). O(layers)."""
     _check(shape, batch_size)
     if not (0 < matmul_efficiency <= 1 and 0 < memory_efficiency <= 1):
         raise InputError(f"efficiencies must be in (0, 1] (got {matmul_efficiency}, {memory_efficiency})")
     run = _Rates(rates.matmul_flops_per_s * matmul_efficiency, rates.memory_bandwidth_bytes_per_s * memory_efficiency)
     tokens = batch_size * shape.seq_len
-    layers = [_embedding(shape, tokens, run)]
-    layers += [_block(shape, tokens, run, i + 1, recompute) for i in range(shape.layers)]
-    layers.append(_head(shape, tokens, run, shape.layers + 1))
-    params = sum(layer.param_bytes for layer in layers) - shape.vocab * shape.hidden * PARAM_BYTES  # tied once
-    # optimizer steps are bandwidth-bound: fp32 bytes read and written per parameter byte
-    optimizer_ms = {name: passes * params / run.bytes * 1e3 for name, passes in (("sgd", 3), ("momentum", 5), ("adam", 7))}
-    how = (f"what-if, not measured: {rates.source}; GEMMs at {matmul_efficiency:g} of peak (calibrated), "
-           f"elementwise at {memory_efficiency:g} of HBM; Megatron GPT FLOP and byte counts"
+    size = _Bytes(PARAM_BYTES if mixed_precision else MASTER_BYTES)
+    layers = [_embedding(shape, tokens, run, size)]
+    layers += [_block(shape, tokens, run, i + 1, recompute, size) for i in range(shape.layers)]
+    layers.append(_head(shape, tokens, run, shape.layers + 1, size))
+    count = sum(layer.param_bytes for layer in layers) / size.per - shape.vocab * shape.hidden  # tied once
+    # optimizer steps are bandwidth-bound: float32 passes over the parameters (sgd: read the
+    # weight and gradient, write the weight; each moment adds a read and a write), plus the
+    # bf16 copy written back under mixed precision
+    copy = PARAM_BYTES if mixed_precision else 0
+    optimizer_ms = {name: (passes * MASTER_BYTES + copy) * count / run.bytes * 1e3
+                    for name, passes in (("sgd", 3), ("momentum", 5), ("adam", 7))}
+    how = (f"what-if, not measured: {rates.source}; kernels at their roofline, GEMMs at {matmul_efficiency:g} of "
+           f"peak (calibrated), bytes at {memory_efficiency:g} of HBM; Megatron GPT FLOP and byte counts; "
+           + ("bf16 weights with float32 masters" if mixed_precision else "float32 weights")
            + ("; full activation recomputation" if recompute else ""))
     key = f"gpt l={shape.layers} h={shape.hidden} a={shape.heads} s={shape.seq_len} V={shape.vocab}"
     return Profile(
@@ -140,31 +171,44 @@ def estimate_gpt(shape: GPTShape, rates: DeviceRates, batch_size: int, *, recomp
         optimizer_ms=optimizer_ms,
         tp_efficiency=tp_efficiency,
         estimated=how,
+        master_dtype="float32" if mixed_precision else None,
     )
 
 
-def _embedding(shape: GPTShape, tokens: int, run: _Rates) -> LayerProfile:
+@dataclass(frozen=True)
+class _Bytes:
+    """Bytes of a count of parameters, ``per`` each (whole bytes)."""
+
+    per: float
+
+    def __call__(self, count: int) -> int:
+        return int(round(count * self.per))
+
+
+def _embedding(shape: GPTShape, tokens: int, run: _Rates, size: _Bytes) -> LayerProfile:
     """Word (vocab-parallel: each rank looks up its rows, one all-reduce) + position embedding."""
     h = shape.hidden
     elements = 3 * tokens * h  # two lookups written, summed
     forward = run.ms(0.0, elements)
     return LayerProfile(
         0, "embedding", "VocabParallelEmbedding", (), forward, 2 * forward, tokens * h * ELEMENT_BYTES,
-        (shape.vocab + shape.seq_len) * h * PARAM_BYTES, tokens * 8, model_inputs=(0,),
-        tp_units=shape.vocab, tp_split_param_bytes=shape.vocab * h * PARAM_BYTES,
+        size((shape.vocab + shape.seq_len) * h), tokens * 8, model_inputs=(0,),
+        tp_units=shape.vocab, tp_split_param_bytes=size(shape.vocab * h),
         tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_forward_allreduces=1,
     )
 
 
-def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: bool) -> LayerProfile:
+def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: bool, size: _Bytes) -> LayerProfile:
     """A transformer block; its GEMMs, softmax, attention dropout and GeLU split by heads."""
     h, a, s = shape.hidden, shape.heads, shape.seq_len
-    split_flops = tokens * (24.0 * h * h + 4.0 * s * h)
     # element reads + writes per token: GeLU on 4h (8h), scale-mask-softmax (2 a s) and
     # dropout (2.5 a s) on the scores split by heads; two LayerNorms (4h) and two
     # bias-dropout-adds (7h) repeated on every rank
     split_elements, repeated_elements = tokens * (8.0 * h + 4.5 * a * s), tokens * 11.0 * h
-    split_f, repeated_f = run.ms(split_flops, split_elements), run.ms(0.0, repeated_elements)
+    # attention's two batched GEMMs per head: Q, K (scores, V) read, scores (output) written
+    attention = 2 * run.roofline_ms(tokens * 2.0 * s * h, tokens * (2.0 * h + a * s))
+    split_f = run.ms(tokens * 24.0 * h * h, split_elements) + attention
+    repeated_f = run.ms(0.0, repeated_elements)
     split_b, repeated_b = 2 * split_f, 2 * repeated_f
     activation = tokens * h * ELEMENT_BYTES
     if recompute:  # the backward runs the forward again first; only the block's input is kept
@@ -173,17 +217,17 @@ def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: boo
     else:
         saved = int(tokens * h * (34 + 5 * a * s / h))
         split_saved = int(tokens * h * (24 + 5 * a * s / h))
-    params = (12 * h * h + 13 * h) * PARAM_BYTES
+    params = size(12 * h * h + 13 * h)
     return LayerProfile(
         index, f"blocks.{index - 1}", "ParallelTransformerLayer", (index - 1,), split_f + repeated_f,
         split_b + repeated_b, activation, params, saved,
         tp_units=a, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
-        tp_split_param_bytes=(12 * h * h + 7 * h) * PARAM_BYTES, tp_split_saved_bytes=split_saved,
+        tp_split_param_bytes=size(12 * h * h + 7 * h), tp_split_saved_bytes=split_saved,
         tp_allreduce_bytes=activation, tp_forward_allreduces=2, tp_backward_allreduces=2 + (2 if recompute else 0),
     )
 
 
-def _head(shape: GPTShape, tokens: int, run: _Rates, index: int) -> LayerProfile:
+def _head(shape: GPTShape, tokens: int, run: _Rates, index: int, size: _Bytes) -> LayerProfile:
     """Final LayerNorm, logits (column-parallel over the vocabulary, the tied embedding
     weight) and vocab-parallel cross-entropy; one all-reduce of the input gradient."""
     h, v = shape.hidden, shape.vocab
@@ -192,8 +236,8 @@ def _head(shape: GPTShape, tokens: int, run: _Rates, index: int) -> LayerProfile
     split_b, repeated_b = run.ms(4.0 * tokens * h * v, 3.0 * tokens * v), 2 * repeated_f
     return LayerProfile(
         index, "head", "VocabParallelHead", (index - 1,), split_f + repeated_f, split_b + repeated_b, 4,
-        (v * h + 2 * h) * PARAM_BYTES, 2 * tokens * h * ELEMENT_BYTES + tokens * v * ELEMENT_BYTES,
+        size(v * h + 2 * h), 2 * tokens * h * ELEMENT_BYTES + tokens * v * ELEMENT_BYTES,
         tp_units=v, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
-        tp_split_param_bytes=v * h * PARAM_BYTES, tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
+        tp_split_param_bytes=size(v * h), tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
         tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_backward_allreduces=1,
     )

@@ -9,8 +9,9 @@ from click.testing import CliRunner
 
 import pipeplan.planner.simulate as simulate_module
 from pipeplan.cli import cli
+from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.profiler.estimate import DEVICE_RATES, PARAM_BYTES, GPTShape, estimate_gpt
+from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, PARAM_BYTES, GPTShape, estimate_gpt
 from pipeplan.topology import DeviceSpec, Level, Topology
 from pipeplan.planner.partition import PartitionOptions, flush_in_flight, partition
 from pipeplan.planner.simulate import simulate_plan
@@ -90,10 +91,33 @@ def test_estimated_gpt_profile_by_the_paper_formulas():
     assert block.param_bytes == (12 * 2304**2 + 13 * 2304) * PARAM_BYTES
     assert block.saved_bytes == 512 * 2048 * 2304 * 2  # recomputation keeps the block's input only
     assert block.backward_ms == pytest.approx(3 * block.forward_ms)  # twice the forward, plus it again
-    # the GEMM time alone: 24 h^2 + 4 s h FLOPs per token at 0.64 of 312 TFLOP/s
-    gemm_ms = 512 * 2048 * (24 * 2304**2 + 4 * 2048 * 2304) / (312e12 * 0.64) * 1e3
-    assert gemm_ms < block.forward_ms < 1.5 * gemm_ms
+    # by hand: dense GEMMs (24 h^2 FLOPs per token) at the GEMM rate; attention's two batched
+    # GEMMs (2 s h FLOPs over 2 h + a s elements per token each) at their roofline, here
+    # memory-bound (88 FLOP/byte below the ridge 312e12 x 0.675 / (2.039e12 x 0.8) = 129);
+    # elementwise: (8 h + 4.5 a s) split + 11 h repeated elements per token at 0.8 of HBM
+    tokens, h, a, s = 512 * 2048, 2304, 24, 2048
+    flops, hbm = 312e12 * MATMUL_EFFICIENCY, 2.039e12 * 0.8
+    attention_ms = 2 * max(tokens * 2 * s * h / flops, tokens * (2 * h + a * s) * 2 / hbm) * 1e3
+    assert attention_ms == pytest.approx(2 * tokens * (2 * h + a * s) * 2 / hbm * 1e3)  # memory-bound
+    split_ms = tokens * 24 * h * h / flops * 1e3 + tokens * (8 * h + 4.5 * a * s) * 2 / hbm * 1e3 + attention_ms
+    assert block.tp_split_forward_ms == pytest.approx(split_ms, rel=1e-12)
+    assert block.forward_ms == pytest.approx(split_ms + tokens * 11 * h * 2 / hbm * 1e3, rel=1e-12)
+    big = estimate_gpt(GPTShape(128, 25600, 160), DEVICE_RATES["a100-80gb"], batch_size=512).layers[1]
+    intensity = 2048 * 160 / (2 * 160 + 2048)  # FLOP per byte of the 1T row's attention GEMMs: at the ridge
+    assert 129 < intensity < 139 and big.tp_split_forward_ms < 1.02 * (
+        tokens * (24 * 25600**2 + 4 * s * 25600) / flops + tokens * (8 * 25600 + 4.5 * 160 * s) * 2 / hbm) * 1e3
     assert profile.layers[0].tp_units == profile.layers[-1].tp_units == 51200
+    # Megatron's mixed precision: bf16 weights on float32 masters, 18 bytes per parameter with Adam
+    from pipeplan.planner.memory import stage_memory_bytes
+    from pipeplan.precision import Precision
+    assert profile.master_dtype == "float32" and PARAM_BYTES == 2
+    assert stage_memory_bytes(block.param_bytes, 0, 1, 0, "adam", Precision(profile.dtype, profile.master_dtype)) \
+        == (12 * 2304**2 + 13 * 2304) * 18
+    pure = estimate_gpt(shape, DEVICE_RATES["a100-80gb"], batch_size=512, mixed_precision=False)
+    assert pure.master_dtype is None and pure.layers[1].param_bytes == (12 * 2304**2 + 13 * 2304) * 4  # 16 B/param
+    assert pure.layers[1].forward_ms == block.forward_ms
+    params = sum(layer.param_bytes for layer in profile.layers) / 2 - 51200 * 2304  # the head ties the embedding
+    assert profile.optimizer_ms["adam"] == pytest.approx((7 * 4 + 2) * params / hbm * 1e3, rel=1e-12)
     no_recompute = estimate_gpt(shape, DEVICE_RATES["a100-80gb"], batch_size=512, recompute=False)
     assert no_recompute.layers[1].saved_bytes == int(512 * 2048 * 2304 * (34 + 5 * 24 * 2048 / 2304))
     assert no_recompute.layers[1].backward_ms == pytest.approx(2 * no_recompute.layers[1].forward_ms)
@@ -118,3 +142,25 @@ def test_estimate_cli_writes_a_marked_profile_and_partition_shows_it(tmp_path):
                               "--heads", "8", "--batch-size", "4", "-o", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and bad.output.strip() == "error: GPT hidden size 100 is not a multiple of its 8 heads"
     assert not (tmp_path / "x.json").exists()
+
+
+def test_plan_uniform_prices_a_given_configuration():
+    """``plan_uniform``: Megatron's own (t, p, d) priced as partition prices its candidates;
+    the plan partition chooses, when uniform, is the same plan; shapes the topology cannot
+    lay out are refused in one line."""
+    from pipeplan.errors import InputError as Refused
+    from pipeplan.planner.partition import plan_uniform
+
+    profile = estimate_gpt(GPTShape(16, 2048, 16), DEVICE_RATES["a100-80gb"], 256)
+    top = Topology("t", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005)))
+    options = PartitionOptions(schedule="1f1b-flush", microbatches=256, optimizer="adam")
+    plan = plan_uniform(profile, top, options, 2, 4)
+    assert [(s.tensor_parallel, s.replicas, len(s.ranks)) for s in plan.stages] == [(2, 4, 8)] * 4
+    assert plan.predicted.simulated and sorted(r for s in plan.stages for r in s.ranks) == list(range(32))
+    chosen = partition(profile, top, options)
+    assert len({s.replicas for s in chosen.stages}) == 1  # a uniform shape wins here
+    again = plan_uniform(profile, top, options, chosen.stages[0].tensor_parallel, len(chosen.stages))
+    assert again.predicted.time_per_minibatch_ms == pytest.approx(chosen.predicted.time_per_minibatch_ms, rel=1e-12)
+    assert [s.layers for s in again.stages] == [s.layers for s in chosen.stages]
+    with pytest.raises(Refused, match="no uniform plan of 3 stages"):
+        plan_uniform(profile, top, options, 2, 3)
