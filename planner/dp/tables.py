@@ -295,7 +295,7 @@ def _fill_top(ctx: _Context, band: int) -> np.ndarray:
     most ``band`` (<= ctx.band) layers. O(sum_{f < m <= u} N Lt(f) Q^2).
 
     Unbounded (one q), the choices of every first-stage unit count f of one m are combined
-    in one numpy operation (``_top_heads``, ``_combine_top``): the same maxes and mins as
+    in one numpy operation (``_TopHeads``, ``_combine_top``): the same maxes and mins as
     one f at a time, so the same values, without a Python step per (m, f) pair (73,000 of
     them on 384 units).
     """
@@ -307,7 +307,7 @@ def _fill_top(ctx: _Context, band: int) -> np.ndarray:
     cut[: n + 1] = transfer_ms(ctx.arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
     starts = np.arange(n)
     lengths = n - starts
-    heads = None if ctx.bounded else _top_heads(ctx, band, cut)
+    heads = None if ctx.bounded else _TopHeads(ctx, band, cut)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
             whole = _stage_table(ctx, top, m, 0)
@@ -407,10 +407,6 @@ def _top_live_starts(ctx: _Context) -> list[tuple[int, int]]:
         live = np.nonzero((prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance))[0]
         out.append((int(live[0]), int(live[-1]) + 1) if len(live) else (0, 0))
     return out
-
-
-def _top_heads(ctx: _Context, band: int, cut: np.ndarray) -> _TopHeads:
-    return _TopHeads(ctx, band, cut)
 
 
 def _combine_top(ctx: _Context, heads: _TopHeads, suffix: np.ndarray, m: int) -> None:
