@@ -121,6 +121,22 @@ def test_planned_for_pipelining_exports_and_runs_with_pipeplans_losses(profiles:
         assert torch_run["parameters_by_rank"] == expected[name], name
 
 
+@pytest.mark.parametrize("kind", ["leaf_modules", "opaque_modules"])
+def test_export_rebuilds_the_plans_leaf_and_opaque_layers(kind: str, tmp_path: Path) -> None:
+    """A plan made from a profile with --leaf-modules / --opaque-modules exports (the layer
+    graph is rebuilt with the plan's classes, so the fingerprints agree)."""
+    model = str(FIXTURES / "export" / "blocks.py")
+    profile_model(model, batch_size=BATCH, warmup=0, repeats=1, threads=1, **{kind: ("Block",)}).save(
+        tmp_path / "blocks.json")
+    names = [layer.name for layer in Profile.load(tmp_path / "blocks.json").layers]
+    assert names == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    plan = plan_for(tmp_path / "blocks.json", "pipelining", tmp_path / "p.json")
+    assert getattr(plan, kind) == ("Block",)
+    output = run_cli("export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model)
+    first = names[plan.stages[1].layer_start]
+    assert f'SPLIT_SPEC = {{"{first}": SplitPoint.BEGINNING}}' in output
+
+
 def test_planned_for_torchtitan_exports_the_stages_units(profiles: dict[str, Path], tmp_path: Path) -> None:
     for name, model in MODELS.items():
         profile = Profile.load(profiles[name])

@@ -101,7 +101,8 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
     """Build the model file's model and layer graph; ``InputError`` unless it is the plan's model.
 
     The graph is traced on one micro-batch (``batch_size // microbatches`` samples) of
-    ``sample_batch``, as ``pipeplan run`` does; one more forward pass on it counts each
+    ``sample_batch`` with the plan's leaf and opaque module classes (else the model file's
+    ``LEAF_MODULES`` / ``OPAQUE_MODULES``), as ``pipeplan run`` does; one more forward pass on it counts each
     module's calls (``pipeplan.capture.module_records``, as the profiler records them).
     """
     import torch
@@ -113,7 +114,9 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
     torch.manual_seed(0)
     model = model_file.build()
     sample_inputs, _ = model_file.batch(max(1, plan.batch_size // plan.microbatches), seed=0)
-    graph = build_layer_graph(model, sample_inputs)
+    leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
+    opaque_modules = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
+    graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque_modules)
     if graph.fingerprint != plan.profile_fingerprint:
         raise InputError(
             f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
