@@ -12,6 +12,8 @@ The module tree (``Profile.modules``, every module in ``named_modules()`` order 
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
 cut (``pipeplan partition --for``) without the model file; empty when not recorded (a
 profile made before it, an imported PipeDream graph, an estimated profile).
+``pipelining_reach`` / ``pipelining_blocked`` record torch.distributed.pipelining's own
+split of the model (``pipeplan.capture.torch_split``) for ``--for pipelining``.
 
 Tensor parallelism (Megatron's column- then row-parallel linear pairs, vocab-parallel
 embeddings and heads): a layer with ``tp_units > 0`` splits t ways for every t dividing
@@ -150,6 +152,15 @@ class Profile:
     # on them (plus the copy back into ``dtype``) and the planner charges them; None: every
     # tensor in ``dtype`` (float32 profiles; estimated and older bf16 profiles)
     master_dtype: str | None = None
+    # torch.distributed.pipelining's own split (``pipeline()`` traced once, cut before every
+    # layer that is a module called once; pipeplan.capture.torch_split): entry a is the last
+    # layer of the furthest piece that reads a value computed before layer a (entry 0: a
+    # model input), -1 when none or when a is no such cut; () when not recorded. A stage
+    # [a, b) runs under torch only when entry a < b.
+    pipelining_reach: tuple[int, ...] = ()
+    # entry a: why torch's own split cannot cut before layer a as the layer order does ("" where
+    # it can, or where a is no such cut); () when not recorded
+    pipelining_blocked: tuple[str, ...] = ()
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -196,7 +207,8 @@ class Profile:
             )
             fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema", "modules")}
             fields["modules"] = tuple(ModuleRecord(**module) for module in obj.get("modules", ()))
-            for name in ("leaf_modules", "dropped_outputs", "opaque_modules"):
+            for name in ("leaf_modules", "dropped_outputs", "opaque_modules", "pipelining_reach",
+                         "pipelining_blocked"):
                 if name in fields:
                     fields[name] = tuple(fields[name])
             return cls(device=DeviceInfo(**obj["device"]), layers=layers, **fields)
@@ -269,6 +281,12 @@ def validate(profile: Profile) -> None:
     for optimizer, value in profile.optimizer_ms.items():
         _check_amount(value, MAX_MS, f"profile optimizer_ms[{optimizer!r}]")
     _validate_modules(profile.modules)
+    reach, n = profile.pipelining_reach, len(profile.layers)
+    if reach and (len(reach) != n or not all(isinstance(r, int) and -1 <= r < n for r in reach)):
+        raise InputError(f"profile pipelining_reach must hold {n} layer indices (-1 .. {n - 1}), one per layer")
+    blocked = profile.pipelining_blocked
+    if blocked and (len(blocked) != n or not all(isinstance(why, str) for why in blocked) or blocked[0]):
+        raise InputError(f"profile pipelining_blocked must hold {n} strings, one per layer (the first empty)")
 
 
 def _validate_modules(modules: tuple[ModuleRecord, ...]) -> None:

@@ -34,7 +34,7 @@ from pipeplan.planner import tensor_parallel as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
-from pipeplan.planner.targets import ENGINES, blocked_summary, target_cuts, target_family
+from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 
 __all__ = ["PartitionOptions", "partition", "resimulated", "plan_uniform", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
 
@@ -144,7 +144,15 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
             f"--microbatches {options.microbatches} on up to {stages} stages (pass --microbatches {stages} or "
             f"more, or --max-stages {options.microbatches})"
         )
-    return target_family(cuts, profile)
+    family = target_family(cuts, profile)
+    most = most_stages(family)
+    if most < least:
+        raise InputError(
+            f"--for {target}: {engine} can run {profile.model} on at most {most} stage(s), not {least}: with more, "
+            f"some stage would pass a value past the next stage (a value computed before a cut is read after the "
+            f"next one); pass --use-fewer-devices or --max-stages {most}"
+        )
+    return family
 
 
 def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:

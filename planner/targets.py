@@ -11,7 +11,9 @@ them cuts at boundaries only (prefixes of the layer order). Boundary c is expres
   model input (both feed the model's inputs to the first stage only: torch's first stage
   takes exactly the inputs its own graph reads; ``_inputs_blocked``);
 - by **pipelining** when layer c is a module called once per forward pass
-  (``SplitPoint.BEGINNING`` splits before every call of the module it names);
+  (``SplitPoint.BEGINNING`` splits before every call of the module it names) and torch's
+  own split can cut there as the layer order does (``Profile.pipelining_blocked``: the
+  Python code calls the modules in another order, or the cut would send a view);
 - by **torchtitan** when no *unit* (a child of the root, or an entry of a child that is
   an ``nn.ModuleList`` / ``nn.ModuleDict``) has layers on both sides; torchtitan places
   modules, so a layer that is not a module (a functional op of the root) rules the
@@ -19,7 +21,11 @@ them cuts at boundaries only (prefixes of the layer order). Boundary c is expres
 
 Both engines also send a value only to the next stage (torch: "Backward of skip
 connections not supported yet"), so no layer output may jump over a whole stage: a middle
-stage [a, b) is ruled out when a layer before a feeds a layer at or after b.
+stage [a, b) is ruled out when a layer before a feeds a layer at or after b. torch runs
+parameter-free ops where the Python code runs them, not in the layer pipeplan folds them
+into (an attention mask built once before the blocks), so for pipelining the profile's
+``pipelining_reach`` (torch's own split, traced at profile time) rules out a stage [a, b)
+whose values from before a torch's pieces read at or after b, the first stage included.
 
 ``target_family`` gives the DP the prefixes at expressible boundaries (a ``CutFamily``
 whose states are those prefixes, with the skipped stages ruled out), so the DP stays
@@ -38,7 +44,7 @@ from pipeplan.plan import EXPORT_TARGETS
 from pipeplan.profile import Profile
 from pipeplan.planner.cuts import CutFamily
 
-__all__ = ["EXPORT_TARGETS", "ENGINES", "TargetCuts", "target_cuts", "target_family", "blocked_summary"]
+__all__ = ["EXPORT_TARGETS", "ENGINES", "TargetCuts", "blocked_summary", "most_stages", "target_cuts", "target_family"]
 
 ENGINES = {"pipelining": "torch.distributed.pipelining", "torchtitan": "torchtitan"}
 
@@ -109,6 +115,9 @@ def _pipelining_blocked(profile: Profile, calls: dict[str, int]) -> dict[int, st
             blocked[layer.index] = f"{layer.name} (a functional op, not a module)"
         elif calls[layer.name] != 1:
             blocked[layer.index] = f"{layer.name} (called {calls[layer.name]} times per forward pass)"
+    for index, why in enumerate(profile.pipelining_blocked):
+        if why:
+            blocked.setdefault(index, f"{profile.layers[index].name} (torch's own cut there: {why})")
     return blocked
 
 
@@ -171,9 +180,24 @@ def target_family(cuts: TargetCuts, profile: Profile) -> CutFamily:
         for producer in layer.inputs:
             reach[producer + 1] = max(reach[producer + 1], layer.index)
     reach = np.maximum.accumulate(reach)
+    if cuts.target == "pipelining" and profile.pipelining_reach:
+        reach[:n] = np.maximum(reach[:n], profile.pipelining_reach)  # torch's own pieces (Profile.pipelining_reach)
     stage_ok = reach[sizes][:, None] < sizes[None, :]  # [i, j]: nothing jumps from before i to j or later
     stage_ok[:, -1] = True  # the last stage ends the pipeline: nothing lies beyond it
     return CutFamily(f"{cuts.target}-cuts", n, masks, exact=False, stage_ok=stage_ok)
+
+
+def most_stages(family: CutFamily) -> int:
+    """The most stages of a plan of ``family`` (a chain of cut states from the empty prefix
+    to the full one, each step a stage ``stage_ok`` allows). O(F^2)."""
+    states = family.states
+    ok = family.stage_ok if family.stage_ok is not None else np.ones((states, states), dtype=bool)
+    most = np.full(states, -1)  # most[j]: most stages covering prefix j, -1 when none
+    most[0] = 0
+    for j in range(1, states):
+        before = [most[i] + 1 for i in range(j) if most[i] >= 0 and ok[i, j]]
+        most[j] = max(before, default=-1)
+    return int(most[-1])
 
 
 def blocked_summary(cuts: TargetCuts, limit: int = 4) -> str:

@@ -50,6 +50,7 @@ def profile_on_meta(
     """Measure ``network`` (on meta) layer by layer; ``inputs`` = (as drawn, on the device),
     each a ``ModelInputs``."""
     from pipeplan.capture import build_layer_graph, module_records
+    from pipeplan.capture.torch_split import recorded_split
     from pipeplan.capture.materialise import release
 
     torch_dtype = resolve_dtype(dtype)
@@ -59,6 +60,7 @@ def profile_on_meta(
     disable_inplace(network)
     graph = build_layer_graph(network, raw_inputs, leaf_modules, opaque_modules, device=device)
     modules = module_records(network, raw_inputs)
+    reach, blocked = recorded_split(network, raw_inputs, [layer.name for layer in graph.layers], modules)
     timer = make_timer(device)
     result = measure_layerwise(graph, network, device_inputs, targets, model_file.loss_fn, timer, warmup,
                                repeats, device, torch_dtype, seed=0, every_layer=every_layer, progress=progress)
@@ -97,6 +99,7 @@ def profile_on_meta(
         dropped_outputs=graph.dropped_outputs, build="meta", step_not_measured=why,
         optimizer_sample_bytes=sample_bytes, modules=modules, opaque_modules=graph.opaque_modules,
         master_dtype=Precision.for_dtype(dtype).master_dtype,
+        pipelining_reach=reach, pipelining_blocked=blocked,
     )
 
 

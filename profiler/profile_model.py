@@ -187,10 +187,12 @@ def _profile(
         check_model_runs(model_file, network, inputs, targets, batch_size, allow_nonfinite)
 
     from pipeplan.capture import build_layer_graph, module_records
+    from pipeplan.capture.torch_split import recorded_split
 
     disable_inplace(network)
     graph = build_layer_graph(network, inputs, leaves, opaque)
     modules = module_records(network, inputs)
+    reach, blocked = recorded_split(network, inputs, [layer.name for layer in graph.layers], modules)
     timer = make_timer(torch_device)
     with memory_step("the layers and the whole step were measured (--build eager)", whole):
         layers, measured = measure_layers(
@@ -225,6 +227,7 @@ def _profile(
         opaque_modules=graph.opaque_modules,
         dropped_outputs=graph.dropped_outputs,
         modules=modules,
+        pipelining_reach=reach, pipelining_blocked=blocked,
         build="eager",
         master_dtype=Precision.for_dtype(dtype).master_dtype,
     )

@@ -7,6 +7,10 @@ split under torch's Schedule1F1B and the same plan under ``pipeplan run``: the l
 must agree and every rank must hold exactly its plan stage's parameters. ``--for
 torchtitan`` plans export a fragment whose units are the stages' own. The bundled GPT
 (its head reuses the embedding weight) has no cut either engine runs: one line says so.
+ViT and GPT-2 on 4 stages, BERT on 3 and ResNet on 4 run the same way in one launch of
+4 ranks, where torch's own placement of parameter-free ops decides which cuts run
+(``Profile.pipelining_reach``); export checks torch's split before writing it, and
+rebuilds the layers with the plan's leaf and opaque module classes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,14 +83,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0) -> None:
-    """Two ranks of ``compare_engines.py`` (RANK/WORLD_SIZE set as torchrun would), killed after ``timeout_s`` s."""
+def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0, world: int = 2) -> None:
+    """``world`` ranks of ``compare_engines.py`` (RANK, WORLD_SIZE set as torchrun would), killed after
+    ``timeout_s`` s."""
     (folder / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, str(FIXTURES / "export" / "compare_engines.py"), str(folder / "cases.json"), str(folder)]
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(2)]
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(world)]
     outputs = []
     try:
         for process in ranks:
@@ -94,31 +100,99 @@ def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0) -> None:
         for process in ranks:
             os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"the engines ran past {timeout_s} s")
-    for process, output in zip(ranks, outputs):
-        assert process.returncode == 0, output[-3000:]
+    failed = [f"rank {r}: {output[-2000:]}" for r, (process, output) in enumerate(zip(ranks, outputs))
+              if process.returncode != 0]
+    assert not failed, "\n".join(failed)
+
+
+def export_case(name: str, plan_path: Path, folder: Path, ranks: int) -> dict:
+    """``export --to pipelining`` the plan to a snippet; the launch case that trains it both ways."""
+    run_cli("export", str(plan_path), "--to", "pipelining", "--model", MODELS[name],
+            "-o", str(folder / f"{name}.split.py"))
+    return {"name": name, "model": MODELS[name], "plan": str(plan_path), "snippet": str(folder / f"{name}.split.py"),
+            "steps": STEPS, "lr": LR, "ports": [free_port(), free_port()], "ranks": ranks}
+
+
+def check_engines_agree(folder: Path, expected: dict[str, list[list[str]]], microbatches: int) -> None:
+    for name in expected:
+        torch_run = json.loads((folder / f"{name}.pipelining.json").read_text())
+        ours = json.loads((folder / f"{name}.pipeplan.json").read_text())["losses"]
+        assert len(ours) == STEPS and torch_run["microbatches"] == [microbatches] * STEPS, name
+        assert torch_run["losses"] == pytest.approx(ours, rel=1e-5, abs=1e-6), name
+        assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-5, name  # the weights moved
+        # torch cut where the plan did: each rank holds exactly its stage's parameters
+        assert torch_run["parameters_by_rank"] == expected[name], name
 
 
 @pytest.mark.multiprocess
 def test_planned_for_pipelining_exports_and_runs_with_pipeplans_losses(profiles: dict[str, Path],
                                                                        tmp_path: Path) -> None:
     cases, expected = [], {}
-    for name, model in MODELS.items():
+    for name in MODELS:
         plan = plan_for(profiles[name], "pipelining", tmp_path / f"{name}.plan.json")
-        run_cli("export", str(tmp_path / f"{name}.plan.json"), "--to", "pipelining", "--model", model,
-                "-o", str(tmp_path / f"{name}.split.py"))
-        cases.append({"name": name, "model": model, "plan": str(tmp_path / f"{name}.plan.json"),
-                      "snippet": str(tmp_path / f"{name}.split.py"), "steps": STEPS, "lr": LR,
-                      "ports": [free_port(), free_port()]})
+        cases.append(export_case(name, tmp_path / f"{name}.plan.json", tmp_path, 2))
         expected[name] = stage_parameters(Profile.load(profiles[name]), plan)
     launch(cases, tmp_path)
-    for name in MODELS:
-        torch_run = json.loads((tmp_path / f"{name}.pipelining.json").read_text())
-        ours = json.loads((tmp_path / f"{name}.pipeplan.json").read_text())["losses"]
-        assert len(ours) == STEPS and torch_run["microbatches"] == [MICROBATCHES] * STEPS, name
-        assert torch_run["losses"] == pytest.approx(ours, rel=1e-5, abs=1e-6), name
-        assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-5, name  # the weights moved
-        # torch cut where the plan did: each rank holds exactly its stage's parameters
-        assert torch_run["parameters_by_rank"] == expected[name], name
+    check_engines_agree(tmp_path, expected, MICROBATCHES)
+
+
+def cpu_topology(devices: int, folder: Path) -> Path:
+    """local-cpu with ``devices`` CPU processes."""
+    path = folder / f"cpu{devices}.yaml"
+    path.write_text(f"name: cpu{devices}\ndevice: {{name: cpu, memory: 4 GiB, kind: cpu}}\n"
+                    f"levels:\n  - {{name: host, count: {devices}, bandwidth: 5 GB/s, latency: 20 us}}\n")
+    return path
+
+
+MULTI_STAGE = {"vit": 4, "bert": 3, "gpt2": 4, "resnet": 4}  # model -> stages (devices)
+
+
+@pytest.mark.multiprocess
+def test_multi_stage_plans_for_pipelining_run_under_torch(profiles: dict[str, Path], tmp_path: Path) -> None:
+    """3 and 4 stages, where torch's placement of parameter-free ops (an attention mask built
+    before the blocks, a residual's input) decides which cuts run: the profile's
+    pipelining_reach keeps the DP to stages nothing skips; one launch of 4 ranks."""
+    cases, expected = [], {}
+    for name, stages in MULTI_STAGE.items():
+        profile = Profile.load(profiles[name])
+        plan_path = tmp_path / f"{name}.plan.json"
+        run_cli("partition", str(profiles[name]), "--topology", str(cpu_topology(stages, tmp_path)), "--for",
+                "pipelining", "--microbatches", "4", "-o", str(plan_path))
+        plan = Plan.load(plan_path)
+        assert len(plan.stages) == stages and len(profile.pipelining_reach) == len(profile.layers), name
+        for stage in plan.stages[:-1]:  # nothing from before a stage is read after it, in torch's own split
+            assert profile.pipelining_reach[stage.layer_start] < stage.layer_end, (name, stage.index)
+        cases.append(export_case(name, plan_path, tmp_path, stages))
+        expected[name] = stage_parameters(profile, plan)
+    launch(cases, tmp_path, world=4)
+    check_engines_agree(tmp_path, expected, 4)
+
+
+def test_torchs_own_split_is_profiled_and_export_checks_it(tmp_path: Path) -> None:
+    """A mask built before the blocks: pipeplan's layers are a chain (each block's layer
+    recomputes it), torch's pieces pass it from the first stage to every block's stage."""
+    model = str(FIXTURES / "export" / "mask_net.py")
+    profile_model(model, batch_size=BATCH, warmup=0, repeats=1, threads=1).save(tmp_path / "mask.json")
+    profile = Profile.load(tmp_path / "mask.json")
+    assert profile.is_chain and [layer.name for layer in profile.layers] == ["embed", "a", "b", "head"]
+    assert profile.pipelining_reach == (0, 2, 2, 3)  # a value from before a is read by b (layer 2)
+    assert not any(profile.pipelining_blocked)
+    four = ["--topology", str(cpu_topology(4, tmp_path)), "--microbatches", "4", "-o", str(tmp_path / "p.json")]
+    refused = CliRunner().invoke(cli, ["partition", str(tmp_path / "mask.json"), "--for", "pipelining", *four])
+    assert refused.exit_code == 2 and refused.output.count("\n") == 1
+    assert "torch.distributed.pipelining can run" in refused.output and "at most 3 stage(s), not 4" in refused.output
+    run_cli("partition", str(tmp_path / "mask.json"), "--for", "pipelining", "--use-fewer-devices", *four)
+    assert [(s.layer_start, s.layer_end) for s in Plan.load(tmp_path / "p.json").stages] == [(0, 1), (1, 3), (3, 4)]
+    run_cli("export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model)
+    # without --for the DP takes a stage of its own for a: export refuses what torch would crash on
+    run_cli("partition", str(tmp_path / "mask.json"), "--straight", "--schedule", "1f1b-flush", *four)
+    assert len(Plan.load(tmp_path / "p.json").stages) == 4
+    result = CliRunner().invoke(cli, ["export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model,
+                                      "-o", str(tmp_path / "split.py")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1 and not (tmp_path / "split.py").exists()
+    assert result.output.startswith("error: torch.distributed.pipelining's own split of ")
+    assert "at a, b, head: a value stage 0 computes" in result.output
+    assert "is read by stages 1, 2, not by the next stage alone" in result.output
 
 
 @pytest.mark.parametrize("kind", ["leaf_modules", "opaque_modules"])
@@ -170,10 +244,21 @@ def test_tied_gpt_has_no_cut_and_says_why(tmp_path: Path) -> None:
 
 
 def test_export_agrees_with_the_planners_rules_at_every_boundary(profiles: dict[str, Path]) -> None:
-    """Every boundary the planner allows exports; every one it blocks for a module reason, export refuses."""
+    """Every boundary the planner allows exports; every one it blocks for a module reason, export refuses;
+    for ViT, torch's own split of every 2-stage plan is checked too."""
     from pipeplan.errors import InputError
     from pipeplan.export import model_structure, split_points, torchtitan_parts
+    from pipeplan.export.pipelining import check_torch_split
     from pipeplan.planner.targets import target_cuts
+
+    def pipelining(structure, plan: Plan, stage_of: list[int], traced: bool) -> None:
+        points = split_points(structure, stage_of)
+        if traced:
+            cut = stage_of.index(1)
+            two = [replace(plan.stages[0], layers=tuple(range(cut)), layer_start=0, layer_end=cut),
+                   replace(plan.stages[1], layers=tuple(range(cut, len(stage_of))), layer_start=cut,
+                           layer_end=len(stage_of))]
+            check_torch_split(replace(plan, stages=tuple(two)), structure, points)
 
     for name in ("resnet", "vit"):
         profile = Profile.load(profiles[name])
@@ -186,10 +271,34 @@ def test_export_agrees_with_the_planners_rules_at_every_boundary(profiles: dict[
         n = len(profile.layers)
         for c in range(1, n):
             stage_of = [0] * c + [1] * (n - c)
-            for cuts, check in ((cuts_pp, lambda: split_points(structure, stage_of)),
+            for cuts, check in ((cuts_pp, lambda: pipelining(structure, plan, stage_of, name == "vit")),
                                 (cuts_tt, lambda: torchtitan_parts(structure, stage_of, 2))):
                 if c in cuts.allowed:
                     check()
                 elif "parameter" not in cuts.blocked.get(c, "parameter") and "model input" not in cuts.blocked[c]:
                     with pytest.raises(InputError):
                         check()
+
+
+def test_vit_three_stage_splits_the_planner_allows_are_those_torch_runs(profiles: dict[str, Path]) -> None:
+    """Every 3-stage split of ViT at the cuts --for pipelining allows: the DP's family admits it
+    exactly when torch's own ``pipeline()`` split passes no value past the next stage."""
+    from pipeplan.capture.torch_split import split_faults
+    from pipeplan.export import model_structure, split_points
+    from pipeplan.planner.targets import target_cuts, target_family
+
+    profile = Profile.load(profiles["vit"])
+    cuts = target_cuts(profile, "pipelining")
+    family = target_family(cuts, profile)
+    assert family.stage_ok is not None
+    plan = plan_for(profiles["vit"], "pipelining", profiles["vit"].parent / "vit.three.json")
+    structure = model_structure(MODELS["vit"], plan)
+    assert structure.trace is not None
+    n, runs = len(profile.layers), []
+    for i, a in enumerate(cuts.allowed, 1):  # state i of the family is the prefix of a layers
+        for j, b in enumerate(cuts.allowed[i:], i + 1):
+            allowed = bool(family.stage_ok[0, i] and family.stage_ok[i, j] and family.stage_ok[j, -1])
+            faults = split_faults(structure.trace(split_points(structure, [0] * a + [1] * (b - a) + [2] * (n - b))))
+            assert allowed == (not faults), (a, b, faults)
+            runs.append(allowed)
+    assert 0 < sum(runs) < len(runs)  # both kinds occur

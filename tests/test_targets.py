@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from pipeplan.planner.cuts import prefix_family
 from pipeplan.planner.exhaustive import evaluate, pipelines
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, partition
 from pipeplan.planner.placement import flatten
-from pipeplan.planner.targets import target_cuts, target_family
+from pipeplan.planner.targets import most_stages, target_cuts, target_family
 
 
 def profile_of(names: list[str], calls: dict[str, int], parameters: list[tuple[str, ...]] | None = None,
@@ -119,6 +120,39 @@ def test_no_output_jumps_over_a_stage() -> None:
 
 
 
+def test_torchs_own_split_rules_out_stages_and_cuts() -> None:
+    # pipeplan's layers are a chain; torch's pieces pass a value from before layer 1 to layer 2
+    # (a mask built before the blocks) and cannot cut before layer 3 (a view would cross)
+    profile = replace(profile_of(["a", "b", "c", "d", "e"], {k: 1 for k in "abcde"}),
+                      pipelining_reach=(0, 2, 2, 3, 4), pipelining_blocked=("", "", "", "a view", ""))
+    cuts = target_cuts(profile, "pipelining")
+    assert cuts.allowed == (1, 2, 4) and cuts.blocked == {3: "d (torch's own cut there: a view)"}
+    assert target_cuts(profile, "torchtitan").allowed == (1, 2, 3, 4)  # torch's split is pipelining's alone
+    family = target_family(cuts, profile)
+    ok = family.nested(5, family.states)  # ok[length, start] over the states {}, 1, 2, 4, all
+    assert not ok[1, 1]  # the stage [1, 2): layer 2 reads a value from before layer 1
+    assert ok[2, 1] and ok[1, 0] and ok[1, 2] and ok[1, 3]  # [1, 4), [0, 1), [2, 4), [4, 5)
+    assert most_stages(family) == 3
+    plan = partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
+                     PartitionOptions(schedule="gpipe", straight=True, microbatches=8, use_fewer_devices=True,
+                                      export_target="pipelining"))
+    assert [stage.layer_start for stage in plan.stages] == [0, 2, 4]  # equal layers: the 2|2|1 split
+    with pytest.raises(InputError, match=r"can run m on at most 3 stage\(s\), not 4: .* --max-stages 3$"):
+        partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
+                  PartitionOptions(schedule="gpipe", straight=True, microbatches=8, export_target="pipelining"))
+
+
+def test_torchs_split_round_trips_and_is_validated(tmp_path: Path) -> None:
+    profile = replace(profile_of(["a", "b", "c"], {k: 1 for k in "abc"}), pipelining_reach=(0, 2, -1),
+                      pipelining_blocked=("", "", "no op follows the cut"))
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+    with pytest.raises(InputError, match="pipelining_reach must hold 3 layer indices"):
+        replace(profile, pipelining_reach=(0, 3, -1))
+    with pytest.raises(InputError, match="pipelining_blocked must hold 3 strings"):
+        replace(profile, pipelining_blocked=("", ""))
+
+
 # --------------------------------------------------------------------------- DP == brute force
 
 
@@ -141,6 +175,10 @@ def restricted_cases(draw):
               for i in range(n)]
     compute = [draw(st.floats(0.1, 5)) for _ in range(n)]
     profile = profile_of(names, calls, parameters, inputs, compute=compute)
+    if draw(st.booleans()):  # torch's own split: how far back values reach, and cuts it cannot make
+        reach = [draw(st.integers(-1, n - 1)) for _ in range(n)]
+        blocked = [""] + [draw(st.sampled_from(["", "", "", "a view"])) for _ in range(n - 1)]
+        profile = replace(profile, pipelining_reach=tuple(reach), pipelining_blocked=tuple(blocked))
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
     topology = Topology("t", DeviceSpec("d", draw(st.sampled_from([10**9, 40_000, 20_000]))), levels)
@@ -160,8 +198,11 @@ def brute_force(profile: Profile, topology: Topology, options: PartitionOptions,
     for tree in pipelines(len(topology.levels), 0, arrays.layers, topology.levels[-1].count, topology, options):
         flat = flatten(tree, topology)
         stage_of = [q for q, stage in enumerate(flat) for _ in range(stage.start, stage.end)]
+        torch_reach = profile.pipelining_reach if options.export_target == "pipelining" else ()
         if all(stage.start == 0 or stage.start in allowed for stage in flat) and all(
-                stage_of[layer.index] - stage_of[p] <= 1 for layer in profile.layers for p in layer.inputs):
+                stage_of[layer.index] - stage_of[p] <= 1 for layer in profile.layers for p in layer.inputs) and all(
+                q == len(flat) - 1 or stage.end > torch_reach[stage.start] for q, stage in enumerate(flat)
+                if torch_reach):
             best = min(best, evaluate(tree, arrays, topology, options))
     return best
 

@@ -65,16 +65,20 @@ def train_pipelined(split: ModuleType, model_path: str, batch_size: int, steps: 
         modules = [stage.submod for stage in stages]
     else:
         schedule, modules = split.build_pipeline_schedule(model, example, model_file.loss_fn, rank, device)
-    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=lr)
+    parameters = [p for m in modules for p in m.parameters()]
+    # a stage of parameter-free layers (an activation, a pooling) has nothing to step
+    optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
     first = rank == 0
     last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
     losses: list[float] = []
     microbatches: list[int] = []
     for inputs, targets in batches:
-        optimizer.zero_grad()
+        if optimizer:
+            optimizer.zero_grad()
         micro: list[torch.Tensor] = []
         schedule.step(*(inputs if first else ()), **({"target": targets, "losses": micro} if last else {}))
-        optimizer.step()
+        if optimizer:
+            optimizer.step()
         if last:
             microbatches.append(len(micro))
             losses.append(float(torch.stack([loss.detach() for loss in micro]).mean()))

@@ -159,7 +159,7 @@ def _export(
     exported = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in tensors) if on_meta(model) else tensors
     with opaque_calls(model, opaque, record) as calls:
         try:
-            with _quiet_torch_logs(), redirect_stderr(stderr):  # a model on meta: on meta inputs
+            with quiet_torch_logs(), redirect_stderr(stderr):  # a model on meta: on meta inputs
                 program = torch.export.export(root, exported, strict=False)
         except Exception as exc:
             raise _ExportFailed() from exc
@@ -188,7 +188,7 @@ def preserved_buffers(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _quiet_torch_logs() -> Iterator[None]:
+def quiet_torch_logs() -> Iterator[None]:
     """Silence torch's warnings (graph dumps on a failed guard) while exporting: a failure
     is reported as one line by ``capture_error``."""
     previous = logging.root.manager.disable

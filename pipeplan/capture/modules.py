@@ -9,7 +9,7 @@ from torch import nn
 from pipeplan.model_inputs import ModelInputs
 from pipeplan.profile import ModuleRecord
 
-__all__ = ["module_records"]
+__all__ = ["module_calls", "module_records"]
 
 
 def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tuple[ModuleRecord, ...]:
@@ -19,21 +19,34 @@ def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tup
     A module called twice (a dropout or activation reused) counts 2, a container that is
     iterated but never called (``nn.ModuleList``) 0. O(modules + calls).
     """
-    import torch
-
     named = list(model.named_modules())
     calls = dict.fromkeys((name for name, _ in named), 0)
+    for name in module_calls(model, inputs):
+        calls[name] += 1
+    return tuple(
+        ModuleRecord(name=name, type=type(module).__name__, calls=calls[name],
+                     container=isinstance(module, (nn.ModuleList, nn.ModuleDict)))
+        for name, module in named
+    )
 
-    def counter(name: str) -> Any:
-        def count(_module: nn.Module, _args: Any) -> None:
-            calls[name] += 1
-        return count
 
-    hooks = [module.register_forward_pre_hook(counter(name)) for name, module in named]
+def module_calls(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> list[str]:
+    """The qualified names of the modules one forward pass on ``inputs`` calls, in the order
+    it calls them (a module once per call). A model on meta runs on shapes alone. O(calls)."""
+    import torch
+
     from pipeplan.capture.materialise import fake_mode_for, probe_inputs
 
+    order: list[str] = []
+
+    def recorder(name: str) -> Any:
+        def record(_module: nn.Module, _args: Any) -> None:
+            order.append(name)
+        return record
+
+    hooks = [module.register_forward_pre_hook(recorder(name)) for name, module in model.named_modules()]
     try:
-        with torch.no_grad(), fake_mode_for(model):  # a model on meta runs on shapes alone
+        with torch.no_grad(), fake_mode_for(model):
             if isinstance(inputs, ModelInputs):
                 inputs.with_tensors(probe_inputs(model, inputs.tensors())).call(model)
             else:
@@ -41,8 +54,4 @@ def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tup
     finally:
         for hook in hooks:
             hook.remove()
-    return tuple(
-        ModuleRecord(name=name, type=type(module).__name__, calls=calls[name],
-                     container=isinstance(module, (nn.ModuleList, nn.ModuleDict)))
-        for name, module in named
-    )
+    return order

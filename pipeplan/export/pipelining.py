@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeplan.capture.torch_split import outermost_split_point, split_faults
 from pipeplan.errors import InputError
 from pipeplan.export.structure import (
     CutError,
@@ -21,7 +22,7 @@ from pipeplan.export.structure import (
 from pipeplan.plan import Plan
 from pipeplan.schedules import build_schedule, unit_clock
 
-__all__ = ["PipeliningExport", "action_table_csv", "export_pipelining", "split_points"]
+__all__ = ["PipeliningExport", "action_table_csv", "check_torch_split", "export_pipelining", "split_points"]
 
 _CSV_KINDS = ("F", "B", "I", "W")  # pipeplan action kinds with a torch counterpart of the same letter
 
@@ -135,17 +136,40 @@ def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, .
                 f"per forward pass (layers {', '.join(map(str, layers))}): SplitPoint.BEGINNING would split "
                 f"before every call; a plan whose stages begin at modules called once carries over"
             )
-        point = name
-        parts = name.split(".")
-        for depth in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:depth])
-            if min(under[prefix]) != first:
-                break
-            if structure.calls.get(prefix, 0) == 1:
-                point = prefix
-        points.append(point)
+        points.append(outermost_split_point(names, structure.calls, first))
     return tuple(points)
 
+
+
+def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, ...]) -> None:
+    """Trace torch's own ``pipeline()`` at ``points`` once (in-process, nothing run) and
+    compare it with the plan: the same stages, each holding exactly its plan stage's
+    parameters, a model input read by stage 0 alone, every value sent to the next stage
+    alone. ``InputError`` (one line) for what torch would refuse at run time; nothing
+    when ``structure`` has no model to trace. O(graph nodes + parameters)."""
+    if structure.trace is None:
+        return
+    try:
+        split = structure.trace(points)
+    except Exception as exc:  # whatever pipeline() raises, the user's run would raise too
+        message = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise InputError(f"torch.distributed.pipelining's pipeline() cannot trace {plan.model} split at "
+                         f"{', '.join(points)} ({type(exc).__name__}: {message})") from exc
+    if len(split.pieces) != len(plan.stages):
+        raise InputError(f"torch.distributed.pipelining's pipeline() made {len(split.pieces)} stages of "
+                         f"{plan.model} split at {', '.join(points)}, the plan has {len(plan.stages)}")
+    owner = {name: stage.index for stage in plan.stages for i in stage.layers
+             for name in structure.layer_parameters[i]}
+    for k, piece in enumerate(split.pieces):
+        for name in sorted(piece.parameters ^ {n for n, s in owner.items() if s == k}):
+            where = f"stage {k}" if name in piece.parameters else "another stage"
+            raise CutError(f"torch.distributed.pipelining's split puts parameter {name} in {where}, the plan in "
+                           f"stage {owner.get(name, 'none')}: torch would not train the plan's stages")
+    faults = split_faults(split)
+    if faults:
+        raise CutError(f"torch.distributed.pipelining's own split of {plan.model} at {', '.join(points)}: "
+                       f"{faults[0]}; torch runs parameter-free ops where the Python code does, which need not "
+                       f"be the layer the plan counts them in")
 
 
 # --------------------------------------------------------------------------- the action table
@@ -192,6 +216,7 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         )
     stage_of = check_exportable(plan, structure)
     points = split_points(structure, stage_of)
+    check_torch_split(plan, structure, points)
     ranks = positions(plan)
     return PipeliningExport(
         model=plan.model,

@@ -26,8 +26,10 @@ forward, micro-batch 0), which ``_PipelineScheduleRuntime._load_csv`` and torcht
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
+from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 
@@ -81,7 +83,9 @@ class ModelStructure:
     ``layer_parameters[i]``: qualified names of the parameters layer i uses;
     ``modules``: every module's qualified name ("" is the root) -> its class name;
     ``containers``: the modules that are ``nn.ModuleList`` / ``nn.ModuleDict``;
-    ``calls``: module name -> how many times one forward pass calls it (a container: 0).
+    ``calls``: module name -> how many times one forward pass calls it (a container: 0);
+    ``trace``: split points -> torch.distributed.pipelining's own split of the model there
+    (``pipeline()`` traced in-process), None when the model is not at hand.
     """
 
     layer_names: tuple[str, ...]
@@ -89,6 +93,7 @@ class ModelStructure:
     modules: dict[str, str]
     containers: frozenset[str]
     calls: dict[str, int]
+    trace: Callable[[tuple[str, ...]], TorchSplit] | None = field(default=None, compare=False, repr=False)
 
     def is_module(self, name: str) -> bool:
         return bool(name) and name in self.modules
@@ -108,6 +113,7 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
     import torch
 
     from pipeplan.capture import build_layer_graph, module_records
+    from pipeplan.capture.torch_split import trace_torch_split
     from pipeplan.modelfile import load_model_file, resolve_model_path
 
     model_file = load_model_file(resolve_model_path(model_path))
@@ -130,6 +136,7 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
         modules={record.name: record.type for record in records},
         containers=frozenset(record.name for record in records if record.container),
         calls={record.name: record.calls for record in records},
+        trace=lambda points: trace_torch_split(model, sample_inputs, points),
     )
 
 
