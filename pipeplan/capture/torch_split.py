@@ -96,6 +96,11 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
             pipe = pipeline(model, mb_args=tuple(inputs.args), mb_kwargs=dict(inputs.kwargs) or None,
                             split_spec={name: SplitPoint.BEGINNING for name in points})
     finally:
+        # torch's non-strict export keeps its last trace's nodes (and their fake tensors) in a
+        # module-level map until the next export; nothing reads it after the trace
+        from torch.fx.experimental import proxy_tensor
+
+        proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
         for name, forward in saved.items():
             module = modules[name]
             module.__dict__.pop("_orig_forward", None)
