@@ -37,6 +37,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from pipeplan.errors import one_line
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.timing import Timer
 
@@ -173,7 +174,12 @@ def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLa
             if layout is not None:
                 key = layer_signature(stage, args)
                 if key not in measured:
-                    measured[key] = _share(stage, args, layout, degree, mesh, timer, warmup, device_type)
+                    try:
+                        measured[key] = _share(stage, args, layout, degree, mesh, timer, warmup, device_type)
+                    except Exception as exc:  # an op DTensor cannot split: the layer is charged whole
+                        warnings.warn(f"layer {graph.layers[position].name}: its tensor-parallel split could not "
+                                      f"be timed ({one_line(exc)}); its split shares are 0", stacklevel=1)
+                        measured[key] = SplitShare(0.0, 0.0, 0.0)
                 shares[graph.layers[position].index] = measured[key]
             with torch.no_grad():
                 outputs = tuple(stage.module(*args))

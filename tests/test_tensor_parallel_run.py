@@ -301,3 +301,30 @@ def test_split_stage_communicates_where_megatron_does(model: str, forward: dict,
     named = [{str(op).split(".")[-1]: n for op, n in c.items()} for c in counts]
     assert named == [forward, backward]
 
+
+
+def test_a_split_that_cannot_be_timed_is_charged_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer whose split raises (an op DTensor cannot shard) gets shares 0 and a warning, not a failed profile."""
+    from types import SimpleNamespace
+
+    import pipeplan.tensor_parallel.apply as apply
+    from pipeplan.capture import build_layer_graph
+    from pipeplan.profiler import tensor_split
+    from pipeplan.profiler.timing import make_timer
+
+    def cannot_split(*args: object) -> None:
+        raise NotImplementedError("no sharding rule for aten.custom")
+
+    monkeypatch.setattr(apply, "parallelize_stage", cannot_split)
+    model_file = load_model_file(LLAMA)
+    torch.manual_seed(0)
+    network = model_file.build()
+    inputs, _ = model_file.batch(4, 0)
+    graph = build_layer_graph(network, inputs)
+    layers = [SimpleNamespace(index=node.index, parameters=tuple(stage.parameter_names.values()))
+              for node, stage in zip(graph.layers, graph.layer_modules())]
+    layouts = tensor_split.layer_layouts(network, None, layers, "m.py")
+    expected = r"could not be timed \(NotImplementedError: no sharding rule for aten.custom\); its split shares are 0"
+    with pytest.warns(UserWarning, match=expected):
+        shares = tensor_split.measure_shares(graph, inputs.tensors(), layouts, 2, make_timer(torch.device("cpu")), 0, "cpu")
+    assert sorted(shares) == sorted(layouts) and set(shares.values()) == {tensor_split.SplitShare(0.0, 0.0, 0.0)}
