@@ -134,8 +134,11 @@ def _live_cpu_bytes() -> int:
         warnings.simplefilter("ignore")  # isinstance on deprecated module attributes warns
         for obj in gc.get_objects():
             if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                try:
+                    storage = obj.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+                except RuntimeError:  # a fake tensor an earlier torch.export left behind: no storage
+                    continue
     return sum(storages.values())
 
 
