@@ -60,7 +60,8 @@ def profile_on_meta(
     disable_inplace(network)
     graph = build_layer_graph(network, raw_inputs, leaf_modules, opaque_modules, device=device)
     modules = module_records(network, raw_inputs)
-    reach, blocked = recorded_split(network, raw_inputs, [layer.name for layer in graph.layers], modules)
+    reach, blocked = recorded_split(network, raw_inputs, [layer.name for layer in graph.layers], modules,
+                                    graph.opaque_modules)
     timer = make_timer(device)
     result = measure_layerwise(graph, network, device_inputs, targets, model_file.loss_fn, timer, warmup,
                                repeats, device, torch_dtype, seed=0, every_layer=every_layer, progress=progress)

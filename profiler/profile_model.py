@@ -192,7 +192,8 @@ def _profile(
     disable_inplace(network)
     graph = build_layer_graph(network, inputs, leaves, opaque)
     modules = module_records(network, inputs)
-    reach, blocked = recorded_split(network, inputs, [layer.name for layer in graph.layers], modules)
+    reach, blocked = recorded_split(network, inputs, [layer.name for layer in graph.layers], modules,
+                                    graph.opaque_modules)
     timer = make_timer(torch_device)
     with memory_step("the layers and the whole step were measured (--build eager)", whole):
         layers, measured = measure_layers(

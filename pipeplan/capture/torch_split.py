@@ -12,10 +12,12 @@ checks the split it writes against the plan before a user's run would crash.
 
 from __future__ import annotations
 
+import io
 import operator
 import sys
 import warnings
 from bisect import bisect_right
+from contextlib import redirect_stderr
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -91,7 +93,8 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
     if on_meta(model):  # a model built on meta traces on meta inputs (shapes alone), as pipeplan's capture does
         inputs = inputs.map(lambda tensor: tensor.to("meta"))
     try:
-        with preserved_buffers(model), quiet_torch_logs(), warnings.catch_warnings():
+        # torch.export prints the partial graph on stderr when it fails: the caller reports it in one line
+        with preserved_buffers(model), quiet_torch_logs(), warnings.catch_warnings(), redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations while it copies
             pipe = pipeline(model, mb_args=tuple(inputs.args), mb_kwargs=dict(inputs.kwargs) or None,
                             split_spec={name: SplitPoint.BEGINNING for name in points})
@@ -223,10 +226,15 @@ def pipelining_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequenc
 
 
 def recorded_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequence[str],
-                   records: Sequence[ModuleRecord]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+                   records: Sequence[ModuleRecord],
+                   opaque: Sequence[str] = ()) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``pipelining_split`` for the profile; ((), ()) and one line on stderr when ``pipeline()``
     cannot trace the model (``partition --for pipelining`` then goes by the layer graph
-    alone and ``export`` checks the split it writes)."""
+    alone and ``export`` checks the split it writes). ((), ()) without a line when the
+    capture made ``opaque`` modules: torch.export fails inside them, so ``pipeline()`` would
+    too (the capture's own line said so)."""
+    if opaque:
+        return (), ()
     try:
         return pipelining_split(model, inputs, layer_names, {record.name: record.calls for record in records})
     except Exception as exc:  # whatever torch raises: the profile goes on without the fields
