@@ -191,6 +191,13 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
     choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
+    if not schedule_kind(options.schedule).runs_tensor_parallel:  # plan only what `pipeplan run` runs
+        if options.tensor_parallel not in (None, 1):
+            raise InputError(
+                f"tensor-parallel degree {options.tensor_parallel} with schedule {options.schedule}: pipeplan "
+                f"runs split stages with 1f1b-flush, gpipe or interleaved-1f1b only"
+            )
+        choices = [1]
     for t in sorted(choices, reverse=True):  # large degrees first: big models' best, pruning the rest sooner
         # only simulated periods prune: a plan too large to simulate has its bubble-free figure
         beat_ms = min((item[0] for item in found if item[2].predicted.simulated), default=math.inf)

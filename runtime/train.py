@@ -214,7 +214,7 @@ def _check_tensor_parallel(config: RunConfig) -> None:
     if not degrees:
         return
     kind = schedule_kind(config.schedule)
-    if kind.gradients != "exact" or kind.split_backward:
+    if not kind.runs_tensor_parallel:
         raise InputError(
             f"the plan splits stages tensor-parallel (t = {degrees[0]}); pipeplan runs that with "
             f"1f1b-flush, gpipe or interleaved-1f1b, not {config.schedule}"

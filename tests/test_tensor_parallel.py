@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -74,7 +75,7 @@ def test_group_ranks_are_replica_major_inside_a_node():
     assert [tp.group_ranks(top, 2, g) for g in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b-rr", "gpipe", "1f1b-flush"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b-flush"])
 def test_each_degree_is_the_exhaustive_optimum_of_its_split_problem(schedule):
     profile, top = gpt(4), topology(inner=4, outer=2, memory=15_000)
     micro = 1 if schedule != "1f1b-flush" else 2
@@ -96,6 +97,18 @@ def test_each_degree_is_the_exhaustive_optimum_of_its_split_problem(schedule):
     chosen = partition(profile, top, options)
     assert chosen.predicted.time_per_minibatch_ms == pytest.approx(min(times.values()))
     assert chosen.stages[0].tensor_parallel == min(times, key=lambda t: (times[t], t))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-rr", "2bw", "zb-h1"])
+def test_schedules_the_runtime_cannot_split_plan_degree_one(schedule):
+    # `pipeplan run` refuses split stages under these schedules: the planner never makes one
+    profile, top = gpt(4), topology(inner=4, outer=2, memory=10**9)
+    micro = 1 if schedule == "1f1b-rr" else 8
+    options = PartitionOptions(schedule=schedule, optimizer="adam", microbatches=micro)
+    assert {s.tensor_parallel for s in partition(profile, top, options).stages} == {1}
+    with pytest.raises(InputError, match=rf"^tensor-parallel degree 2 with schedule {schedule}: pipeplan runs "
+                                          r"split stages with 1f1b-flush, gpipe or interleaved-1f1b only$"):
+        partition(profile, top, replace(options, tensor_parallel=2))
 
 
 def test_plans_without_split_layers_are_unchanged():

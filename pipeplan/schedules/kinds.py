@@ -59,6 +59,13 @@ class ScheduleKind:
     # closed form of activations_in_flight (replicas, stage, microbatches); None: the action list's peak
     in_flight: Callable[[Sequence[int], int, int], float] | None = None
 
+    @property
+    def runs_tensor_parallel(self) -> bool:
+        """Whether pipeplan runs stages split tensor-parallel under this schedule: exact
+        gradients and one backward per micro-batch (weight stashing of DTensors, 2BW's
+        delayed weights and ZB-H1's split backward are not built for split stages)."""
+        return self.gradients == "exact" and not self.split_backward
+
     # ------------------------------------------------------------ rules
     def check(
         self,
