@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +16,15 @@ MiB = 1 << 20
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
 def test_meter_counts_what_was_touched_after_its_baseline() -> None:
-    gc.collect()  # what earlier tests left is freed before the baseline, not during the check
-    meter = MemoryMeter("cpu")
-    block = torch.ones(64 * MiB // 4)  # 64 MiB (above glibc's largest mmap threshold: fresh pages), every page written
-    del block
-    reading = meter.read()
-    assert reading.kind == "rss"
-    # held: the 64 MiB block and little else (the meter's own reset put the peak at the baseline); the
-    # margin below: pages the process released between the baseline and the block (seen in the full suite)
-    assert 56 * MiB <= reading.held_bytes < 96 * MiB
+    # In a fresh interpreter: inside the suite's process the block may land on heap pages an
+    # earlier test left resident (glibc keeps freed blocks), which no RSS figure can see.
+    code = ("import torch; from pipeplan.runtime.memory_usage import MemoryMeter; meter = MemoryMeter('cpu'); "
+            f"block = torch.ones({64 * MiB // 4}); del block; r = meter.read(); print(r.kind, r.held_bytes)")
+    kind, held = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                timeout=120).stdout.split()
+    assert kind == "rss"
+    # held: the 64 MiB block (every page written) and little else: the meter's reset put the peak at the baseline
+    assert 63 * MiB <= int(held) < 80 * MiB
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
