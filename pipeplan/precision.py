@@ -3,8 +3,8 @@
 Mixed precision (``master_dtype`` set, as torchtitan and Megatron train in bf16): the
 layers run on ``dtype`` copies of the weights (activations, and the values sent between
 stages, are ``dtype``); the optimizer steps ``master_dtype`` master weights with
-``master_dtype`` state, gradients are accumulated in ``master_dtype`` and the compute
-copies are refreshed from the masters after each step. Without it every tensor of
+``master_dtype`` state, gradients are accumulated (and all-reduced among replicas) in
+``master_dtype`` and the compute copies are refreshed from the masters after each step. Without it every tensor of
 training is ``dtype`` (plans written before mixed precision existed).
 """
 
@@ -41,6 +41,19 @@ class Precision:
     def mixed(self) -> bool:
         return self.master_dtype is not None and self.master_dtype != self.dtype
 
+    @property
+    def gradient_ratio(self) -> float:
+        """Bytes of a gradient, as accumulated and all-reduced, per compute-weight byte:
+        ``master / dtype`` under mixed precision (gradients are float32), else 1.
+
+        >>> Precision("bfloat16", "float32").gradient_ratio, Precision("float32").gradient_ratio
+        (2.0, 1.0)
+        """
+        if not self.mixed:
+            return 1.0
+        assert self.master_dtype is not None
+        return DTYPE_BYTES[self.master_dtype] / DTYPE_BYTES[self.dtype]
+
     def state_copies(self, optimizer_states: int) -> float:
         """Parameter-sized buffers beside the compute weights, in bytes per compute-weight byte.
 
@@ -54,9 +67,7 @@ class Precision:
         """
         if not self.mixed:
             return float(1 + optimizer_states)
-        assert self.master_dtype is not None
-        ratio = DTYPE_BYTES[self.master_dtype] / DTYPE_BYTES[self.dtype]
-        return ratio * (2 + optimizer_states)
+        return self.gradient_ratio * (2 + optimizer_states)
 
     def describe(self) -> str:
         """``bfloat16 compute, float32 master weights`` or ``float32``."""

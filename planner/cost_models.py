@@ -80,7 +80,7 @@ def _pipeplan_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, to
         above = 1
         for node in stage.path:  # top first
             lv = topology.levels[node.level - 1]
-            ar = float(ring_allreduce_ms(arrays.params(node.start, node.end), node.units,
+            ar = float(ring_allreduce_ms(arrays.sync_bytes(node.start, node.end), node.units,
                                          lv.bandwidth_bytes_per_s, lv.latency_ms)) / above
             allreduce = max(allreduce, ar)
             if comm_level == node.level:
@@ -102,8 +102,8 @@ def _pipedream_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, t
         within_of = {k + 1: (topology.levels[k - 1].count if k >= 1 else 1) for k in range(len(topology.levels))}
         for node in reversed(stage.path):  # innermost first
             lv = topology.levels[node.level - 1]
-            params = arrays.params(node.start, node.end)
-            ar = 4 * (node.units - 1) * params / (lv.bandwidth_bytes_per_s * node.units)
+            grads = arrays.sync_bytes(node.start, node.end)
+            ar = 4 * (node.units - 1) * grads / (lv.bandwidth_bytes_per_s * node.units)
             if (node.level, node.start, node.end) in single_nodes:
                 ar /= within_of[node.level]
             allreduce += ar * 1000.0
@@ -116,9 +116,9 @@ def _pipedream_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, t
 
 def _pipeplan_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float:
     time = arrays.compute(0, arrays.layers)
-    params = float(arrays.param_bytes[-1])
+    grads = arrays.sync_bytes(0, arrays.layers)
     for level in topology.levels:
-        allreduce = float(ring_allreduce_ms(params, level.count, level.bandwidth_bytes_per_s, level.latency_ms))
+        allreduce = float(ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms))
         time = max(time / level.count, allreduce)
     return time
 

@@ -9,6 +9,11 @@ Two cost models share these arrays:
 - ``pipedream``: PipeDream's optimizer (``planner.pipedream_dp``), all-reduce
   ``4(m-1) P / (B m)`` added to compute, transfers only with a compression ratio.
 
+``P`` is the gradient bytes the replicas all-reduce (``LayerArrays.sync_bytes``): the
+parameter bytes, times ``master / compute`` bytes under mixed precision, whose runtime
+accumulates and all-reduces float32 gradients of bf16 weights (as Megatron's float32
+``main_grad``); activations and the bytes sent between stages stay in the compute dtype.
+
 Arrays are indexed by the cut states of a ``planner.cuts.CutFamily``: a stage runs from
 state i to state j (state j minus state i, for a proper subset i of j). For the prefix
 family state s is layers ``[0, s)``, so a stage is the half-open range ``[i, j)`` of the
@@ -86,6 +91,15 @@ class LayerArrays:
 
     def saved(self, i: int, j: int) -> float:
         return float(self.saved_bytes[j] - self.saved_bytes[i])
+
+    def sync_bytes(self, i: int, j: int) -> float:
+        """Gradient bytes a stage from state i to state j all-reduces among its replicas:
+        its parameter bytes in the gradients' dtype (``Precision.gradient_ratio``)."""
+        return self.params(i, j) * self.precision.gradient_ratio
+
+    def sync_range(self, starts: Any, ends: Any) -> np.ndarray:
+        """``sync_bytes`` of every range [starts, ends) (numpy indices, elementwise)."""
+        return (self.param_bytes[ends] - self.param_bytes[starts]) * self.precision.gradient_ratio
 
 
 def _prefix(values: list[float]) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
@@ -61,5 +62,6 @@ def flush_period_bound_ms(profile: Profile, family: CutFamily, flat: Sequence[Fl
         before += per_micro
     first = family.stage_layers(flat[0].start, flat[0].end)
     params = float(sum(profile.layers[i].param_bytes for i in first))
+    grads = params * Precision(profile.dtype, profile.master_dtype).gradient_ratio  # as simulate's all-reduce
     step = update_ms(profile, charged_optimizer)
-    return best + allreduce_ms(topology, flat[0].ranks, params) + sum(step[i] for i in first)
+    return best + allreduce_ms(topology, flat[0].ranks, grads) + sum(step[i] for i in first)

@@ -103,17 +103,18 @@ class _LevelTables:
     fewer: bool
 
 
-def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, out_act: np.ndarray, units: int,
-           within: float, bandwidth: float, memory: float, settings: PipeDreamSettings,
+def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, grads: np.ndarray, out_act: np.ndarray,
+           units: int, within: float, bandwidth: float, memory: float, settings: PipeDreamSettings,
            final: bool) -> _LevelTables:
     """One level's table. O(u^2 n^3 / 6) numpy work (n^2 u^2 at the final level, whose
-    ranges all start at state 0), O(u^2 n) Python steps."""
+    ranges all start at state 0), O(u^2 n) Python steps. ``params`` are the ranges'
+    weight bytes (the memory rule), ``grads`` the gradient bytes they all-reduce."""
     n = compute.shape[0]
     time = np.full((units, n, n), INF)
     max_m = 1 if settings.straight else units
     for m in range(max_m):
         stash = math.ceil((units - (m + 1)) / (m + 1)) * (act + params)
-        dp = (4 * m * params) / (bandwidth * (m + 1)) / within
+        dp = (4 * m * grads) / (bandwidth * (m + 1)) / within
         value = (compute + dp) / (m + 1)
         if settings.memory_check:
             value = np.where(stash > memory, INF, value)
@@ -136,7 +137,7 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, out_act: np
             take[rows:] = False  # and at i = 0 on the final level
             best[take] = time[m - 1][take]
         for m_prime in range(1, 2 if settings.straight else m + 1):
-            cost = compute + (4 * (m_prime - 1) * params) / (bandwidth * m_prime)
+            cost = compute + (4 * (m_prime - 1) * grads) / (bandwidth * m_prime)
             cost = cost / m_prime
             if settings.memory_check:
                 stash = (act + params) * math.ceil((units - (m + 1)) / m_prime)
@@ -215,6 +216,7 @@ def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDream
     compute = _range_matrix(arrays.compute_ms / 1000.0, INF, nested)
     act = _range_matrix(arrays.output_bytes, 0.0, nested)
     params = _range_matrix(arrays.param_bytes, 0.0, nested)
+    grads = params * arrays.precision.gradient_ratio  # all-reduced in the gradients' dtype
     out_act = arrays.frontier_bytes[1:]  # bytes leaving state j
     memory = float(topology.device.memory_bytes)
     tables = []
@@ -223,7 +225,7 @@ def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDream
     for k, level in enumerate(levels):
         final = k == len(levels) - 1
         tables.append(
-            _level(compute, act, params, out_act, level.count, within, level.bandwidth_bytes_per_s,
+            _level(compute, act, params, grads, out_act, level.count, within, level.bandwidth_bytes_per_s,
                    memory, settings, final)
         )
         within = level.count
@@ -240,10 +242,10 @@ def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDream
 def pipedream_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float:
     """PipeDream's data-parallel time: per level t = (t + 4(n-1) P / (B n) / w) / n, in ms."""
     total = float(arrays.compute_ms[-1]) / 1000.0
-    params = float(arrays.param_bytes[-1])
+    grads = arrays.sync_bytes(0, arrays.layers)
     within = 1
     for level in topology.levels:
         n = level.count
-        total = (total + (4 * (n - 1) * params) / (level.bandwidth_bytes_per_s * n) / within) / n
+        total = (total + (4 * (n - 1) * grads) / (level.bandwidth_bytes_per_s * n) / within) / n
         within = n
     return total * 1000.0

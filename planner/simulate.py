@@ -63,7 +63,7 @@ class StageCosts:
     saved_bytes: int  # activations autograd keeps for backward, one minibatch
     sends: tuple[tuple[int, int], ...]  # (consumer stage, bytes) of activations sent forward
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
-    allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on param_bytes
+    allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
 
 
 @dataclass(frozen=True)
@@ -216,17 +216,17 @@ def link_time_ms(topology: Topology, rank_a: int, rank_b: int, size_bytes: float
     return size_bytes * 1e3 / spec.bandwidth_bytes_per_s, spec.latency_ms
 
 
-def allreduce_ms(topology: Topology, ranks: Sequence[int], param_bytes: float) -> float:
-    """Ring all-reduce of ``param_bytes`` among ``ranks``: 2 (m-1)/m P / B + 2 (m-1) latency.
+def allreduce_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
+    """Ring all-reduce of ``grad_bytes`` among ``ranks``: 2 (m-1)/m P / B + 2 (m-1) latency.
 
     B and the latency are those of the outermost level joining any two of the ranks.
     """
     m = len(ranks)
-    if m < 2 or param_bytes <= 0:
+    if m < 2 or grad_bytes <= 0:
         return 0.0
     level = max(topology.level_joining(ranks[0], other) for other in ranks[1:])
     spec = topology.levels[level]
-    return float(ring_allreduce_ms(param_bytes, m, spec.bandwidth_bytes_per_s, spec.latency_ms))
+    return float(ring_allreduce_ms(grad_bytes, m, spec.bandwidth_bytes_per_s, spec.latency_ms))
 
 
 # --------------------------------------------------------------------------- simulation
@@ -282,10 +282,13 @@ def simulation_shape(plan: Plan, schedule: str | None = None, microbatches: int 
 
 
 def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Durations:
-    """Per micro-batch durations of every model stage; I and W split B as ``INPUT_GRAD_SHARE``."""
+    """Per micro-batch durations of every model stage; I and W split B as ``INPUT_GRAD_SHARE``.
+    The replicas all-reduce gradients in the plan's gradient dtype (``Precision.gradient_ratio``:
+    float32 gradients of bf16 weights under mixed precision)."""
     ranks = [stage.ranks for stage in plan.stages]
+    ratio = plan.precision.gradient_ratio
     reduce = [
-        c.allreduce_ms if c.allreduce_ms is not None else allreduce_ms(plan.topology, ranks[q], c.param_bytes)
+        c.allreduce_ms if c.allreduce_ms is not None else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
         for q, c in enumerate(costs)
     ]
     return Durations(

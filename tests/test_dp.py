@@ -1,6 +1,7 @@
 """The hierarchical DP against hand-derived optima and against brute force."""
 
 import math
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError
+from pipeplan.precision import Precision
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology
 from pipeplan.planner.costs import ring_allreduce_ms
@@ -85,6 +87,12 @@ def test_straight_and_max_stages():
     assert len(one.stages) == 1 and one.predicted.stage_bound_ms == pytest.approx(40.0)
 
 
+def _precision(mixed: bool, profile: Profile) -> Profile:
+    """``profile`` as bf16 weights on float32 masters (memory charged 18 B per 2-byte
+    parameter with Adam, gradients all-reduced in float32) when ``mixed``."""
+    return replace(profile, dtype="bfloat16", master_dtype="float32") if mixed else profile
+
+
 @st.composite
 def cases(draw):
     n = draw(st.integers(1, 6))
@@ -96,7 +104,7 @@ def cases(draw):
             i, f"l{i}", "x", inputs, draw(st.floats(0.1, 5)), draw(st.floats(0.1, 5)),
             draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
         ))
-    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    profile = _precision(draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers)))
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
     memory = draw(st.sampled_from([10**9, 40_000, 25_000, 15_000]))
@@ -134,7 +142,8 @@ def test_dp_equals_exhaustive(case):
     replicas = [s.replicas for s in plan.stages]
     for q, stage in enumerate(plan.stages):  # never a memory-infeasible plan
         memory, _, _ = plan_stage_memory(options.schedule, replicas, q, sum(l.param_bytes for l in profile.layers[stage.layer_start:stage.layer_end]),
-                                         sum(l.saved_bytes for l in profile.layers[stage.layer_start:stage.layer_end]), options.optimizer)
+                                         sum(l.saved_bytes for l in profile.layers[stage.layer_start:stage.layer_end]), options.optimizer,
+                                         precision=plan.precision)
         assert memory == stage.memory_bytes
         if options.memory_check:
             assert memory <= topology.device.memory_bytes
@@ -161,7 +170,7 @@ def large_world_cases(draw):
             i, f"l{i}", "x", tuple(sorted({i - 1, *extra})) if i else (), draw(st.floats(0.0, 5)),
             draw(st.floats(0.0, 5)), draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
         ))
-    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    profile = _precision(draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers)))
     counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7])), draw(st.sampled_from([0.0, 0.001])))
                    for k, c in enumerate(counts))
@@ -173,6 +182,7 @@ def large_world_cases(draw):
         max_stages=draw(st.sampled_from([None, None, 2, 4])),
         use_fewer_devices=draw(st.booleans()),
         memory_check=draw(st.booleans()),
+        precision=Precision(profile.dtype, profile.master_dtype),
     )
     return profile, Topology("t", DeviceSpec("d", memory), levels), settings
 
@@ -217,7 +227,7 @@ def test_top_combine_one_unit_count_at_a_time_equals_unpruned(case, schedule):
     the unpruned optimum and plan, flush schedules (no tau) included."""
     profile, topology, dp_settings = case
     dp_settings = DPSettings(schedule, dp_settings.optimizer, dp_settings.straight, dp_settings.max_stages,
-                             dp_settings.use_fewer_devices, dp_settings.memory_check)
+                             dp_settings.use_fewer_devices, dp_settings.memory_check, precision=dp_settings.precision)
     arrays = layer_arrays(profile)
     full = solve(arrays, topology, dp_settings, prune=False)
     with mock.patch.object(tables, "TOP_BLOCK_ELEMENTS", 1):

@@ -23,18 +23,18 @@ def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray
     lv = topology.levels[-1]
     per_unit = math.prod(level.count for level in topology.levels[:-1])
     compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
-    params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+    grads = arrays.sync_range(starts, ends)
     low = np.full(len(starts), INF)
     for m in range(1, lv.count + 1):
-        low = np.minimum(low, _relaxed_stage_ms(compute, params, m, per_unit, lv))
+        low = np.minimum(low, _relaxed_stage_ms(compute, grads, m, per_unit, lv))
     return low
 
 
-def _relaxed_stage_ms(compute: np.ndarray, params: np.ndarray, units: int, per_unit: int, level: Level) -> np.ndarray:
-    """Lower bound (ms) of ranges of ``compute`` ms and ``params`` bytes as one stage on
-    ``units`` units of ``level`` (``per_unit`` devices each): max(compute over the devices,
-    the ring all-reduce among the units)."""
-    allreduce = ring_allreduce_ms(params, units, level.bandwidth_bytes_per_s, level.latency_ms)
+def _relaxed_stage_ms(compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level) -> np.ndarray:
+    """Lower bound (ms) of ranges of ``compute`` ms and ``grads`` gradient bytes
+    (``LayerArrays.sync_range``) as one stage on ``units`` units of ``level`` (``per_unit``
+    devices each): max(compute over the devices, the ring all-reduce among the units)."""
+    allreduce = ring_allreduce_ms(grads, units, level.bandwidth_bytes_per_s, level.latency_ms)
     return np.maximum(compute / (units * per_unit), allreduce)
 
 
@@ -89,7 +89,7 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     if not arrays.cut_family.is_prefix:
         ok &= nested_states(arrays)[: n + 1, : n + 1]
     compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
-    params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
+    grads = arrays.sync_range(starts, ends)
     transfer = np.full(2 * n + 2, INF)
     transfer[: n + 1] = transfer_ms(arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
     cut = sliding_window_view(transfer, n + 1)[: n + 1]  # [t, i]: the cut at state i + t
@@ -97,10 +97,10 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     for m in range(1, lv.count + 1):
         best = np.full(n + 1, INF)
         if m == 1 or not settings.straight:
-            whole = _relaxed_stage_ms(compute, params, m, per_unit, lv)
+            whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv)
             best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
         for first_units in _split_choices(settings, m):
-            stage = _relaxed_stage_ms(compute, params, first_units, per_unit, lv)
+            stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv)
             rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
             split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
             np.minimum(best, split.min(axis=0), out=best)
@@ -120,8 +120,9 @@ def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: D
     if settings.memory_check and float(_device_need_bytes(settings, params, saved, 0)[0]) > topology.device.memory_bytes:
         return INF
     value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
+    grads = params * arrays.precision.gradient_ratio
     for level in topology.levels:
-        allreduce = ring_allreduce_ms(params, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
+        allreduce = ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
         value = max(value / level.count, float(allreduce[0]))
     return value
 

@@ -115,6 +115,7 @@ class _Context:
         s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
         self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
+        self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
         self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
         self.cut = np.zeros(self.rows)
         self.cut[: n + 1] = arrays.cut_bytes
@@ -145,7 +146,7 @@ class _Context:
         if key not in self.allreduce:
             lv = self.levels[level - 1]
             columns = min(self.width[level], self.span) + 1
-            self.allreduce[key] = ring_allreduce_ms(self.params[:columns], units, lv.bandwidth_bytes_per_s,
+            self.allreduce[key] = ring_allreduce_ms(self.grads[:columns], units, lv.bandwidth_bytes_per_s,
                                                     lv.latency_ms)
         return self.allreduce[key]
 
@@ -206,8 +207,8 @@ def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
         def test(lengths: np.ndarray) -> np.ndarray:
             ends = starts + lengths
             compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
-            params = arrays.param_bytes[ends] - arrays.param_bytes[starts]
-            allreduce = ring_allreduce_ms(params, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
+            grads = arrays.sync_range(starts, ends)
+            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
             return np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
         return test
 

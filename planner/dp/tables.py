@@ -362,11 +362,11 @@ class _TopHeads:
         lv = ctx.levels[-1]
         units = np.arange(self.units[-1] + 1, dtype=np.float64)[1:, None, None]
         unit = _unit_table(ctx, self.top - 1, 0)[0, 1 : width + 1, :n]
-        params = ctx.params[1 : width + 1, :n]
+        grads = ctx.grads[1 : width + 1, :n]
         heads = np.empty((len(units) + 1, width, n))
         heads[0] = INF
         np.divide(unit[None], units, out=heads[1:])
-        np.maximum(heads[1:], ring_allreduce_ms(params[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
+        np.maximum(heads[1:], ring_allreduce_ms(grads[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
                    out=heads[1:])
         np.maximum(heads[1:], self.cut[:width][None], out=heads[1:])
         lengths = np.arange(1, width + 1)[None, :]
