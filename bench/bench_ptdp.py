@@ -3,8 +3,9 @@
 For each row: the what-if profile of the GPT on an A100 80 GB (``pipeplan estimate``:
 datasheet rates, every kernel at its roofline, one GEMM efficiency calibrated on the 1.7B
 row (``--calibrate``), full recomputation, bf16 weights on float32 masters: Megatron's 18
-bytes per parameter with Adam, marked estimated), a Megatron-like cluster (8 A100 per node over NVLink
-3 at 300 GB/s, 8 x 200 Gbit/s InfiniBand per node = 200 GB/s between nodes), and
+bytes per parameter with Adam, gradients all-reduced in float32, marked estimated), a
+Megatron-like cluster (8 A100 per node over NVLink 3 at 300 GB/s, 8 x 200 Gbit/s
+InfiniBand per node = 200 GB/s between nodes), and
 ``planner.auto.search`` over the schedules that train as Megatron does (``SCHEDULES``) x
 micro-batch counts x t, p, d, Adam. Beside it, pipeplan's prediction for the paper's own t,
 p, d (``plan_uniform``, 1F1B-flush, micro-batches of one sequence) and Megatron's bubble

@@ -47,19 +47,21 @@ __all__ = ["DeviceRates", "DEVICE_RATES", "GPTShape", "estimate_gpt", "MATMUL_EF
 
 # Calibrated, not measured (no A100 at hand): the one factor that brings the roofline of the
 # PTD-P paper's smallest row (1.7B, pure data parallelism: no pipeline, no tensor
-# parallelism, its all-reduce hidden) to its reported 137 TFLOP/s
-# (``python bench/bench_ptdp.py --calibrate``); every other row is then a prediction
-# (README, "PTD-P's GPT configurations").
-MATMUL_EFFICIENCY = 0.675
+# parallelism; its float32 gradient all-reduce after the last backward, 1% of the
+# iteration) to its reported 137 TFLOP/s (``python bench/bench_ptdp.py --calibrate``:
+# 0.6869; 0.6752 while the planner priced that all-reduce in bf16); every other row is
+# then a prediction (README, "PTD-P's GPT configurations").
+MATMUL_EFFICIENCY = 0.687
 # Bandwidth-bound kernels reach about this share of the datasheet HBM rate (an assumption).
 MEMORY_EFFICIENCY = 0.8
 ELEMENT_BYTES = 2  # bf16 / fp16 activations and the GEMMs' weights
 # Megatron's mixed precision: the layers run on bf16 weights (the profile's parameter bytes,
 # 2 per parameter) and the optimizer keeps float32 masters, gradients and moments: the
 # profile says master_dtype "float32" and the planner's memory rule (planner.memory) charges
-# 2 + 4 + 4 + 8 = 18 bytes per parameter with Adam, Megatron's figure. Its gradient
-# all-reduce is priced on the bf16 bytes (Megatron's float32 main_grad all-reduce moves twice
-# that: under 0.5% of a PTD-P row's iteration, README).
+# 2 + 4 + 4 + 8 = 18 bytes per parameter with Adam, Megatron's figure. The planner prices
+# the replicas' gradient all-reduce on float32 gradients, 4 bytes per parameter
+# (``Precision.gradient_ratio``), as pipeplan's runtime and Megatron's float32 main_grad
+# all-reduce them; tensor-parallel all-reduces and pipeline sends carry bf16 activations.
 PARAM_BYTES = 2
 MASTER_BYTES = 4  # float32 masters, gradients and moments
 

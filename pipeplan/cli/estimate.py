@@ -20,7 +20,7 @@ DEVICES = ("a100-80gb", "a100-40gb", "h100-sxm")  # pipeplan.profiler.estimate.D
 @click.option("--recompute/--no-recompute", default=True, show_default=True,
               help="Full activation recomputation (Megatron's setting in the PTD-P paper).")
 @click.option("--matmul-efficiency", type=float, default=None,
-              help="Share of the datasheet GEMM rate the compute-bound kernels reach (default: the calibrated 0.675, see the README).")
+              help="Share of the datasheet GEMM rate the compute-bound kernels reach (default: the calibrated 0.687, see the README).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
 def estimate(device: str, layers: int, hidden: int, heads: int, seq_len: int, vocab: int, batch_size: int,
              recompute: bool, matmul_efficiency: float | None, output: str) -> None:
