@@ -10,7 +10,15 @@ the bf16 gradient is dropped), so micro-batch gradients sum in float32 and at mo
 few bf16 gradients exist at a time: Megatron's float32 ``main_grad`` buffers, without
 its fused GEMM. After the optimizer step the copies are refreshed from the masters.
 Floating-point buffers (BatchNorm statistics, rotary tables) are cast to ``dtype``, as
-the profile measured them; they have no master. Schedules with weight versions
+the profile measured them; they have no master.
+
+Tensor parallelism (``pipeplan.tensor_parallel.apply``): the masters are float32 DTensors
+and each copy is a bf16 DTensor with its master's placements (the cast runs on the local
+shard; no communication), so the split stage runs in bf16, its collectives included
+(bf16 all-reduces and all-gathers of activations, as in Megatron). A copy's gradient
+keeps the placements DTensor's sharding propagation gave it (a vocabulary-parallel
+embedding's is replicated); it is cast to float32 on the local shard and summed into the
+master's gradient, whose placements ``settle_gradients`` fixes once per step, in float32. Schedules with weight versions
 (1F1B-RR, 2BW) take their versions as ``dtype`` snapshots of the masters instead
 (``pipeplan.runtime.stash``).
 """
@@ -41,11 +49,12 @@ class MixedPrecision:
     dtype: torch.dtype  # compute
     chunks: Sequence[nn.Module]  # the rank's chunk modules, whose parameters are the masters
     _pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (master, copy)
+    _copies: dict[int, torch.Tensor] = field(default_factory=dict)  # id(master) -> copy (tied: one)
     _by_chunk: list[dict[str, torch.Tensor]] = field(default_factory=list)  # chunk -> local name -> copy
     _hooks: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        copies: dict[int, torch.Tensor] = {}  # id(master) -> copy (tied parameters: one copy)
+        copies = self._copies
         for chunk in self.chunks:
             named = {}
             for name, master in chunk.named_parameters():
@@ -68,6 +77,10 @@ class MixedPrecision:
         """The chunk module ``chunk`` (one of ``chunks``) run on its compute copies."""
         index = next(c for c, module in enumerate(self.chunks) if module is chunk)
         return torch.func.functional_call(chunk, self._by_chunk[index], tuple(inputs), tie_weights=True)
+
+    def copy_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The compute copy of ``master`` (one of the chunks' parameters)."""
+        return self._copies[id(master)]
 
     def parameters(self, chunk: int) -> list[torch.Tensor]:
         """The compute copies chunk ``chunk`` differentiates (split backward's weights)."""

@@ -29,7 +29,8 @@ The gradient norm is global for the flush schedules and 2BW and the stage's own 
 
 Precision (``pipeplan.precision``): ``--dtype bfloat16`` (or a plan of a bf16 profile)
 trains in mixed precision: bf16 compute copies, float32 masters, gradients and optimizer
-state (``pipeplan.runtime.mixed_precision``); checkpoints hold the masters.
+state (``pipeplan.runtime.mixed_precision``; with a tensor-parallel plan the masters are
+float32 DTensors and the copies bf16 DTensors with their placements); checkpoints hold the masters.
 
 Checkpoints (``pipeplan.runtime.training_state``) hold the scheduler's state beside the
 optimizer's, so a resumed run continues the learning-rate curve exactly. They are taken at step boundaries, keyed by the model's qualified names
@@ -218,11 +219,6 @@ def _check_tensor_parallel(config: RunConfig) -> None:
         raise InputError(
             f"the plan splits stages tensor-parallel (t = {degrees[0]}); pipeplan runs that with "
             f"1f1b-flush, gpipe or interleaved-1f1b, not {config.schedule}"
-        )
-    if config.precision.mixed:
-        raise InputError(
-            f"mixed precision ({config.precision.describe()}) with a tensor-parallel plan (t = {degrees[0]}) "
-            f"is not supported yet: train it in {config.precision.master_dtype} (--dtype float32)"
         )
     for flag, value in (("--checkpoint-dir", config.checkpoint_dir), ("--weights", config.weights)):
         if value:
@@ -434,7 +430,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         if spec.stage_index == 0 and spec.replica == 0:
             store.prune_checkpoints(config.checkpoint_dir, identity.fingerprint, keep=2)
     if config.record_dir and module is not None:
-        _write_record(config.record_dir, env.rank, spec, module, executor, record, stash)
+        _write_record(config.record_dir, env.rank, spec, module, executor, record, stash, mixed)
     reports = gather_reports(rank_report(env.rank, spec, executor, recorder, wall_ms, stash, meter.read()), env.rank)
     if env.rank != 0:
         return None
@@ -456,7 +452,8 @@ def _digests(module: Any) -> dict[str, float]:
     return {name: float(full(p.detach()).double().sum()) for name, p in module.named_parameters()}
 
 
-def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any, record: dict[str, Any], stash: Any) -> None:
+def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any, record: dict[str, Any], stash: Any,
+                  mixed: Any) -> None:
     import io
 
     import torch
@@ -478,10 +475,22 @@ def _write_record(folder: str, rank: int, spec: Any, module: Any, executor: Any,
         "peak_versions": stash.peak_versions if stash is not None else 1,
         "peak_kept_versions": stash.peak_kept if stash is not None else 1,
         "losses": dict(executor.losses),
+        # (dtype, placements) of each master and of the tensor the layers ran on (its compute copy)
+        "masters": {names[n]: _layout(p) for n, p in module.named_parameters()},
+        "compute": {names[n]: _layout(mixed.copy_of(p) if mixed is not None else p)
+                    for n, p in module.named_parameters()},
     }
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     write_atomic(os.path.join(folder, f"rank{rank}.pt"), buffer.getvalue())
+
+
+def _layout(tensor: Any) -> tuple[str, tuple[str, ...]]:
+    """``("bfloat16", ("Shard(dim=0)",))``: a tensor's dtype and DTensor placements (none for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    placements = tuple(repr(p) for p in tensor.placements) if isinstance(tensor, DTensor) else ()
+    return str(tensor.dtype).removeprefix("torch."), placements
 
 
 def _tagged(backend: str) -> bool:

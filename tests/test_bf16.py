@@ -108,21 +108,6 @@ def test_gradients_reach_the_float32_masters_summed_in_float32() -> None:
     torch.testing.assert_close(mixed.parameters(0)[0], layer.weight.bfloat16(), rtol=0, atol=0)
 
 
-def test_mixed_precision_with_a_tensor_parallel_plan_is_refused_in_one_line() -> None:
-    pytest.importorskip("transformers")
-    from plans import make_plan
-
-    from pipeplan.runtime.train import RunConfig, _check_tensor_parallel
-
-    gpt2 = str(Path(__file__).parent.parent / "docs" / "tutorial" / "hf_gpt2.py")
-    plan = make_plan(gpt2, [list(range(13))], [1], "1f1b-flush", tensor_parallel=[2])
-    config = RunConfig(plan=plan, model_path=gpt2, schedule="1f1b-flush", steps=1, lr=0.1, optimizer="sgd",
-                       microbatches=1, dtype="bfloat16")
-    with pytest.raises(InputError, match=r"^mixed precision \(bfloat16 compute, float32 master weights\) with a "
-                                         r"tensor-parallel plan \(t = 2\) is not supported yet"):
-        _check_tensor_parallel(config)
-
-
 def _live_cpu_bytes() -> int:
     """Bytes of every distinct CPU storage a live tensor of this process holds."""
     import gc
