@@ -54,15 +54,38 @@ def make_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: fl
     """
     import torch
 
+    if name not in OPTIMIZERS:
+        raise InputError(f"unknown optimizer {name!r} (choose {', '.join(OPTIMIZERS)})")
+    params = list(params)
+    fused = _fused(name, params)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, fused=fused)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay, fused=fused)
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    raise InputError(f"unknown optimizer {name!r} (choose {', '.join(OPTIMIZERS)})")
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, fused=fused)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
+
+
+def _fused(name: str, params: list[Any]) -> bool | None:
+    """True where torch has a fused kernel for every parameter; None (torch's default) otherwise.
+
+    The fused step updates each tensor in one pass with no temporaries; torch's default on a
+    CPU (one tensor at a time) allocates two parameter-sized temporaries per tensor for Adam,
+    which the planner's memory rule (``pipeplan.planner.memory``) does not charge. Measured on
+    a CPU, 4 x 64 MiB weights: Adam's step held 128 MiB more without it and took about 20 times as long.
+    DTensor shards have fused Adam/AdamW but no fused SGD.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    supported = _get_fused_kernels_supported_devices()
+    if not tensors or any(t.device.type not in supported or not t.is_floating_point() for t in tensors):
+        return None
+    if name in ("sgd", "momentum") and any(isinstance(t, DTensor) for t in tensors):
+        return None
+    return True
 
 
 @dataclass(frozen=True)
