@@ -88,6 +88,14 @@ class LayerProfile:
     # -1: timed itself; else the index of the identical layer (same class, parameter and
     # input shapes and dtypes) whose times it reuses (its bytes are always its own)
     reused_from: int = -1
+    # bytes of the layer's largest parameter (0: not recorded, as in profiles before it was;
+    # read ``largest_tensor_bytes``): the planner's gradient-temporary charge
+    largest_param_bytes: int = 0
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        """The largest parameter's bytes; the layer's whole parameter bytes where not recorded."""
+        return self.largest_param_bytes or self.param_bytes
 
     @property
     def splits(self) -> bool:
@@ -252,6 +260,8 @@ def validate(profile: Profile) -> None:
         for name in ("tp_split_forward_ms", "tp_split_backward_ms"):
             _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
                           f"profile layer {layer.index} ({layer.name}): {name}")
+        _check_amount(layer.largest_param_bytes, layer.param_bytes,
+                      f"profile layer {layer.index} ({layer.name}): largest_param_bytes", integer=True)
         for name in ("tp_split_param_bytes", "tp_split_saved_bytes"):
             _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
                           f"profile layer {layer.index} ({layer.name}): {name}", integer=True)

@@ -64,6 +64,8 @@ class LayerArrays:
     # what the parameter bytes are (compute dtype) and what the memory rule charges beside them
     # (the profile's: float32 masters for a measured bf16 profile; pipeplan.precision, planner.memory)
     precision: Precision = Precision()
+    # per layer (not summed): its largest parameter's bytes (``LayerProfile.largest_tensor_bytes``)
+    largest_param_bytes: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -100,6 +102,19 @@ class LayerArrays:
     def sync_range(self, starts: Any, ends: Any) -> np.ndarray:
         """``sync_bytes`` of every range [starts, ends) (numpy indices, elementwise)."""
         return (self.param_bytes[ends] - self.param_bytes[starts]) * self.precision.gradient_ratio
+
+    def largest(self, i: int, j: int) -> float:
+        """Bytes of the largest parameter of the stage from state i to state j (0: none recorded)."""
+        if self.largest_param_bytes is None:
+            return 0.0
+        layers = list(self.cut_family.stage_layers(i, j))
+        return float(self.largest_param_bytes[layers].max()) if layers else 0.0
+
+    @property
+    def largest_any(self) -> float:
+        """Bytes of the model's largest parameter: a bound on every stage's ``largest``."""
+        return float(self.largest_param_bytes.max()) if self.largest_param_bytes is not None and \
+            len(self.largest_param_bytes) else 0.0
 
 
 def _prefix(values: list[float]) -> np.ndarray:
@@ -178,6 +193,7 @@ def layer_arrays(profile: Profile, optimizer: str | None = None, family: CutFami
         shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
+        largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
     )
 
 
@@ -212,6 +228,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         shared_ends_ms=profile.data_ms if optimizer is not None and n > 1 else 0.0,
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
+        largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
     )
 
 

@@ -73,7 +73,7 @@ def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topolog
             memory, _, _ = plan_stage_memory(
                 options.schedule, replicas, q, arrays.params(stage.start, stage.end),
                 arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
-                precision=arrays.precision,
+                precision=arrays.precision, largest_param_bytes=arrays.largest(stage.start, stage.end),
             )
             if memory > topology.device.memory_bytes:
                 return math.inf

@@ -94,7 +94,8 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
         memory, versions, in_flight = plan_stage_memory(
             options.schedule, replicas, i, arrays.params(start, end), arrays.saved(start, end), optimizer,
-            micro, virtual, chunk=c, precision=arrays.precision)
+            micro, virtual, chunk=c, precision=arrays.precision,
+            largest_param_bytes=max(arrays.largest(cuts[k], cuts[k + 1]) for k in range(i, chunks, positions)))
         device_bytes[i] += memory
         compute = arrays.compute(start, end)
         stages.append(StagePlan(

@@ -11,7 +11,9 @@ compute copies and the rest is float32, ``master / compute`` bytes per compute b
 
     params * (weight_versions + 2 * (1 master + 1 gradient + optimizer_states)) + saved * in_flight
 
-(bf16, Adam, one version: 2 + 4 + 4 + 8 = 18 bytes per parameter, Megatron's figure). The counts are each
+(bf16, Adam, one version: 2 + 4 + 4 + 8 = 18 bytes per parameter, Megatron's figure). At its
+peak a stage also holds one gradient temporary (``gradient_temporary_bytes``): the largest
+parameter's freshly computed gradient, before it is added into the one kept. The counts are each
 schedule's own, from the registry ``pipeplan.schedules.SCHEDULE_KINDS`` (shared with the
 runtime and the simulator): with 1F1B-RR a replica of stage s stashes ``W_s + 1`` weight
 versions and as many minibatches of activations, where ``W_s + 1 = ceil(after_s / n_s)``
@@ -35,6 +37,7 @@ __all__ = [
     "optimizer_states",
     "parameter_copies",
     "stage_memory_bytes",
+    "gradient_temporary_bytes",
     "in_flight_after",
     "plan_stage_memory",
 ]
@@ -63,13 +66,32 @@ def parameter_copies(versions: Any, optimizer: str, precision: Precision = Preci
 
 
 def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_flight: Any, optimizer: str,
-                       precision: Precision = Precision()) -> Any:
-    """Bytes one replica keeps; elementwise on numpy arrays.
+                       precision: Precision = Precision(), temporary_bytes: Any = 0.0) -> Any:
+    """Bytes one replica keeps at its peak; elementwise on numpy arrays.
 
     >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")
     630.0
     """
-    return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight
+    return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight + temporary_bytes
+
+
+def gradient_temporary_bytes(largest_param_bytes: Any, microbatches: int, replicas: int,
+                             precision: Precision = Precision()) -> Any:
+    """Bytes of the gradient temporary a replica holds at its peak, beside its kept gradients.
+
+    A backward computes each parameter's gradient into a new tensor. A replica's first
+    micro-batch keeps it as ``.grad``; each later one's is a temporary that autograd adds
+    into ``.grad`` and frees, so it accumulates (more micro-batches than replicas) only
+    then. Under mixed precision every backward's compute-dtype gradient is such a
+    temporary, added into the float32 master's (``pipeplan.runtime.mixed_precision``). One
+    exists at a time: the largest parameter's, at worst (``LayerProfile.largest_param_bytes``,
+    in the profile's dtype). pipeplan's optimizers step fused (``pipeplan.optimizers``), so
+    the step adds none.
+
+    >>> gradient_temporary_bytes(64, microbatches=1, replicas=1), gradient_temporary_bytes(64, 4, 2)
+    (0.0, 64)
+    """
+    return largest_param_bytes if precision.mixed or microbatches > replicas else 0.0
 
 
 def in_flight_after(devices_from_stage: int, replicas: int) -> int:
@@ -94,11 +116,13 @@ def plan_stage_memory(
     virtual_stages: int = 1,
     chunk: int | None = None,
     precision: Precision = Precision(),
+    largest_param_bytes: float = 0.0,
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
     With ``chunk``, the bytes of that one chunk of the device (its share of the device's
-    peak); without, the whole stage's.
+    peak; the device's gradient temporary is charged to its first chunk); without, the
+    whole stage's. ``largest_param_bytes``: the stage's largest parameter (0: none charged).
     """
     kind = schedule_kind(schedule)
     versions = kind.weight_versions(stage_replicas, stage)
@@ -106,5 +130,7 @@ def plan_stage_memory(
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
-    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer, precision)
+    temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches,
+                                                           stage_replicas[stage], precision)
+    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary)
     return int(math.ceil(memory)), versions, in_flight

@@ -23,7 +23,7 @@ from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
-from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
+from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
 from pipeplan.planner.options import PartitionOptions, charged_optimizer
@@ -64,9 +64,11 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     """Each layer's bytes on one device even in the most favourable position (one weight
     version, the last stage's activations in flight): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
+    precision = Precision(profile.dtype, profile.master_dtype)
     return [
         stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer,
-                           Precision(profile.dtype, profile.master_dtype))
+                           precision, gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches,
+                                                               topology.world_size, precision))
         for layer in profile.layers
     ]
 
@@ -109,7 +111,8 @@ def _solve_pipedream(arrays: LayerArrays, topology: Topology, options: Partition
 def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
     settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
                           options.use_fewer_devices, options.memory_check,
-                          flush_in_flight(options, arrays.layers, topology.world_size), arrays.precision)
+                          flush_in_flight(options, arrays.layers, topology.world_size), arrays.precision,
+                          gradient_temporary_bytes(arrays.largest_any, options.microbatches, 1, arrays.precision))
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()
@@ -367,7 +370,7 @@ def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, 
         memory, versions, in_flight = plan_stage_memory(
             options.schedule, replicas, q, arrays.params(stage.start, stage.end),
             arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
-            precision=arrays.precision,
+            precision=arrays.precision, largest_param_bytes=arrays.largest(stage.start, stage.end),
         )
         if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
             raise InfeasibleError(

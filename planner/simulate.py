@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeplan.errors import InputError
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
-from pipeplan.planner.memory import OPTIMIZER_STATES, stage_memory_bytes
+from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -64,6 +64,7 @@ class StageCosts:
     sends: tuple[tuple[int, int], ...]  # (consumer stage, bytes) of activations sent forward
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
     allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
+    largest_param_bytes: int = 0  # the stage's largest parameter (its gradient temporary; planner.memory)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 saved_bytes=sum(layer.saved_bytes for layer in layers),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 step_ms=sum(update[i] for i in stage.layers),
+                largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
             )
         )
     return out
@@ -349,7 +351,9 @@ def simulate(
     if lanes > 1:
         kind = schedule_kind(name)
         stages = [_all_lanes(sim, lanes, costs[sim.stage], plan,
-                             kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions])
+                             kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions],
+                             _temporary_bytes(costs, sim.stage, positions, micro,
+                                              replicas[sim.stage % positions], plan))
                   for sim in stages]
     return SimResult(
         schedule=name,
@@ -384,13 +388,23 @@ def _one_lane(plan: Plan) -> Plan:
     return replace(plan, stages=stages)
 
 
-def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, plan: Plan, versions: int, replicas: int) -> StageSim:
+def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, plan: Plan, versions: int, replicas: int,
+               temporary_bytes: float) -> StageSim:
     """A stage's figures from one lane (``_lanes``): the same busy time per replica; the
     micro-batches held at the peak, the same count, are 1/lanes as much of a minibatch."""
     in_flight = sim.in_flight / lanes
     memory = stage_memory_bytes(costs.param_bytes, costs.saved_bytes, versions, in_flight, plan.optimizer,
-                                plan.precision)
+                                plan.precision, temporary_bytes)
     return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
+
+
+def _temporary_bytes(costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, replicas: int,
+                     plan: Plan) -> float:
+    """Model stage ``q``'s gradient temporary (``planner.memory``): a device's, charged to its first chunk."""
+    if q >= positions:
+        return 0.0
+    largest = max(c.largest_param_bytes for c in costs[q::positions])
+    return float(gradient_temporary_bytes(largest, microbatches, replicas, plan.precision))
 
 
 def simulate_plan(
@@ -461,7 +475,8 @@ def _stage_figures(
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
         memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer,
-                                    plan.precision)
+                                    plan.precision, _temporary_bytes(costs, q, positions, schedule.microbatches,
+                                                                     schedule.stage_replicas[i], plan))
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
         idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(

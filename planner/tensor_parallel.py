@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
-from pipeplan.profile import Profile
+from pipeplan.profile import LayerProfile, Profile
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import ring_allreduce_ms
 
@@ -121,6 +121,7 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
             + layer.tp_backward_allreduces * ar,
             param_bytes=layer.param_bytes - layer.tp_split_param_bytes + math.ceil(layer.tp_split_param_bytes / t),
             saved_bytes=layer.saved_bytes - layer.tp_split_saved_bytes + math.ceil(layer.tp_split_saved_bytes / t),
+            largest_param_bytes=_largest_after_split(layer, t),
             tp_units=0, tp_split_forward_ms=0.0, tp_split_backward_ms=0.0, tp_split_param_bytes=0,
             tp_split_saved_bytes=0, tp_allreduce_bytes=0, tp_forward_allreduces=0, tp_backward_allreduces=0,
         ))
@@ -211,3 +212,13 @@ def _group_of(topology: Topology, t: int, rank: int) -> int:
     """The group (device of the group topology) holding global ``rank``."""
     inner = topology.levels[0].count
     return (rank // inner) * (inner // t) + (rank % inner) // t
+
+
+def _largest_after_split(layer: LayerProfile, t: int) -> int:
+    """A bound on the largest parameter a rank holds of ``layer`` split t ways: a split
+    weight's shard, or a weight left whole (no larger than the bytes left whole)."""
+    if not layer.largest_param_bytes:
+        return 0  # not recorded: the planner reads the layer's whole (split) bytes
+    whole = layer.param_bytes - layer.tp_split_param_bytes
+    return max(math.ceil(min(layer.largest_param_bytes, layer.tp_split_param_bytes) / t),
+               min(layer.largest_param_bytes, whole))

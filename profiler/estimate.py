@@ -197,6 +197,7 @@ def _embedding(shape: GPTShape, tokens: int, run: _Rates, size: _Bytes) -> Layer
         size((shape.vocab + shape.seq_len) * h), tokens * 8, model_inputs=(0,),
         tp_units=shape.vocab, tp_split_param_bytes=size(shape.vocab * h),
         tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_forward_allreduces=1,
+        largest_param_bytes=size(shape.vocab * h),
     )
 
 
@@ -226,6 +227,7 @@ def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: boo
         tp_units=a, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
         tp_split_param_bytes=size(12 * h * h + 7 * h), tp_split_saved_bytes=split_saved,
         tp_allreduce_bytes=activation, tp_forward_allreduces=2, tp_backward_allreduces=2 + (2 if recompute else 0),
+        largest_param_bytes=size(4 * h * h),  # each MLP GEMM's weight (h x 4h)
     )
 
 
@@ -242,4 +244,5 @@ def _head(shape: GPTShape, tokens: int, run: _Rates, index: int, size: _Bytes) -
         tp_units=v, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
         tp_split_param_bytes=size(v * h), tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
         tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_backward_allreduces=1,
+        largest_param_bytes=size(v * h),
     )

@@ -28,7 +28,8 @@ from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.measure import Progress, loss_backward
-from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes, storage_key
+from pipeplan.profiler.memory import (SavedTensorCounter, count_saved, largest_param_bytes, output_bytes,
+                                     param_bytes, storage_key)
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
 
@@ -96,7 +97,8 @@ def measure_layerwise(
                 loss = _time_loss(outputs[-1], targets, loss_fn, timer, warmup, repeats)
             layers.append(_layer_profile(graph.layers[position], reuse, position, produced,
                                          param_bytes(stage.module.parameters()), saved,
-                                         tuple(sorted(set(stage.parameter_names.values())))))
+                                         tuple(sorted(set(stage.parameter_names.values()))),
+                                         largest_param_bytes(stage.module.parameters())))
             for name, value in zip(stage.output_names, outputs):
                 values[name] = _detached(value)
             del outputs, args, counter
@@ -235,7 +237,7 @@ def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], ti
 
 
 def _layer_profile(node: Any, timed: _Timed, position: int, produced: int, params: int, saved: int,
-                   names: tuple[str, ...]) -> LayerProfile:
+                   names: tuple[str, ...], largest: int) -> LayerProfile:
     return LayerProfile(
         index=node.index, name=node.name, type=node.type, inputs=tuple(node.inputs),
         forward_ms=timed.forward.median, backward_ms=timed.backward.median,
@@ -243,4 +245,5 @@ def _layer_profile(node: Any, timed: _Timed, position: int, produced: int, param
         forward_ms_spread=timed.forward.spread, backward_ms_spread=timed.backward.spread,
         model_inputs=tuple(node.model_inputs),
         reused_from=-1 if timed.index == position else timed.index, parameters=names,
+        largest_param_bytes=largest,
     )

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.memory import SavedTensorCounter, count_saved, output_bytes, param_bytes
+from pipeplan.profiler.memory import SavedTensorCounter, count_saved, largest_param_bytes, output_bytes, param_bytes
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 __all__ = [
@@ -59,6 +59,7 @@ class LayerMeasurement:
     output_bytes: int
     param_bytes: int
     saved_bytes: int
+    largest_param_bytes: int = 0
 
 
 @dataclass
@@ -324,6 +325,7 @@ def measure_stages(
             output_bytes=counted.output_bytes[position],
             param_bytes=param_bytes(stage.module.parameters()),
             saved_bytes=counted.saved_bytes[position],
+            largest_param_bytes=largest_param_bytes(stage.module.parameters()),
         )
         for position, stage in enumerate(stages)
     ]
@@ -384,6 +386,7 @@ def measure_layers(
             backward_ms_spread=layer.backward.spread,
             model_inputs=tuple(node.model_inputs),
             parameters=tuple(sorted(set(stage.parameter_names.values()))),
+            largest_param_bytes=layer.largest_param_bytes,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -59,6 +59,11 @@ def param_bytes(parameters: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
+def largest_param_bytes(parameters: Iterable[Any]) -> int:
+    """Bytes of the largest parameter (0 for none): the gradient temporary autograd makes for it."""
+    return max((tensor_bytes(parameter) for parameter in parameters), default=0)
+
+
 def storage_key(tensor: Any) -> int:
     """Identity of the memory behind ``tensor``: its untyped storage's data pointer."""
     try:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from pipeplan.errors import InputError
@@ -21,3 +23,25 @@ def test_memory_formula():
     assert (memory, versions, in_flight) == (200 + 10, 1, 1.0)
     with pytest.raises(InputError):
         stage_memory_bytes(1, 1, 1, 1, "lion")
+
+
+def test_a_stage_that_accumulates_holds_its_largest_gradient_temporary():
+    from pipeplan.planner.memory import gradient_temporary_bytes
+    from pipeplan.precision import Precision
+
+    mixed = Precision("bfloat16", "float32")
+    # one micro-batch per replica: autograd keeps the new gradient as .grad, no temporary
+    assert gradient_temporary_bytes(64, microbatches=1, replicas=1) == 0.0
+    assert gradient_temporary_bytes(64, microbatches=2, replicas=2) == 0.0
+    # a replica running two or more backwards adds each later gradient into .grad
+    assert gradient_temporary_bytes(64, microbatches=3, replicas=2) == 64
+    # mixed precision: every backward's bf16 gradient is added into the float32 master's
+    assert gradient_temporary_bytes(64, microbatches=1, replicas=1, precision=mixed) == 64
+    flush = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=4, largest_param_bytes=60)
+    assert flush == (200 + 10 * 2 / 4 + 60, 1, 0.5)  # 2 of 4 micro-batches in flight: half a minibatch
+    single = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=1, largest_param_bytes=60)
+    assert single == (200 + 10, 1, 1.0)
+    # an interleaved device's temporary is charged once, to its first chunk
+    first = plan_stage_memory("interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=0, largest_param_bytes=60)
+    second = plan_stage_memory("interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=1, largest_param_bytes=60)
+    assert (first[0], second[0]) == (math.ceil(200 + 10 * first[2] + 60), math.ceil(200 + 10 * second[2]))

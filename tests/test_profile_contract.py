@@ -59,6 +59,10 @@ def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
         layer.pop("forward_ms_spread")
     profile = Profile.from_dict(raw)
     assert profile.loss_ms == 0.0 and profile.step_saved_bytes == 0 and profile.layers[0].model_inputs == ()
+    # no largest parameter recorded: the planner charges the layer's whole parameter bytes
+    assert profile.layers[1].largest_param_bytes == 0 and profile.layers[1].largest_tensor_bytes == 2048
+    recorded = replace(make_profile().layers[1], largest_param_bytes=1536)
+    assert recorded.largest_tensor_bytes == 1536
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,7 @@ def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
         (lambda raw: raw["layers"][1].update(index=5), "layer at position 1 has index 5"),
         (lambda raw: raw["layers"][1].update(inputs=[1]), "has input 1, which is not an earlier layer"),
         (lambda raw: raw["layers"][0].update(saved_bytes=-1), "saved_bytes = -1"),
+        (lambda raw: raw["layers"][1].update(largest_param_bytes=4096), "largest_param_bytes = 4096 is outside [0, 2048]"),
         (lambda raw: raw["layers"][0].update(forward_ms=float("nan")), "NaN is not a JSON number"),
         (lambda raw: raw.update(batch_size=0), "batch_size must be positive (got 0)"),
         (lambda raw: raw.update(layers=[]), "profile has no layers"),

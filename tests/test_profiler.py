@@ -47,6 +47,9 @@ def test_linear_1024_4096_bytes_are_exact() -> None:
     assert first.model_inputs == (0,) and linear.inputs == (0,)
     # ReLU saves its own (32, 4096) result
     assert (relu.output_bytes, relu.param_bytes, relu.saved_bytes) == (LINEAR_OUT, 0, LINEAR_OUT)
+    # the largest parameter, the planner's gradient temporary: the weight, not the bias
+    assert (first.largest_param_bytes, linear.largest_param_bytes, relu.largest_param_bytes) == (
+        1024 * 1024 * 4, 1024 * 4096 * 4, 0)
     for layer in layers:
         assert layer.forward_ms > 0 and layer.backward_ms > 0
     assert measured.loss.median > 0 and measured.step.median > 0

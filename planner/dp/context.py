@@ -37,6 +37,9 @@ class DPSettings:
     # then not all charged
     flush_in_flight: float = 1.0
     precision: Precision = Precision()  # the profile's (bf16: float32 masters charged; planner.memory)
+    # every stage's gradient temporary is charged at the model's largest (a bound; the plan's
+    # figures charge each stage its own: planner.memory.gradient_temporary_bytes)
+    temporary_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,8 @@ def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarr
         versions, in_flight = tau + 1, float(tau + 1)
     else:
         versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
-    return params * parameter_copies(versions, settings.optimizer, settings.precision) + saved * in_flight
+    return (params * parameter_copies(versions, settings.optimizer, settings.precision) + saved * in_flight
+            + settings.temporary_bytes)
 
 
 def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
