@@ -19,6 +19,7 @@ Prints tables and writes JSON (``--out``, default bench/results/memory.json).
 
     python bench/bench_memory.py
     python bench/bench_memory.py --depths --ranks 2 4 --microbatches 2   # the run tables only
+    python bench/bench_memory.py --depths --dtype bfloat16 --optimizer adam   # mixed precision, Adam
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def _env(blocks: int, width: int, threads: int) -> dict[str, str]:
 
 
 def profile_peak(blocks: int, width: int, build: str, batch_size: int, threads: int, folder: Path,
-                 timeout_s: float = 1800.0) -> dict[str, Any]:
+                 timeout_s: float = 1800.0, dtype: str = "float32") -> dict[str, Any]:
     """Peak RSS of one ``pipeplan profile`` (and the profile it wrote)."""
-    out = folder / f"profile-{build}-{blocks}.json"
+    out = folder / f"profile-{build}-{blocks}-{dtype}.json"
     command = [sys.executable, "-m", "pipeplan", "profile", MODEL, "--build", build, "--device", "cpu",
-               "-b", str(batch_size), "--warmup", "1", "--repeats", "3", "--threads", str(threads), "-o", str(out)]
+               "-b", str(batch_size), "--warmup", "1", "--repeats", "3", "--threads", str(threads),
+               "--dtype", dtype, "-o", str(out)]
     if build == "meta":
         command.append("--no-whole-step")  # layers only: the flat line
     peak = _own_peak_rss(command, _env(blocks, width, threads), timeout_s)
@@ -98,22 +100,28 @@ def stage_layers(blocks: int, ranks: int) -> list[list[int]]:
 
 
 def planned_plan(blocks: int, width: int, ranks: int, batch_size: int, microbatches: int, threads: int,
-                 folder: Path, timeout_s: float = 1800.0) -> Any:
-    """The run's plan, each stage's ``memory_bytes`` the planner's rule on a profile at the micro-batch size."""
+                 folder: Path, timeout_s: float = 1800.0, dtype: str = "float32", optimizer: str = "sgd") -> Any:
+    """The run's plan, each stage's ``memory_bytes`` the planner's rule on a profile at the
+    micro-batch size (``dtype`` bfloat16: mixed precision, float32 masters)."""
     from pipeplan.planner.memory import plan_stage_memory
+    from pipeplan.precision import Precision
     from pipeplan.profile import Profile
 
-    reference = profile_peak(blocks, width, "meta", batch_size // microbatches, threads, folder, timeout_s)
+    reference = profile_peak(blocks, width, "meta", batch_size // microbatches, threads, folder, timeout_s, dtype)
     profile = Profile.load(reference["profile"])
     os.environ.update(_env(blocks, width, threads))  # make_plan builds the model in this process
     layers = stage_layers(blocks, ranks)
-    plan = make_plan(MODEL, layers, [1] * ranks, "1f1b-flush", batch_size=batch_size, microbatches=microbatches)
+    plan = make_plan(MODEL, layers, [1] * ranks, "1f1b-flush", batch_size=batch_size, microbatches=microbatches,
+                     optimizer=optimizer)
+    plan = dataclasses.replace(plan, dtype=profile.dtype, master_dtype=profile.master_dtype)
     stages = []
     for stage, share in zip(plan.stages, layers):
         params = sum(profile.layers[i].param_bytes for i in share)
         saved = sum(profile.layers[i].saved_bytes for i in share)
-        memory, _, in_flight = plan_stage_memory("1f1b-flush", [1] * ranks, stage.index, params, saved, "sgd",
-                                                 microbatches)
+        largest = max(profile.layers[i].largest_tensor_bytes for i in share)
+        memory, _, in_flight = plan_stage_memory("1f1b-flush", [1] * ranks, stage.index, params, saved, optimizer,
+                                                 microbatches, precision=Precision(profile.dtype, profile.master_dtype),
+                                                 largest_param_bytes=largest)
         stages.append(dataclasses.replace(stage, memory_bytes=memory, in_flight=max(1, int(in_flight))))
     return dataclasses.replace(plan, stages=tuple(stages))
 
@@ -149,13 +157,15 @@ def held(stage: dict[str, Any]) -> int:
 
 
 def check_ranks(blocks: int, width: int, ranks: int, batch_size: int, microbatches: int, threads: int, steps: int,
-                folder: Path, timeout_s: float = 1800.0) -> dict[str, Any]:
+                folder: Path, timeout_s: float = 1800.0, dtype: str = "float32",
+                optimizer: str = "sgd") -> dict[str, Any]:
     """One launch of the model and one of a few-KiB model of the same shape: held vs planned per rank."""
-    plan = planned_plan(blocks, width, ranks, batch_size, microbatches, threads, folder, timeout_s)
+    plan = planned_plan(blocks, width, ranks, batch_size, microbatches, threads, folder, timeout_s, dtype, optimizer)
     stages = run_ranks(plan, blocks, width, threads, steps, folder, timeout_s)
     os.environ.update(_env(ranks, 8, threads))  # one block of width 8 per rank: a few KiB
     tiny = make_plan(MODEL, stage_layers(ranks, ranks), [1] * ranks, "1f1b-flush", batch_size=batch_size,
-                     microbatches=microbatches)
+                     microbatches=microbatches, optimizer=optimizer)
+    tiny = dataclasses.replace(tiny, dtype=plan.dtype, master_dtype=plan.master_dtype)
     overhead = [held(s) for s in run_ranks(tiny, ranks, 8, threads, steps, folder, timeout_s)]
     rows = []
     for stage in stages:
@@ -164,7 +174,7 @@ def check_ranks(blocks: int, width: int, ranks: int, batch_size: int, microbatch
                      "peak_bytes": stage["peak_memory_bytes"], "runtime_bytes": overhead[stage["rank"]],
                      "held_bytes": own, "planned_bytes": stage["predicted_memory_bytes"],
                      "held_over_planned": own / stage["predicted_memory_bytes"]})
-    return {"ranks": ranks, "microbatches": microbatches, "per_rank": rows,
+    return {"ranks": ranks, "microbatches": microbatches, "dtype": dtype, "optimizer": optimizer, "per_rank": rows,
             "worst_held_over_planned": max((r["held_over_planned"] for r in rows), key=lambda x: abs(x - 1.0))}
 
 
@@ -178,6 +188,9 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="of the runs (bfloat16: mixed precision, float32 masters)")
+    parser.add_argument("--optimizer", choices=("sgd", "momentum", "adam", "adamw"), default="sgd")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory.json"))
     args = parser.parse_args()
     console = Console(width=140)
@@ -194,10 +207,12 @@ def main() -> None:
                           format_bytes(eager["peak_rss_bytes"]))
         if profiles:
             console.print(table)
-        runs = [check_ranks(args.run_blocks, args.width, ranks, args.batch_size, micro, args.threads, args.steps, folder)
+        runs = [check_ranks(args.run_blocks, args.width, ranks, args.batch_size, micro, args.threads, args.steps, folder,
+                            dtype=args.dtype, optimizer=args.optimizer)
                 for micro in args.microbatches for ranks in args.ranks]
     table = Table(title=f"pipeplan run --build meta: what each rank holds against the plan ({args.run_blocks} blocks "
-                        f"of width {args.width}, batch {args.batch_size}, 1f1b-flush, sgd, {args.steps} steps)")
+                        f"of width {args.width}, batch {args.batch_size}, 1f1b-flush, {args.optimizer}, {args.dtype}, "
+                        f"{args.steps} steps)")
     for column in ("micro-batches", "ranks", "peak - baseline", "runtime's own", "held for the stage", "planned",
                    "held / planned"):
         table.add_column(column, justify="right")
@@ -211,8 +226,9 @@ def main() -> None:
                       ", ".join(f"{r['held_over_planned']:.2f}" for r in rows))
     if runs:
         console.print(table)
-    result = {"schema": "pipeplan.bench.memory/2", "machine": platform.platform(), "width": args.width,
+    result = {"schema": "pipeplan.bench.memory/3", "machine": platform.platform(), "width": args.width,
               "batch_size": args.batch_size, "microbatches": args.microbatches, "threads": args.threads,
+              "dtype": args.dtype, "optimizer": args.optimizer,
               "profiles": [{k: v for k, v in p.items() if k != "profile"} for p in profiles],
               "run_blocks": args.run_blocks, "steps": args.steps, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
