@@ -110,11 +110,34 @@ class LayerArrays:
         layers = list(self.cut_family.stage_layers(i, j))
         return float(self.largest_param_bytes[layers].max()) if layers else 0.0
 
-    @property
-    def largest_any(self) -> float:
-        """Bytes of the model's largest parameter: a bound on every stage's ``largest``."""
-        return float(self.largest_param_bytes.max()) if self.largest_param_bytes is not None and \
-            len(self.largest_param_bytes) else 0.0
+    def largest_range(self, starts: Any, ends: Any) -> np.ndarray:
+        """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
+        elementwise). A stage holds a layer of at least size v when the count of such layers
+        differs between its two states (counts are sums over states, as the bytes are); the
+        largest such v is found by bisection over the distinct sizes: O(states x sizes) for
+        the counts, O(log sizes) array passes."""
+        starts, ends = np.broadcast_arrays(np.asarray(starts), np.asarray(ends))
+        values = self.largest_param_bytes
+        if values is None or not np.any(values > 0):
+            return np.zeros(starts.shape)
+        sizes = np.unique(values)[::-1]
+        sizes = sizes[sizes > 0]
+        at_least = (values[:, None] >= sizes[None, :]).astype(np.float64)  # layer x size (descending)
+        family = self.cut_family
+        if family.masks is None:
+            counts = np.vstack([np.zeros(len(sizes)), np.cumsum(at_least, axis=0)])
+        else:
+            counts = family.masks.astype(np.float64) @ at_least
+
+        def holds(k: np.ndarray) -> np.ndarray:
+            return counts[ends, k] - counts[starts, k] > 0.5
+
+        low, high = np.zeros(starts.shape, dtype=np.intp), np.full(starts.shape, len(sizes) - 1, dtype=np.intp)
+        while np.any(open_ := low < high):  # the first (largest) size the stage holds
+            middle = (low + high) // 2
+            found = holds(middle)
+            high, low = np.where(open_ & found, middle, high), np.where(open_ & ~found, middle + 1, low)
+        return np.where(holds(low), sizes[low], 0.0)
 
 
 def _prefix(values: list[float]) -> np.ndarray:

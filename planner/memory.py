@@ -75,23 +75,23 @@ def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_fli
     return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight + temporary_bytes
 
 
-def gradient_temporary_bytes(largest_param_bytes: Any, microbatches: int, replicas: int,
-                             precision: Precision = Precision()) -> Any:
-    """Bytes of the gradient temporary a replica holds at its peak, beside its kept gradients.
+def gradient_temporary_bytes(largest_param_bytes: Any, microbatches: int, precision: Precision = Precision()) -> Any:
+    """Bytes of the gradient temporary a stage holds at its peak, beside its kept gradients.
 
     A backward computes each parameter's gradient into a new tensor. A replica's first
     micro-batch keeps it as ``.grad``; each later one's is a temporary that autograd adds
-    into ``.grad`` and frees, so it accumulates (more micro-batches than replicas) only
-    then. Under mixed precision every backward's compute-dtype gradient is such a
-    temporary, added into the float32 master's (``pipeplan.runtime.mixed_precision``). One
-    exists at a time: the largest parameter's, at worst (``LayerProfile.largest_param_bytes``,
-    in the profile's dtype). pipeplan's optimizers step fused (``pipeplan.optimizers``), so
-    the step adds none.
+    into ``.grad`` and frees. Under mixed precision every backward's compute-dtype gradient
+    is such a temporary, added into the float32 master's (``pipeplan.runtime.mixed_precision``).
+    One exists at a time: the largest parameter's, at worst (``LayerProfile.largest_param_bytes``,
+    in the profile's dtype; elementwise on numpy arrays). Charged whenever a minibatch has more
+    than one micro-batch, also to a replica that runs only one of them (a bound, kept so the
+    charge does not depend on the replicas). pipeplan's optimizers step fused
+    (``pipeplan.optimizers``): the step adds none.
 
-    >>> gradient_temporary_bytes(64, microbatches=1, replicas=1), gradient_temporary_bytes(64, 4, 2)
+    >>> gradient_temporary_bytes(64, microbatches=1), gradient_temporary_bytes(64, microbatches=4)
     (0.0, 64)
     """
-    return largest_param_bytes if precision.mixed or microbatches > replicas else 0.0
+    return largest_param_bytes if precision.mixed or microbatches > 1 else 0.0
 
 
 def in_flight_after(devices_from_stage: int, replicas: int) -> int:
@@ -130,7 +130,6 @@ def plan_stage_memory(
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
-    temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches,
-                                                           stage_replicas[stage], precision)
+    temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches, precision)
     memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary)
     return int(math.ceil(memory)), versions, in_flight

@@ -68,7 +68,7 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     return [
         stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer,
                            precision, gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches,
-                                                               topology.world_size, precision))
+                                                               precision))
         for layer in profile.layers
     ]
 
@@ -112,7 +112,7 @@ def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionO
     settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
                           options.use_fewer_devices, options.memory_check,
                           flush_in_flight(options, arrays.layers, topology.world_size), arrays.precision,
-                          gradient_temporary_bytes(arrays.largest_any, options.microbatches, 1, arrays.precision))
+                          microbatches=options.microbatches)
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()

@@ -352,8 +352,7 @@ def simulate(
         kind = schedule_kind(name)
         stages = [_all_lanes(sim, lanes, costs[sim.stage], plan,
                              kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions],
-                             _temporary_bytes(costs, sim.stage, positions, micro,
-                                              replicas[sim.stage % positions], plan))
+                             _temporary_bytes(costs, sim.stage, positions, micro, plan))
                   for sim in stages]
     return SimResult(
         schedule=name,
@@ -398,13 +397,12 @@ def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, plan: Plan, version
     return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
 
 
-def _temporary_bytes(costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, replicas: int,
-                     plan: Plan) -> float:
+def _temporary_bytes(costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, plan: Plan) -> float:
     """Model stage ``q``'s gradient temporary (``planner.memory``): a device's, charged to its first chunk."""
     if q >= positions:
         return 0.0
     largest = max(c.largest_param_bytes for c in costs[q::positions])
-    return float(gradient_temporary_bytes(largest, microbatches, replicas, plan.precision))
+    return float(gradient_temporary_bytes(largest, microbatches, plan.precision))
 
 
 def simulate_plan(
@@ -475,8 +473,7 @@ def _stage_figures(
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
         memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer,
-                                    plan.precision, _temporary_bytes(costs, q, positions, schedule.microbatches,
-                                                                     schedule.stage_replicas[i], plan))
+                                    plan.precision, _temporary_bytes(costs, q, positions, schedule.microbatches, plan))
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
         idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(

@@ -146,3 +146,35 @@ def test_tensor_parallel_all_reduces_stay_bf16_and_the_replicas_sync_float32() -
     assert [(s.tensor_parallel, s.replicas) for s in got["mixed"].stages] == [(2, 4)]
     assert got["mixed"].stages[0].allreduce_ms == pytest.approx(2 * got["pure"].stages[0].allreduce_ms, rel=1e-12)
     assert got["pure"].stages[0].allreduce_ms > 0
+
+
+@pytest.mark.parametrize("dag", [False, True])
+def test_largest_range_is_each_stages_largest_parameter(dag: bool) -> None:
+    """The DP's vectorised largest parameter per stage (bisection over the distinct sizes)
+    equals the stage's own maximum over its layers, on a chain and on a DAG's downsets."""
+    import random
+
+    import numpy as np
+
+    from pipeplan.planner.cuts import cut_family
+
+    rng = random.Random(7)
+    n = 9
+    sizes = [rng.choice([0, 4, 16, 16, 64, 256]) for _ in range(n)]
+    # the DAG: two branches from layer 0 (odd and even layers), joined by the last
+    inputs = [(i - 2,) if dag and i >= 2 else (max(i - 1, 0),) for i in range(n)]
+    inputs[-1] = (n - 3, n - 2) if dag else (n - 2,)
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "x", () if i == 0 else inputs[i], 1.0, 2.0, 4, 3 * s, 0, largest_param_bytes=s)
+        for i, s in enumerate(sizes)
+    )
+    profile = Profile("m", "f", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    family = cut_family(profile)
+    assert family.is_prefix is (not dag)
+    arrays = layer_arrays(profile, family=family)
+    states = len(arrays.param_bytes)
+    pairs = [(i, j) for i in range(states) for j in range(i + 1, states) if arrays.nested(i, j)]
+    got = arrays.largest_range(np.array([i for i, _ in pairs]), np.array([j for _, j in pairs]))
+    want = [max([sizes[k] for k in family.stage_layers(i, j)], default=0) for i, j in pairs]
+    assert len(pairs) > n and list(got) == want
+    assert [arrays.largest(i, j) for i, j in pairs] == want

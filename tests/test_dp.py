@@ -143,7 +143,8 @@ def test_dp_equals_exhaustive(case):
     for q, stage in enumerate(plan.stages):  # never a memory-infeasible plan
         memory, _, _ = plan_stage_memory(options.schedule, replicas, q, sum(l.param_bytes for l in profile.layers[stage.layer_start:stage.layer_end]),
                                          sum(l.saved_bytes for l in profile.layers[stage.layer_start:stage.layer_end]), options.optimizer,
-                                         precision=plan.precision)
+                                         precision=plan.precision, largest_param_bytes=max(
+                                             l.largest_tensor_bytes for l in profile.layers[stage.layer_start:stage.layer_end]))
         assert memory == stage.memory_bytes
         if options.memory_check:
             assert memory <= topology.device.memory_bytes

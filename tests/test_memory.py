@@ -30,13 +30,12 @@ def test_a_stage_that_accumulates_holds_its_largest_gradient_temporary():
     from pipeplan.precision import Precision
 
     mixed = Precision("bfloat16", "float32")
-    # one micro-batch per replica: autograd keeps the new gradient as .grad, no temporary
-    assert gradient_temporary_bytes(64, microbatches=1, replicas=1) == 0.0
-    assert gradient_temporary_bytes(64, microbatches=2, replicas=2) == 0.0
-    # a replica running two or more backwards adds each later gradient into .grad
-    assert gradient_temporary_bytes(64, microbatches=3, replicas=2) == 64
+    # one micro-batch: autograd keeps the new gradient as .grad, no temporary
+    assert gradient_temporary_bytes(64, microbatches=1) == 0.0
+    # two or more: each later gradient is added into .grad
+    assert gradient_temporary_bytes(64, microbatches=3) == 64
     # mixed precision: every backward's bf16 gradient is added into the float32 master's
-    assert gradient_temporary_bytes(64, microbatches=1, replicas=1, precision=mixed) == 64
+    assert gradient_temporary_bytes(64, microbatches=1, precision=mixed) == 64
     flush = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=4, largest_param_bytes=60)
     assert flush == (200 + 10 * 2 / 4 + 60, 1, 0.5)  # 2 of 4 micro-batches in flight: half a minibatch
     single = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=1, largest_param_bytes=60)

@@ -117,7 +117,8 @@ def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: D
     if settings.straight and topology.world_size > 1:
         return INF
     params, saved = arrays.param_bytes[-1:] - arrays.param_bytes[:1], arrays.saved_bytes[-1:] - arrays.saved_bytes[:1]
-    if settings.memory_check and float(_device_need_bytes(settings, params, saved, 0)[0]) > topology.device.memory_bytes:
+    whole = arrays.largest_range(np.array([0]), np.array([len(arrays.param_bytes) - 1]))
+    if settings.memory_check and float(_device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes:
         return INF
     value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
     grads = params * arrays.precision.gradient_ratio
@@ -140,7 +141,9 @@ def _some_layer_never_fits(ctx: _Context) -> bool:
     if not ctx.settings.memory_check:
         return False
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
-    need = _device_need_bytes(ctx.settings, params, saved, 0)  # _device_table at tau = 0 for single layers
+    states = np.arange(len(ctx.arrays.param_bytes))
+    largest = ctx.arrays.largest_range(states[:-1], states[1:])
+    need = _device_need_bytes(ctx.settings, params, saved, 0, largest)  # _device_table at tau = 0 for single layers
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
@@ -157,7 +160,8 @@ def _fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings
     while start < n:
         ends = np.arange(start + 1, n + 1)
         need = _device_need_bytes(settings, arrays.param_bytes[ends] - arrays.param_bytes[start],
-                                  arrays.saved_bytes[ends] - arrays.saved_bytes[start], 0)
+                                  arrays.saved_bytes[ends] - arrays.saved_bytes[start], 0,
+                                  arrays.largest_range(np.full(len(ends), start), ends))
         fits = int(np.searchsorted(need > memory, True))  # need grows with the end: a prefix of ends fits
         if fits == 0:
             return INF

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
-from pipeplan.planner.memory import parameter_copies
+from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
@@ -37,9 +37,9 @@ class DPSettings:
     # then not all charged
     flush_in_flight: float = 1.0
     precision: Precision = Precision()  # the profile's (bf16: float32 masters charged; planner.memory)
-    # every stage's gradient temporary is charged at the model's largest (a bound; the plan's
-    # figures charge each stage its own: planner.memory.gradient_temporary_bytes)
-    temporary_bytes: float = 0.0
+    # micro-batches per minibatch: more than one charges each stage's gradient temporary
+    # (planner.memory.gradient_temporary_bytes)
+    microbatches: int = 1
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class _Context:
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
         self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
         self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
+        self.largest = arrays.largest_range(s_idx, e_idx)
         self.cut = np.zeros(self.rows)
         self.cut[: n + 1] = arrays.cut_bytes
         self.limits: dict[int, np.ndarray] = {top: np.full((span + 1, self.rows), limit)}
@@ -272,14 +273,16 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
-def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int) -> np.ndarray:
-    """Bytes one device needs for ranges of ``params`` and ``saved`` bytes at ``tau``."""
+def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int,
+                       largest: np.ndarray) -> np.ndarray:
+    """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
+    parameters are ``largest``, at ``tau``."""
     if _tracks_tau(settings):
         versions, in_flight = tau + 1, float(tau + 1)
     else:
         versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
     return (params * parameter_copies(versions, settings.optimizer, settings.precision) + saved * in_flight
-            + settings.temporary_bytes)
+            + gradient_temporary_bytes(largest, settings.microbatches, settings.precision))
 
 
 def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
@@ -287,7 +290,7 @@ def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
     on one device at ``tau``; inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
     if ctx.settings.memory_check:
-        need = _device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau)
+        need = _device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
         time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
     return time
 
