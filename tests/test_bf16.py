@@ -70,7 +70,9 @@ def test_partition_of_a_bf16_profile_plans_mixed_precision_and_its_memory() -> N
 
     options = PartitionOptions(schedule="1f1b-flush", optimizer="adam", straight=True)
     mixed = _profile("bfloat16", "float32")  # what `profile --dtype bfloat16` writes
-    need = 2 * 2_000_000 * 9 + 2 * 1000  # 2 layers a stage, 1 M bf16 parameters each: 18 B/param
+    # 2 layers a stage, 1 M bf16 parameters each: 18 B/param, and one layer's bf16 gradient
+    # temporary (added into its float32 master's; the profile records no largest parameter)
+    need = 2 * 2_000_000 * 9 + 2 * 1000 + 2_000_000
     roomy = Topology("t", DeviceSpec("cpu", need + 4096, kind="cpu"), (Level("host", 2, 1e9, 0.0),))
     plan = partition(mixed, roomy, options)
     assert plan.master_dtype == "float32" and plan.dtype == "bfloat16"
@@ -222,8 +224,10 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
         planned = plan.stages[stage["stage"]]
         params = sum(profile.layers[i].param_bytes for i in planned.layers)
         saved = sum(profile.layers[i].saved_bytes for i in planned.layers)
+        largest = max(profile.layers[i].largest_param_bytes for i in planned.layers)
+        assert largest == 512 * 512 * 2  # the W x W weight in bf16: its gradient temporary
         rule, _, _ = plan_stage_memory("1f1b-flush", [1, 1], stage["stage"], params, saved, "adam", 2,
-                                       precision=MIXED)
+                                       precision=MIXED, largest_param_bytes=largest)
         assert stage["predicted_memory_bytes"] == planned.memory_bytes == rule
         assert stage["memory_kind"] == "rss" and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
 
