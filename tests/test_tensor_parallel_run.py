@@ -72,16 +72,23 @@ def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str
     _run_matches_single_process(tmp_path, model, replicas, stages)
 
 
-def _run_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
-    """Run ``tmp_path/plan.json`` on 4 ranks: norms, losses and every rank's whole parameters
-    equal one process's training on the same batches."""
-    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(STEPS), "--lr", str(LR),
+def _train_on_four_ranks(tmp_path: Path, model: str, lr: float) -> dict:
+    """``tmp_path/plan.json`` trained on 4 ranks for STEPS steps (clipped, recorded, logged):
+    each rank's record."""
+    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(STEPS), "--lr", str(lr),
                           "--clip-grad-norm", str(CLIP), "--no-progress", "--record", str(tmp_path / "rec"),
                           "--metrics", str(tmp_path / "metrics.json"), "--log-dir", str(tmp_path / "log")],
                       timeout=240.0)
     assert result.returncode == 0, result.stderr[-3000:]
     recs = records(tmp_path / "rec")
     assert sorted(recs) == [0, 1, 2, 3]
+    return recs
+
+
+def _run_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
+    """Run ``tmp_path/plan.json`` on 4 ranks: norms, losses and every rank's whole parameters
+    equal one process's training on the same batches."""
+    recs = _train_on_four_ranks(tmp_path, model, LR)
     ref = train_reference_loop(model, STEPS, BATCH, lambda p: torch.optim.SGD(p, lr=LR), clip_grad_norm=CLIP)
     assert min(ref["norms"]) > CLIP  # every step clips: the norm over split gradients counts
     assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(ref["norms"], rel=1e-5)
@@ -165,13 +172,7 @@ def test_llama_bf16_with_float32_masters_matches_the_mixed_precision_rule(tmp_pa
                      microbatches=2, tensor_parallel=[2, 2], dtype="bfloat16")
     assert (plan.dtype, plan.master_dtype) == ("bfloat16", "float32")
     plan.save(tmp_path / "plan.json")
-    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", LLAMA, "--steps", str(STEPS), "--lr", str(lr),
-                          "--clip-grad-norm", str(CLIP), "--no-progress", "--record", str(tmp_path / "rec"),
-                          "--metrics", str(tmp_path / "metrics.json"), "--log-dir", str(tmp_path / "log")],
-                      timeout=240.0)
-    assert result.returncode == 0, result.stderr[-3000:]
-    recs = records(tmp_path / "rec")
-    assert sorted(recs) == [0, 1, 2, 3]
+    recs = _train_on_four_ranks(tmp_path, LLAMA, lr)
     for rank, rec in recs.items():
         assert (rec["stage"], rec["replica"]) == (rank // 2, 0)
         assert rec["masters"] and {dtype for dtype, _ in rec["masters"].values()} == {"float32"}
