@@ -220,12 +220,6 @@ def _check_tensor_parallel(config: RunConfig) -> None:
             f"the plan splits stages tensor-parallel (t = {degrees[0]}); pipeplan runs that with "
             f"1f1b-flush, gpipe or interleaved-1f1b, not {config.schedule}"
         )
-    for flag, value in (("--checkpoint-dir", config.checkpoint_dir), ("--weights", config.weights)):
-        if value:
-            raise InputError(
-                f"{flag} with a tensor-parallel plan (t = {degrees[0]}) is not supported yet: "
-                f"pipeplan does not save or load split parameters"
-            )
 
 
 def run_training(config: RunConfig) -> dict[str, Any] | None:
@@ -340,6 +334,9 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
             parallelize_stage(chunk.module, splits, meshes[spec.stage_index]["tensor"])
         tp_context = partial(compute_context, env.device.split(":")[0])
     optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
+    tensor_mesh = (meshes[spec.stage_index]["tensor"]  # checkpoints gather split tensors over it
+                   if meshes is not None and spec.stage_index >= 0 and spec.tensor_parallel[spec.stage_index] > 1
+                   else None)
     period = steps_period(config.schedule, spec.replicas)
     across = kind.gradients != "stashed"  # 1F1B-RR: each stage's own norm
     grad_norm = (make_grad_norm(spec, env.rank, sync, config.clip_grad_norm, across, config.timeout_s, env.device)
@@ -402,7 +399,8 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
             record["digests"].append(_digests(module))
         every = config.checkpoint_every
         if config.checkpoint_dir and ((every and completed % every == 0) or completed == config.steps):
-            state.save(config, spec, module, optimizer, completed, identity, layout, scheduler)  # the final step always
+            state.save(config, spec, module, optimizer, completed, identity, layout, scheduler,  # the final step always
+                       tensor_mesh)
         progress.update(completed)
         fault(completed)
 
@@ -427,7 +425,7 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
         live.close(config.steps, config.timeout_s)
     if config.checkpoint_dir:
         dist.barrier()  # every rank saved its final step: prune with all their files in place
-        if spec.stage_index == 0 and spec.replica == 0:
+        if spec.stage_index == 0 and spec.replica == 0 and spec.tp_index == 0:
             store.prune_checkpoints(config.checkpoint_dir, identity.fingerprint, keep=2)
     if config.record_dir and module is not None:
         _write_record(config.record_dir, env.rank, spec, module, executor, record, stash, mixed)

@@ -143,24 +143,34 @@ def resume(config: Any, spec: Any, identity: Any, device: str, rank: int, module
                                                              and model_file.make_lr_scheduler is None)):
             apply_lr(optimizer, scheduler, config.lr)  # the built-in ones: this run's --lr, on the saved curve
         if same_plan:  # dropout continues as it would have
-            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica))
+            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica), spec.tp_index)
     return agreed
 
 
 def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
-          layout: dict[str, Any], scheduler: Any = None) -> None:
+          layout: dict[str, Any], scheduler: Any = None, tensor_mesh: Any = None) -> None:
     """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
 
     ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
     restored by ``resume`` under any plan (every stage steps it in lock step).
+    ``tensor_mesh``: this rank's tensor-parallel group where its stage's t > 1. Every rank
+    of the group takes part (collectives): replica 0's gather each split tensor whole, and
+    the group's first rank writes one folder holding the whole tensors (in its host memory
+    while it writes) and every rank's RNG state; the others write nothing.
     """
     from pipeplan.runtime.checkpoint import state as ckstate
     from pipeplan.runtime.checkpoint import store
+    from pipeplan.runtime.checkpoint.split import group_rng_states
 
     if module is None:
         return
+    writer = spec.tp_index == 0
     state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, scheduler,
-                               weights=spec.replica == 0)
+                               weights=spec.replica == 0, keep=writer)
+    rngs = group_rng_states(tensor_mesh) if tensor_mesh is not None else []
+    if not writer:
+        return
+    state.update({ckstate.rng_key(j): rng for j, rng in enumerate(rngs) if j > 0})
     manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
                 "minibatches": step * layout["minibatches_per_step"], "layout": layout}
     store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)

@@ -286,19 +286,106 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("schedule,extra,expected", [
     ("1f1b-rr", {}, "not 1f1b-rr"),
     ("2bw", {"dtype": "bfloat16"}, "not 2bw"),
-    ("1f1b-flush", {"checkpoint_dir": "ckpt"}, "--checkpoint-dir with a tensor-parallel plan"),
-    ("1f1b-flush", {"checkpoint_dir": "ckpt", "dtype": "bfloat16"}, "--checkpoint-dir with a tensor-parallel plan"),
-    ("gpipe", {"weights": "hf"}, "--weights with a tensor-parallel plan"),
-    ("gpipe", {"weights": "hf", "dtype": "bfloat16"}, "--weights with a tensor-parallel plan"),
+    ("zb-h1", {"checkpoint_dir": "ckpt", "weights": "hf"}, "not zb-h1"),
+    ("1f1b-flush", {"checkpoint_dir": "ckpt", "weights": "hf", "dtype": "bfloat16"}, None),
+    ("gpipe", {"checkpoint_dir": "ckpt", "resume": True}, None),
 ])
-def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, expected: str) -> None:
-    """In one line, in float32 as in bf16 mixed precision; mixed precision itself runs split."""
+def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, expected: str | None) -> None:
+    """In one line, in float32 as in bf16 mixed precision; mixed precision, checkpoints and
+    --weights run split (``None``: nothing refused)."""
     plan = make_plan(GPT2, [list(range(13))], [1], schedule, tensor_parallel=[2])
     config = RunConfig(plan=plan, model_path=GPT2, schedule=schedule, steps=1, lr=LR, optimizer="sgd",
                        microbatches=1, **extra)
+    if expected is None:
+        _check_tensor_parallel(config)
+        return
     with pytest.raises(InputError, match=expected) as exc:
         _check_tensor_parallel(config)
     _one_line(exc)
+
+
+def _llama_plans(tmp_path: Path, optimizer: str, **plans: tuple[int, int]) -> None:
+    """``tmp_path/<name>.json`` for each name -> (t, stages): 1F1B-Flush, 2 micro-batches, one replica."""
+    n = _layers(LLAMA)
+    for name, (t, stages) in plans.items():
+        cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
+        make_plan(LLAMA, cut, [1] * stages, "1f1b-flush", batch_size=BATCH, microbatches=2, optimizer=optimizer,
+                  tensor_parallel=[t] * stages).save(tmp_path / f"{name}.json")
+
+
+def _launch(ranks: int, tmp_path: Path, plan: str, *args: str) -> str:
+    """``pipeplan run tmp_path/<plan>.json`` on ``ranks`` gloo ranks (bounded); returns its stderr."""
+    result = torchrun(ranks, [str(tmp_path / f"{plan}.json"), "--model", LLAMA, "--lr", str(LR), "--no-progress",
+                              *args], timeout=240.0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+@pytest.mark.multiprocess
+def test_split_checkpoints_hold_whole_tensors_and_resume_under_any_plan(tmp_path: Path) -> None:
+    """Llama, SGD with momentum (its buffers are DTensors with the parameters' placements),
+    clipped: 2 steps at t=2 x p=2 (4 ranks) -> resumed at t=1 x p=2 (2 ranks) for steps 3-4 ->
+    resumed at t=2 x p=1 (2 ranks, one stage split whole) for steps 5-6. Each part's losses
+    and its parameters at its end equal one process's uninterrupted training; the first
+    checkpoint holds whole tensors in one folder per stage, with the RNG of the group's
+    second rank beside the first's."""
+    from pipeplan.runtime.checkpoint.state import CheckpointIndex
+
+    _llama_plans(tmp_path, "momentum", t2p2=(2, 2), t1p2=(1, 2), t2p1=(2, 1))
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--clip-grad-norm", str(CLIP)]
+    parts = [("t2p2", 4, 2), ("t1p2", 2, 4), ("t2p1", 2, 6)]
+    for plan, ranks, steps in parts:
+        resume = ["--resume"] if steps > 2 else []
+        err = _launch(ranks, tmp_path, plan, *ckpt, *resume, "--steps", str(steps), "--record",
+                      str(tmp_path / f"rec-{plan}"), "--metrics", str(tmp_path / f"{plan}.metrics.json"))
+        if resume:
+            assert f"resume: step {steps - 2} was saved under another plan" in err
+        if plan == "t2p2":
+            step = tmp_path / "ckpt" / "step-000002"
+            assert sorted(p.name for p in step.iterdir()) == ["stage-00-replica-0", "stage-00-replica-0.json",
+                                                            "stage-01-replica-0", "stage-01-replica-0.json"]
+            index = CheckpointIndex.of_step(str(tmp_path / "ckpt"), 2)
+            whole = {name: tuple(p.shape) for name, p in load_model_file(LLAMA).build().named_parameters()}
+            assert {k[len("model/"):]: tuple(e.size) for k, (_, e) in index.entries.items()
+                    if k.startswith("model/")} == whole
+            assert {k[len("optim/"):].rpartition("/")[0]: tuple(e.size) for k, (_, e) in index.entries.items()
+                    if k.endswith("/momentum_buffer")} == whole
+            assert len(index.holders["rng"]) == len(index.holders["rng/tensor-1"]) == 2
+    for plan, ranks, steps in parts:
+        ref = train_reference_loop(LLAMA, steps, BATCH, lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),
+                                   clip_grad_norm=CLIP)
+        metrics = json.loads((tmp_path / f"{plan}.metrics.json").read_text())
+        assert metrics["first_step"] == steps - 2
+        assert metrics["losses"] == pytest.approx(ref["losses"][steps - 2:], rel=1e-5), plan
+        recs = records(tmp_path / f"rec-{plan}")
+        assert sorted(recs) == list(range(ranks))
+        assert_params_match(recs, ref["params"])
+
+
+@pytest.mark.multiprocess
+def test_split_stages_start_from_pretrained_weights(tmp_path: Path) -> None:
+    """``--weights`` (a sharded ``save_pretrained`` folder of other weights than the run's seed)
+    at t=2 x p=2: the first loss is those weights' in one process, and one step ends where one
+    process's step from them ends (each rank kept its shards of the whole tensors)."""
+    model_file = load_model_file(LLAMA)
+    torch.manual_seed(123)
+    pretrained = model_file.build()
+    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="50KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    inputs, targets = model_file.batch(BATCH, 0)  # minibatch 0 of a seed-0 run
+    loss_tensor = model_file.loss_fn(inputs.call(pretrained), targets)
+    loss_tensor.backward()
+    loss = float(loss_tensor.detach())
+    with torch.no_grad():
+        torch.manual_seed(0)
+        seeded_loss = float(model_file.loss_fn(inputs.call(model_file.build()), targets))
+        stepped = {name: p - LR * p.grad for name, p in pretrained.named_parameters()}
+    assert abs(loss - seeded_loss) > 1e-3  # the check below can tell the two apart
+    _llama_plans(tmp_path, "sgd", t2p2=(2, 2))
+    _launch(4, tmp_path, "t2p2", "--weights", str(tmp_path / "hf"), "--steps", "1", "--record", str(tmp_path / "rec"),
+            "--metrics", str(tmp_path / "metrics.json"))
+    assert json.loads((tmp_path / "metrics.json").read_text())["losses"] == pytest.approx([loss], rel=1e-5)
+    assert_params_match(records(tmp_path / "rec"), stepped)
 
 
 def test_layer_layouts_count_megatrons_allreduces() -> None:

@@ -11,7 +11,8 @@ once, under one of its names (GPT-2 keeps ``transformer.wte.weight`` and drops
 ``lm_head.weight``), so each name is also looked up under every other name of the same
 tensor in the model (``tie_aliases``, from ``named_parameters(remove_duplicate=False)``):
 each stage holding a tied weight loads it from that one saved tensor. safetensors'
-``safe_open`` and DCP both read one tensor at a time, so a rank reads its stage's bytes only.
+``safe_open`` and DCP both read one tensor at a time, so a rank reads its stage's bytes only
+(a rank of a tensor-parallel stage reads each tensor whole and keeps its shard).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from pipeplan.errors import InputError, first_line
 from pipeplan.modelfile import ModelFile
+from pipeplan.runtime.checkpoint.split import copy_whole
 from pipeplan.runtime.checkpoint.state import CheckpointIndex
 from pipeplan.runtime.checkpoint.store import latest_complete_step, step_folders, step_problem
 
@@ -164,9 +166,8 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
         raise InputError(f"--weights {path} has no tensor {missing[0]} ({len(missing)} of this stage's "
                          f"parameters are missing); are these the weights of this model?")
     loaded = source.read(sorted(chosen))
-    with torch.no_grad():
-        for saved, holders in chosen.items():
-            for tensor in holders:
-                tensor.copy_(loaded[saved])
+    for saved, holders in chosen.items():
+        for tensor in holders:
+            copy_whole(tensor, loaded[saved])  # a split parameter: this rank's shard
     return len(loaded)
 

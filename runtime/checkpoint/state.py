@@ -6,6 +6,11 @@ Keys of what one rank saves (``rank_state``)::
     optim/<qualified name>/<key>       optimizer state of that parameter (exp_avg, step, ...)
     lr_scheduler                       the LR scheduler's state_dict (torch.save bytes)
     rng                                this rank's torch RNG state
+    rng/tensor-<j>                     the RNG state of rank j of its tensor-parallel group (j >= 1)
+
+Every tensor is saved whole, also where a tensor-parallel stage holds it split: the
+group's ranks gather it and its first rank writes it (``pipeplan.runtime.checkpoint.split``);
+a rank loading it keeps its own shard.
 
 Qualified names are the user's model's (``StageModule.parameter_names``), so a run under
 another plan (other stages, replicas, schedule, world size) finds each of its tensors in
@@ -25,10 +30,11 @@ import torch
 from torch import nn
 
 from pipeplan.errors import InputError, first_line
+from pipeplan.runtime.checkpoint.split import copy_whole, shard_like, whole
 from pipeplan.runtime.checkpoint.store import rank_folder, read_manifests
 
 __all__ = ["CheckpointIndex", "rank_state", "restore_rank", "load_model_tensors", "restore_rng",
-           "rank_state_names", "SCHEDULER_KEY"]
+           "rank_state_names", "rng_key", "SCHEDULER_KEY"]
 
 SCHEDULER_KEY = "lr_scheduler"
 _MODEL = "model/"
@@ -92,24 +98,38 @@ def rank_state_names(spec: Any) -> dict[str, str]:
     return names
 
 
+def rng_key(tp_index: int) -> str:
+    """The key of the RNG state of rank ``tp_index`` of a tensor-parallel group (``rng`` for the first)."""
+    return "rng" if tp_index == 0 else f"rng/tensor-{tp_index}"
+
+
 def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer | None,
-               scheduler: Any = None, weights: bool = True) -> dict[str, Any]:
+               scheduler: Any = None, weights: bool = True, keep: bool = True) -> dict[str, Any]:
     """This rank's state under qualified names (``names``: state_dict key -> qualified name).
 
     ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
+    A split (DTensor) tensor is gathered whole, one at a time: every rank of its
+    tensor-parallel group must call this, in the same order; ``keep=False`` (every rank
+    of the group but the writer) drops each gathered tensor at once and returns the RNG only.
     """
     state: dict[str, Any] = {"rng": torch.get_rng_state()}
     if not weights:
         return state
+
+    def put(key: str, value: Any) -> None:
+        value = whole(value)  # collective for a DTensor
+        if keep:
+            state[key] = value
+
     tensors = module.state_dict()
     for local, qualified in names.items():
-        state[_MODEL + qualified] = tensors[local]
+        put(_MODEL + qualified, tensors[local])
     if optimizer is not None:
         qualified_of = _optimizer_names(module, names, optimizer)
         for index, values in optimizer.state_dict()["state"].items():
             for key, value in values.items():
-                state[f"{_OPTIM}{qualified_of[index]}/{key}"] = value if torch.is_tensor(value) else _bytes(value)
-    if scheduler is not None:
+                put(f"{_OPTIM}{qualified_of[index]}/{key}", value if torch.is_tensor(value) else _bytes(value))
+    if scheduler is not None and keep:
         state[SCHEDULER_KEY] = _bytes(scheduler.state_dict())
     return state
 
@@ -125,17 +145,20 @@ def restore_rank(index: CheckpointIndex, module: nn.Module, names: dict[str, str
         scheduler.load_state_dict(_scheduler_state(index, groups))
 
 
-def restore_rng(folder: Path) -> None:
-    """This rank's RNG as it was saved in ``folder`` (same plan: dropout continues as it would)."""
+def restore_rng(folder: Path, tp_index: int = 0) -> None:
+    """This rank's RNG as it was saved in ``folder`` (same plan: dropout continues as it would);
+    ``tp_index``: the rank's index in its tensor-parallel group."""
     index = CheckpointIndex([folder])
-    if "rng" in index.entries:
-        rng = index.empty_like_saved("rng")
-        index.load({"rng": rng})
+    key = rng_key(tp_index)
+    if key in index.entries:
+        rng = index.empty_like_saved(key)
+        index.load({key: rng})
         torch.set_rng_state(rng)
 
 
 def load_model_tensors(index: CheckpointIndex, module: nn.Module, names: dict[str, str]) -> None:
-    """Copy ``model/<qualified>`` into every tensor of ``module``'s state (InputError if absent)."""
+    """Copy ``model/<qualified>`` into every tensor of ``module``'s state (InputError if absent);
+    a split (DTensor) parameter keeps its shard of the whole saved tensor."""
     targets = dict(module.state_dict(keep_vars=True))
     wanted: dict[str, torch.Tensor] = {}
     for local, qualified in names.items():
@@ -150,9 +173,8 @@ def load_model_tensors(index: CheckpointIndex, module: nn.Module, names: dict[st
         wanted.setdefault(key, tensor)  # a tensor under two local names (tied) loads once
     loaded = {key: index.empty_like_saved(key) for key in wanted}
     index.load(loaded)
-    with torch.no_grad():
-        for key, tensor in wanted.items():
-            tensor.copy_(loaded[key])
+    for key, tensor in wanted.items():
+        copy_whole(tensor, loaded[key])
 
 
 def _restore_optimizer(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
@@ -163,13 +185,15 @@ def _restore_optimizer(index: CheckpointIndex, module: nn.Module, names: dict[st
             qualified, _, name = key[len(_OPTIM):].rpartition("/")
             keys_of.setdefault(qualified, []).append(name)
     state = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     targets: dict[str, Any] = {}
     for position, qualified in _optimizer_names(module, names, optimizer).items():
         for name in keys_of.get(qualified, ()):
             targets[f"{_OPTIM}{qualified}/{name}"] = index.empty_like_saved(f"{_OPTIM}{qualified}/{name}")
     index.load(targets)
     for position, qualified in _optimizer_names(module, names, optimizer).items():
-        values = {name: _unwrap(targets[f"{_OPTIM}{qualified}/{name}"]) for name in keys_of.get(qualified, ())}
+        values = {name: shard_like(params[position], _unwrap(targets[f"{_OPTIM}{qualified}/{name}"]))
+                  for name in keys_of.get(qualified, ())}  # a split parameter's states: its placements
         if values:
             state["state"][position] = values
     try:
