@@ -21,6 +21,7 @@ __all__ = [
     "param_bytes",
     "storage_key",
     "SavedTensorCounter",
+    "counting_hooks",
     "count_saved",
 ]
 
@@ -93,11 +94,15 @@ class SavedTensorCounter:
         self._alive: list[Any] = []
 
     def pack(self, tensor: Any) -> Any:
+        """Count ``tensor``; what autograd saves is a detached alias (same storage): a saved
+        output returned as itself would hold its own ``grad_fn`` through the saved variable,
+        a cycle in C++ the collector cannot free."""
         key = storage_key(tensor)
+        alias = tensor.detach()
         if key not in self._excluded and key not in self.storages:
             self.storages[key] = _storage_nbytes(tensor)
-            self._alive.append(tensor)
-        return tensor
+            self._alive.append(alias)
+        return alias
 
     @staticmethod
     def unpack(tensor: Any) -> Any:
@@ -127,5 +132,24 @@ def count_saved(
 
     if counter is None:
         counter = SavedTensorCounter(exclude)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+    with counting_hooks(counter):
         yield counter
+
+
+def counting_hooks(counter: Any) -> Any:
+    """``saved_tensors_hooks`` that hand each packed tensor to ``counter.pack`` through a weak
+    reference. The autograd graph keeps its pack hook and the counter keeps the graph's
+    tensors alive: strong both ways, that cycle runs through C++ where the collector cannot
+    see it, and no counted activation was ever freed (measured: the layer-by-layer profile
+    of a 32-layer Llama held every layer's saved tensors, 11.7 GiB of a GPU)."""
+    import weakref
+
+    import torch
+
+    ref = weakref.ref(counter)
+
+    def pack(tensor: Any) -> Any:
+        alive = ref()
+        return tensor if alive is None else alive.pack(tensor)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorCounter.unpack)

@@ -56,6 +56,10 @@ def profile_on_meta(
     torch_dtype = resolve_dtype(dtype)
     raw_inputs, placed = inputs
     device_inputs = placed.tensors()  # what the graph's placeholders take
+    # Captured in the dtype the layers will run in: a torch.export graph bakes dtypes (an
+    # HF rotary embedding asserts its inv_freq buffer's). On meta the cast costs nothing.
+    network.to(torch_dtype)
+    raw_inputs = raw_inputs.map(lambda t: t.to(torch_dtype) if t.is_floating_point() else t)
     network.train()
     disable_inplace(network)
     graph = build_layer_graph(network, raw_inputs, leaf_modules, opaque_modules, device=device)

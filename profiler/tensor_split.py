@@ -233,9 +233,10 @@ def _timed(stage: Any, args: tuple[Any, ...], timer: Timer, warmup: int, repeats
     import torch
 
     from pipeplan.profiler.layerwise import time_layer
+    from pipeplan.profiler.memory import counting_hooks
 
     counter = _LocalCounter(exclude=[_local(p) for p in stage.module.parameters()])
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+    with torch.enable_grad(), counting_hooks(counter):
         first = tuple(stage.module(*args))
     timed = time_layer(stage, args, first, timer, warmup, repeats, 0)
     return timed.forward.median, timed.backward.median, float(counter.saved_bytes)
@@ -257,7 +258,7 @@ class _LocalCounter:
 
     def pack(self, tensor: Any) -> Any:
         self._counter.pack(_local(tensor))
-        return tensor
+        return tensor.detach()  # as SavedTensorCounter.pack: no cycle through the saved variable
 
     @staticmethod
     def unpack(tensor: Any) -> Any:

@@ -69,6 +69,7 @@ class MemoryMeter:
         if self.cuda:
             import torch
 
+            torch.cuda.init()  # the allocator's statistics exist once CUDA is initialised (torch 2.11 raised before)
             torch.cuda.reset_peak_memory_stats(device)
             self.baseline = int(torch.cuda.memory_allocated(device))
         else:

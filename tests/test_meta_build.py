@@ -201,3 +201,34 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
     _, losses = train_reference(model, 3, 8, 0.05, build="meta")
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["losses"] == pytest.approx(losses, rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_moe"])
+def test_a_bf16_profile_on_meta_captures_in_bf16_like_the_eager_one(family: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch.export graph bakes dtypes (an HF rotary embedding asserts its inv_freq buffer's):
+    the layers of a meta build are captured in the profile's dtype, so they run in bf16 and the
+    fingerprint is the eager bf16 profile's (the one `run --dtype bfloat16` captures)."""
+    pytest.importorskip("transformers")
+    from pipeplan.profiler.profile_model import profile_model
+
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+    model = str(FIXTURES / "models" / "hf_family.py")
+    profiles = {build: profile_model(model, batch_size=2, device="cpu", dtype="bfloat16", warmup=0, repeats=1,
+                                     build=build) for build in ("meta", "eager")}
+    assert profiles["meta"].build == "meta" and profiles["meta"].capture == "export"
+    assert profiles["meta"].fingerprint == profiles["eager"].fingerprint
+    assert [layer.param_bytes for layer in profiles["meta"].layers] == [
+        layer.param_bytes for layer in profiles["eager"].layers]
+
+
+def test_fake_runs_of_a_meta_model_put_mixed_meta_and_cpu_results_on_meta() -> None:
+    """``fake_mode_for``: a meta weight meeting a real CPU tensor gives a meta result (torch 2.11
+    raised a device mismatch on an embedding of real token ids; 2.13 on the add below)."""
+    from pipeplan.capture.materialise import fake_mode_for
+
+    with torch.device("meta"):
+        embedding = nn.Embedding(10, 4)
+    with fake_mode_for(embedding):
+        out = embedding(torch.randint(0, 10, (2, 3))) + torch.ones(2, 3, 4)
+    assert out.device.type == "meta" and out.shape == (2, 3, 4)

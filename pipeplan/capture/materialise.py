@@ -107,12 +107,21 @@ def model_bytes(model: nn.Module) -> int:
 
 def fake_mode_for(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """A ``FakeTensorMode`` when ``model`` is on meta (eager code runs with shapes only,
-    real integer inputs such as token ids allowed), else a no-op."""
+    real integer inputs such as token ids allowed), else a no-op.
+
+    An op that meets a meta weight and a real CPU input (an embedding and its token ids)
+    gives a meta result: torch 2.13 runs the meta kernel on such arguments as they are,
+    torch 2.11 fakes both and raises a device mismatch unless meta is the preferred device."""
     if not on_meta(model):
         return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    stack = contextlib.ExitStack()
+    if hasattr(functorch_config, "fake_tensor_prefer_device_type"):
+        stack.enter_context(functorch_config.patch(fake_tensor_prefer_device_type="meta"))
+    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    return stack
 
 
 def probe_inputs(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, ...]:
