@@ -138,7 +138,7 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
 
 def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int,
                    build: str = "auto", dtype: torch.dtype | None = None,
-                   loaded_after: bool = False) -> PipelineSpec:
+                   loaded_after: bool = False, device: str = "cpu") -> PipelineSpec:
     """Build this rank's stage (module on CPU; the caller moves it to its device).
 
     ``sample_batch_size`` must be the micro-batch size the stages will run: a
@@ -148,7 +148,8 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     compute dtype the graph is captured in (a torch.export graph bakes dtypes: HF masks, casts),
     on meta stand-ins, so the model keeps its weights as built (the masters of mixed precision).
     ``loaded_after`` (``--weights``): on meta, modules holding only parameters are not
-    initialised, since the weights fill every parameter (``materialise``).
+    initialised, since the weights fill every parameter (``materialise``). ``device``: where
+    the stage will run, which a torch.export graph records (``build_layer_graph``).
     """
     model, lazy, _ = build_model(model_file.build, build, seed)
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
@@ -159,7 +160,7 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
         assert dtype is not None
         sample_inputs = sample_inputs.map(lambda t: t.to(dtype) if t.is_floating_point() else t)
     with meta_stand_ins(model, dtype) if stand_ins else contextlib.nullcontext():  # type: ignore[arg-type]
-        graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque)
+        graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque, device=device)
         if graph.fingerprint != plan.profile_fingerprint:
             raise InputError(
                 f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "

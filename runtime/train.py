@@ -169,7 +169,8 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
                          "with --build meta each rank materialises only its own layers; or plan more stages"):
             spec = build_pipeline(model_file, config.plan, env.rank, config.seed,
                                   config.plan.batch_size // config.microbatches, config.build,
-                                  getattr(torch, config.precision.dtype), loaded_after=bool(config.weights))
+                                  getattr(torch, config.precision.dtype), loaded_after=bool(config.weights),
+                                  device=env.device)
         replicas = spec.replicas
         period = steps_period(config.schedule, replicas)
         schedule = build_schedule(config.schedule, replicas, config.steps * period, config.microbatches,

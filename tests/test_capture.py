@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.capture import MODEL_OUTPUT, build_layer_graph  # noqa: E402
+from pipeplan.model_inputs import ModelInputs  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.profile import Profile  # noqa: E402
 from pipeplan.profiler.profile_model import profile_model  # noqa: E402
@@ -220,3 +221,34 @@ def test_exported_batchnorm_updates_the_model_statistics_as_eager_does() -> None
     torch.testing.assert_close(result["out"], expected["out"])
     torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean)
     assert int(model.bn.num_batches_tracked) == 1
+
+
+def test_an_export_captured_on_the_cpu_for_another_device_records_that_device() -> None:
+    """The runtime captures on the CPU what runs on a GPU: the devices the export records (in
+    ``arange``, ``_assert_tensor_metadata``) become the stage's device; None leaves them."""
+    import torch.fx as fx
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, use_cache=False))
+    ids = torch.randint(0, 64, (2, 8))
+
+    def devices(graph: fx.GraphModule) -> set[str]:
+        found = set()
+        for module in graph.modules():
+            if isinstance(module, fx.GraphModule):
+                for node in module.graph.nodes:
+                    found |= {str(v) for v in (*node.args, *node.kwargs.values()) if isinstance(v, torch.device)}
+        return found
+
+    as_captured = build_layer_graph(model, model_inputs_of(ids))
+    assert devices(as_captured.graph_module) == {"cpu"}
+    retargeted = build_layer_graph(model, model_inputs_of(ids), device="meta")
+    assert devices(retargeted.graph_module) == {"meta"}
+    assert retargeted.fingerprint == as_captured.fingerprint
+
+
+def model_inputs_of(ids: torch.Tensor) -> ModelInputs:
+    from pipeplan.model_inputs import model_inputs
+
+    return model_inputs({"input_ids": ids}, "sample_batch")

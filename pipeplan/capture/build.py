@@ -40,7 +40,7 @@ __all__ = ["build_layer_graph"]
 def build_layer_graph(
     model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = (),
     opaque_modules: Sequence[str] = (),
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> LayerGraph:
     """Cut ``model`` into layers; ``sample_inputs`` runs once (no grad) to type each value.
 
@@ -54,8 +54,9 @@ def build_layer_graph(
     class of a module it fails in (``LayerGraph.opaque_modules`` lists them all).
     An export capture specialises shapes to ``sample_inputs``: run its stages on inputs of
     the same shapes (the runtime captures at the micro-batch size). A model on the meta
-    device is captured from shapes alone; ``device`` is where its stages will run (an
-    export capture records it in ops such as ``arange``).
+    device is captured from shapes alone. ``device`` is where the stages will run (None:
+    where the sample inputs are; the CPU for a model on meta): an export capture records
+    the capture's device in ops such as ``arange`` and in its tensor-metadata checks.
 
     >>> g = build_layer_graph(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
     ...                       (torch.zeros(3, 4),))
@@ -83,8 +84,10 @@ def build_layer_graph(
     graph_module = exported.graph_module
     with preserved_buffers(model):
         tensor_valued = _run_and_type(graph_module, tensors, model)
-    if on_meta(model):
-        _meta_devices_to(graph_module, torch.device(device))
+    captured_on = torch.device("meta") if on_meta(model) else _inputs_device(tensors)
+    target = torch.device(device) if device is not None else (torch.device("cpu") if on_meta(model) else captured_on)
+    if target != captured_on:
+        _devices_to(graph_module, captured_on, target)
 
     def layer_call(node: fx.Node) -> str | None:
         return exported.layer_call.get(node.name)
@@ -175,16 +178,21 @@ def _trace(model: nn.Module, leaf_modules: frozenset[str]) -> fx.GraphModule | N
     return graph_module
 
 
-def _meta_devices_to(graph_module: fx.GraphModule, target: torch.device) -> None:
-    """An export of a model on meta records ``device=meta`` in factory ops (``arange``,
-    ``full``); make them ``target``, the device its stages will run on."""
-    meta, cpu = torch.device("meta"), target
+def _devices_to(graph_module: fx.GraphModule, source: torch.device, target: torch.device) -> None:
+    """An export records the device it ran on (``meta`` for a model on meta, else the sample
+    inputs') in factory ops (``arange``, ``full``) and ``_assert_tensor_metadata``; make
+    them ``target``, the device the stages will run on."""
     for module in graph_module.modules():  # higher-order ops' bodies too
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
-                node.args = tuple(cpu if _is(arg, meta) else arg for arg in node.args)
-                node.kwargs = {k: cpu if _is(v, meta) else v for k, v in node.kwargs.items()}
+                node.args = tuple(target if _is(arg, source) else arg for arg in node.args)
+                node.kwargs = {k: target if _is(v, source) else v for k, v in node.kwargs.items()}
             module.recompile()
+
+
+def _inputs_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The device of the sample inputs (the CPU when there are none)."""
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _run_and_type(
