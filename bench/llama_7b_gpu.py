@@ -107,7 +107,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch-size", type=int, default=4, help="of the stage run (the 7B profile: 1)")
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=3e-4, help="Adam's, after 5 steps of warm-up")
     parser.add_argument("--stage-layers", type=int, default=0, help="decoder layers of the trained model "
                         "(default: those of the plan's first stage)")
     parser.add_argument("--topology", default=str(ROOT / "bench" / "two-h100-nodes.yaml"))
@@ -149,7 +150,8 @@ def main() -> None:
     metrics = out / "metrics.json"
     step("run-stage", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "pipeplan",
                        "run", str(stage_plan), "--model", MODEL, "--weights", str(weights), "--dtype", "bfloat16",
-                       "--steps", str(args.steps), "--optimizer", "adam", "--lr", "1e-4", "--no-progress",
+                       "--steps", str(args.steps), "--optimizer", "adam", "--lr", str(args.lr),
+                       "--warmup-steps", "5", "--no-progress",
                        "--metrics", str(metrics)], stage_env)
     step("report", pipeplan("report", str(metrics)), stage_env)
     ran = json.loads(metrics.read_text())
