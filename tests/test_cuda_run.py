@@ -15,8 +15,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-pytestmark = [pytest.mark.multiprocess,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")]
 pytest.importorskip("transformers")
 
 from pipeplan.cli import cli  # noqa: E402

@@ -206,7 +206,8 @@ def test_cuda_without_cuda_is_an_input_error() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")
 def test_profile_on_cuda_uses_cuda_events() -> None:
     profile = profile_model("gpt", batch_size=8, device="cuda", dtype="bfloat16", warmup=2, repeats=5)
     assert profile.device.type == "cuda" and profile.device.name == torch.cuda.get_device_name()
