@@ -224,8 +224,8 @@ def test_optimizer_steps_are_timed_for_every_optimizer() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     before = [p.detach().clone() for p in model.parameters()]
     times = time_optimizer_steps(model, CpuTimer(), warmup=2, repeats=5)
-    assert set(times) == set(OPTIMIZERS) and all(t > 0 for t in times.values())
-    assert times["adam"] > times["sgd"]  # Adam reads and writes two more state tensors
+    assert set(times) == set(OPTIMIZERS) and all(0 < t < 60_000 for t in times.values())  # ms
+    # (no ordering of the times: on a shared 2-core machine a loaded moment reversed Adam and SGD)
     # zero gradients: timing the steps leaves the weights as they were, and no grad behind
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
