@@ -71,6 +71,9 @@ def measure_layerwise(
     for position in range(len(stages)):  # (enumerate would keep the last stage alive)
         stage = stages[position]
         node = graph.layers[position]
+        # the model's tensors now: a tied weight an earlier layer materialised and released is
+        # a new meta tensor in the model, no longer the one the stage was split with
+        rebind([stage.module], model)
         held = [*stage.module.parameters(), *stage.module.buffers()]
         with memory_step(f"layer {position} ({node.name}, {format_bytes(param_bytes(held))} of parameters "
                          f"and buffers) was measured alone",

@@ -203,32 +203,116 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
     assert metrics["losses"] == pytest.approx(losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_moe"])
-def test_a_bf16_profile_on_meta_captures_in_bf16_like_the_eager_one(family: str,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A torch.export graph bakes dtypes (an HF rotary embedding asserts its inv_freq buffer's):
-    the layers of a meta build are captured in the profile's dtype, so they run in bf16 and the
-    fingerprint is the eager bf16 profile's (the one `run --dtype bfloat16` captures)."""
+# every family of tests/fixtures/models/hf_family.py (test_the_family_list_is_the_fixtures)
+HF_FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo", "gpt_neox", "mixtral",
+               "qwen2_moe", "deepseek_v3", "modernbert", "gpt2", "bert", "t5", "bart", "whisper", "vit", "resnet"]
+HF_MODEL = str(FIXTURES / "models" / "hf_family.py")
+
+
+def test_the_family_list_is_the_fixtures() -> None:
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_family_list", HF_MODEL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert HF_FAMILIES == list(module.FAMILIES)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_a_profile_on_meta_captures_the_eager_profiles_layers(family: str, dtype: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every Hugging Face family profiles layer by layer from a meta build, in float32 and bfloat16, with
+    the eager build's layers: tied embeddings and heads (llama_tied, qwen2, gemma3; one tensor, which
+    each layer reading it materialises and releases in turn) and MoE experts (mixtral, qwen2_moe,
+    deepseek_v3: transformers picks their grouped_mm kernel and histc dtype by device, dtype and
+    compilation, so the capture runs on fake tensors on the profiling device, as export would there).
+    A torch.export graph bakes dtypes (an HF rotary embedding asserts its inv_freq buffer's): the
+    layers of a meta build are captured in the profile's dtype, as `run --dtype bfloat16` captures them."""
     pytest.importorskip("transformers")
     from pipeplan.profiler.profile_model import profile_model
 
     monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
-    model = str(FIXTURES / "models" / "hf_family.py")
-    profiles = {build: profile_model(model, batch_size=2, device="cpu", dtype="bfloat16", warmup=0, repeats=1,
+    profiles = {build: profile_model(HF_MODEL, batch_size=1, device="cpu", dtype=dtype, warmup=0, repeats=1,
                                      build=build) for build in ("meta", "eager")}
     assert profiles["meta"].build == "meta" and profiles["meta"].capture == "export"
     assert profiles["meta"].fingerprint == profiles["eager"].fingerprint
-    assert [layer.param_bytes for layer in profiles["meta"].layers] == [
-        layer.param_bytes for layer in profiles["eager"].layers]
+    assert [(layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["meta"].layers] == [
+        (layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["eager"].layers]
+    assert profiles["meta"].modules == profiles["eager"].modules
+    assert profiles["meta"].step_ms > 0  # small: the whole step too, every parameter materialised at once
 
 
-def test_fake_runs_of_a_meta_model_put_mixed_meta_and_cpu_results_on_meta() -> None:
-    """``fake_mode_for``: a meta weight meeting a real CPU tensor gives a meta result (torch 2.11
-    raised a device mismatch on an embedding of real token ids; 2.13 on the add below)."""
+def test_fake_runs_of_a_meta_model_see_the_device_the_graph_will_run_on() -> None:
+    """``fake_mode_for``: a meta model runs on fake tensors on the given device (a real CPU input
+    mixes in), under the compiling flag torch.export sets; its meta tensors come back after."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     from pipeplan.capture.materialise import fake_mode_for
 
     with torch.device("meta"):
         embedding = nn.Embedding(10, 4)
-    with fake_mode_for(embedding):
+    weight = embedding.weight
+    with fake_mode_for(embedding, "cpu"):
+        assert isinstance(embedding.weight, FakeTensor) and embedding.weight.device.type == "cpu"
+        assert torch.compiler.is_compiling()
         out = embedding(torch.randint(0, 10, (2, 3))) + torch.ones(2, 3, 4)
-    assert out.device.type == "meta" and out.shape == (2, 3, 4)
+    assert isinstance(out, FakeTensor) and out.device.type == "cpu" and out.shape == (2, 3, 4)
+    assert embedding.weight is weight and weight.is_meta and not torch.compiler.is_compiling()
+
+
+@pytest.mark.multiprocess
+def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`profile --build meta` -> partition -> `run --build meta` on 2 gloo ranks (one launch) of Qwen2 (its
+    embedding on stage 0 tied to the head on stage 1) and Qwen2-MoE: each rank materialises only its stage,
+    and the run equals the model built eagerly in one process from the same (meta-seeded) weights, from
+    the first loss on (the pipeline runs the captured graph, the reference the model's own forward)."""
+    pytest.importorskip("transformers")
+    from click.testing import CliRunner
+    from test_run_torchrun import LR, assert_params_match, env, free_port, records
+
+    from pipeplan.cli import cli
+    from pipeplan.plan import Plan
+    from pipeplan.profiler.profile_model import profile_model
+
+    batch, steps, families = 4, 2, ("qwen2", "qwen2_moe")
+    jobs = []
+    for family in families:
+        monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+        profile = profile_model(HF_MODEL, batch_size=batch, device="cpu", warmup=0, repeats=1, build="meta")
+        profile.save(tmp_path / f"{family}.profile.json")
+        plan_path = tmp_path / f"{family}.plan.json"
+        result = CliRunner().invoke(cli, ["partition", str(tmp_path / f"{family}.profile.json"), "--topology",
+                                          "local-cpu", "--straight", "--tensor-parallel", "1", "--schedule",
+                                          "1f1b-flush", "--microbatches", "2", "-o", str(plan_path)],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        plan = Plan.load(plan_path)
+        assert len(plan.stages) == 2
+        if family == "qwen2":  # the tied embedding (stage 0) and head (stage 1) straddle the cut
+            assert plan.stages[0].layer_start == 0 and plan.stages[1].layer_end == len(profile.layers)
+        jobs.append({"family": family, "model": HF_MODEL, "plan": str(plan_path), "record": str(tmp_path / family),
+                     "port": free_port(), "steps": steps, "lr": LR, "build": "meta",
+                     "metrics": str(tmp_path / f"{family}.metrics.json")})
+    script = str(FIXTURES / "runtime" / "run_families.py")
+    master = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, script, json.dumps(jobs)], env={**env(), **master, "RANK": str(rank),
+                              "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stderr[-3000:]
+    for family in families:
+        monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+        reference, losses = train_reference(HF_MODEL, steps, batch, LR, build="meta")
+        metrics = json.loads((tmp_path / f"{family}.metrics.json").read_text())
+        assert metrics["losses"] == pytest.approx(losses, rel=1e-5), family
+        recs = records(tmp_path / family)
+        assert len(recs) == 2, family
+        assert_params_match(recs, reference)
+        if family == "qwen2":  # one tensor, held by both stages, updated alike
+            tied = [rec["params"]["model.embed_tokens.weight"] for rec in recs.values()]
+            torch.testing.assert_close(tied[0], tied[1], rtol=0, atol=0)

@@ -22,6 +22,7 @@ Every other op is folded into a neighbour:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -30,7 +31,7 @@ from torch import nn
 
 from pipeplan.capture.exported import export_graph, preserved_buffers
 from pipeplan.capture.layer_graph import LayerGraph, LayerNode
-from pipeplan.capture.materialise import on_meta
+from pipeplan.capture.materialise import fake_mode_for, fake_stand_ins, on_meta, rebind
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs, model_inputs
 
@@ -56,7 +57,11 @@ def build_layer_graph(
     the same shapes (the runtime captures at the micro-batch size). A model on the meta
     device is captured from shapes alone. ``device`` is where the stages will run (None:
     where the sample inputs are; the CPU for a model on meta): an export capture records
-    the capture's device in ops such as ``arange`` and in its tensor-metadata checks.
+    it in ops such as ``arange`` and in its tensor-metadata checks. A model on meta is
+    exported on fake tensors there (``fake_stand_ins``), so its code takes the branches it
+    takes on that device (a kernel or a dtype chosen by device, as Hugging Face MoE experts
+    choose); a model with storage is exported where its sample inputs are, and the devices
+    recorded are then made ``device``.
 
     >>> g = build_layer_graph(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
     ...                       (torch.zeros(3, 4),))
@@ -80,12 +85,19 @@ def build_layer_graph(
         graph = _fx_layer_graph(model, traced, "fx", tensors)
         graph.opaque_modules = tuple(opaque_modules)
         return graph
-    exported = export_graph(model, sample_inputs, leaves, opaque_modules)
-    graph_module = exported.graph_module
-    with preserved_buffers(model):
-        tensor_valued = _run_and_type(graph_module, tensors, model)
-    captured_on = torch.device("meta") if on_meta(model) else _inputs_device(tensors)
-    target = torch.device(device) if device is not None else (torch.device("cpu") if on_meta(model) else captured_on)
+    lazy = on_meta(model)
+    target = torch.device(device) if device is not None else (torch.device("cpu") if lazy else _inputs_device(tensors))
+    if lazy:  # exported on fake tensors on the target device, so its code takes that device's branches
+        sample_inputs = sample_inputs.map(lambda tensor: tensor.to(target))
+        tensors = sample_inputs.tensors()
+    with fake_stand_ins(model, target) if lazy else contextlib.nullcontext():
+        exported = export_graph(model, sample_inputs, leaves, opaque_modules)
+        graph_module = exported.graph_module
+        with preserved_buffers(model):
+            tensor_valued = _run_and_type(graph_module, tensors, model)
+    if lazy:
+        rebind([graph_module], model)  # the model's meta tensors, not the stand-ins
+    captured_on = target if lazy else _inputs_device(tensors)
     if target != captured_on:
         _devices_to(graph_module, captured_on, target)
 
@@ -179,9 +191,9 @@ def _trace(model: nn.Module, leaf_modules: frozenset[str]) -> fx.GraphModule | N
 
 
 def _devices_to(graph_module: fx.GraphModule, source: torch.device, target: torch.device) -> None:
-    """An export records the device it ran on (``meta`` for a model on meta, else the sample
-    inputs') in factory ops (``arange``, ``full``) and ``_assert_tensor_metadata``; make
-    them ``target``, the device the stages will run on."""
+    """An export records the device it ran on (the sample inputs') in factory ops
+    (``arange``, ``full``) and ``_assert_tensor_metadata``; make them ``target``, the
+    device the stages will run on."""
     for module in graph_module.modules():  # higher-order ops' bodies too
         if isinstance(module, fx.GraphModule):
             for node in module.graph.nodes:
@@ -200,7 +212,8 @@ def _run_and_type(
 ) -> set[str]:
     """Run the graph once; return the names of nodes whose value is a single tensor.
 
-    A model on meta runs on meta inputs: shapes and dtypes only.
+    A model on meta runs on meta inputs, one under ``fake_stand_ins`` on fake tensors:
+    shapes and dtypes only.
     """
     if on_meta(model):
         sample_inputs = tuple(value.to("meta") for value in sample_inputs)
@@ -220,7 +233,7 @@ def _run_and_type(
             f"but sample_batch gave {len(sample_inputs)}"
         )
     try:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.nullcontext() if on_meta(model) else fake_mode_for(model):
             Typer(graph_module).run(*sample_inputs)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

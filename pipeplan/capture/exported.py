@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pipeplan.capture.materialise import fake_mode_for, on_meta, probe_inputs
+from pipeplan.capture.materialise import fake_mode_for, on_meta
 from pipeplan.capture.opaque import opaque_calls, run_opaque_calls
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
@@ -153,7 +153,7 @@ def _export(
 
     def record() -> None:
         with torch.no_grad(), preserved_buffers(model), fake_mode_for(model):
-            root(*probe_inputs(model, tensors))
+            root(*tensors)
 
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
     exported = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in tensors) if on_meta(model) else tensors
@@ -202,7 +202,7 @@ def quiet_torch_logs() -> Iterator[None]:
 def _register_outputs(model: nn.Module, sample_inputs: ModelInputs) -> tuple[str, ...]:
     """Run the model once; register plain dataclass outputs with pytree; name fields to drop."""
     with torch.no_grad(), fake_mode_for(model):  # a model on meta: shapes only
-        output = sample_inputs.with_tensors(probe_inputs(model, sample_inputs.tensors())).call(model)
+        output = sample_inputs.call(model)
     if dataclasses.is_dataclass(output) and type(output) not in pytree.SUPPORTED_NODES:
         pytree.register_dataclass(type(output))
     if isinstance(output, dict):

@@ -43,7 +43,7 @@ __all__ = [
     "release",
     "rebind",
     "fake_mode_for",
-    "probe_inputs",
+    "fake_stand_ins",
     "module_seed",
 ]
 
@@ -105,32 +105,76 @@ def model_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def fake_mode_for(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """A ``FakeTensorMode`` when ``model`` is on meta (eager code runs with shapes only,
-    real integer inputs such as token ids allowed), else a no-op.
+def fake_mode_for(model: nn.Module, device: Any = "cpu") -> contextlib.AbstractContextManager[Any]:
+    """Where ``model`` is on meta, a run with shapes only, as ``torch.export`` will trace it on
+    ``device``; else a no-op.
 
-    An op that meets a meta weight and a real CPU input (an embedding and its token ids)
-    gives a meta result: torch 2.13 runs the meta kernel on such arguments as they are,
-    torch 2.11 fakes both and raises a device mismatch unless meta is the preferred device."""
-    if not on_meta(model):
+    Inside, the model's meta tensors are fake tensors on ``device`` (``fake_stand_ins``; the
+    ones already there when called inside it), their ``FakeTensorMode`` is active (real
+    integer inputs such as token ids allowed) and torch reports that it is compiling, as it
+    does under ``torch.export``: library code that picks a kernel by device, dtype or
+    compilation (a Hugging Face MoE's ``grouped_mm`` and ``histc``) takes the branch the
+    captured graph will run, on the device it will run on. The meta tensors come back after.
+
+    An op that meets a meta tensor the model keeps outside its parameters and buffers and a
+    real CPU input gives a meta result: torch 2.13 runs the meta kernel on such arguments as
+    they are, torch 2.11 fakes both and raises a device mismatch unless meta is the preferred
+    device."""
+    mode = _fake_mode_of(model)
+    if mode is None and not on_meta(model):
         return contextlib.nullcontext()
     import torch._functorch.config as functorch_config
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     stack = contextlib.ExitStack()
+    if mode is None:
+        mode = stack.enter_context(fake_stand_ins(model, device))
     if hasattr(functorch_config, "fake_tensor_prefer_device_type"):
         stack.enter_context(functorch_config.patch(fake_tensor_prefer_device_type="meta"))
-    stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    stack.enter_context(mode)
+    stack.enter_context(_compiling())
     return stack
 
 
-def probe_inputs(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, ...]:
-    """Inputs for an eager run of ``model`` under ``fake_mode_for``: on a model on meta the
-    floating-point ones go to meta too (devices must agree); integer ones (token ids, masks)
-    stay real, for Python code that reads their values."""
-    if not on_meta(model):
-        return tuple(inputs)
-    return tuple(v.to("meta") if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in inputs)
+@contextlib.contextmanager
+def fake_stand_ins(model: nn.Module, device: Any) -> Iterator[Any]:
+    """Inside, every meta parameter and buffer of ``model`` is a fake tensor on ``device``
+    (same shape, stride and dtype, no storage) of one ``FakeTensorMode``, which it yields;
+    the meta tensors come back after. A graph exported inside records ``device`` where the
+    model's code reads a device, as an eager model's does; ``rebind`` graph modules made
+    inside to the meta originals."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    stand_ins: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for tensor in _own_tensors(module):
+            if tensor.device.type == "meta" and id(tensor) not in stand_ins:
+                with mode:
+                    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                stand_ins[id(tensor)] = _like(tensor, fake)
+                originals[id(stand_ins[id(tensor)])] = tensor
+    _replace(model, stand_ins)
+    try:
+        yield mode
+    finally:
+        _replace(model, originals)
+
+
+def _fake_mode_of(model: nn.Module) -> Any:
+    """The ``FakeTensorMode`` of the model's fake stand-ins, if it holds any."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return next((t.fake_mode for _, t in _named_tensors(model) if isinstance(t, FakeTensor)), None)
+
+
+def _compiling() -> contextlib.AbstractContextManager[Any]:
+    """torch reports compiling and exporting inside (``torch.compiler.is_compiling()``), as
+    under ``torch.export``, which sets the same flags."""
+    from torch._export import utils as export_utils
+
+    state = getattr(export_utils, "_compiling_state_context", None)
+    return state() if state is not None else contextlib.nullcontext()
 
 
 def module_seed(seed: int, name: str) -> int:

@@ -35,7 +35,7 @@ def module_calls(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> list[
     it calls them (a module once per call). A model on meta runs on shapes alone. O(calls)."""
     import torch
 
-    from pipeplan.capture.materialise import fake_mode_for, probe_inputs
+    from pipeplan.capture.materialise import fake_mode_for
 
     order: list[str] = []
 
@@ -48,9 +48,9 @@ def module_calls(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> list[
     try:
         with torch.no_grad(), fake_mode_for(model):
             if isinstance(inputs, ModelInputs):
-                inputs.with_tensors(probe_inputs(model, inputs.tensors())).call(model)
+                inputs.call(model)
             else:
-                model(*probe_inputs(model, inputs))
+                model(*inputs)
     finally:
         for hook in hooks:
             hook.remove()
