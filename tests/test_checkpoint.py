@@ -204,6 +204,34 @@ def test_weights_from_a_pipeplan_checkpoint_take_its_newest_complete_step(tmp_pa
         load_weights(str(tmp_path / "step-000002"), last_stage, names, {})
 
 
+def test_an_hf_moe_checkpoint_stored_per_expert_is_one_line_with_the_way_around(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 5 saves MoE experts one tensor per expert (``experts.0.gate_proj.weight``) and
+    merges them when it loads (``experts.gate_up_proj``): ``--weights`` says so in one line, and
+    the way around it names (``from_pretrained``, then ``safetensors.torch.save_model``) loads."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import save_model
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "models"))
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", "qwen2_moe")
+    import hf_family
+
+    torch.manual_seed(5)
+    model = hf_family.FAMILIES["qwen2_moe"]()
+    model.save_pretrained(tmp_path / "hf")
+    names = {name: name for name in model.state_dict()}
+    fresh = hf_family.FAMILIES["qwen2_moe"]()
+    with pytest.raises(InputError, match=r"stores model\.layers\.0\.mlp\.experts\.gate_up_proj as one tensor "
+                                         r"per module \(model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight.*"
+                                         r"save_model\(model, FILE\)"):
+        load_weights(str(tmp_path / "hf"), fresh, names, {})
+    loaded = type(model).from_pretrained(tmp_path / "hf")
+    save_model(loaded, str(tmp_path / "model.safetensors"))
+    assert load_weights(str(tmp_path / "model.safetensors"), fresh, names, {}) == len(names)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_export_weights_cli_errors_are_one_line(tmp_path: Path) -> None:
     from click.testing import CliRunner
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
+
 import torch
 from torch import nn
 
@@ -137,6 +139,14 @@ def open_weights(path: str, label: str = "--weights") -> _Safetensors | _Checkpo
     return _Safetensors.of(root)
 
 
+def _stored_per_module(name: str, saved: Iterable[str]) -> str | None:
+    """A saved name under ``name``'s module with a numbered child (``experts.0.gate_proj.weight``
+    for the model's ``experts.gate_up_proj``): the library's per-module layout; None if none."""
+    prefix = name.rsplit(".", 1)[0] + "."
+    return next((key for key in sorted(saved) if key.startswith(prefix) and key[len(prefix):].split(".")[0].isdigit()),
+                None)
+
+
 def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: dict[str, tuple[str, ...]]) -> int:
     """Copy this rank's tensors from ``path`` into ``module``; returns how many were read.
 
@@ -163,6 +173,13 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
         if all(t is not tensor for t in holders):
             holders.append(tensor)
     if missing:
+        stored_apart = _stored_per_module(missing[0], source.files)
+        if stored_apart is not None:
+            raise InputError(
+                f"--weights {path} stores {missing[0]} as one tensor per module ({stored_apart}, ...), which "
+                f"transformers merges when it loads (MoE experts); pipeplan reads tensors by the model's names: "
+                f"load the folder with from_pretrained, write it with safetensors.torch.save_model(model, FILE) "
+                f"and pass FILE")
         raise InputError(f"--weights {path} has no tensor {missing[0]} ({len(missing)} of this stage's "
                          f"parameters are missing); are these the weights of this model?")
     loaded = source.read(sorted(chosen))
