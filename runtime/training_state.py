@@ -181,7 +181,8 @@ def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identit
 
 def load_weights(config: Any, model_file: Any, spec: Any, module: Any) -> None:
     """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
-    from pipeplan.runtime.checkpoint.pretrained import load_weights, tie_aliases
+    from pipeplan.runtime.checkpoint.pretrained import library_layout, load_weights, tie_aliases
     from pipeplan.runtime.checkpoint.state import rank_state_names
 
-    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file))
+    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file),
+                 library_layout(model_file, str(config.weights)))

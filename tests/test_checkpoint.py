@@ -204,32 +204,44 @@ def test_weights_from_a_pipeplan_checkpoint_take_its_newest_complete_step(tmp_pa
         load_weights(str(tmp_path / "step-000002"), last_stage, names, {})
 
 
-def test_an_hf_moe_checkpoint_stored_per_expert_is_one_line_with_the_way_around(tmp_path: Path,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
+def test_an_hf_moe_checkpoint_saved_per_expert_loads_as_from_pretrained_merges_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     """transformers 5 saves MoE experts one tensor per expert (``experts.0.gate_proj.weight``) and
-    merges them when it loads (``experts.gate_up_proj``): ``--weights`` says so in one line, and
-    the way around it names (``from_pretrained``, then ``safetensors.torch.save_model``) loads."""
+    merges them when it loads (``experts.gate_up_proj``): ``--weights`` makes each merged parameter
+    as transformers does, equal to ``from_pretrained``'s. Without the conversions (an older
+    library) it is one line naming the layout and the way around it, which loads too."""
     pytest.importorskip("transformers")
     from safetensors.torch import save_model
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "models"))
-    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", "qwen2_moe")
-    import hf_family
+    from pipeplan.runtime.checkpoint.pretrained import library_layout
 
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures" / "models"))
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+    from pipeplan.modelfile import load_model_file
+
+    model_file = load_model_file(str(Path(__file__).parent / "fixtures" / "models" / "hf_family.py"))
     torch.manual_seed(5)
-    model = hf_family.FAMILIES["qwen2_moe"]()
-    model.save_pretrained(tmp_path / "hf")
+    model = model_file.build()
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded: experts across files
+    reference = type(model).from_pretrained(tmp_path / "hf").state_dict()
     names = {name: name for name in model.state_dict()}
-    fresh = hf_family.FAMILIES["qwen2_moe"]()
-    with pytest.raises(InputError, match=r"stores model\.layers\.0\.mlp\.experts\.gate_up_proj as one tensor "
-                                         r"per module \(model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight.*"
-                                         r"save_model\(model, FILE\)"):
-        load_weights(str(tmp_path / "hf"), fresh, names, {})
-    loaded = type(model).from_pretrained(tmp_path / "hf")
-    save_model(loaded, str(tmp_path / "model.safetensors"))
-    assert load_weights(str(tmp_path / "model.safetensors"), fresh, names, {}) == len(names)
-    for name, value in model.state_dict().items():
+    layout = library_layout(model_file, str(tmp_path / "hf"))
+    assert any(".experts." in name for name in layout)  # the checkpoint is stored per expert
+    torch.manual_seed(6)
+    fresh = model_file.build()
+    assert load_weights(str(tmp_path / "hf"), fresh, names, {}, layout) == len(names)
+    for name, value in reference.items():
         torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+    merged = next(name for name in layout if name.endswith("experts.gate_up_proj"))
+    expected = (rf"stores {merged.replace('.', '[.]')} as one tensor per module \(.*experts[.]0[.].*"
+                r"save_model\(model, FILE\)" if family != "mixtral" else  # Mixtral's experts are renamed too
+                r"has no tensor model[.]layers[.]0[.]mlp[.]gate[.]weight")
+    with pytest.raises(InputError, match=expected):
+        load_weights(str(tmp_path / "hf"), model_file.build(), names, {})
+    save_model(type(model).from_pretrained(tmp_path / "hf"), str(tmp_path / "model.safetensors"))
+    assert load_weights(str(tmp_path / "model.safetensors"), model_file.build(), names, {}) == len(names)
 
 
 def test_export_weights_cli_errors_are_one_line(tmp_path: Path) -> None:

@@ -143,11 +143,13 @@ def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles
     assert_weights_round_trip(tmp_path, MODELS["gpt2"], profiles["gpt2"])
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "mixtral"])
 def test_llama_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, family: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Test (c) on a tiny LlamaForCausalLM (rotary, RMSNorm, grouped KV heads), untied and tied, each rank
-    building only its stage on meta (rotary ``inv_freq``, a computed buffer, initialised; the rest loaded)."""
+    building only its stage on meta (rotary ``inv_freq``, a computed buffer, initialised; the rest loaded);
+    and on Mixtral, whose checkpoint stores each expert apart under ``block_sparse_moe`` (merged and renamed
+    on load as transformers does, split again by ``save_pretrained`` on export)."""
     monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
     model = str(Path(__file__).parent / "fixtures" / "models" / "hf_family.py")
     profile = profile_model(model, batch_size=BATCH, device="cpu", warmup=0, repeats=1)

@@ -10,7 +10,9 @@ Tensors are found by the user's model's qualified names. A library saves a tied 
 once, under one of its names (GPT-2 keeps ``transformer.wte.weight`` and drops
 ``lm_head.weight``), so each name is also looked up under every other name of the same
 tensor in the model (``tie_aliases``, from ``named_parameters(remove_duplicate=False)``):
-each stage holding a tied weight loads it from that one saved tensor. safetensors'
+each stage holding a tied weight loads it from that one saved tensor. A parameter that
+transformers merges when it loads (an MoE layer's experts, saved one tensor per expert) is
+made from its saved pieces as transformers makes it (``hf_conversion``). safetensors'
 ``safe_open`` and DCP both read one tensor at a time, so a rank reads its stage's bytes only
 (a rank of a tensor-parallel stage reads each tensor whole and keeps its shard).
 """
@@ -26,11 +28,12 @@ from torch import nn
 
 from pipeplan.errors import InputError, first_line
 from pipeplan.modelfile import ModelFile
+from pipeplan.runtime.checkpoint.hf_conversion import Conversion, convert, library_conversions
 from pipeplan.runtime.checkpoint.split import copy_whole
 from pipeplan.runtime.checkpoint.state import CheckpointIndex
 from pipeplan.runtime.checkpoint.store import latest_complete_step, step_folders, step_problem
 
-__all__ = ["load_weights", "tie_aliases", "open_weights"]
+__all__ = ["load_weights", "library_layout", "tie_aliases", "open_weights"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -147,20 +150,42 @@ def _stored_per_module(name: str, saved: Iterable[str]) -> str | None:
                 None)
 
 
-def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: dict[str, tuple[str, ...]]) -> int:
+def library_layout(model_file: ModelFile, path: str) -> dict[str, Conversion]:
+    """The parameters transformers would merge from the weights at ``path`` (MoE experts saved
+    one per expert; ``hf_conversion``), by qualified name; {} where nothing is merged or the
+    model cannot be built on the meta device."""
+    source = open_weights(path)
+    if not isinstance(source, _Safetensors):
+        return {}  # a pipeplan checkpoint holds the model's own names
+    try:
+        with torch.device("meta"):
+            model = model_file.build()
+    except Exception:  # not buildable on meta: exact names only
+        return {}
+    return library_conversions(model, source.files)
+
+
+def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: dict[str, tuple[str, ...]],
+                 conversions: dict[str, Conversion] | None = None) -> int:
     """Copy this rank's tensors from ``path`` into ``module``; returns how many were read.
 
     ``names``: ``module`` state_dict key -> qualified name. Every parameter must be found
-    (under its name or a tied alias) with its shape; buffers absent from the weights keep
-    their initial values (a library may not save computed buffers).
+    (under its name or a tied alias, or made by one of ``conversions`` from the saved pieces)
+    with its shape; buffers absent from the weights keep their initial values (a library may
+    not save computed buffers).
     """
     source = open_weights(path)
     targets = dict(module.state_dict(keep_vars=True))
     parameters = {local for local, _ in module.named_parameters(remove_duplicate=False)}
     chosen: dict[str, list[torch.Tensor]] = {}  # saved name -> the tensors it fills
+    merged = 0
     missing = []
     for local, qualified in names.items():
         saved = next((n for n in aliases.get(qualified, (qualified,)) if n in source.files), None)
+        if saved is None and conversions and qualified in conversions:
+            _load_converted(path, source, conversions[qualified], targets[local])
+            merged += 1
+            continue
         if saved is None:
             if local in parameters:
                 missing.append(qualified)
@@ -173,10 +198,10 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
         if all(t is not tensor for t in holders):
             holders.append(tensor)
     if missing:
-        stored_apart = _stored_per_module(missing[0], source.files)
+        stored_apart = next(((name, key) for name in missing if (key := _stored_per_module(name, source.files))), None)
         if stored_apart is not None:
             raise InputError(
-                f"--weights {path} stores {missing[0]} as one tensor per module ({stored_apart}, ...), which "
+                f"--weights {path} stores {stored_apart[0]} as one tensor per module ({stored_apart[1]}, ...), which "
                 f"transformers merges when it loads (MoE experts); pipeplan reads tensors by the model's names: "
                 f"load the folder with from_pretrained, write it with safetensors.torch.save_model(model, FILE) "
                 f"and pass FILE")
@@ -186,5 +211,15 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
     for saved, holders in chosen.items():
         for tensor in holders:
             copy_whole(tensor, loaded[saved])  # a split parameter: this rank's shard
-    return len(loaded)
+    return len(loaded) + merged
+
+
+def _load_converted(path: str, source: "_Safetensors | _Checkpoint", conversion: Conversion,
+                    tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with the parameter transformers makes from its saved pieces."""
+    value = convert(conversion, source.read(list(conversion.sources)))
+    if tuple(value.shape) != tuple(tensor.shape):
+        raise InputError(f"--weights {path}: {conversion.sources[0]} and {len(conversion.sources) - 1} more merge "
+                         f"into shape {list(value.shape)}, the model's {conversion.target} is {list(tensor.shape)}")
+    copy_whole(tensor, value)
 
