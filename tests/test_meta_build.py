@@ -316,3 +316,19 @@ def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
         if family == "qwen2":  # one tensor, held by both stages, updated alike
             tied = [rec["params"]["model.embed_tokens.weight"] for rec in recs.values()]
             torch.testing.assert_close(tied[0], tied[1], rtol=0, atol=0)
+
+
+def test_the_whole_step_counts_float32_masters_under_mixed_precision() -> None:
+    """Float32: parameters, gradients and Adam's two moments (4 x). bf16 mixed precision: the bf16
+    copies and their gradients, and float32 masters, master gradients and moments (2 + 8 = 10 x
+    the bf16 bytes): a stage that fits in float32 terms may not fit as it will run."""
+    from pipeplan.precision import Precision
+    from pipeplan.profiler.meta_profile import whole_step_fits
+
+    gib = 1 << 30
+    assert whole_step_fits(10 * gib, 2 * gib, 60 * gib) == (True, "")  # 42 GiB <= 0.7 x 60
+    fits, why = whole_step_fits(4 * gib, 2 * gib, 60 * gib, Precision("bfloat16", "float32"))  # 42 GiB
+    assert fits
+    fits, why = whole_step_fits(5 * gib, 2 * gib, 60 * gib, Precision("bfloat16", "float32"))  # 52 GiB
+    assert not fits and why == ("the whole model needs about 52.0 GiB (parameters, gradients, Adam state, "
+                                "float32 masters, activations), more than 70% of the 60.0 GiB available")
