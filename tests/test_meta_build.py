@@ -4,6 +4,7 @@ profiles, and a model refused whole by an address-space limit that profiles and 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -332,3 +333,38 @@ def test_the_whole_step_counts_float32_masters_under_mixed_precision() -> None:
     fits, why = whole_step_fits(5 * gib, 2 * gib, 60 * gib, Precision("bfloat16", "float32"))  # 52 GiB
     assert not fits and why == ("the whole model needs about 52.0 GiB (parameters, gradients, Adam state, "
                                 "float32 masters, activations), more than 70% of the 60.0 GiB available")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5", "whisper", "modernbert", "llama"])
+def test_meta_built_weights_follow_the_librarys_scheme_whatever_is_materialised(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hugging Face model initialises children first, then each parent's ``_init_weights``, which
+    sets its children's tensors by their place: GPT-2's and ModernBERT's output projections scaled
+    by depth, T5's projections by its dimensions (0.06 here, not 1), Whisper's sinusoidal positions.
+    Materialised module by module, a meta build ends with the library's values where they are fixed
+    (buffers, constant and frozen parameters) and its spread where they are drawn, and a module's
+    values do not depend on what else is materialised with it (the plan)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
+    model_file = load_model_file(str(FIXTURES / "models" / "hf_family.py"))
+    torch.manual_seed(0)
+    eager = model_file.build()
+    whole, _, _ = build_model(model_file.build, "meta", 0)
+    materialise(whole, None, "cpu", 0)
+    built = dict(whole.named_parameters())
+    for name, value in eager.named_parameters():
+        if not value.requires_grad or bool(torch.all(value == value.flatten()[0])):
+            torch.testing.assert_close(built[name], value, msg=name)  # fixed: sinusoids, ones, zeros
+        elif value.numel() >= 256:
+            assert built[name].std().item() == pytest.approx(value.std().item(), rel=0.25), name
+    fixed_buffers = dict(whole.named_buffers())
+    for name, value in eager.named_buffers():
+        torch.testing.assert_close(fixed_buffers[name], value, msg=name)
+    block = next(m for n, m in whole.named_modules() if re.search(r"\.(h|layers?|block)\.0$", n))
+    alone, _, _ = build_model(model_file.build, "meta", 0)
+    names = {id(p): n for n, p in whole.named_parameters()}
+    wanted = {names[id(p)] for p in block.parameters()}
+    materialise(alone, [p for n, p in alone.named_parameters() if n in wanted], "cpu", 0)
+    for name, value in alone.named_parameters():
+        if name in wanted:
+            torch.testing.assert_close(value, built[name], rtol=0, atol=0, msg=name)

@@ -214,10 +214,17 @@ def materialise(
             if tensor.device.type == "meta" and id(tensor) not in replaced:
                 replaced[id(tensor)] = _like(tensor, torch.empty_like(tensor, device=device))
     _replace(model, replaced)
+    held_by: dict[int, int] = {}  # tensor id -> modules holding it (a tied weight: several)
+    for holder in model.modules():
+        for tensor in _own_tensors(holder):
+            held_by[id(tensor)] = held_by.get(id(tensor), 0) + 1
     for name, module in chosen:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, name))
             _initialise(model, name, module)
+            untied = [t for t in _own_tensors(module) if held_by.get(id(t), 0) == 1]
+            if untied:
+                _ancestor_schemes(model, name, untied, seed)
     if dtype is not None:
         cast = {id(t): _like(t, t.detach().to(dtype)) for t in replaced.values()
                 if t.is_floating_point() and t.dtype != dtype}
@@ -339,6 +346,38 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
         f"reset_parameters(), so it cannot be initialised after a meta build; define "
         f"reset_parameters() on it, or build the model eagerly (--build eager)"
     )
+
+
+def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], seed: int) -> None:
+    """Replay on ``tensors`` (module ``name``'s own, untied) what its Hugging Face ancestors'
+    ``_init_weights`` do.
+
+    A library initialises children first, then each parent, whose ``_init_weights(parent)``
+    may set its children's tensors by their place: GPT-2's and ModernBERT's output projections
+    scaled by depth, T5's attention and feed-forward weights by its dimensions, Whisper's
+    sinusoidal positions. Each ancestor (parent first, as the library goes) runs its scheme
+    with every other tensor under it swapped for a meta stand-in, under a seed of this module
+    and that ancestor: what this module gets does not depend on what else is materialised. A
+    tied weight is left out: the library ties after initialising, so the tensor keeps the
+    initialisation of the module it belongs to, whatever a parent does to its other name.
+    """
+    own = {id(t) for t in tensors}
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor_name = ".".join(parts[:depth])
+        owner = _pretrained_owner(model, ancestor_name)
+        if owner is None:
+            continue
+        ancestor = model.get_submodule(ancestor_name)
+        others = {id(t): t for sub in ancestor.modules() for t in _own_tensors(sub)
+                  if id(t) not in own and t.device.type != "meta"}
+        stand_ins = {key: _like(t, torch.empty_like(t, device="meta")) for key, t in others.items()}
+        _replace(ancestor, stand_ins)
+        try:
+            torch.manual_seed(module_seed(seed, f"{name}<{ancestor_name}"))
+            owner._init_weights(ancestor)
+        finally:
+            _replace(ancestor, {id(stand_ins[key]): others[key] for key in others})
 
 
 def _pretrained_owner(model: nn.Module, name: str) -> Any:
