@@ -218,13 +218,14 @@ def materialise(
     for holder in model.modules():
         for tensor in _own_tensors(holder):
             held_by[id(tensor)] = held_by.get(id(tensor), 0) + 1
+    slots_under: dict[str, list[tuple[dict[str, Any], str]]] = {}  # per ancestor: where its real tensors sit
     for name, module in chosen:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, name))
             _initialise(model, name, module)
             untied = [t for t in _own_tensors(module) if held_by.get(id(t), 0) == 1]
             if untied:
-                _ancestor_schemes(model, name, untied, seed)
+                _ancestor_schemes(model, name, untied, seed, slots_under)
     if dtype is not None:
         cast = {id(t): _like(t, t.detach().to(dtype)) for t in replaced.values()
                 if t.is_floating_point() and t.dtype != dtype}
@@ -348,7 +349,8 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
     )
 
 
-def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], seed: int) -> None:
+def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], seed: int,
+                      slots_under: dict[str, list[tuple[dict[str, Any], str]]]) -> None:
     """Replay on ``tensors`` (module ``name``'s own, untied) what its Hugging Face ancestors'
     ``_init_weights`` do.
 
@@ -360,24 +362,30 @@ def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], 
     and that ancestor: what this module gets does not depend on what else is materialised. A
     tied weight is left out: the library ties after initialising, so the tensor keeps the
     initialisation of the module it belongs to, whatever a parent does to its other name.
+    ``slots_under`` caches, per ancestor, the slots holding real tensors (they do not change
+    while one ``materialise`` initialises).
     """
     own = {id(t) for t in tensors}
     parts = name.split(".") if name else []
     for depth in range(len(parts) - 1, -1, -1):
         ancestor_name = ".".join(parts[:depth])
-        owner = _pretrained_owner(model, ancestor_name)
-        if owner is None:
-            continue
         ancestor = model.get_submodule(ancestor_name)
-        others = {id(t): t for sub in ancestor.modules() for t in _own_tensors(sub)
-                  if id(t) not in own and t.device.type != "meta"}
-        stand_ins = {key: _like(t, torch.empty_like(t, device="meta")) for key, t in others.items()}
-        _replace(ancestor, stand_ins)
+        owner = _pretrained_owner(model, ancestor_name)
+        if owner is None or type(ancestor) in (nn.ModuleList, nn.ModuleDict):  # containers: no scheme
+            continue
+        if ancestor_name not in slots_under:
+            slots_under[ancestor_name] = [(slots, key) for sub in ancestor.modules()
+                                          for slots in (sub._parameters, sub._buffers)
+                                          for key, t in slots.items() if t is not None and t.device.type != "meta"]
+        others = [(slots, key, slots[key]) for slots, key in slots_under[ancestor_name] if id(slots[key]) not in own]
+        for slots, key, tensor in others:
+            slots[key] = _like(tensor, torch.empty_like(tensor, device="meta"))
         try:
             torch.manual_seed(module_seed(seed, f"{name}<{ancestor_name}"))
             owner._init_weights(ancestor)
         finally:
-            _replace(ancestor, {id(stand_ins[key]): others[key] for key in others})
+            for slots, key, tensor in others:
+                slots[key] = tensor
 
 
 def _pretrained_owner(model: nn.Module, name: str) -> Any:
