@@ -82,7 +82,9 @@ def measure_layerwise(
                              "lower --batch-size, or profile on a device with more memory"):
                 materialise(model, held, device, seed, dtype)
                 rebind([stage.module], model)
-                held = [*stage.module.parameters(), *stage.module.buffers()]  # the materialised tensors
+                # the materialised tensors; not the constants the graph holds (a Falcon's index tensors),
+                # which layers split from one graph share, and which have no meta original to go back to
+                held = _model_tensors(stage.module, model)
                 args = tuple(as_input(values[name]) for name in stage.input_names)
                 excluded = [a for name, a in zip(stage.input_names, args) if name in counted]
                 counter = SavedTensorCounter(exclude=[*stage.module.parameters(), *_tensors(excluded)])
@@ -119,6 +121,12 @@ def measure_layerwise(
             if progress is not None:
                 progress(position + 1, len(graph.layers), f"layer {position + 1}/{len(graph.layers)}")
     return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}))
+
+
+def _model_tensors(stage_module: Any, model: Any) -> list[Any]:
+    """The parameters and buffers of ``stage_module`` that are ``model``'s."""
+    owned = {id(t) for t in (*model.parameters(), *model.buffers())}
+    return [t for t in (*stage_module.parameters(), *stage_module.buffers()) if id(t) in owned]
 
 
 @contextlib.contextmanager

@@ -122,6 +122,32 @@ def test_identical_layers_are_timed_once_unless_asked() -> None:
         assert (layer.type, layer.forward_ms, layer.backward_ms) == (source.type, source.forward_ms, source.backward_ms)
 
 
+def test_constants_the_model_makes_outlive_the_layer_by_layer_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Falcon's attention indexes its fused qkv with tensors it makes in forward; the exported graph
+    keeps them as constants, shared by every layer split from it. The profile releases each layer's
+    tensors once measured: the model's, never those constants (emptied, the whole step measured
+    after the layers read freed memory: a segfault)."""
+    pytest.importorskip("transformers")
+    from pipeplan.profiler.layerwise import measure_layerwise
+    from pipeplan.profiler.timing import make_timer
+
+    monkeypatch.setenv("PIPEPLAN_HF_FAMILY", "falcon")
+    model_file = load_model_file(HF_MODEL)
+    network, lazy, _ = build_model(model_file.build, "meta", 0)
+    inputs, targets = model_file.batch(2, seed=0)
+    graph = build_layer_graph(network, inputs, model_file.leaf_modules)
+    constants = {name: t.clone() for name, t in graph.graph_module.named_buffers() if "_pipeplan_constant" in name}
+    assert lazy and constants and all(t.dtype == torch.int64 for t in constants.values())
+    result = measure_layerwise(graph, network, inputs.tensors(), targets, model_file.loss_fn, make_timer("cpu"),
+                               0, 1, "cpu", torch.float32, seed=0)
+    assert len(result.layers) == len(graph.layers)
+    assert all(p.is_meta for p in network.parameters())  # every layer's storage handed back
+    after = dict(graph.graph_module.named_buffers())
+    for name, value in constants.items():
+        assert after[name].untyped_storage().nbytes() == value.untyped_storage().nbytes(), name  # not freed
+        torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_out_of_memory_is_one_line_naming_the_allocation() -> None:
     from pipeplan.memory_errors import OutOfMemory, memory_step
 
@@ -206,7 +232,7 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
 
 # every family of tests/fixtures/models/hf_family.py (test_the_family_list_is_the_fixtures)
 HF_FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo", "gpt_neox", "mixtral",
-               "qwen2_moe", "deepseek_v3", "modernbert", "gpt2", "bert", "t5", "bart", "whisper", "vit", "resnet"]
+               "qwen2_moe", "deepseek_v3", "falcon", "modernbert", "gpt2", "bert", "t5", "bart", "whisper", "vit", "resnet"]
 HF_MODEL = str(FIXTURES / "models" / "hf_family.py")
 
 
@@ -268,7 +294,8 @@ def test_fake_runs_of_a_meta_model_see_the_device_the_graph_will_run_on() -> Non
 def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`profile --build meta` -> partition -> `run --build meta` on 2 gloo ranks (one launch) of Qwen2 (its
-    embedding on stage 0 tied to the head on stage 1) and Qwen2-MoE: each rank materialises only its stage,
+    embedding on stage 0 tied to the head on stage 1), Qwen2-MoE and Falcon (constants made in forward,
+    whole step measured after the layers): each rank materialises only its stage,
     and the run equals the model built eagerly in one process from the same (meta-seeded) weights, from
     the first loss on (the pipeline runs the captured graph, the reference the model's own forward)."""
     pytest.importorskip("transformers")
@@ -279,7 +306,7 @@ def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
     from pipeplan.plan import Plan
     from pipeplan.profiler.profile_model import profile_model
 
-    batch, steps, families = 4, 2, ("qwen2", "qwen2_moe")
+    batch, steps, families = 4, 2, ("qwen2", "qwen2_moe", "falcon")
     jobs = []
     for family in families:
         monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
