@@ -118,3 +118,30 @@ def test_capture_failure_is_one_line_and_leaf_modules_gets_around_it(tmp_path: P
     assert result.exit_code == 0, result.output
     assert "capture: fx, 2 layers, leaf modules: Gate" in result.stdout
     assert Profile.load(out).leaf_modules == ("Gate",)
+
+
+@pytest.mark.parametrize("hash_seed", [None, "random"])
+def test_commands_run_under_one_hash_seed_so_set_ordered_models_capture_one_graph(
+        tmp_path: Path, hash_seed: str | None) -> None:
+    """A forward that iterates a set of strings (ModernBERT's and Gemma 3's rotary tables) is captured
+    in the set's order, which follows the process's string hashes: pipeplan re-runs itself under
+    PYTHONHASHSEED=0, so a profile, the plan's fingerprint and every rank see one layer order."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if hash_seed is not None:
+        env["PYTHONHASHSEED"] = hash_seed
+    env["SET_ORDER_SEEN"] = str(tmp_path / "seen")
+    out = tmp_path / "profile.json"
+    result = subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "set_order.py"), "--device",
+                             "cpu", "-b", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "seen").read_text() == "0"
+    assert [layer.name for layer in Profile.load(out).layers] == ["alpha", "beta", "head"]  # {"alpha", "beta"} at seed 0
+    pinned = {**env, "PYTHONHASHSEED": "1"}  # a user's own seed is kept: at 1 the set iterates the other way
+    assert subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "set_order.py"), "--device",
+                           "cpu", "-b", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, env=pinned).returncode == 0
+    assert (tmp_path / "seen").read_text() == "1"
+    assert [layer.name for layer in Profile.load(out).layers] == ["beta", "alpha", "head"]

@@ -8,6 +8,7 @@ stderr with exit code 2; never a traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -69,4 +70,22 @@ def cli() -> None:
 
 
 def main() -> None:
+    fix_hash_seed()
     cli(prog_name="pipeplan")
+
+
+def fix_hash_seed() -> None:
+    """Run under ``PYTHONHASHSEED=0``: where it is unset (or ``random``), re-execute this command
+    once with it set.
+
+    Some models iterate a set of strings in their forward (transformers' ModernBERT, Gemma 3,
+    OLMo 3 and others loop over ``set(config.layer_types)`` to compute their rotary tables), and
+    a set's order follows the interpreter's string hashes, random per process unless
+    ``PYTHONHASHSEED`` fixes them. The captured graph follows that order, and the profile, the
+    plan's fingerprint and every rank of a run must capture one graph (ranks exchange values in
+    an order derived from it)."""
+    if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random"):
+        return
+    os.environ["PYTHONHASHSEED"] = "0"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
