@@ -190,7 +190,9 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
     script = tmp_path / "limited.py"
     script.write_text(LIMITED)
     model = str(FIXTURES / "runtime" / "wide.py")
-    limited = {**env(), "MALLOC_ARENA_MAX": "2"}
+    # a hash seed of its own: pipeplan does not re-execute itself, which would re-run the script
+    # under the limit it set, and fail to raise it to the new process's size
+    limited = {**env(), "MALLOC_ARENA_MAX": "2", "PYTHONHASHSEED": "0"}
 
     def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, str(script), str(HEADROOM), *args], capture_output=True,
