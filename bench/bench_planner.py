@@ -32,7 +32,7 @@ from pipeplan.jsonio import write_json_atomic
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology, preset
 from pipeplan.planner.partition import PartitionOptions, partition
-from pipeplan.planner.pipedream_import import load_pipedream_graph
+from pipeplan.profiler.pipedream_graph import load_pipedream_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ptdp import TABLE_1, megatron_cluster  # noqa: E402

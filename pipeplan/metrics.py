@@ -1,7 +1,7 @@
 """The metrics contract: what ``pipeplan run`` measured, beside the plan's predictions.
 
-Written by ``pipeplan.runtime.report`` (rank 0 merges every rank's measurements), read
-by ``pipeplan.planner.report`` and ``pipeplan report``. Stored as JSON with
+Written by ``pipeplan.runtime.rank_metrics`` (rank 0 merges every rank's measurements), read
+by ``pipeplan.reporting.run_vs_plan`` and ``pipeplan report``. Stored as JSON with
 ``"schema": "pipeplan.metrics/2"`` (format in ``docs/metrics.md``; version 1 files, written
 before the per-rank memory figures, still load with those ``None``). Times are
 milliseconds per minibatch, rates samples per second, memory bytes; a figure that was not

@@ -1,4 +1,4 @@
-"""The planner: PipeDream's hierarchical DP, memory model, placement and PipeDream import.
+"""The planner: PipeDream's hierarchical DP, memory model, placement and tensor-parallel pricing.
 
 ``partition(profile, topology, options) -> Plan`` is the entry point.
 """

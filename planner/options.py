@@ -32,7 +32,7 @@ class PartitionOptions:
     activation_compression_ratio: float | None = None  # PipeDream mode only
     virtual_stages: int | None = None  # interleaved-1f1b: chunks per device (None: the planner picks)
     # tensor-parallel degree of every stage (None: the planner picks among those the profile
-    # and the topology's innermost level allow; planner.tensor_parallel)
+    # and the topology's innermost level allow; planner.tp_pricing)
     tensor_parallel: int | None = None
     # flush schedules: also try uniform plans (p balanced stages x d replicas, planner.uniform)
     # and keep the fastest simulated; None: when the profile has splitting layers (transformers)

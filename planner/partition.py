@@ -30,7 +30,7 @@ from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.uniform import uniform_trees
 from pipeplan.planner.flush_bound import flush_period_bound_ms
-from pipeplan.planner import tensor_parallel as tp
+from pipeplan.planner import tp_pricing as tp
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge
@@ -180,7 +180,7 @@ _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by co
 def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions(), *,
               resimulate: bool = True) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, over the
-    tensor-parallel degrees ``planner.tensor_parallel.degrees`` allows: one exact plan per
+    tensor-parallel degrees ``planner.tp_pricing.degrees`` allows: one exact plan per
     degree (``_partition`` on its group topology and split profile), the fastest
     (simulated) wins, ties to the smaller degree. A profile without splitting layers plans
     t = 1 only: the plan ``_partition`` makes. Raises ``InputError`` for bad options or a

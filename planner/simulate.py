@@ -416,9 +416,9 @@ def simulate_plan(
     """``simulate`` with costs from ``profile`` (or from the plan's figures without one).
 
     A plan with tensor-parallel degree t > 1 is simulated on its group topology with
-    the split profile (``planner.tensor_parallel.group_view``): the timeline's workers
+    the split profile (``planner.tp_pricing.group_view``): the timeline's workers
     are then tensor-parallel groups."""
-    from pipeplan.planner.tensor_parallel import group_view
+    from pipeplan.planner.tp_pricing import group_view
 
     plan, profile = group_view(plan, profile)
     costs = stage_costs(plan, profile) if profile is not None else stage_costs_from_plan(plan)

@@ -3,7 +3,8 @@
 Modules: ``timing`` (CUDA-event / perf_counter timers, median and IQR), ``memory``
 (output, parameter and saved-for-backward bytes), ``measure`` (the layer-by-layer
 training pass and the whole step), ``device`` (device, dtype, device name),
-``profile_model`` (model file -> ``Profile``), ``report`` (the rich table and summary).
+``profile_model`` (model file -> ``Profile``), ``pipedream_graph`` (PipeDream's profiled
+graph file -> ``Profile``). The profile's table and summary are ``pipeplan.reporting.profile_table``.
 """
 
 from pipeplan.profiler.profile_model import BUNDLED_MODELS, profile_model, resolve_model_path

@@ -4,8 +4,9 @@ Modules (one concept each): ``launch`` (torchrun environment, backend, world-siz
 ``stage`` (this rank's stage module from model.py + plan), ``comm`` (tagged non-blocking
 p2p with a shape handshake and bounded waits), ``stash`` (weight stashing), ``sync``
 (replica and tied-parameter gradient all-reduce), ``data`` (minibatches), ``executor``
-(walks a ``pipeplan.schedules`` action list), ``recorder`` / ``report`` (timings, metrics,
-traces), ``failure`` (watchdog, deadlines), ``checkpoint`` (atomic per-stage checkpoints),
+(walks a ``pipeplan.schedules`` action list), ``recorder`` / ``rank_metrics`` (timings,
+metrics, traces), ``device_mesh`` (the (pipeline, data, tensor) mesh of tensor-parallel
+runs), ``failure`` (watchdog, deadlines), ``checkpoint`` (atomic per-stage checkpoints),
 ``run_identity`` (which run a checkpoint belongs to),
 ``train`` (the loop). Public names are imported lazily so importing a submodule stays cheap.
 """

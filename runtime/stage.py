@@ -19,7 +19,7 @@ holding it sum its gradient each step, replica by replica (``tie_groups``), so t
 copies stay identical. Tied stages must have equal replica counts.
 
 Tensor parallelism: a stage with ``tensor_parallel`` t > 1 runs each replica on a group of t
-ranks (``pipeplan.runtime.tensor_parallel``) whose outputs are whole and identical. A
+ranks (``pipeplan.runtime.device_mesh``) whose outputs are whole and identical. A
 rank at index k of its group receives a value from index ``k % t'`` of the producing
 group (t' ranks) and sends to every index j of a consuming group with ``j % t == k``,
 so each rank of a group exchanges exactly one copy of every value, forward and back.

@@ -15,7 +15,7 @@ collective), replica groups first (by stage), then tie groups (by sorted stage t
 then replica). Gradients are flattened into one buffer per all-reduce.
 
 Tensor parallelism: a stage's replicas all-reduce over the data dimension of its
-(data, tensor) mesh (``pipeplan.runtime.tensor_parallel.mesh``): rank k of each
+(data, tensor) mesh (``pipeplan.runtime.device_mesh``): rank k of each
 replica's group with rank k of the others, each on its own shards; tied copies pair
 rank k with rank k likewise (tied stages have equal degrees). DTensor gradients are
 first given their parameters' placements (``settle_gradients``).

@@ -306,11 +306,11 @@ def _train(config: RunConfig, env: Any, model_file: Any, spec: Any, schedule: An
     from pipeplan.runtime.data import BatchSource
     from pipeplan.runtime.executor import Executor
     from pipeplan.runtime.recorder import Recorder
-    from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
+    from pipeplan.runtime.rank_metrics import gather_reports, rank_report, warmup_minibatches, write_outputs
     from pipeplan.runtime.stash import WeightStash
     from pipeplan.runtime.sync import make_grad_sync
     from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
-    from pipeplan.runtime.tensor_parallel.mesh import stage_meshes
+    from pipeplan.runtime.device_mesh import stage_meshes
     from pipeplan.schedules import build_schedule, peak_in_flight, schedule_kind
 
     plan = config.plan

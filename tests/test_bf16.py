@@ -179,7 +179,7 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
     from pipeplan.planner.options import PartitionOptions
     from pipeplan.planner.partition import partition
     from pipeplan.profiler.profile_model import profile_model
-    from pipeplan.runtime.checkpoint.export import export_weights
+    from pipeplan.runtime.checkpoint.write_weights import export_weights
     from pipeplan.topology import preset
 
     model, batch, lr, steps = str(FIXTURES / "teacher.py"), 16, 3e-3, 4

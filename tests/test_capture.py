@@ -24,7 +24,7 @@ from pipeplan.model_inputs import ModelInputs  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.profile import Profile  # noqa: E402
 from pipeplan.profiler.profile_model import profile_model  # noqa: E402
-from pipeplan.profiler.report import summary_lines  # noqa: E402
+from pipeplan.reporting.profile_table import summary_lines  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 GPT2_FILE = ROOT / "docs" / "tutorial" / "hf_gpt2.py"

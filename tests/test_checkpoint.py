@@ -169,7 +169,7 @@ def test_export_weights_of_a_plain_model_is_a_safetensors_file_load_model_reads(
     from safetensors.torch import load_model
 
     from pipeplan.modelfile import load_model_file
-    from pipeplan.runtime.checkpoint.export import export_weights
+    from pipeplan.runtime.checkpoint.write_weights import export_weights
 
     model_file = load_model_file(str(Path(__file__).parent / "fixtures" / "runtime" / "tied.py"))
     torch.manual_seed(5)

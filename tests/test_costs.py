@@ -132,7 +132,7 @@ def test_tensor_parallel_all_reduces_stay_bf16_and_the_replicas_sync_float32() -
     from dataclasses import replace
 
     from pipeplan.planner.partition import plan_uniform
-    from pipeplan.planner.tensor_parallel import split_profile
+    from pipeplan.planner.tp_pricing import split_profile
     from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
 
     mixed = estimate_gpt(GPTShape(2, 256, 4, seq_len=128, vocab=1024), DEVICE_RATES["a100-80gb"], 8)

@@ -23,7 +23,7 @@ from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, partition
-from pipeplan.planner.pipedream_import import load_pipedream_graph
+from pipeplan.profiler.pipedream_graph import load_pipedream_graph
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES / "pipedream"))

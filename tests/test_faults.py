@@ -29,7 +29,7 @@ from pipeplan.cli import cli
 from pipeplan.errors import InputError, RuntimeFailure
 from pipeplan.jsonio import read_json_object, write_json_atomic
 from pipeplan.plan import Plan
-from pipeplan.planner.pipedream_import import load_pipedream_graph
+from pipeplan.profiler.pipedream_graph import load_pipedream_graph
 from pipeplan.runtime.comm import BACKWARD, FORWARD, message_tag
 
 FIXTURES = Path(__file__).parent / "fixtures"

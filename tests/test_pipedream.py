@@ -7,7 +7,7 @@ import pytest
 from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology, preset
-from pipeplan.planner.pipedream_import import is_pipedream_graph, load_pipedream_graph, parse_pipedream_graph
+from pipeplan.profiler.pipedream_graph import is_pipedream_graph, load_pipedream_graph, parse_pipedream_graph
 from pipeplan.planner.partition import PartitionOptions, partition
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pipedream"

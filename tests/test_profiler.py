@@ -13,7 +13,7 @@ from pipeplan.capture import build_layer_graph
 from pipeplan.profiler.measure import disable_inplace, measure_layers, measure_stages
 from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
 from pipeplan.profiler.profile_model import profile_model, resolve_model_path
-from pipeplan.profiler.report import format_bytes, summary_lines
+from pipeplan.reporting.profile_table import format_bytes, summary_lines
 from pipeplan.profiler.timing import CpuTimer, robust_stats
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
-from pipeplan.planner.report import Comparison, compare, load_report
+from pipeplan.reporting.run_vs_plan import Comparison, compare, load_report
 
 METRICS = {
     "schema": "pipeplan.metrics/1",
@@ -109,7 +109,7 @@ def test_report_cli_error_is_one_line(tmp_path) -> None:
 
 def test_a_non_integer_stage_is_a_one_line_input_error() -> None:
     from pipeplan.errors import InputError
-    from pipeplan.planner.report import compare
+    from pipeplan.reporting.run_vs_plan import compare
 
     metrics = {"schema": "pipeplan.metrics/1", "stages": [{"stage": "zero", "time_per_minibatch_ms": 1.0}]}
     with pytest.raises(InputError, match=r"stages\[0\]: 'stage' must be an integer \(got 'zero'\)"):
@@ -145,7 +145,7 @@ def test_metrics_contract_round_trips(tmp_path) -> None:
 def test_a_run_of_another_schedule_is_reported_against_its_own_prediction() -> None:
     from pipeplan.planner.partition import PartitionOptions, partition
     from pipeplan.planner.simulate import simulate_plan
-    from pipeplan.runtime.report import prediction_for_run
+    from pipeplan.runtime.rank_metrics import prediction_for_run
     from test_simulate import make_profile, make_topology
 
     plan = partition(make_profile([1.0] * 4), make_topology(per_server=2, servers=1), PartitionOptions(straight=True))

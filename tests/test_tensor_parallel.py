@@ -10,7 +10,7 @@ from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.topology import DeviceSpec, Level, Topology
-from pipeplan.planner import tensor_parallel as tp
+from pipeplan.planner import tp_pricing as tp
 from pipeplan.planner.costs import ring_allreduce_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.partition import PartitionOptions, partition

@@ -130,7 +130,7 @@ def test_llama_profile_partition_run_with_tensor_parallel(tmp_path: Path) -> Non
         assert 0 <= layer.tp_split_forward_ms <= layer.forward_ms and 0 <= layer.tp_split_saved_bytes <= layer.saved_bytes
     assert mlp.tp_split_saved_bytes > 0  # the MLP's wide activations split
     assert Profile.load(tmp_path / "profile.json") == profile
-    from pipeplan.profiler.report import summary_lines
+    from pipeplan.reporting.profile_table import summary_lines
 
     assert any(line.startswith("tensor parallelism: 6 layers split (t must divide 2); of their forward ")
                and "(shares measured at t=2)" in line for line in summary_lines(profile))

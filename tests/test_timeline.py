@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
 from pipeplan.planner.simulate import simulate_plan
-from pipeplan.planner.timeline import draw_timeline, write_timeline
+from pipeplan.reporting.timeline import draw_timeline, write_timeline
 from pipeplan.trace import TraceEvent, validate_chrome_trace
 from test_simulate import make_plan, make_profile, make_topology
 

@@ -28,7 +28,7 @@ def export_weights(checkpoint: str, model_path: str, output: str) -> None:
     result loads into the model as the library builds it, with no pipeplan installed.
     """
     from pipeplan.modelfile import load_model_file, resolve_model_path
-    from pipeplan.runtime.checkpoint.export import export_weights as write
+    from pipeplan.runtime.checkpoint.write_weights import export_weights as write
 
     kind = write(checkpoint, load_model_file(resolve_model_path(model_path)), output)
     reader = "from_pretrained" if kind == "save_pretrained" else "safetensors.torch.load_model"

@@ -23,7 +23,7 @@ def _load_profile(path: str, batch_size: int) -> Profile:
     from pathlib import Path
 
     from pipeplan.errors import InputError
-    from pipeplan.planner.pipedream_import import is_pipedream_graph, parse_pipedream_graph
+    from pipeplan.profiler.pipedream_graph import is_pipedream_graph, parse_pipedream_graph
     from pipeplan.profile import Profile
 
     try:

@@ -75,7 +75,7 @@ def profile(
 
     from pipeplan.modelfile import parse_leaf_modules
     from pipeplan.profiler.profile_model import profile_model
-    from pipeplan.profiler.report import profile_table, summary_lines
+    from pipeplan.reporting.profile_table import profile_table, summary_lines
 
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no terminal width to respect

@@ -83,7 +83,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
     """The predicted-vs-measured tables; True when a stage is flagged."""
     from rich.table import Table
 
-    from pipeplan.planner.report import OFF_THRESHOLD, Comparison, compare, read_metrics
+    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, read_metrics
 
     metrics = read_metrics(metrics_path)
     result = compare(metrics, where=metrics_path)

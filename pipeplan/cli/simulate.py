@@ -62,7 +62,7 @@ def simulate(
     from pipeplan.plan import Plan
     from pipeplan.planner.simulate import simulate_plan
     from pipeplan.schedules import schedule_kind
-    from pipeplan.planner.timeline import TIMELINE_SUFFIXES, write_timeline
+    from pipeplan.reporting.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.profile import Profile
 
     console = Console()

@@ -3,5 +3,5 @@
 ``store``: step folders of DCP files sealed by verified manifests; ``state``: a rank's
 model, optimizer, scheduler and RNG state as qualified-name keys and back under any plan;
 ``pretrained``: ``run --weights`` (Hugging Face safetensors or a pipeplan checkpoint);
-``export``: ``pipeplan export-weights`` (a ``save_pretrained`` folder or a safetensors file).
+``write_weights``: ``pipeplan export-weights`` (a ``save_pretrained`` folder or a safetensors file).
 """

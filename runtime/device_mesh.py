@@ -8,6 +8,10 @@ pipeline position has the same replicas and degree, the stages stack into one
 (pipeline, data, tensor) mesh, as Megatron's and torchtitan's runs lay out; otherwise
 (a plan may give each stage its own degree) each stage gets its own mesh. Creating a
 mesh is collective: every rank builds every mesh, in stage order.
+
+The stage's column- and row-parallel linear pairs (``pipeplan.tensor_parallel.plans``) are
+split over the mesh's tensor dimension with ``parallelize_module``
+(``pipeplan.tensor_parallel.apply``).
 """
 
 from __future__ import annotations
