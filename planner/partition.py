@@ -181,10 +181,11 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
               resimulate: bool = True) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, over the
     tensor-parallel degrees ``planner.tp_pricing.degrees`` allows: one exact plan per
-    degree (``_partition`` on its group topology and split profile), the fastest
-    (simulated) wins, ties to the smaller degree. A profile without splitting layers plans
-    t = 1 only: the plan ``_partition`` makes. Raises ``InputError`` for bad options or a
-    degree the profile or topology refuse, ``InfeasibleError`` when no degree fits.
+    degree (``_partition_at_tensor_degree``: ``_partition_pipeline`` on its group topology
+    and split profile), the fastest (simulated) wins, ties to the smaller degree. A profile
+    without splitting layers plans t = 1 only: the plan ``_partition_pipeline`` makes.
+    Raises ``InputError`` for bad options or a degree the profile or topology refuse,
+    ``InfeasibleError`` when no degree fits.
     ``resimulate=False`` keeps the one-minibatch window the uniform candidates were
     compared on (``resimulated`` does the rest: ``planner.auto`` calls it for its choice).
     """
@@ -205,7 +206,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         # only simulated periods prune: a plan too large to simulate has its bubble-free figure
         beat_ms = min((item[0] for item in found if item[2].predicted.simulated), default=math.inf)
         try:
-            plan = _partition_degree(profile, topology, options, t, beat_ms)
+            plan = _partition_at_tensor_degree(profile, topology, options, t, beat_ms)
         except _Dominated:
             continue
         except InfeasibleError as exc:
@@ -267,14 +268,16 @@ class _Dominated(Exception):
     """No plan of this degree can beat the best of an earlier one (its stage bound is higher)."""
 
 
-def _partition_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int,
-                      beat_ms: float = math.inf) -> Plan:
-    """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition`` on
-    the group topology and split profile, expanded to the real ranks."""
+def _partition_at_tensor_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int,
+                                beat_ms: float = math.inf) -> Plan:
+    """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
+    on the group topology and split profile, expanded to the real ranks."""
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
-        return _partition(profile, topology, options)  # no tensor parallelism: the plan and messages as before
+        # no tensor parallelism: the plan and messages as before
+        return _partition_pipeline(profile, topology, options)
     try:
-        grouped = _partition(tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options, beat_ms)
+        grouped = _partition_pipeline(tp.split_profile(profile, topology, t), tp.group_topology(topology, t),
+                                      options, beat_ms)
     except InfeasibleError as exc:
         raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
     if t == 1:
@@ -285,7 +288,8 @@ def _partition_degree(profile: Profile, topology: Topology, options: PartitionOp
     return tp.expand_plan(grouped, topology, t, baselines_ms=baselines)
 
 
-def _partition(profile: Profile, topology: Topology, options: PartitionOptions, beat_ms: float = math.inf) -> Plan:
+def _partition_pipeline(profile: Profile, topology: Topology, options: PartitionOptions,
+                        beat_ms: float = math.inf) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, without tensor parallelism.
 
     Its predicted time, throughput and per-stage figures are those of its own schedule,

@@ -92,7 +92,7 @@ def test_replicas_all_reduce_gradients_in_the_master_dtype(measured: Profile, gr
     from pipeplan.planner.cost_models import cost_model
     from pipeplan.planner.cuts import CutFamily
     from pipeplan.planner.dp import DPSettings, solve
-    from pipeplan.planner.dp.bounds import _data_parallel_bound_ms
+    from pipeplan.planner.dp.bounds import data_parallel_bound_ms
     from pipeplan.planner.flush_bound import flush_period_bound_ms
     from pipeplan.planner.placement import FlatStage
     from pipeplan.planner.simulate import durations, stage_costs
@@ -109,7 +109,7 @@ def test_replicas_all_reduce_gradients_in_the_master_dtype(measured: Profile, gr
     pipedream = cost_model("pipedream").data_parallel_ms(layer_arrays(measured), top)
     assert pipedream == pytest.approx((12.0 + 4 * grad_bytes / 2e9 * 1e3) / 2, rel=1e-12)
     settings = DPSettings("1f1b-flush", "adam", max_stages=1, precision=Precision(measured.dtype, measured.master_dtype))
-    assert _data_parallel_bound_ms(arrays, top, settings) == max(compute / 2, allreduce_ms)
+    assert data_parallel_bound_ms(arrays, top, settings) == max(compute / 2, allreduce_ms)
     for prune in (True, False):
         assert solve(arrays, top, settings, prune=prune).time_ms == max(compute / 2, allreduce_ms)
 

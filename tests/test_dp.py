@@ -156,7 +156,7 @@ import numpy as np
 
 from pipeplan.planner.costs import layer_arrays
 from pipeplan.planner.dp import DPSettings, reconstruct, solve, tables
-from pipeplan.planner.dp.bounds import _band_bound, _data_parallel_bound_ms, _lower_bound_ms
+from pipeplan.planner.dp.bounds import band_bound, data_parallel_bound_ms, lower_bound_ms
 
 
 @st.composite
@@ -200,8 +200,8 @@ def test_pruned_equals_unpruned(case):
     assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):
         assert reconstruct(pruned) == reconstruct(full)
-        assert _lower_bound_ms(arrays, topology, dp_settings) <= full.time_ms * (1 + 1e-12)
-    assert _data_parallel_bound_ms(arrays, topology, dp_settings) >= full.time_ms * (1 - 1e-12)
+        assert lower_bound_ms(arrays, topology, dp_settings) <= full.time_ms * (1 + 1e-12)
+    assert data_parallel_bound_ms(arrays, topology, dp_settings) >= full.time_ms * (1 - 1e-12)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -248,10 +248,10 @@ def test_data_parallel_bound_is_the_whole_model_on_every_device():
     params = 8 * 10**5
     inner_ms = max(4.0 / inner.count, ring_allreduce_ms(params, inner.count, inner.bandwidth_bytes_per_s, inner.latency_ms))
     want = max(inner_ms / top.count, ring_allreduce_ms(params, top.count, top.bandwidth_bytes_per_s, top.latency_ms))
-    assert _data_parallel_bound_ms(arrays, topology, DPSettings()) == pytest.approx(want, rel=1e-12)
-    assert _data_parallel_bound_ms(arrays, topology, DPSettings(straight=True)) == math.inf
+    assert data_parallel_bound_ms(arrays, topology, DPSettings()) == pytest.approx(want, rel=1e-12)
+    assert data_parallel_bound_ms(arrays, topology, DPSettings(straight=True)) == math.inf
     tiny = Topology("t", DeviceSpec("d", 10**6), topology.levels)
-    assert _data_parallel_bound_ms(arrays, tiny, DPSettings()) == math.inf
+    assert data_parallel_bound_ms(arrays, tiny, DPSettings()) == math.inf
 
 
 def test_band_bound_matches_a_scan():
@@ -270,7 +270,7 @@ def test_band_bound_matches_a_scan():
                           for m in (1, 2))
                 if low <= bound_ms * (1 + 1e-12):
                     best = max(best, j - i)
-        assert _band_bound(arrays, topology, bound_ms) == max(best, 1)
+        assert band_bound(arrays, topology, bound_ms) == max(best, 1)
 
 
 def test_large_world_plan_reconstructs():

@@ -94,17 +94,17 @@ def test_fewest_stages_prove_infeasibility_without_passes():
     least 4 stages of 2 layers; on 3 devices nothing fits, on 4 a plan does (as unpruned)."""
     from pipeplan.planner.costs import layer_arrays
     from pipeplan.planner.dp import DPSettings, solve
-    from pipeplan.planner.dp.bounds import _fewest_stages
+    from pipeplan.planner.dp.bounds import fewest_stages
 
     arrays = layer_arrays(chain_profile(8, 10**6))
     for devices, feasible in ((3, False), (4, True)):
         topology = Topology("t", DeviceSpec("d", int(2.5e6)), (Level("n", devices, 1e9),))
         settings = DPSettings(schedule="gpipe")
-        assert _fewest_stages(arrays, topology, settings) == 4
+        assert fewest_stages(arrays, topology, settings) == 4
         assert math.isfinite(solve(arrays, topology, settings).time_ms) == feasible
         assert solve(arrays, topology, settings).time_ms == solve(arrays, topology, settings, prune=False).time_ms
     small = Topology("t", DeviceSpec("d", int(0.5e6)), (Level("n", 16, 1e9),))
-    assert _fewest_stages(arrays, small, DPSettings(schedule="gpipe")) == math.inf  # one layer alone is too big
+    assert fewest_stages(arrays, small, DPSettings(schedule="gpipe")) == math.inf  # one layer alone is too big
 
 
 def test_uniform_plans_when_the_dp_charge_finds_nothing():

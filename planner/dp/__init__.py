@@ -58,9 +58,9 @@ m units, ``width[k]`` for a whole table. Two more bounds of the same kind skip w
 live choices; the bound is the top level's own DP over relaxed units, ``_relaxed_top_ms``),
 and if that does not prove its answer, a pass at 1.25 times that bound, then one at the
 best plan known (its answer, or pure data parallelism's time,
-``_data_parallel_bound_ms``), which is exact (a finite answer of a pruned pass is the
+``data_parallel_bound_ms``), which is exact (a finite answer of a pruned pass is the
 time of a real plan). The top band
-(longest top-level stage) follows from that bound (``_band_bound``).
+(longest top-level stage) follows from that bound (``band_bound``).
 
 The reconstruction follows the tau each table was filled with (rounded, or 0 for a
 table shared across tau), so it retraces exactly the choices the tables hold.

@@ -10,9 +10,34 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
-from pipeplan.planner.dp.context import DEFAULT_PLANNER_MEMORY, DPSettings, DPSolution, INF, LIMIT_ATTEMPTS, _Context, _device_need_bytes, _longest_prefix, nested_states
-from pipeplan.planner.dp.tables import _fill_top, _split_choices
+from pipeplan.planner.dp.context import (
+    DEFAULT_PLANNER_MEMORY,
+    INF,
+    LIMIT_ATTEMPTS,
+    DPContext,
+    DPSettings,
+    DPSolution,
+    device_need_bytes,
+    longest_prefix,
+    nested_states,
+)
+from pipeplan.planner.dp.tables import fill_top, split_choices
 from pipeplan.topology import Level, Topology
+
+__all__ = [
+    "FIRST_BAND_GROWTH",
+    "RELAXED_MAX_WORK",
+    "band_bound",
+    "check_memory",
+    "data_parallel_bound_ms",
+    "fewest_stages",
+    "fill_solution",
+    "lower_bound_ms",
+    "next_limit",
+    "planner_memory_limit",
+    "some_layer_never_fits",
+    "table_bytes",
+]
 
 
 def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -38,7 +63,7 @@ def _relaxed_stage_ms(compute: np.ndarray, grads: np.ndarray, units: int, per_un
     return np.maximum(compute / (units * per_unit), allreduce)
 
 
-def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
+def band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
     """Longest range whose lower bound as a top-level stage is <= ``bound_ms``.
 
     Binary search per start (the bound grows with the range): O(N u log N).
@@ -51,10 +76,10 @@ def _band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int
     def fits(lengths: np.ndarray) -> np.ndarray:
         return _top_stage_bound(arrays, topology, starts, starts + lengths) <= bound_ms * (1 + 1e-12)
 
-    return max(_longest_prefix(fits, n - starts, arrays), 1)
+    return max(longest_prefix(fits, n - starts, arrays), 1)
 
 
-def _lower_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings | None = None) -> float:
+def lower_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings | None = None) -> float:
     """A lower bound (ms) on the answer, the first pruning limit: total compute over every
     device, and either one top stage of every layer or at least one top-level cut; with
     ``settings``, also the top level's own DP over relaxed units (``_relaxed_top_ms``)."""
@@ -99,7 +124,7 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
         if m == 1 or not settings.straight:
             whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv)
             best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
-        for first_units in _split_choices(settings, m):
+        for first_units in split_choices(settings, m):
             stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv)
             rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
             split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
@@ -110,7 +135,7 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     return float(suffix[lv.count, 0])
 
 
-def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
     """The DP's own value of pure data parallelism (every layer in one stage on every unit
     at every level, tau 0): an upper bound on the answer with top stages of any length;
     inf when that plan is not a candidate (``straight``) or does not fit. O(levels)."""
@@ -118,7 +143,7 @@ def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: D
         return INF
     params, saved = arrays.param_bytes[-1:] - arrays.param_bytes[:1], arrays.saved_bytes[-1:] - arrays.saved_bytes[:1]
     whole = arrays.largest_range(np.array([0]), np.array([len(arrays.param_bytes) - 1]))
-    if settings.memory_check and float(_device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes:
+    if settings.memory_check and float(device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes:
         return INF
     value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
     grads = params * arrays.precision.gradient_ratio
@@ -128,7 +153,7 @@ def _data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: D
     return value
 
 
-def _next_limit(limit_ms: float, attempt: int) -> float:
+def next_limit(limit_ms: float, attempt: int) -> float:
     """Limit of pass ``attempt`` (1, 2, ...) after one under ``limit_ms`` found no plan and
     none is known: fourfold, and the last attempt prunes nothing."""
     if attempt >= LIMIT_ATTEMPTS:
@@ -136,18 +161,18 @@ def _next_limit(limit_ms: float, attempt: int) -> float:
     return max(4.0 * limit_ms, 1e-3)
 
 
-def _some_layer_never_fits(ctx: _Context) -> bool:
+def some_layer_never_fits(ctx: DPContext) -> bool:
     """True when a single layer exceeds device memory even with one minibatch in flight."""
     if not ctx.settings.memory_check:
         return False
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
-    need = _device_need_bytes(ctx.settings, params, saved, 0, largest)  # _device_table at tau = 0 for single layers
+    need = device_need_bytes(ctx.settings, params, saved, 0, largest)  # device_table at tau = 0 for single layers
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
-def _fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
+def fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> float:
     """Fewest stages any plan needs under the DP's memory rule, for a chain (the prefix
     family; 0 otherwise, or without the memory check): a stage needs at least its bytes
     at tau = 0 on each of its devices, whatever its replicas, and those grow with the
@@ -159,7 +184,7 @@ def _fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings
     count, start = 0, 0
     while start < n:
         ends = np.arange(start + 1, n + 1)
-        need = _device_need_bytes(settings, arrays.param_bytes[ends] - arrays.param_bytes[start],
+        need = device_need_bytes(settings, arrays.param_bytes[ends] - arrays.param_bytes[start],
                                   arrays.saved_bytes[ends] - arrays.saved_bytes[start], 0,
                                   arrays.largest_range(np.full(len(ends), start), ends))
         fits = int(np.searchsorted(need > memory, True))  # need grows with the end: a prefix of ends fits
@@ -170,8 +195,8 @@ def _fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings
     return count
 
 
-def _solution(ctx: _Context, band: int) -> DPSolution:
-    top = _fill_top(ctx, band)
+def fill_solution(ctx: DPContext, band: int) -> DPSolution:
+    top = fill_top(ctx, band)
     value = float(top[ctx.levels[-1].count, ctx.q - 1, 0])
     return DPSolution(value, ctx.arrays, ctx.topology, ctx.settings, band, top, ctx.tables, ctx, ctx.limit_ms)
 
@@ -198,7 +223,7 @@ def planner_memory_limit() -> int:
         raise InputError(f"PIPEPLAN_PLANNER_MEMORY must be a number of bytes (got {value!r})") from None
 
 
-def _check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> None:
+def check_memory(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int) -> None:
     """One-line refusal before allocating when the tables would exceed the limit."""
     need, limit = table_bytes(arrays, topology, settings, band), planner_memory_limit()
     if need > limit:

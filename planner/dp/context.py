@@ -14,6 +14,24 @@ from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
 
+__all__ = [
+    "DEFAULT_PLANNER_MEMORY",
+    "EXACT_TAU_WORLD",
+    "INF",
+    "LIMIT_ATTEMPTS",
+    "LIMIT_GROWTH",
+    "PRUNE_SLACK",
+    "DPContext",
+    "DPSettings",
+    "DPSolution",
+    "StageNode",
+    "device_need_bytes",
+    "device_table",
+    "device_time",
+    "longest_prefix",
+    "nested_states",
+    "table_entry",
+]
 
 EXACT_TAU_WORLD = 64
 DEFAULT_PLANNER_MEMORY = 8 * 2**30  # bytes of DP tables before ``solve`` refuses
@@ -68,11 +86,11 @@ class DPSolution:
     band: int  # longest top-level stage (layers) the answer was searched over
     top: np.ndarray  # S[m, q, i]: layers [i, N) on m top units, <= q+1 stages
     tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (k, tau) -> A_k[m, q, l, i]
-    ctx: "_Context | None" = None
+    ctx: "DPContext | None" = None
     limit_ms: float = INF  # pruning limit the tables were filled under (inf: none)
 
 
-class _Context:
+class DPContext:
     """Band arrays shared by every level and the memoised tables.
 
     Band arrays are indexed ``[l, i]``: the range [i, i + l), l <= ``span``. Tables are
@@ -171,7 +189,7 @@ def nested_states(arrays: LayerArrays) -> np.ndarray:
 _NESTED: dict[int, tuple[object, np.ndarray]] = {}
 
 
-def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray,
+def longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray,
                     arrays: LayerArrays | None = None) -> int:
     """Largest l <= longest[i] over all starts i with fits(l)[i] (0 if none), where
     ``fits`` maps an array of lengths (one per start) to booleans. For prefixes
@@ -199,7 +217,7 @@ def _longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarra
     return int(lo.max()) if len(lo) else 0
 
 
-def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
+def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
     """Lt(f) at the top: longest range one top stage on f units can hold within ``limit``
     (its bound max(compute / (f D), all-reduce) grows with the range). O(u N log band)."""
     lv, top = ctx.levels[-1], len(ctx.levels)
@@ -217,10 +235,10 @@ def _top_first_lengths(ctx: _Context, limit: float) -> list[int]:
         return test
 
     longest = np.minimum(ctx.band, n - starts)
-    return [0] + [_longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
+    return [0] + [longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
 
 
-def _unit_limits(ctx: _Context, level: int) -> np.ndarray:
+def _unit_limits(ctx: DPContext, level: int) -> np.ndarray:
     """limits[level][l, i]: the largest value of a level-``level`` entry (A or T) of range
     [i, i+l), l <= width[level], that a plan within the top limit can use.
     O(u_{level+1} N width).
@@ -244,7 +262,7 @@ def _longest(ok: np.ndarray) -> int:
     return int(rows[-1]) if len(rows) else 0
 
 
-def _lengths(ctx: _Context, level: int, stage: bool) -> list[int]:
+def _lengths(ctx: DPContext, level: int, stage: bool) -> list[int]:
     """Lt(f) (``stage``) or Lr(m) for level < top, capped by the level's width.
 
     One stage on f units of D devices takes at least max(compute / (f D), all-reduce)
@@ -263,7 +281,7 @@ def _lengths(ctx: _Context, level: int, stage: bool) -> list[int]:
     return out
 
 
-def _entry(table: np.ndarray, q: int, length: int, start: int) -> float:
+def table_entry(table: np.ndarray, q: int, length: int, start: int) -> float:
     """table[q, length, start] as a float; inf past the table's width (pruned)."""
     return float(table[q, length, start]) if length < table.shape[1] else INF
 
@@ -273,7 +291,7 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
-def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int,
+def device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int,
                        largest: np.ndarray) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
     parameters are ``largest``, at ``tau``."""
@@ -285,17 +303,17 @@ def _device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarr
             + gradient_temporary_bytes(largest, settings.microbatches, settings.precision))
 
 
-def _device_time(ctx: _Context, tau: int, where: tuple) -> np.ndarray:
+def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
     """Compute (ms) of the ranges ``[l, i]`` at ``where`` (an index into the band arrays)
     on one device at ``tau``; inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
     if ctx.settings.memory_check:
-        need = _device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
+        need = device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
         time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
     return time
 
 
-def _device_table(ctx: _Context, tau: int) -> np.ndarray:
+def device_table(ctx: DPContext, tau: int) -> np.ndarray:
     """U_0[q, l, i]: compute of each range on one device, inf where it does not fit in memory."""
-    time = _device_time(ctx, tau, (slice(0, ctx.width[0] + 1),))
+    time = device_time(ctx, tau, (slice(0, ctx.width[0] + 1),))
     return np.repeat(time[None, :, :], ctx.q, axis=0)

@@ -7,8 +7,10 @@ from typing import Callable
 
 from pipeplan.errors import InfeasibleError
 from pipeplan.planner.costs import transfer_ms
-from pipeplan.planner.dp.context import DPSolution, StageNode, _Context, _entry
-from pipeplan.planner.dp.tables import _level_table, _split_choices, _stage_table
+from pipeplan.planner.dp.context import DPContext, DPSolution, StageNode, table_entry
+from pipeplan.planner.dp.tables import level_table, split_choices, stage_table
+
+__all__ = ["reconstruct"]
 
 
 def _close(a: float, b: float) -> bool:
@@ -18,20 +20,20 @@ def _close(a: float, b: float) -> bool:
 RestValue = Callable[[int, int, int], float]
 
 
-def _reconstruct_level(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int,
+def _reconstruct_level(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int,
                        tau: int) -> tuple[StageNode, ...]:
     """The pipeline achieving A_level(start, end, m, q) at ``tau``."""
     if level == 0:
         return ()
-    table = _level_table(ctx, level, tau)
+    table = level_table(ctx, level, tau)
     # follow the tau the table was filled with: inner taus derive from it
     filled_tau = 0 if ctx.track_tau and ctx.tau_cache.get(level) else ctx.tau_key(tau)
-    target = _entry(table[m], q, end - start, start)
+    target = table_entry(table[m], q, end - start, start)
     return _pick(ctx, band, level, start, end, m, q, filled_tau, target,
-                 lambda s, mm, qq: _entry(table[mm], qq, end - s, s))
+                 lambda s, mm, qq: table_entry(table[mm], qq, end - s, s))
 
 
-def _pick(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
+def _pick(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
           target: float, rest_value: RestValue) -> tuple[StageNode, ...]:
     """Find the choice (single stage or first stage + rest) whose value is ``target``.
 
@@ -45,21 +47,21 @@ def _pick(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q:
         raise InfeasibleError("no plan fits (internal: reconstruct of an infeasible entry)")
     if (m == 1 or not ctx.settings.straight) and length <= band:
         single_tau = math.ceil(tau / m)
-        value = _entry(_stage_table(ctx, level, m, single_tau), q, length, start)
+        value = table_entry(stage_table(ctx, level, m, single_tau), q, length, start)
         if _close(value, target):
             inner = _reconstruct_level(ctx, band, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau)
             return (StageNode(level, start, end, m, inner),)
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
-    for first_units in _split_choices(ctx.settings, m):
+    for first_units in split_choices(ctx.settings, m):
         if m - first_units < 1:
             continue
         inner_tau = math.ceil((tau + (m - first_units) * per_unit) / first_units)
-        first = _stage_table(ctx, level, first_units, inner_tau)
+        first = stage_table(ctx, level, first_units, inner_tau)
         for t in range(1, min(length - 1, band) + 1):
             split = start + t
             pairs = [(0, 0)] if not ctx.bounded else [(q1, q - 1 - q1) for q1 in range(q)]
             for q1, q2 in pairs:
-                value = max(_entry(first, q1, t, start), float(cut[split]), rest_value(split, m - first_units, q2))
+                value = max(table_entry(first, q1, t, start), float(cut[split]), rest_value(split, m - first_units, q2))
                 if _close(value, target):
                     inner = _reconstruct_level(ctx, band, level - 1, start, split, lv_units(ctx, level - 1), q1, inner_tau)
                     head = StageNode(level, start, split, first_units, inner)
@@ -70,12 +72,12 @@ def _pick(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q:
     raise InfeasibleError(f"internal: no choice reproduces {target} ms at level {level}")
 
 
-def _follow(ctx: _Context, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
+def _follow(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
             rest_value: RestValue) -> tuple[StageNode, ...]:
     return _pick(ctx, band, level, start, end, m, q, tau, rest_value(start, m, q), rest_value)
 
 
-def lv_units(ctx: _Context, level: int) -> int:
+def lv_units(ctx: DPContext, level: int) -> int:
     """Units a unit of ``level`` holds (its own count); 1 for a device."""
     return ctx.levels[level - 1].count if level >= 1 else 1
 

@@ -7,9 +7,21 @@ import math
 import numpy as np
 
 from pipeplan.planner.costs import LayerArrays
-from pipeplan.planner.dp.bounds import FIRST_BAND_GROWTH, _fewest_stages, _band_bound, _check_memory, _data_parallel_bound_ms, _lower_bound_ms, _next_limit, _solution, _some_layer_never_fits
-from pipeplan.planner.dp.context import DPSettings, DPSolution, INF, LIMIT_GROWTH, _Context
+from pipeplan.planner.dp.bounds import (
+    FIRST_BAND_GROWTH,
+    band_bound,
+    check_memory,
+    data_parallel_bound_ms,
+    fewest_stages,
+    fill_solution,
+    lower_bound_ms,
+    next_limit,
+    some_layer_never_fits,
+)
+from pipeplan.planner.dp.context import INF, LIMIT_GROWTH, DPContext, DPSettings, DPSolution
 from pipeplan.topology import Topology
+
+__all__ = ["solve"]
 
 
 def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
@@ -20,34 +32,34 @@ def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, b
     strongest pruning) and grows until a pass proves its answer. Once a plan within the
     band is known (``upper_ms``, or a pruned pass's finite answer, the time of a real
     plan), the next pass runs at that plan's time and proves; with none known the limit
-    grows fourfold (``_next_limit``), the last attempt without pruning (the only one
+    grows fourfold (``next_limit``), the last attempt without pruning (the only one
     when not ``prune``).
     """
-    start = start_ms if start_ms is not None else _lower_bound_ms(arrays, topology, settings)
+    start = start_ms if start_ms is not None else lower_bound_ms(arrays, topology, settings)
     limit = min(start, upper_ms) if prune else INF
-    _check_memory(arrays, topology, settings, band)
+    check_memory(arrays, topology, settings, band)
     attempt = 0
     while True:
-        ctx = _Context(arrays, topology, settings, band, limit)
-        solution = _solution(ctx, band)
+        ctx = DPContext(arrays, topology, settings, band, limit)
+        solution = fill_solution(ctx, band)
         if solution.time_ms <= limit or not math.isfinite(limit):
             return solution
-        if not math.isfinite(solution.time_ms) and _some_layer_never_fits(ctx):
+        if not math.isfinite(solution.time_ms) and some_layer_never_fits(ctx):
             return solution  # infeasible under any limit
         attempt += 1
         upper_ms = min(upper_ms, solution.time_ms)
-        limit = upper_ms if math.isfinite(upper_ms) else _next_limit(limit, attempt)
+        limit = upper_ms if math.isfinite(upper_ms) else next_limit(limit, attempt)
 
 
 def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
     """Fill the tables and return the optimum (``time_ms`` is inf when nothing fits).
 
-    A first pass runs at a lower bound of the answer (``_lower_bound_ms``; with few
+    A first pass runs at a lower bound of the answer (``lower_bound_ms``; with few
     live choices it is cheap) over top stages as long as that bound allows
-    (``_band_bound``) if that is at most ``FIRST_BAND_GROWTH`` times a short ``guess``,
+    (``band_bound``) if that is at most ``FIRST_BAND_GROWTH`` times a short ``guess``,
     else over the guess. If it proves its answer within its band, that is the optimum.
     Otherwise the best plan known, its answer or pure data parallelism
-    (``_data_parallel_bound_ms``), bounds the answer and so the longest useful top stage;
+    (``data_parallel_bound_ms``), bounds the answer and so the longest useful top stage;
     over that band a pass at ``LIMIT_GROWTH`` times the lower bound (cheap, and often
     enough), else one at that plan's time, proves the exact optimum. Passes run on pruned tables
     (``_exact_pass``). ``prune=False`` fills every entry of one pass over every band
@@ -55,27 +67,27 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
-    if _fewest_stages(arrays, topology, settings) > min(topology.world_size, settings.max_stages or topology.world_size):
+    if fewest_stages(arrays, topology, settings) > min(topology.world_size, settings.max_stages or topology.world_size):
         # no plan has so few stages that each fits on a device: infeasible, without the passes
         # that would grow the limit to inf to prove it
         return DPSolution(INF, arrays, topology, settings, 0, np.full((1, 1, 1), INF))
     if not prune:
         return _exact_pass(arrays, topology, settings, n, prune=False)
-    whole = _data_parallel_bound_ms(arrays, topology, settings)
-    lower = _lower_bound_ms(arrays, topology, settings)
+    whole = data_parallel_bound_ms(arrays, topology, settings)
+    lower = lower_bound_ms(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
-    reach = _band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
+    reach = band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
     band = min(n, max(guess, reach) if reach <= FIRST_BAND_GROWTH * guess else guess)
-    _check_memory(arrays, topology, settings, band)
+    check_memory(arrays, topology, settings, band)
     limit = min(lower, whole if band == n else INF)
-    first = _solution(_Context(arrays, topology, settings, band, limit), band)
-    if first.time_ms <= limit and (band == n or _band_bound(arrays, topology, first.time_ms) <= band):
+    first = fill_solution(DPContext(arrays, topology, settings, band, limit), band)
+    if first.time_ms <= limit and (band == n or band_bound(arrays, topology, first.time_ms) <= band):
         return first
     bound = min(first.time_ms, whole)
     if not math.isfinite(bound):  # no plan known yet: grow the limit on this band first
         first = _exact_pass(arrays, topology, settings, band)
-        if band == n or _band_bound(arrays, topology, first.time_ms) <= band:
+        if band == n or band_bound(arrays, topology, first.time_ms) <= band:
             return first
         bound = first.time_ms
-    band = min(n, max(band, _band_bound(arrays, topology, bound)))
+    band = min(n, max(band, band_bound(arrays, topology, bound)))
     return _exact_pass(arrays, topology, settings, band, bound, start_ms=min(bound, lower * LIMIT_GROWTH))

@@ -8,20 +8,32 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.planner.costs import ring_allreduce_ms, transfer_ms
-from pipeplan.planner.dp.context import DPSettings, INF, PRUNE_SLACK, _Context, _device_table, _device_time
+from pipeplan.planner.dp.context import INF, PRUNE_SLACK, DPContext, DPSettings, device_table, device_time
+
+__all__ = [
+    "COLUMN_BLOCK",
+    "SHORT_RANGES",
+    "SPARSE_MAX_CHOICES",
+    "SPARSE_SPEEDUP",
+    "TOP_BLOCK_ELEMENTS",
+    "fill_top",
+    "level_table",
+    "split_choices",
+    "stage_table",
+]
 
 
-def _unit_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
+def _unit_table(ctx: DPContext, level: int, tau: int) -> np.ndarray:
     """U_level[q, l, i]: best time of each range on one whole unit of ``level``."""
     if level == 0:
         key = (0, ctx.tau_key(tau))
         if key not in ctx.tables:
-            ctx.tables[key] = _device_table(ctx, key[1])
+            ctx.tables[key] = device_table(ctx, key[1])
         return ctx.tables[key]
-    return _level_table(ctx, level, tau)[-1]
+    return level_table(ctx, level, tau)[-1]
 
 
-def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
+def level_table(ctx: DPContext, level: int, tau: int) -> np.ndarray:
     """A_level[m, q, l, i] at ``tau`` (memoised; shared across tau when it cannot matter)."""
     key = ctx.tau_key(tau)
     if ctx.track_tau and level not in ctx.tau_cache:
@@ -47,7 +59,7 @@ def _level_table(ctx: _Context, level: int, tau: int) -> np.ndarray:
     return ctx.tables[(level, key)]
 
 
-def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
+def _top_regions(ctx: DPContext) -> dict[int, tuple[int, int]]:
     """tau -> states [a, b): the ranges of the level below the top that the top fill
     reads at that tau, other than tau 0, lie inside [a, b) (memoised).
 
@@ -75,7 +87,7 @@ def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
             starts = np.arange(n)
         if len(starts) == 0:
             continue
-        for first_units in _split_choices(ctx.settings, m):
+        for first_units in split_choices(ctx.settings, m):
             if m - first_units < 1:
                 continue
             key = ctx.tau_key(math.ceil((m - first_units) * per_unit / first_units))
@@ -87,7 +99,7 @@ def _top_regions(ctx: _Context) -> dict[int, tuple[int, int]]:
     return regions
 
 
-def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
+def stage_table(ctx: DPContext, level: int, units: int, tau: int) -> np.ndarray:
     """T_level[q, l, i] for ranges replicated on ``units`` units of level-1 (memoised)."""
     unit = _unit_table(ctx, level - 1, tau)
     below = level - 1
@@ -101,9 +113,9 @@ def _stage_table(ctx: _Context, level: int, units: int, tau: int) -> np.ndarray:
     return ctx.stage_tables[key]
 
 
-def _stage_values(ctx: _Context, level: int, units: int, tau: int, lengths: np.ndarray,
+def _stage_values(ctx: DPContext, level: int, units: int, tau: int, lengths: np.ndarray,
                   starts: np.ndarray) -> np.ndarray:
-    """``_stage_table(ctx, level, units, tau)[0, lengths, starts]`` (unbounded), computed at
+    """``stage_table(ctx, level, units, tau)[0, lengths, starts]`` (unbounded), computed at
     those points only unless the table exists: the same operations, so the same values."""
     below = level - 1
     shared = below >= 1 and ctx.track_tau and ctx.tau_cache.get(below, False)
@@ -111,7 +123,7 @@ def _stage_values(ctx: _Context, level: int, units: int, tau: int, lengths: np.n
     if key in ctx.stage_tables:
         return ctx.stage_tables[key][0, lengths, starts]
     if below == 0 and (0, ctx.tau_key(tau)) not in ctx.tables:
-        unit = _device_time(ctx, ctx.tau_key(tau), (lengths, starts))
+        unit = device_time(ctx, ctx.tau_key(tau), (lengths, starts))
     else:
         unit = _unit_table(ctx, below, tau)[0, lengths, starts]
     return np.maximum(unit / units, ctx.allreduce_ms(level, units)[lengths, starts])
@@ -135,12 +147,12 @@ def _combine(out: np.ndarray, head: np.ndarray, rest: np.ndarray, bounded: bool,
             np.minimum(out[q], tmp, out=out[q])
 
 
-def _split_choices(settings: DPSettings, m: int) -> range:
+def split_choices(settings: DPSettings, m: int) -> range:
     """Units of a first stage split off m units: 1 only when ``straight`` (no replicas)."""
     return range(1, 2) if settings.straight else range(1, m)
 
 
-def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | None = None) -> np.ndarray:
+def _fill_level(ctx: DPContext, level: int, tau: int, region: tuple[int, int] | None = None) -> np.ndarray:
     """A_level[m, q, l, i] over every range of the level's width, for 1..u units; with
     ``region = (a, b)`` exact only for ranges inside states [a, b) (``_top_regions``).
 
@@ -159,12 +171,12 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
     for m in range(1, u + 1):
         columns = 0
         if m == 1 or not ctx.settings.straight:
-            single = _stage_table(ctx, level, m, math.ceil(tau / m))
+            single = stage_table(ctx, level, m, math.ceil(tau / m))
             columns = min(width + 1, single.shape[1])
             table[m, :, :columns] = single[:, :columns]
         table[m, :, columns:] = INF
         longest = rest_len[m]
-        for first_units in _split_choices(ctx.settings, m):
+        for first_units in split_choices(ctx.settings, m):
             if m - first_units < 1:
                 continue
             after = m - first_units
@@ -174,7 +186,7 @@ def _fill_level(ctx: _Context, level: int, tau: int, region: tuple[int, int] | N
             if not ctx.bounded and _combine_live(ctx, level, table[m, 0], (first_units, inner_tau), cut, rest[0],
                                                  m, first_longest, longest):
                 continue
-            first = _stage_table(ctx, level, first_units, inner_tau)
+            first = stage_table(ctx, level, first_units, inner_tau)
             low, high = region if region is not None else (0, n)
             block = COLUMN_BLOCK if longest > SHORT_RANGES else n  # blocks of starts keep long rows in cache
             for begin in range(low, high, block):
@@ -198,7 +210,7 @@ SHORT_RANGES = 64  # pipelines at most this long: whole rows (no blocks) and no 
 SPARSE_MAX_CHOICES = 4_000_000  # beyond this the gathers outgrow the caches: dense is faster
 
 
-def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _live(ctx: DPContext, level: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(stage[f], pipeline[m]): masks ``[l, i]`` of the level's ranges that a plan of time
     <= the pruning limit V can use as a stage on f units / a pipeline on m units (memoised).
 
@@ -236,7 +248,7 @@ def _live(ctx: _Context, level: int) -> tuple[list[np.ndarray], list[np.ndarray]
     return ctx.alive[level]
 
 
-def _live_by_start(ctx: _Context, level: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+def _live_by_start(ctx: DPContext, level: int, units: int) -> tuple[np.ndarray, np.ndarray]:
     """The live pipelines on ``units`` units of ``level`` by start: (lengths, offsets),
     start i's lengths ascending in ``lengths[offsets[i] : offsets[i + 1]]`` (memoised)."""
     key = (level, units)
@@ -247,7 +259,7 @@ def _live_by_start(ctx: _Context, level: int, units: int) -> tuple[np.ndarray, n
     return ctx.live_by_start[key]
 
 
-def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple[int, int], cut: np.ndarray,
+def _combine_live(ctx: DPContext, level: int, out: np.ndarray, first_stage: tuple[int, int], cut: np.ndarray,
                   rest: np.ndarray, m: int, first_longest: int, longest: int) -> bool:
     """``_fill_level``'s combine of a pipeline on m units, first stage on f units at
     ``tau`` (``first_stage = (f, tau)``), over live choices only, unbounded:
@@ -290,7 +302,7 @@ def _combine_live(ctx: _Context, level: int, out: np.ndarray, first_stage: tuple
     return True
 
 
-def _fill_top(ctx: _Context, band: int) -> np.ndarray:
+def fill_top(ctx: DPContext, band: int) -> np.ndarray:
     """S[m, q, i]: layers [i, N) on m units of the top level, tau = 0, top stages of at
     most ``band`` (<= ctx.band) layers. O(sum_{f < m <= u} N Lt(f) Q^2).
 
@@ -310,20 +322,20 @@ def _fill_top(ctx: _Context, band: int) -> np.ndarray:
     heads = None if ctx.bounded else _TopHeads(ctx, band, cut)
     for m in range(1, u + 1):
         if m == 1 or not ctx.settings.straight:
-            whole = _stage_table(ctx, top, m, 0)
+            whole = stage_table(ctx, top, m, 0)
             fits = lengths <= min(band, whole.shape[1] - 1)
             suffix[m][:, starts[fits]] = whole[:, lengths[fits], starts[fits]]
         if heads is not None:
             _combine_top(ctx, heads, suffix, m)
         else:
-            for first_units in _split_choices(ctx.settings, m):
+            for first_units in split_choices(ctx.settings, m):
                 if m - first_units < 1:
                     continue
                 longest = min(band, ctx.first_len[top][first_units])
                 if longest < 1:
                     continue
                 inner_tau = math.ceil((m - first_units) * per_unit / first_units)
-                first = _stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
+                first = stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
                 rest = sliding_window_view(suffix[m - first_units, :, 1 : n + longest], n, axis=-1)  # [q, t-1, i]: S[i+t]
                 head = np.maximum(first, sliding_window_view(cut[1 : n + longest], n)[None, :, :])
                 out = np.full(rest.shape, INF)
@@ -342,7 +354,7 @@ class _TopHeads:
     ``get(f, tau)[t - 1, i]`` for the stage [i, i + t), inf past Lt(f) (memoised per
     (f, tau key)); ``stacked`` holds all f at once when no table depends on tau."""
 
-    def __init__(self, ctx: _Context, band: int, cut: np.ndarray):
+    def __init__(self, ctx: DPContext, band: int, cut: np.ndarray):
         top = len(ctx.levels)
         self.ctx, self.top, self.n = ctx, top, ctx.n
         self.longest = [min(band, length) for length in ctx.first_len[top]]
@@ -356,7 +368,7 @@ class _TopHeads:
             self.stacked = self._stack(cut)
 
     def _stack(self, cut: np.ndarray) -> np.ndarray:
-        """``get(f, 0)`` of every f at once: ``_stage_table``'s max(unit / f, all-reduce on
+        """``get(f, 0)`` of every f at once: ``stage_table``'s max(unit / f, all-reduce on
         f) with f broadcast, the same operations elementwise, so the same values."""
         ctx, n, width = self.ctx, self.n, self.width
         lv = ctx.levels[-1]
@@ -379,13 +391,13 @@ class _TopHeads:
         if key not in self.cache:
             longest = self.longest[f]
             head = np.full((self.width, self.n), INF)
-            first = _stage_table(self.ctx, self.top, f, tau)[0, 1 : longest + 1, : self.n]
+            first = stage_table(self.ctx, self.top, f, tau)[0, 1 : longest + 1, : self.n]
             np.maximum(first, self.cut[:longest], out=head[:longest])
             self.cache[key] = head
         return self.cache[key]
 
 
-def _top_live_starts(ctx: _Context) -> list[tuple[int, int]]:
+def _top_live_starts(ctx: DPContext) -> list[tuple[int, int]]:
     """starts[m] = [a, b): the states from which a suffix on m top units can belong to a
     plan of time <= the pruning limit V (all of them without a limit, or when idle units
     blur what "m units" means, ``use_fewer_devices``). As in ``_top_regions``: such a
@@ -409,7 +421,7 @@ def _top_live_starts(ctx: _Context) -> list[tuple[int, int]]:
     return out
 
 
-def _combine_top(ctx: _Context, heads: _TopHeads, suffix: np.ndarray, m: int) -> None:
+def _combine_top(ctx: DPContext, heads: _TopHeads, suffix: np.ndarray, m: int) -> None:
     """Unbounded top combine of m units: S[m, 0, i] = min(S[m, 0, i], min over f < m
     and t <= Lt(f) of max(head_f[t, i], S[m - f, 0, i + t])), f in blocks of at most
     ``TOP_BLOCK_ELEMENTS``. O(m Lt N)."""
