@@ -311,9 +311,9 @@ SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)  # the names a plan may 
 
 
 def names_where(test: Callable[[ScheduleKind], bool]) -> tuple[str, ...]:
-    """The registered names whose kind passes ``test``, in registry order.
+    """The registered names whose kind passes ``test``, in registry order (new kinds come last).
 
-    >>> names_where(lambda kind: kind.runs_tensor_parallel)
+    >>> names_where(lambda kind: kind.runs_tensor_parallel)[:3]
     ('1f1b-flush', 'gpipe', 'interleaved-1f1b')
     """
     return tuple(name for name, kind in SCHEDULE_KINDS.items() if test(kind))
