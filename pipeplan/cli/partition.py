@@ -194,7 +194,7 @@ def partition(
     profile = _load_profile(profile_path, batch_size)
     topology = resolve(topology_arg)
     options = PartitionOptions(
-        schedule=DEFAULT_SCHEDULE if schedule == "auto" else schedule,  # auto: search sets each candidate's
+        schedule=DEFAULT_SCHEDULE if schedule == "auto" else schedule,  # auto: a placeholder, search sets each
         cost_model=cost_model, optimizer=optimizer,
         straight=straight or export_target is not None, max_stages=max_stages, export_target=export_target, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
