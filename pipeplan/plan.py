@@ -25,14 +25,13 @@ from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 from pipeplan.precision import Precision
+from pipeplan.schedules.kinds import SCHEDULE_NAMES  # the names a plan may carry (the registry's)
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 __all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "EXPORT_TARGETS", "StagePlan", "Predicted", "Plan"]
 
 PLAN_SCHEMA = "pipeplan.plan/2"
 OLDER_PLAN_SCHEMAS = ("pipeplan.plan/1",)  # still load (new fields take defaults)
-# The schedules a plan may name; pipeplan.schedules registers exactly these (checked at import).
-SCHEDULE_NAMES = ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
 EXPORT_TARGETS = ("pipelining", "torchtitan")  # the engines `pipeplan export` writes for (Plan.export_target)
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
-from pipeplan.schedules import schedule_kind
+from pipeplan.schedules import names_where, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.planner.costs import update_ms
 from pipeplan.planner.cuts import CutFamily
@@ -31,7 +31,8 @@ from pipeplan.planner.simulate import allreduce_ms
 
 __all__ = ["BOUNDED_SCHEDULES", "flush_period_bound_ms"]
 
-BOUNDED_SCHEDULES = ("1f1b-flush", "gpipe")  # one chunk, whole backwards, the next minibatch after S
+# one chunk, whole backwards, the next minibatch after S (``ScheduleKind.flush_period_bounded``)
+BOUNDED_SCHEDULES = names_where(lambda kind: kind.flush_period_bounded)
 
 
 def flush_period_bound_ms(profile: Profile, family: CutFamily, flat: Sequence[FlatStage], topology: Topology,
@@ -49,10 +50,8 @@ def flush_period_bound_ms(profile: Profile, family: CutFamily, flat: Sequence[Fl
     >>> flush_period_bound_ms(profile, CutFamily("prefix", 4), flat, top, "1f1b-flush", 4, None)  # 6 (1 + 1/4)
     7.5
     """
-    if schedule not in BOUNDED_SCHEDULES or not flat:
+    if not schedule_kind(schedule).flush_period_bounded or not flat:
         return 0.0
-    kind = schedule_kind(schedule)
-    assert kind.flushes and not kind.split_backward and not kind.virtual_stages
     m = microbatches
     best, before = 0.0, 0.0
     for stage in flat:

@@ -5,23 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.plan import SCHEDULE_NAMES
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import COST_MODELS
 from pipeplan.planner.memory import OPTIMIZER_STATES
 from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
-from pipeplan.schedules import schedule_kind
+from pipeplan.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, TARGET_SCHEDULES, schedule_kind
 
 __all__ = ["PartitionOptions", "TARGET_SCHEDULES", "charged_optimizer"]
-
-# schedules a plan --for an export target may use (torch's ScheduleGPipe / Schedule1F1B);
-# interleaved-1f1b and zb-h1 are cut by balance or need micro-batch rules per stage count
-TARGET_SCHEDULES = ("1f1b-flush", "gpipe")
 
 
 @dataclass(frozen=True)
 class PartitionOptions:
-    schedule: str = "1f1b-rr"  # one of pipeplan.schedules.SCHEDULE_NAMES
+    schedule: str = DEFAULT_SCHEDULE  # one of pipeplan.schedules.SCHEDULE_NAMES
     cost_model: str = "pipeplan"  # "pipeplan" | "pipedream"
     optimizer: str = "sgd"  # "sgd" | "momentum" | "adam"
     straight: bool = False  # one device per stage

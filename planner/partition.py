@@ -16,7 +16,7 @@ from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
-from pipeplan.schedules import schedule_kind
+from pipeplan.schedules import names_where, or_list, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 from pipeplan.planner.cost_models import cost_model
@@ -141,9 +141,11 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
         raise InputError(f"--for {target}: the batch of {profile.batch_size} samples does not split into "
                          f"{options.microbatches} equal micro-batches, as {engine} splits it")
     stages = min(topology.world_size, options.max_stages or topology.world_size)
-    if options.schedule == "1f1b-flush" and options.microbatches < stages:
+    runs_as = schedule_kind(options.schedule).engine
+    if runs_as is not None and runs_as.microbatch_per_stage and options.microbatches < stages:
         raise InputError(
-            f"--for {target}: 1f1b-flush runs as Schedule1F1B, which needs a micro-batch per stage: "
+            f"--for {target}: {options.schedule} runs as {runs_as.torch_class}, which needs a micro-batch "
+            f"per stage: "
             f"--microbatches {options.microbatches} on up to {stages} stages (pass --microbatches {stages} or "
             f"more, or --max-stages {options.microbatches})"
         )
@@ -159,19 +161,22 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
 
 
 def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:
-    """Minibatches of activations the DP charges a 1f1b-flush stage. The exact count,
-    min(M, S - s) / M for a pipeline of S stages (``ScheduleKind.activations_in_flight``),
-    is at most min(M, K) / M with K = min(cut states, devices, max stages) >= S; the other
-    schedules without stashing are charged 1.0 (every micro-batch of one minibatch).
-    Equal to 1.0, the DP's bound before, whenever M <= K.
+    """Minibatches of activations the DP charges a stage of a schedule with exact gradients
+    and a closed-form count (``ScheduleKind.in_flight``): that count at the first stage of a
+    straight pipeline of depth K = min(cut states, devices, max stages), which bounds every
+    stage of the pipelines the DP builds (S <= K stages). For 1f1b-flush the exact count,
+    min(M, S - s) / M, is at most min(M, K) / M; gpipe holds 1.0. The other schedules
+    without stashing are charged 1.0 (every micro-batch of one minibatch). Equal to 1.0,
+    the DP's bound before, whenever M <= K.
 
     >>> flush_in_flight(PartitionOptions(schedule="1f1b-flush", microbatches=512), 130, 384)
     0.25390625
     """
-    if options.schedule != "1f1b-flush":
+    kind = schedule_kind(options.schedule)
+    if kind.gradients != "exact" or kind.in_flight is None:
         return 1.0
     depth = min(states, world_size, options.max_stages or world_size)
-    return min(options.microbatches, depth) / options.microbatches
+    return kind.in_flight((1,) * depth, 0, options.microbatches)
 
 
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
@@ -199,7 +204,7 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
         if options.tensor_parallel not in (None, 1):
             raise InputError(
                 f"tensor-parallel degree {options.tensor_parallel} with schedule {options.schedule}: pipeplan "
-                f"runs split stages with 1f1b-flush, gpipe or interleaved-1f1b only"
+                f"runs split stages with {or_list(names_where(lambda kind: kind.runs_tensor_parallel))} only"
             )
         choices = [1]
     for t in sorted(choices, reverse=True):  # large degrees first: big models' best, pruning the rest sooner

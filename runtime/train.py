@@ -129,7 +129,7 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
     from pipeplan.runtime.memory_usage import MemoryMeter
     from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
     from pipeplan.runtime.stage import build_pipeline
-    from pipeplan.schedules import build_schedule
+    from pipeplan.schedules import build_schedule, names_where, or_list, schedule_kind
 
     try:
         env = read_env(config.plan)
@@ -150,8 +150,9 @@ def _prepare(config: RunConfig) -> tuple[Any, Any, Any, Any, Any, Any]:
         config.schedule_settings.check(config.lr)
         if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
             raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
-        if config.recompute and config.schedule != "gpipe":
-            raise InputError(f"--recompute applies to gpipe, not {config.schedule}")
+        if config.recompute and not schedule_kind(config.schedule).supports_recompute:
+            allowed = or_list(names_where(lambda kind: kind.supports_recompute))
+            raise InputError(f"--recompute applies to {allowed}, not {config.schedule}")
         _check_tensor_parallel(config)
         if env.rank == 0 and config.precision.dtype != config.plan.dtype:
             import sys

@@ -20,6 +20,7 @@ from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.simulate import simulate_plan
+from pipeplan.schedules import names_where
 
 partition_module = sys.modules["pipeplan.planner.partition"]  # the package re-exports the function under that name
 
@@ -38,7 +39,8 @@ def plans(draw):
     counts = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
     topology = Topology("t", DeviceSpec("d", 10**12), (Level("a", counts[0], draw(st.sampled_from([1e8, 1e9])), 0.01),
                                                        Level("b", counts[1], 1e7, 0.05)))
-    options = PartitionOptions(schedule=draw(st.sampled_from(["1f1b-flush", "gpipe"])), optimizer="adam",
+    bounded = names_where(lambda kind: kind.flush_period_bounded)  # 1f1b-flush, gpipe
+    options = PartitionOptions(schedule=draw(st.sampled_from(bounded)), optimizer="adam",
                                microbatches=draw(st.sampled_from([1, 2, 3, 6, 12, 24])), uniform=draw(st.booleans()))
     return profile, topology, options
 

@@ -12,14 +12,18 @@ from hypothesis import strategies as st
 from pipeplan.schedules import actions as actions_module, checks, engine, kinds, orders as orders_module
 from pipeplan.errors import InputError
 from pipeplan.schedules import (
+    DEFAULT_SCHEDULE,
+    DEFAULT_TARGET_SCHEDULE,
     SCHEDULE_KINDS,
     SCHEDULE_NAMES,
+    TARGET_SCHEDULES,
     Action,
     Schedule,
     activations_in_flight,
     build_schedule,
     grid,
     interleaved_warmup,
+    names_where,
     peak_in_flight,
     schedule_kind,
     unit_clock,
@@ -219,7 +223,11 @@ def test_1f1b_rr_in_flight_matches_memory_model(replicas: tuple[int, ...]) -> No
         assert sum(a.kind == "S" for a in actions) == local  # one step per backward
 
 
-@pytest.mark.parametrize("name", ["1f1b-flush", "gpipe"])
+# flushes of one chunk with whole backwards (1f1b-flush, gpipe, ...): closed-form in-flight counts
+FLUSH_NAMES = names_where(lambda kind: kind.flush_period_bounded)
+
+
+@pytest.mark.parametrize("name", FLUSH_NAMES)
 @pytest.mark.parametrize("replicas", REPLICA_SETS)
 @pytest.mark.parametrize("micro", [1, 3, 4])
 def test_flush_schedules_validate(name: str, replicas: tuple[int, ...], micro: int) -> None:
@@ -324,12 +332,16 @@ def test_flush_window_keeps_the_old_orders_when_replicas_do_not_grow() -> None:
 
 
 def _kind_args(name: str, replicas: tuple[int, ...], micro: int, minibatches: int) -> tuple[int, int, int]:
-    """(minibatches, micro-batches, virtual stages) near the drawn ones that ``name``'s rules accept."""
-    if name == "1f1b-rr":
-        return minibatches * math.lcm(*replicas), 1, 1
-    if name == "interleaved-1f1b":
+    """(minibatches, micro-batches, virtual stages) near the drawn ones that ``name``'s rules accept
+    (read from its kind's facts, so a new schedule is drawn too)."""
+    kind = SCHEDULE_KINDS[name]
+    if kind.gradients == "stashed":
+        minibatches *= math.lcm(*replicas)
+    if kind.whole_minibatches:
+        return minibatches, 1, 1
+    if kind.virtual_stages:
         return minibatches, micro * len(replicas), 2
-    if name == "2bw":
+    if kind.gradients == "delayed":
         least = max(n * (warmup_forwards(replicas, s) + 1) for s, n in enumerate(replicas))
         return minibatches, least + micro - 1, 1
     return minibatches, micro, 1
@@ -372,15 +384,23 @@ def test_every_input_runs_to_completion(
             assert peak <= min(m, len(replicas))
 
 
-EVERY_KIND_ARGS = {  # name -> (microbatches, virtual stages) that fit replicas (2, 2, 1)
-    "1f1b-rr": (1, 1), "1f1b-flush": (2, 1), "gpipe": (2, 1), "interleaved-1f1b": (6, 2),
-    "2bw": (6, 1), "zb-h1": (2, 1),
-}
+def _fitting_args(name: str, replicas: tuple[int, ...], minibatches: int) -> tuple[int, int]:
+    """(microbatches, virtual stages) that fit ``replicas``: the first of 2, 6, 1 micro-batches
+    ``name``'s rules accept (1f1b-rr: 1; 1f1b-flush, gpipe, zb-h1: 2; interleaved-1f1b, 2bw: 6)."""
+    kind = SCHEDULE_KINDS[name]
+    virtual = 2 if kind.virtual_stages else 1
+    for micro in (2, 6, 1):
+        try:
+            kind.check(replicas, micro, virtual, minibatches)
+        except InputError:
+            continue
+        return micro, virtual
+    raise AssertionError(f"{name}: no micro-batch count of 2, 6, 1 fits replicas {replicas}")
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
 def test_every_built_schedule_validates(name: str) -> None:
-    micro, virtual = EVERY_KIND_ARGS[name]
+    micro, virtual = _fitting_args(name, (2, 2, 1), 4)
     validate(build_schedule(name, (2, 2, 1), 4, micro, virtual))
 
 
@@ -388,23 +408,52 @@ def test_every_built_schedule_validates(name: str) -> None:
 # --------------------------------------------------------------------------- registry
 
 
+KNOWN_FACTS = {  # name -> (flushes, gradients, split backward, virtual stages, whole minibatches)
+    "1f1b-rr": (False, "stashed", False, False, True),
+    "1f1b-flush": (True, "exact", False, False, False),
+    "gpipe": (True, "exact", False, False, False),
+    "interleaved-1f1b": (True, "exact", False, True, False),
+    "2bw": (False, "delayed", False, False, False),
+    "zb-h1": (True, "exact", True, False, False),
+}
+
+
 def test_registry_names_and_facts() -> None:
-    assert SCHEDULE_NAMES == ("1f1b-rr", "1f1b-flush", "gpipe", "interleaved-1f1b", "2bw", "zb-h1")
-    assert tuple(SCHEDULE_KINDS) == SCHEDULE_NAMES
-    facts = {
-        name: (k.flushes, k.gradients, k.split_backward, k.virtual_stages, k.whole_minibatches)
-        for name, k in SCHEDULE_KINDS.items()
-    }
-    assert facts == {
-        "1f1b-rr": (False, "stashed", False, False, True),
-        "1f1b-flush": (True, "exact", False, False, False),
-        "gpipe": (True, "exact", False, False, False),
-        "interleaved-1f1b": (True, "exact", False, True, False),
-        "2bw": (False, "delayed", False, False, False),
-        "zb-h1": (True, "exact", True, False, False),
-    }
+    """SCHEDULE_NAMES is the registry's, in its order; the known schedules keep their facts
+    (a new schedule is appended: these hold with it)."""
+    assert SCHEDULE_NAMES == tuple(SCHEDULE_KINDS)
+    assert SCHEDULE_NAMES[: len(KNOWN_FACTS)] == tuple(KNOWN_FACTS)
+    for name, facts in KNOWN_FACTS.items():
+        k = SCHEDULE_KINDS[name]
+        got = (k.flushes, k.gradients, k.split_backward, k.virtual_stages, k.whole_minibatches)
+        assert got == facts, name
     with pytest.raises(InputError, match="unknown schedule 'pipedream' .*interleaved-1f1b, 2bw, zb-h1"):
         schedule_kind("pipedream")
+
+
+def test_registry_engine_runtime_and_default_facts() -> None:
+    """What export, the runtime and partition read: torch classes, torchtitan names,
+    tensor parallelism, recompute, the flush-period bound and the defaults."""
+    engines = {name: (k.engine.torch_class, k.engine.torchtitan_name) for name, k in SCHEDULE_KINDS.items()
+               if k.engine and name in KNOWN_FACTS}
+    assert engines == {
+        "1f1b-flush": ("Schedule1F1B", "1F1B"),
+        "gpipe": ("ScheduleGPipe", "GPipe"),
+        "interleaved-1f1b": ("ScheduleInterleaved1F1B", "Interleaved1F1B"),
+        "zb-h1": ("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble"),
+    }
+    assert SCHEDULE_KINDS["1f1b-rr"].exported_as == "1F1B-RR (PipeDream weight stashing, no flush)"
+    known = set(KNOWN_FACTS)
+    split = {"1f1b-flush", "gpipe", "interleaved-1f1b"}
+    assert set(names_where(lambda k: k.runs_tensor_parallel)) & known == split
+    assert set(names_where(lambda k: k.supports_recompute)) & known == {"gpipe"}
+    assert set(names_where(lambda k: k.flush_period_bounded)) & known == {"1f1b-flush", "gpipe"}
+    assert set(TARGET_SCHEDULES) & known == {"1f1b-flush", "gpipe"}
+    assert len(names_where(lambda k: k.default)) == 1 and DEFAULT_SCHEDULE == "1f1b-rr"
+    assert len(names_where(lambda k: k.default_for_targets)) == 1 and DEFAULT_TARGET_SCHEDULE == "1f1b-flush"
+    assert DEFAULT_TARGET_SCHEDULE in TARGET_SCHEDULES
+    for name in TARGET_SCHEDULES:  # --for plans one chunk per device with the DP's cuts
+        assert SCHEDULE_KINDS[name].flush_period_bounded, name
 
 
 @pytest.mark.parametrize(

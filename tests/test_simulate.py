@@ -18,7 +18,7 @@ from pipeplan.planner.simulate import (
     stage_costs,
 )
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.schedules import noam, weight_versions
+from pipeplan.schedules import names_where, noam, weight_versions
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 GB = 1e9
@@ -102,7 +102,7 @@ def make_plan(
 # --------------------------------------------------------------------------- bubble law
 
 
-@pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
+@pytest.mark.parametrize("schedule", names_where(lambda kind: kind.flush_period_bounded))  # 1f1b-flush, gpipe
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("micro", [1, 4, 8])
 def test_bubble_law(schedule: str, stages: int, micro: int) -> None:

@@ -15,6 +15,7 @@ from pipeplan.planner.costs import ring_allreduce_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.simulate import simulate_plan
+from pipeplan.schedules import SCHEDULE_KINDS, names_where, or_list
 
 
 def block(i: int, heads: int = 8, compute: float = 9.0) -> LayerProfile:
@@ -99,15 +100,17 @@ def test_each_degree_is_the_exhaustive_optimum_of_its_split_problem(schedule):
     assert chosen.stages[0].tensor_parallel == min(times, key=lambda t: (times[t], t))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b-rr", "2bw", "zb-h1"])
+# 1f1b-rr, 2bw, zb-h1
+@pytest.mark.parametrize("schedule", names_where(lambda kind: not kind.runs_tensor_parallel))
 def test_schedules_the_runtime_cannot_split_plan_degree_one(schedule):
     # `pipeplan run` refuses split stages under these schedules: the planner never makes one
     profile, top = gpt(4), topology(inner=4, outer=2, memory=10**9)
-    micro = 1 if schedule == "1f1b-rr" else 8
+    micro = 1 if SCHEDULE_KINDS[schedule].whole_minibatches else 8
     options = PartitionOptions(schedule=schedule, optimizer="adam", microbatches=micro)
     assert {s.tensor_parallel for s in partition(profile, top, options).stages} == {1}
+    allowed = or_list(names_where(lambda kind: kind.runs_tensor_parallel))
     with pytest.raises(InputError, match=rf"^tensor-parallel degree 2 with schedule {schedule}: pipeplan runs "
-                                          r"split stages with 1f1b-flush, gpipe or interleaved-1f1b only$"):
+                                          rf"split stages with {allowed} only$"):
         partition(profile, top, replace(options, tensor_parallel=2))
 
 

@@ -8,7 +8,14 @@ import click
 
 from pipeplan.optimizers import OPTIMIZERS
 from pipeplan.plan import EXPORT_TARGETS
-from pipeplan.schedules import SCHEDULE_NAMES
+from pipeplan.planner.costs import COST_MODELS
+from pipeplan.schedules import (
+    DEFAULT_SCHEDULE,
+    DEFAULT_TARGET_SCHEDULE,
+    SCHEDULE_NAMES,
+    TARGET_SCHEDULES,
+    or_list,
+)
 
 if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
     from pipeplan.plan import Plan, StagePlan
@@ -133,11 +140,11 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write plan.json.")
 @click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default=None,
               help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits. "
-                   "[default: 1f1b-rr; 1f1b-flush with --for]")
+                   f"[default: {DEFAULT_SCHEDULE}; {DEFAULT_TARGET_SCHEDULE} with --for]")
 @click.option("--for", "export_target", type=click.Choice(EXPORT_TARGETS), default=None,
               help="Only cuts this engine can express (`pipeplan export --to` it): one device per stage, "
                    "a flush schedule; prints the best unrestricted plan's time beside it.")
-@click.option("--cost-model", type=click.Choice(["pipeplan", "pipedream"]), default="pipeplan", show_default=True)
+@click.option("--cost-model", type=click.Choice(COST_MODELS), default=COST_MODELS[0], show_default=True)
 @click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
               help="The optimizer the run will use: its state counts in memory, its step in time.")
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
@@ -180,13 +187,15 @@ def partition(
     if tensor_parallel != "auto" and not tensor_parallel.isdigit():
         raise InputError(f"--tensor-parallel must be a positive integer or auto (got {tensor_parallel!r})")
     if schedule is None:
-        schedule = "1f1b-flush" if export_target else "1f1b-rr"
+        schedule = DEFAULT_TARGET_SCHEDULE if export_target else DEFAULT_SCHEDULE
     if export_target and schedule == "auto":
-        raise InputError(f"--for {export_target} plans 1f1b-flush or gpipe: pass one with --schedule, not auto")
+        raise InputError(f"--for {export_target} plans {or_list(TARGET_SCHEDULES)}: "
+                         f"pass one with --schedule, not auto")
     profile = _load_profile(profile_path, batch_size)
     topology = resolve(topology_arg)
     options = PartitionOptions(
-        schedule="1f1b-rr" if schedule == "auto" else schedule, cost_model=cost_model, optimizer=optimizer,
+        schedule=DEFAULT_SCHEDULE if schedule == "auto" else schedule,  # auto: a placeholder, search sets each
+        cost_model=cost_model, optimizer=optimizer,
         straight=straight or export_target is not None, max_stages=max_stages, export_target=export_target, use_fewer_devices=use_fewer_devices,
         microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
         virtual_stages=virtual_stages, tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),

@@ -32,6 +32,7 @@ from typing import Callable
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
+from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -48,25 +49,15 @@ __all__ = [
 
 TARGETS = ("pipelining", "torchtitan")
 
+# Derived from the schedule registry (pipeplan.schedules.kinds: each kind's ``engine``):
 # pipeplan schedule -> torch.distributed.pipelining class (torch 2.13 schedules.py)
-SCHEDULE_CLASSES = {
-    "1f1b-flush": "Schedule1F1B",
-    "gpipe": "ScheduleGPipe",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zb-h1": "ScheduleInterleavedZeroBubble",
-}
+SCHEDULE_CLASSES = {name: kind.engine.torch_class for name, kind in SCHEDULE_KINDS.items() if kind.engine}
 # pipeplan schedule -> torchtitan's pipeline_parallel_schedule (torch's get_schedule_class names)
-TORCHTITAN_SCHEDULES = {
-    "1f1b-flush": "1F1B",
-    "gpipe": "GPipe",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "zb-h1": "InterleavedZeroBubble",
-}
-MULTI_STAGE_CLASSES = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble")
-_NOT_CARRIED = {
-    "1f1b-rr": "1F1B-RR (PipeDream weight stashing, no flush)",
-    "2bw": "2BW (PipeDream-2BW double-buffered weights, no flush)",
-}
+TORCHTITAN_SCHEDULES = {name: kind.engine.torchtitan_name
+                        for name, kind in SCHEDULE_KINDS.items() if kind.engine}
+# the multi-stage classes (several stages per rank)
+MULTI_STAGE_CLASSES = tuple(kind.engine.torch_class for kind in SCHEDULE_KINDS.values()
+                            if kind.engine and kind.engine.multi_stage)
 ENGINES = "torch.distributed.pipelining and torchtitan"
 
 
@@ -150,14 +141,13 @@ def check_plan(plan: Plan) -> None:
     counts the torch schedule class accepts. O(layers + stages).
     """
     straight = f"re-plan with `pipeplan partition PROFILE --straight --schedule {_flush_of(plan.schedule)}`"
-    if plan.schedule in _NOT_CARRIED:
+    kind = schedule_kind(plan.schedule)
+    if kind.engine is None:
         raise InputError(
-            f"plan schedule {_NOT_CARRIED[plan.schedule]} does not carry over: {ENGINES} run flush "
-            f"schedules only (1f1b-flush, gpipe, interleaved-1f1b, zb-h1); re-plan with "
-            f"`pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+            f"plan schedule {kind.exported_as} does not carry over: {ENGINES} run flush "
+            f"schedules only ({', '.join(SCHEDULE_CLASSES)}); re-plan with "
+            f"`pipeplan partition PROFILE --schedule {DEFAULT_TARGET_SCHEDULE} --straight`"
         )
-    if plan.schedule not in SCHEDULE_CLASSES:
-        raise InputError(f"plan schedule {plan.schedule!r} has no counterpart in {ENGINES}")
     replicas = [stage.replicas for stage in plan.stages]
     if len(set(replicas)) > 1:
         raise InputError(
@@ -201,7 +191,7 @@ def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
 
 
 def _flush_of(schedule: str) -> str:
-    return schedule if schedule in SCHEDULE_CLASSES else "1f1b-flush"
+    return schedule if schedule in SCHEDULE_CLASSES else DEFAULT_TARGET_SCHEDULE
 
 
 def tensor_parallel_degree(plan: Plan) -> int:
@@ -226,13 +216,15 @@ def _check_microbatches(plan: Plan) -> None:
             f"plan batch size {plan.batch_size} does not split into {m} equal micro-batches, "
             f"as both engines split a step's batch; a plan with a divisor of {plan.batch_size} carries over"
         )
-    cls = SCHEDULE_CLASSES[plan.schedule]
-    if cls == "Schedule1F1B" and m < stages:
+    engine = schedule_kind(plan.schedule).engine
+    assert engine is not None  # check_plan refused the others
+    cls = engine.torch_class
+    if engine.microbatch_per_stage and m < stages:
         raise InputError(
-            f"plan runs {m} micro-batch(es) per minibatch on {stages} stages: Schedule1F1B needs at "
+            f"plan runs {m} micro-batch(es) per minibatch on {stages} stages: {cls} needs at "
             f"least one per stage; re-plan with `--microbatches {stages}` (or more)"
         )
-    if cls in MULTI_STAGE_CLASSES:
+    if engine.multi_stage:
         rounds = max(1, m // ranks)
         if m % rounds:
             raise InputError(

@@ -1,6 +1,5 @@
 """Schedules as data: the registry of schedule kinds, their action orders, checks and the event engine."""
 
-from pipeplan.plan import SCHEDULE_NAMES
 from pipeplan.schedules.actions import (
     ACTION_KINDS,
     Action,
@@ -13,10 +12,17 @@ from pipeplan.schedules.actions import (
 )
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule, unit_clock
 from pipeplan.schedules.kinds import (
+    DEFAULT_SCHEDULE,
+    DEFAULT_TARGET_SCHEDULE,
     SCHEDULE_KINDS,
+    SCHEDULE_NAMES,
+    TARGET_SCHEDULES,
+    EngineSchedule,
     ScheduleKind,
     activations_in_flight,
     build_schedule,
+    names_where,
+    or_list,
     schedule_kind,
     weight_versions,
 )
@@ -24,10 +30,14 @@ from pipeplan.schedules.checks import grid, validate
 
 __all__ = [
     "ACTION_KINDS",
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_TARGET_SCHEDULE",
     "SCHEDULE_KINDS",
     "SCHEDULE_NAMES",
+    "TARGET_SCHEDULES",
     "Action",
     "Durations",
+    "EngineSchedule",
     "Schedule",
     "ScheduleKind",
     "Timeline",
@@ -37,7 +47,9 @@ __all__ = [
     "collector_paused",
     "grid",
     "interleaved_warmup",
+    "names_where",
     "noam",
+    "or_list",
     "peak_in_flight",
     "run_schedule",
     "schedule_kind",

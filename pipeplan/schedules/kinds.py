@@ -1,9 +1,13 @@
 """The schedule registry: every schedule's facts and action generator in one ``ScheduleKind``.
 
 Every schedule is one ``ScheduleKind`` in ``SCHEDULE_KINDS``: its facts (flushes,
-gradient semantics, split backward, virtual stages, micro-batch rules) and its action
-generator live there and nowhere else. The memory-relevant counts are shared with the
-planner's memory model.
+gradient semantics, split backward, virtual stages, micro-batch rules, its counterpart in
+torch.distributed.pipelining and torchtitan, what the runtime runs under it, which one is
+the default) and its action generator live there and nowhere else. The memory-relevant
+counts are shared with the planner's memory model. Everything else reads the record:
+``SCHEDULE_NAMES`` (the plan contract's names), the planner's ``--for`` schedules and
+flush-period bound, the runtime's checks, the export tables and the CLI choices. Adding a
+schedule is a generator in ``orders.py`` plus a record here.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pipeplan.errors import InputError
-from pipeplan.plan import SCHEDULE_NAMES
 from pipeplan.schedules.actions import Action, Schedule, Worker, noam, warmup_forwards
 from pipeplan.schedules.orders import (
     clear_caches,
@@ -26,16 +29,42 @@ from pipeplan.schedules.orders import (
 )
 
 __all__ = [
+    "DEFAULT_SCHEDULE",
+    "DEFAULT_TARGET_SCHEDULE",
     "SCHEDULE_KINDS",
+    "SCHEDULE_NAMES",
+    "TARGET_SCHEDULES",
+    "EngineSchedule",
     "ScheduleKind",
     "activations_in_flight",
     "build_schedule",
+    "names_where",
+    "or_list",
     "schedule_kind",
     "weight_versions",
 ]
 
 Generator = Callable[[tuple[int, ...], int, int, int, int, int], list[Action]]
 # (replicas per position, position, replica, minibatches, microbatches, virtual stages)
+
+
+@dataclass(frozen=True)
+class EngineSchedule:
+    """A schedule's counterpart in torch.distributed.pipelining and torchtitan (``pipeplan export``).
+
+    Both engines run one device per stage with a flush schedule; these are the facts the
+    export and ``partition --for`` read about the torch class a plan maps to.
+    """
+
+    torch_class: str  # torch.distributed.pipelining class (torch 2.13 schedules.py), e.g. "Schedule1F1B"
+    torchtitan_name: str  # torchtitan's pipeline_parallel_schedule (torch's get_schedule_class names)
+    # the class needs at least one micro-batch per stage (Schedule1F1B refuses fewer)
+    microbatch_per_stage: bool = False
+    # a multi-stage class (several stages per rank): micro-batches a multiple of max(1, M // ranks)
+    multi_stage: bool = False
+    # `partition --for pipelining|torchtitan` may plan it: one chunk per device, cut by the DP
+    # (interleaved-1f1b and zb-h1 are cut by balance or need micro-batch rules per stage count)
+    plannable: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +75,9 @@ class ScheduleKind:
     flush schedules), "stashed" (PipeDream 1F1B-RR: each minibatch's backward on the
     weights of its own forward, staleness depending on the stage), "delayed"
     (PipeDream-2BW: W(t+1) = W(t) - lr * grad f(W(t-1)), staleness 1 everywhere).
+
+    Derived facts are properties: ``runs_tensor_parallel`` (the runtime splits stages
+    tensor-parallel under it) and ``flush_period_bounded`` (``planner.flush_bound`` prices it).
     """
 
     name: str
@@ -58,6 +90,16 @@ class ScheduleKind:
     generate: Generator
     # closed form of activations_in_flight (replicas, stage, microbatches); None: the action list's peak
     in_flight: Callable[[Sequence[int], int, int], float] | None = None
+    # its counterpart in torch.distributed.pipelining and torchtitan; None: neither runs it
+    # and `pipeplan export` refuses its plans
+    engine: EngineSchedule | None = None
+    # how `pipeplan export` names a schedule without an engine when it refuses it
+    # (e.g. "1F1B-RR (PipeDream weight stashing, no flush)"); "": its name
+    export_description: str = ""
+    # `pipeplan run --recompute` may recompute activations in backward under it
+    supports_recompute: bool = False
+    default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
+    default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
     @property
     def runs_tensor_parallel(self) -> bool:
@@ -65,6 +107,17 @@ class ScheduleKind:
         gradients and one backward per micro-batch (weight stashing of DTensors, 2BW's
         delayed weights and ZB-H1's split backward are not built for split stages)."""
         return self.gradients == "exact" and not self.split_backward
+
+    @property
+    def flush_period_bounded(self) -> bool:
+        """Whether ``planner.flush_bound``'s lower bound of the period covers it: a flush of
+        one chunk per device with whole backwards (the next minibatch starts after "S")."""
+        return self.flushes and not self.split_backward and not self.virtual_stages
+
+    @property
+    def exported_as(self) -> str:
+        """How ``pipeplan export`` names it in a refusal: ``export_description`` or the name."""
+        return self.export_description or self.name
 
     # ------------------------------------------------------------ rules
     def check(
@@ -227,26 +280,60 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
     for kind in (
         ScheduleKind("1f1b-rr", "PipeDream 1F1B-RR: weight stashing, no flush", flushes=False,
                      gradients="stashed", split_backward=False, virtual_stages=False,
-                     whole_minibatches=True, generate=worker_1f1b_rr, in_flight=_rr_in_flight),
+                     whole_minibatches=True, generate=worker_1f1b_rr, in_flight=_rr_in_flight,
+                     export_description="1F1B-RR (PipeDream weight stashing, no flush)", default=True),
         ScheduleKind("1f1b-flush", "1F1B with a flush per minibatch (PipeDream-Flush)", flushes=True,
                      gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_1f1b_flush, in_flight=_flush_in_flight),
+                     whole_minibatches=False, generate=worker_1f1b_flush, in_flight=_flush_in_flight,
+                     engine=EngineSchedule("Schedule1F1B", "1F1B", microbatch_per_stage=True, plannable=True),
+                     default_for_targets=True),
         ScheduleKind("gpipe", "GPipe: all forwards, then all backwards, per minibatch", flushes=True,
                      gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_gpipe, in_flight=_gpipe_in_flight),
+                     whole_minibatches=False, generate=worker_gpipe, in_flight=_gpipe_in_flight,
+                     engine=EngineSchedule("ScheduleGPipe", "GPipe", plannable=True),
+                     supports_recompute=True),
         ScheduleKind("interleaved-1f1b", "Megatron interleaved 1F1B: v model chunks per device",
                      flushes=True, gradients="exact", split_backward=False, virtual_stages=True,
-                     whole_minibatches=False, generate=worker_interleaved),
+                     whole_minibatches=False, generate=worker_interleaved,
+                     engine=EngineSchedule("ScheduleInterleaved1F1B", "Interleaved1F1B", multi_stage=True)),
         ScheduleKind("2bw", "PipeDream-2BW: two weight versions, one step of delay, no flush",
                      flushes=False, gradients="delayed", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_2bw),
+                     whole_minibatches=False, generate=worker_2bw,
+                     export_description="2BW (PipeDream-2BW double-buffered weights, no flush)"),
         ScheduleKind("zb-h1", "zero bubble H1: 1F1B with weight gradients deferred", flushes=True,
                      gradients="exact", split_backward=True, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_zb_h1),
+                     whole_minibatches=False, generate=worker_zb_h1,
+                     engine=EngineSchedule("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble",
+                                           multi_stage=True)),
     )
 }
-if tuple(SCHEDULE_KINDS) != SCHEDULE_NAMES:  # the plan contract names exactly the registered kinds
-    raise ImportError(f"schedule registry {tuple(SCHEDULE_KINDS)} differs from pipeplan.plan.SCHEDULE_NAMES {SCHEDULE_NAMES}")
+SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)  # the names a plan may carry, in registry order
+
+
+def names_where(test: Callable[[ScheduleKind], bool]) -> tuple[str, ...]:
+    """The registered names whose kind passes ``test``, in registry order (new kinds come last).
+
+    >>> names_where(lambda kind: kind.runs_tensor_parallel)[:3]
+    ('1f1b-flush', 'gpipe', 'interleaved-1f1b')
+    """
+    return tuple(name for name, kind in SCHEDULE_KINDS.items() if test(kind))
+
+
+def or_list(names: Sequence[str]) -> str:
+    """``"a, b or c"``: names as a message lists them.
+
+    >>> or_list(("1f1b-flush", "gpipe", "interleaved-1f1b")), or_list(("gpipe",))
+    ('1f1b-flush, gpipe or interleaved-1f1b', 'gpipe')
+    """
+    if len(names) < 2:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+# the schedules `partition --for pipelining|torchtitan` plans
+TARGET_SCHEDULES: tuple[str, ...] = names_where(lambda kind: bool(kind.engine and kind.engine.plannable))
+DEFAULT_SCHEDULE: str = names_where(lambda kind: kind.default)[0]  # plain `partition`'s
+DEFAULT_TARGET_SCHEDULE: str = names_where(lambda kind: kind.default_for_targets)[0]  # `partition --for`'s
 
 
 def schedule_kind(name: str) -> ScheduleKind:

@@ -11,7 +11,7 @@ import numpy as np
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
 from pipeplan.precision import Precision
-from pipeplan.schedules import schedule_kind
+from pipeplan.schedules import DEFAULT_SCHEDULE, schedule_kind
 from pipeplan.topology import Topology
 
 __all__ = [
@@ -43,7 +43,7 @@ LIMIT_GROWTH = 1.25  # the second round's first limit over the lower bound (a ti
 
 @dataclass(frozen=True)
 class DPSettings:
-    schedule: str = "1f1b-rr"
+    schedule: str = DEFAULT_SCHEDULE  # one of pipeplan.schedules.SCHEDULE_NAMES
     optimizer: str = "sgd"
     straight: bool = False
     max_stages: int | None = None
