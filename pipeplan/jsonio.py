@@ -16,8 +16,9 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence, Union
+from typing import Any, NoReturn
 
 from pipeplan.errors import InputError
 
@@ -26,7 +27,7 @@ __all__ = ["JSONValue", "write_atomic", "write_json_atomic", "read_json", "read_
 
 # A JSON value: what ``json`` parses (objects are dicts, arrays lists) and what a writer hands
 # over (any mapping with string keys, any sequence; tuples become lists).
-JSONValue = Union[Mapping[str, "JSONValue"], Sequence["JSONValue"], str, int, float, bool, None]
+JSONValue = Mapping[str, "JSONValue"] | Sequence["JSONValue"] | str | int | float | bool | None
 
 MAX_JSON_DEPTH = 64  # contracts nest 4 levels; deeper input is refused, never recursed into
 
