@@ -15,14 +15,13 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any
 
 from pipeplan.errors import InputError
 
 __all__ = ["check_fields"]
 
 
-def _describe(hint: Any) -> str:
+def _describe(hint: object) -> str:  # hint: a type form (int, tuple[str, ...], X | None)
     origin = typing.get_origin(hint)
     if origin is tuple or origin is list:
         return f"a list of {_describe(typing.get_args(hint)[0])}"
@@ -34,10 +33,11 @@ def _describe(hint: Any) -> str:
         return "null"
     if hint is float:
         return "a finite number"
-    return {int: "an integer", str: "a string", bool: "true or false"}.get(hint, str(hint))
+    names: dict[object, str] = {int: "an integer", str: "a string", bool: "true or false"}
+    return names.get(hint, str(hint))
 
 
-def _conforms(value: Any, hint: Any) -> bool:
+def _conforms(value: object, hint: object) -> bool:  # value: anything, checked here
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_conforms(value, arg) for arg in typing.get_args(hint))
@@ -65,12 +65,12 @@ def _conforms(value: Any, hint: Any) -> bool:
     return True  # Any, sub-contracts: checked by their own reader
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def check_fields(cls: type, obj: Any, where: str, nested: tuple[str, ...] = ()) -> None:
+def check_fields(cls: type, obj: object, where: str, nested: tuple[str, ...] = ()) -> None:
     """``InputError`` unless ``obj`` is a JSON object matching dataclass ``cls`` (see module doc).
 
     O(size of ``obj``).

@@ -16,13 +16,18 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pipeplan.errors import InputError
 
-__all__ = ["write_atomic", "write_json_atomic", "read_json", "read_json_object", "finite_or_none", "parse_json_text",
-           "MAX_JSON_DEPTH"]
+__all__ = ["JSONValue", "write_atomic", "write_json_atomic", "read_json", "read_json_object",
+           "finite_or_none", "parse_json_text", "MAX_JSON_DEPTH"]
+
+# A JSON value: what ``json`` parses (objects are dicts, arrays lists) and what a writer hands
+# over (any mapping with string keys, any sequence; tuples become lists).
+JSONValue = Mapping[str, "JSONValue"] | Sequence["JSONValue"] | str | int | float | bool | None
 
 MAX_JSON_DEPTH = 64  # contracts nest 4 levels; deeper input is refused, never recursed into
 
@@ -64,7 +69,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
                 pass
 
 
-def finite_or_none(obj: Any) -> Any:
+def finite_or_none(obj: JSONValue) -> JSONValue:
     """``obj`` with every non-finite float (NaN, ±inf) replaced by ``None`` (JSON ``null``).
 
     >>> finite_or_none({"losses": [1.5, float("nan")], "x": (float("inf"),)})
@@ -79,18 +84,18 @@ def finite_or_none(obj: Any) -> Any:
     return obj
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> None:
+def write_json_atomic(path: str | os.PathLike[str], obj: JSONValue) -> None:
     """Write ``obj`` as JSON (non-finite floats as ``null``) atomically; see ``write_atomic``."""
     text = json.dumps(finite_or_none(obj), indent=2, sort_keys=False, allow_nan=False)
     write_atomic(path, (text + "\n").encode())
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _unique_keys(pairs: list[tuple[str, JSONValue]]) -> dict[str, JSONValue]:
+    out: dict[str, JSONValue] = {}
     for key, value in pairs:
         if key in out:
             raise ValueError(f"duplicate key {key!r}")

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from pipeplan.errors import InputError
-from pipeplan.jsonio import read_json, write_json_atomic
+from pipeplan.jsonio import JSONValue, read_json, write_json_atomic
 
 __all__ = ["METRICS_SCHEMA", "OLDER_METRICS_SCHEMAS", "MEMORY_KINDS", "StageMetrics", "Metrics"]
 
@@ -63,7 +63,7 @@ class StageMetrics:
         return self.peak_memory_bytes - self.baseline_memory_bytes
 
     @classmethod
-    def from_dict(cls, obj: Any, where: str) -> "StageMetrics":
+    def from_dict(cls, obj: JSONValue, where: str) -> "StageMetrics":
         if not isinstance(obj, Mapping) or "stage" not in obj:
             raise InputError(f"{where} has no 'stage'")
         values = _typed(cls, obj, where)
@@ -113,7 +113,7 @@ class Metrics:
         return {"schema": METRICS_SCHEMA, **{k: _finite(v) for k, v in out.items()}}
 
     @classmethod
-    def from_dict(cls, obj: Any, where: str = "metrics") -> "Metrics":
+    def from_dict(cls, obj: JSONValue, where: str = "metrics") -> "Metrics":
         """Parse (and type-check) a metrics object; ``InputError`` naming the bad key."""
         if not isinstance(obj, Mapping):
             raise InputError(f"{where}: expected a JSON object (got {type(obj).__name__})")
@@ -136,7 +136,10 @@ class Metrics:
         return cls.from_dict(read_json(path, METRICS_SCHEMA, OLDER_METRICS_SCHEMAS), where=str(path))
 
 
-def _finite(value: Any) -> Any:
+_Value = TypeVar("_Value")
+
+
+def _finite(value: _Value) -> _Value | None:
     """JSON has no inf/nan: a non-finite float is written as null."""
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -167,5 +170,5 @@ def _typed(cls: type, obj: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

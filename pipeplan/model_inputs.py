@@ -12,7 +12,7 @@ position (``input:k``). ``names()`` says which argument each flat tensor is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, TypeGuard
 
 from pipeplan.errors import InputError
 
@@ -50,7 +50,7 @@ class ModelInputs:
         """The same arguments with the flat tensors replaced, in order, by ``tensors``."""
         supply = iter(tensors)
 
-        def swap(value: Any) -> Any:
+        def swap(value: object) -> object:
             return next(supply) if _is_tensor(value) else value
 
         args = tuple(swap(value) for value in self.args)
@@ -76,7 +76,7 @@ class ModelInputs:
         return len(self.args) + len(self.kwargs)
 
 
-def model_inputs(value: Any, where: str) -> ModelInputs:
+def model_inputs(value: object, where: str) -> ModelInputs:
     """``value`` (a tensor, tuple/list or dict, as ``sample_batch`` returns inputs) as ``ModelInputs``.
 
     ``InputError`` (one line) for a value that is neither a tensor, ``None`` nor a constant.
@@ -84,10 +84,11 @@ def model_inputs(value: Any, where: str) -> ModelInputs:
     if isinstance(value, ModelInputs):
         return value
     if _is_mapping(value):
-        items = dict(value.items())
-        for name in items:
+        items: dict[str, object] = {}
+        for name, item in value.items():
             if not isinstance(name, str) or not name.isidentifier():
                 raise InputError(f"{where}: sample_batch input key {name!r} is not a keyword argument name")
+            items[name] = item
         result = ModelInputs((), items)
     elif isinstance(value, (tuple, list)):
         result = ModelInputs(tuple(value), {})
@@ -104,13 +105,13 @@ def model_inputs(value: Any, where: str) -> ModelInputs:
     return result
 
 
-def _is_tensor(value: Any) -> bool:
+def _is_tensor(value: object) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
 
 
-def _is_mapping(value: Any) -> bool:
+def _is_mapping(value: object) -> TypeGuard[Mapping[object, object]]:
     """A dict-like batch (a tokenizer's ``BatchEncoding`` is a ``UserDict``)."""
     from collections.abc import Mapping
 

@@ -32,10 +32,13 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.model_inputs import ModelInputs, model_inputs
+
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -51,7 +54,7 @@ __all__ = [
 BUNDLED_MODELS = ("mlp", "vgg", "resnet", "gpt")  # configs/models/<name>.py
 
 
-def default_loss(output: Any, target: Any) -> Any:
+def default_loss(output: object, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for integer targets (class ids), mean squared error otherwise.
 
     The logits are ``output.logits`` when the output has them (a Hugging Face
@@ -71,7 +74,7 @@ def default_loss(output: Any, target: Any) -> Any:
     return F.mse_loss(logits, target)
 
 
-def output_logits(output: Any) -> Any:
+def output_logits(output: object) -> torch.Tensor:
     """``output.logits`` if present, else the first tensor in ``output``; InputError if none."""
     import torch
     from torch.utils import _pytree as pytree
@@ -104,7 +107,7 @@ class ModelFile:
     tp_plan: dict[str, Any] | None = None
     opaque_modules: tuple[str, ...] = ()  # OPAQUE_MODULES: class names run as themselves (opaque layers)
 
-    def batch(self, batch_size: int, seed: int) -> tuple[ModelInputs, Any]:
+    def batch(self, batch_size: int, seed: int) -> tuple[ModelInputs, object]:
         """``sample_batch(batch_size)`` under ``torch.manual_seed(seed)``, inputs as ``ModelInputs``.
 
         The global RNG state is restored afterwards, so drawing a batch never perturbs
@@ -120,7 +123,7 @@ class ModelFile:
                 raise InputError(f"{self.path}: sample_batch({batch_size}) raised {one_line(exc)}") from exc
         return model_inputs(inputs, self.path), targets
 
-    def build(self) -> Any:
+    def build(self) -> torch.nn.Module:
         import torch
 
         try:
@@ -182,7 +185,7 @@ def load_model_file(path: str | os.PathLike[str]) -> ModelFile:
     )
 
 
-def _tp_plan(value: Any, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+def _tp_plan(value: object, path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """``TP_PLAN`` as a dict of module path patterns to styles (checked by the runtime)."""
     if value is None:
         return None
@@ -194,7 +197,8 @@ def _tp_plan(value: Any, path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return dict(value)
 
 
-def _leaf_modules(value: Any, path: str | os.PathLike[str], what: str = "LEAF_MODULES") -> tuple[str, ...]:
+def _leaf_modules(value: object, path: str | os.PathLike[str],
+                  what: str = "LEAF_MODULES") -> tuple[str, ...]:
     """``LEAF_MODULES`` (or ``OPAQUE_MODULES``) as a tuple of class names (strings, or the classes themselves)."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise InputError(

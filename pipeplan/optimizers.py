@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from pipeplan.errors import InputError
+
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
 
 __all__ = ["OPTIMIZERS", "STATE_COPIES", "LR_SCHEDULES", "LRSchedule", "make_optimizer",
            "make_lr_scheduler", "param_groups"]
@@ -45,7 +48,8 @@ def param_groups(named_params: Iterable[tuple[str, Any]]) -> list[dict[str, Any]
     return groups
 
 
-def make_optimizer(name: str, params: Iterable[Any], lr: float, weight_decay: float = 0.0) -> Any:
+def make_optimizer(name: str, params: Iterable[Any], lr: float,
+                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
     """``torch.optim`` optimizer ``name``: sgd, momentum (SGD, momentum 0.9), adam, adamw.
 
     ``params``: tensors or parameter groups (``param_groups``); ``weight_decay`` is the
@@ -153,7 +157,8 @@ class _Factor:
         return schedule.lr(step, self.peak) / self.peak
 
 
-def make_lr_scheduler(optimizer: Any, schedule: LRSchedule, lr: float) -> Any:
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule,
+                      lr: float) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``torch.optim.lr_scheduler.LambdaLR`` following ``schedule`` from peak ``lr``.
 
     Stepped once per training step after the optimizer step; its ``state_dict`` (step

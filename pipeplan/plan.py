@@ -166,7 +166,7 @@ class Plan:
         return cls.from_dict(read_json(path, PLAN_SCHEMA, OLDER_PLAN_SCHEMAS), where=str(path))
 
 
-def _check_plan_fields(obj: Any, where: str) -> None:
+def _check_plan_fields(obj: dict[str, Any], where: str) -> None:
     """Unknown, missing and mistyped fields of a plan JSON object (``InputError``)."""
     check_fields(Plan, obj, where, nested=("topology", "stages", "predicted"))
     check_fields(Predicted, obj["predicted"], f"{where}: predicted")

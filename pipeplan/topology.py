@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import yaml
 
@@ -151,15 +151,18 @@ def _mapping(
     return out
 
 
+_Parsed = TypeVar("_Parsed")
+
+
 def _field(
     source: str,
     parent: yaml.Node,
     items: dict[str, tuple[yaml.Node, yaml.Node]],
     key: str,
     path: str,
-    parse: Callable[[Any], Any],
-    default: Any = None,
-) -> Any:
+    parse: Callable[[str], _Parsed],
+    default: _Parsed | None = None,
+) -> _Parsed:
     """Parse ``items[key]`` with ``parse``; InputError naming the line and ``path.key``."""
     if key not in items:
         if default is not None:
@@ -184,8 +187,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive(parse: Callable[[str], float]) -> Callable[[str], float]:
-    def check(text: str) -> float:
+_Number = TypeVar("_Number", int, float)
+
+
+def _positive(parse: Callable[[str], _Number]) -> Callable[[str], _Number]:
+    def check(text: str) -> _Number:
         value = parse(text)
         if value <= 0:
             raise ValueError(f"must be positive (got {text!r})")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from pipeplan.errors import InputError
-from pipeplan.jsonio import read_json_object, write_atomic
+from pipeplan.jsonio import JSONValue, read_json_object, write_atomic
 
 __all__ = [
     "CATEGORIES",
@@ -143,15 +143,16 @@ def read_chrome_trace(path: str | os.PathLike[str]) -> tuple[list[TraceEvent], d
     return events, dict(obj.get("otherData") or {})
 
 
-def validate_chrome_trace(obj: Any, where: str = "trace") -> None:
+def validate_chrome_trace(obj: JSONValue, where: str = "trace") -> None:
     """Raise ``InputError`` naming the first event that is not a valid Chrome trace event.
 
     Complete events need name, ph "X", numeric ts/dur (µs, dur >= 0), integer pid/tid;
     metadata events (ph "M") need name, pid and args.
     """
-    if not isinstance(obj, dict) or not isinstance(obj.get("traceEvents"), list):
+    events = obj.get("traceEvents") if isinstance(obj, dict) else None
+    if not isinstance(events, list):
         raise InputError(f"{where}: expected an object with a 'traceEvents' list")
-    for position, event in enumerate(obj["traceEvents"]):
+    for position, event in enumerate(events):
         if not isinstance(event, dict):
             raise InputError(f"{where}: traceEvents[{position}] is {type(event).__name__}")
         phase = event.get("ph")
@@ -166,7 +167,8 @@ def validate_chrome_trace(obj: Any, where: str = "trace") -> None:
                 value = event[key]
                 if not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise InputError(f"{where}: traceEvents[{position}].{key} = {value!r}")
-            if event["dur"] < 0:
+            duration = event["dur"]
+            if isinstance(duration, (int, float)) and duration < 0:  # a number: checked above
                 raise InputError(f"{where}: traceEvents[{position}].dur = {event['dur']} < 0")
             for key in ("pid", "tid"):
                 if not isinstance(event[key], int):

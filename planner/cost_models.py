@@ -19,12 +19,15 @@ comparing its name:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from pipeplan.errors import InputError
 from pipeplan.planner.costs import COST_MODELS, LayerArrays, ring_allreduce_ms, transfer_ms
 from pipeplan.planner.placement import FlatStage
 from pipeplan.topology import Topology
+
+if TYPE_CHECKING:  # typing only
+    from pipeplan.schedules import ScheduleKind
 
 __all__ = ["CostModel", "COST_MODEL_OBJECTS", "cost_model"]
 
@@ -56,7 +59,7 @@ class CostModel:
         """Pure data parallelism on every device: ms per minibatch."""
         return self._data_parallel_ms(arrays, topology)
 
-    def predicts_by_simulation(self, kind: Any) -> bool:
+    def predicts_by_simulation(self, kind: ScheduleKind) -> bool:
         """Whether plans of schedule ``kind`` (a ``ScheduleKind``) are predicted by simulation."""
         return self.simulates_stashed or kind.gradients != "stashed"
 

@@ -24,13 +24,16 @@ bandwidths bytes/s.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import overload
 
 import numpy as np
 
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.planner.cuts import CutFamily, prefix_family
+
+# a number, or a numpy array of numbers: the cost formulas work elementwise on either
+Elementwise = float | np.ndarray
 
 __all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "layer_compute_ms", "update_ms", "ring_allreduce_ms", "transfer_ms"]
 
@@ -99,7 +102,7 @@ class LayerArrays:
         its parameter bytes in the gradients' dtype (``Precision.gradient_ratio``)."""
         return self.params(i, j) * self.precision.gradient_ratio
 
-    def sync_range(self, starts: Any, ends: Any) -> np.ndarray:
+    def sync_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``sync_bytes`` of every range [starts, ends) (numpy indices, elementwise)."""
         return (self.param_bytes[ends] - self.param_bytes[starts]) * self.precision.gradient_ratio
 
@@ -110,7 +113,7 @@ class LayerArrays:
         layers = list(self.cut_family.stage_layers(i, j))
         return float(self.largest_param_bytes[layers].max()) if layers else 0.0
 
-    def largest_range(self, starts: Any, ends: Any) -> np.ndarray:
+    def largest_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
         elementwise). A stage holds a layer of at least size v when the count of such layers
         differs between its two states (counts are sums over states, as the bytes are); the
@@ -255,8 +258,17 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
     )
 
 
-def ring_allreduce_ms(param_bytes: Any, replicas: Any, bandwidth_bytes_per_s: float,
-                      latency_ms: float = 0.0) -> Any:
+@overload
+def ring_allreduce_ms(param_bytes: float, replicas: float, bandwidth_bytes_per_s: float,
+                      latency_ms: float = 0.0) -> float: ...
+@overload
+def ring_allreduce_ms(param_bytes: np.ndarray, replicas: Elementwise, bandwidth_bytes_per_s: float,
+                      latency_ms: float = 0.0) -> np.ndarray: ...
+@overload
+def ring_allreduce_ms(param_bytes: Elementwise, replicas: np.ndarray, bandwidth_bytes_per_s: float,
+                      latency_ms: float = 0.0) -> np.ndarray: ...
+def ring_allreduce_ms(param_bytes: Elementwise, replicas: Elementwise, bandwidth_bytes_per_s: float,
+                      latency_ms: float = 0.0) -> Elementwise:
     """Ring all-reduce of ``param_bytes`` among ``replicas``: 2(m-1)/m * P / B (+ 2(m-1) latencies).
 
     Works elementwise on numpy arrays. 0 for one replica.
@@ -265,6 +277,11 @@ def ring_allreduce_ms(param_bytes: Any, replicas: Any, bandwidth_bytes_per_s: fl
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
 
 
-def transfer_ms(cut_bytes: Any, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> Any:
+@overload
+def transfer_ms(cut_bytes: float, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float: ...
+@overload
+def transfer_ms(cut_bytes: np.ndarray, bandwidth_bytes_per_s: float,
+                latency_ms: float = 0.0) -> np.ndarray: ...
+def transfer_ms(cut_bytes: Elementwise, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> Elementwise:
     """Activations forward plus gradients back over one cut: 2 a / B (+ 2 latencies) in ms."""
     return 2.0 * cut_bytes / bandwidth_bytes_per_s * 1e3 + np.where(cut_bytes > 0, 2.0 * latency_ms, 0.0)

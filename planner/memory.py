@@ -25,12 +25,16 @@ lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence, overload
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
+
+if TYPE_CHECKING:  # typing only
+    import numpy as np
+    from pipeplan.planner.costs import Elementwise
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -55,7 +59,12 @@ def optimizer_states(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer]
 
 
-def parameter_copies(versions: Any, optimizer: str, precision: Precision = Precision()) -> Any:
+@overload
+def parameter_copies(versions: float, optimizer: str, precision: Precision = ...) -> float: ...
+@overload
+def parameter_copies(versions: np.ndarray, optimizer: str, precision: Precision = ...) -> np.ndarray: ...
+def parameter_copies(versions: Elementwise, optimizer: str,
+                     precision: Precision = Precision()) -> Elementwise:
     """Bytes per byte of (compute-dtype) parameters: the weight versions, the gradient,
     the optimizer's states and, under mixed precision, the masters (module docstring).
 
@@ -65,8 +74,16 @@ def parameter_copies(versions: Any, optimizer: str, precision: Precision = Preci
     return versions + precision.state_copies(optimizer_states(optimizer))
 
 
-def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_flight: Any, optimizer: str,
-                       precision: Precision = Precision(), temporary_bytes: Any = 0.0) -> Any:
+@overload
+def stage_memory_bytes(param_bytes: float, saved_bytes: float, versions: float, in_flight: float,
+                       optimizer: str, precision: Precision = ..., temporary_bytes: float = ...) -> float: ...
+@overload
+def stage_memory_bytes(param_bytes: Elementwise, saved_bytes: Elementwise, versions: Elementwise,
+                       in_flight: Elementwise, optimizer: str, precision: Precision = ...,
+                       temporary_bytes: Elementwise = ...) -> Elementwise: ...
+def stage_memory_bytes(param_bytes: Elementwise, saved_bytes: Elementwise, versions: Elementwise,
+                       in_flight: Elementwise, optimizer: str, precision: Precision = Precision(),
+                       temporary_bytes: Elementwise = 0.0) -> Elementwise:
     """Bytes one replica keeps at its peak; elementwise on numpy arrays.
 
     >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")
@@ -75,7 +92,14 @@ def stage_memory_bytes(param_bytes: Any, saved_bytes: Any, versions: Any, in_fli
     return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight + temporary_bytes
 
 
-def gradient_temporary_bytes(largest_param_bytes: Any, microbatches: int, precision: Precision = Precision()) -> Any:
+@overload
+def gradient_temporary_bytes(largest_param_bytes: float, microbatches: int,
+                             precision: Precision = ...) -> float: ...
+@overload
+def gradient_temporary_bytes(largest_param_bytes: np.ndarray, microbatches: int,
+                             precision: Precision = ...) -> Elementwise: ...
+def gradient_temporary_bytes(largest_param_bytes: Elementwise, microbatches: int,
+                             precision: Precision = Precision()) -> Elementwise:
     """Bytes of the gradient temporary a stage holds at its peak, beside its kept gradients.
 
     A backward computes each parameter's gradient into a new tensor. A replica's first

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo
+
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
 
 __all__ = ["DTYPES", "resolve_device", "resolve_dtype", "device_info", "cpu_name", "available_bytes"]
 
 DTYPES = ("float32", "bfloat16")
 
 
-def resolve_device(name: str | None) -> Any:
+def resolve_device(name: str | None) -> torch.device:
     """``torch.device`` for ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; None = cuda when available."""
     import torch
 
@@ -37,7 +40,7 @@ def resolve_device(name: str | None) -> Any:
     return device
 
 
-def resolve_dtype(name: str) -> Any:
+def resolve_dtype(name: str) -> torch.dtype:
     """``torch.float32`` or ``torch.bfloat16`` from its name."""
     import torch
 
@@ -57,7 +60,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def device_info(device: Any) -> DeviceInfo:
+def device_info(device: torch.device) -> DeviceInfo:
     import torch
 
     if device.type == "cuda":
@@ -65,7 +68,7 @@ def device_info(device: Any) -> DeviceInfo:
     return DeviceInfo(type="cpu", name=cpu_name())
 
 
-def available_bytes(device: Any) -> int:
+def available_bytes(device: torch.device) -> int:
     """Bytes this process may still allocate on ``device``: the GPU's free memory, or on
     the CPU the smaller of the host's available memory and what the address-space limit
     (``RLIMIT_AS``) leaves."""

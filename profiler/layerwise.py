@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
@@ -33,6 +33,12 @@ from pipeplan.profiler.memory import (SavedTensorCounter, count_saved, largest_p
                                      param_bytes, storage_key)
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
+
+if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
+    import torch
+    from torch import nn
+
+    from pipeplan.capture import LayerGraph, LayerNode, StageModule
 
 __all__: list[str] = ["LayerwiseResult", "measure_layerwise", "time_layer", "layer_signature", "as_input"]
 
@@ -52,8 +58,9 @@ class _Timed:
 
 
 def measure_layerwise(
-    graph: Any, model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any],
-    timer: Timer, warmup: int, repeats: int, device: Any, dtype: Any, seed: int,
+    graph: LayerGraph, model: nn.Module, inputs: Sequence[torch.Tensor], targets: object,
+    loss_fn: Callable[[Any, Any], Any], timer: Timer, warmup: int, repeats: int, device: torch.device,
+    dtype: torch.dtype, seed: int,
     every_layer: bool = False, progress: Progress | None = None,
 ) -> LayerwiseResult:
     """Measure every layer of ``graph`` (captured from ``model``, which is on meta). O(layers)."""
@@ -62,8 +69,8 @@ def measure_layerwise(
     from pipeplan.capture import MODEL_OUTPUT
     from pipeplan.capture.materialise import materialise, rebind, release
 
-    stages: list[Any] = graph.layer_modules()
-    remaining = _reads(stages)
+    stages: list[StageModule | None] = list(graph.layer_modules())  # None once measured
+    remaining = _reads([stage for stage in stages if stage is not None])
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     timed: dict[tuple[Any, ...], _Timed] = {}
     counted: set[str] = set()  # values (by name) some earlier layer saved
@@ -72,6 +79,7 @@ def measure_layerwise(
     with _frozen_heap():  # each layer's collection traverses only what the layers made
         for position in range(len(stages)):  # (enumerate would keep the last stage alive)
             stage = stages[position]
+            assert stage is not None  # set to None only after its own turn
             node = graph.layers[position]
             # the model's tensors now: a tied weight an earlier layer materialised and released is
             # a new meta tensor in the model, no longer the one the stage was split with
@@ -123,7 +131,7 @@ def measure_layerwise(
     return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}))
 
 
-def _model_tensors(stage_module: Any, model: Any) -> list[Any]:
+def _model_tensors(stage_module: nn.Module, model: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers of ``stage_module`` that are ``model``'s."""
     owned = {id(t) for t in (*model.parameters(), *model.buffers())}
     return [t for t in (*stage_module.parameters(), *stage_module.buffers()) if id(t) in owned]
@@ -145,7 +153,7 @@ def _frozen_heap() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _tensors(values: Sequence[Any]) -> list[Any]:
+def _tensors(values: Sequence[object]) -> list[torch.Tensor]:
     import torch
 
     from pipeplan.profiler.memory import tensors_in
@@ -153,7 +161,7 @@ def _tensors(values: Sequence[Any]) -> list[Any]:
     return [t for t in tensors_in(list(values)) if isinstance(t, torch.Tensor)]
 
 
-def _reads(stages: Sequence[Any]) -> dict[str, int]:
+def _reads(stages: Sequence[StageModule]) -> dict[str, int]:
     """How many layers read each value."""
     counts: dict[str, int] = {}
     for stage in stages:
@@ -162,12 +170,12 @@ def _reads(stages: Sequence[Any]) -> dict[str, int]:
     return counts
 
 
-def as_input(value: Any) -> Any:
+def as_input(value: object) -> Any:
     """A value as a stage boundary hands it over: detached; floating tensors require grad."""
     import torch
     from torch.utils import _pytree as pytree
 
-    def leaf(tensor: Any) -> Any:
+    def leaf(tensor: object) -> object:
         if not isinstance(tensor, torch.Tensor):
             return tensor
         return tensor.detach().requires_grad_(tensor.is_floating_point() and tensor.requires_grad)
@@ -175,7 +183,7 @@ def as_input(value: Any) -> Any:
     return pytree.tree_map(leaf, value)
 
 
-def _detached(value: Any) -> Any:
+def _detached(value: object) -> object:
     import torch
     from torch.utils import _pytree as pytree
 
@@ -184,7 +192,7 @@ def _detached(value: Any) -> Any:
     )
 
 
-def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _run(stage: StageModule, args: tuple[object, ...]) -> tuple[object, ...]:
     try:
         return tuple(stage.module(*args))
     except InputError:
@@ -193,7 +201,7 @@ def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         raise InputError(f"layer {stage.index} raised when run on its own: {one_line(exc)}") from exc
 
 
-def layer_signature(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def layer_signature(stage: StageModule, args: tuple[object, ...]) -> tuple[object, ...]:
     """What makes two layers the same computation: the code of their graph (ops and the
     classes of the modules they call), parameter and input shapes and dtypes."""
     import torch
@@ -215,7 +223,7 @@ def _normalise_names(code: str) -> str:
     return re.sub(r"\d+", "#", code)
 
 
-def time_layer(stage: Any, args: tuple[Any, ...], first: tuple[Any, ...], timer: Timer,
+def time_layer(stage: StageModule, args: tuple[object, ...], first: tuple[object, ...], timer: Timer,
                 warmup: int, repeats: int, position: int) -> _Timed:
     """Forward and backward of one layer, ``repeats`` timed passes after ``warmup``."""
     import torch
@@ -248,7 +256,7 @@ def time_layer(stage: Any, args: tuple[Any, ...], first: tuple[Any, ...], timer:
     return _Timed(position, robust_stats(forward), robust_stats(backward))
 
 
-def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], timer: Timer,
+def _time_loss(output: object, targets: object, loss_fn: Callable[[Any, Any], Any], timer: Timer,
                warmup: int, repeats: int) -> Stats:
     """The loss's forward + backward on the model output, ms."""
     import torch
@@ -265,7 +273,7 @@ def _time_loss(output: Any, targets: Any, loss_fn: Callable[[Any, Any], Any], ti
     return robust_stats(samples)
 
 
-def _layer_profile(node: Any, timed: _Timed, position: int, produced: int, params: int, saved: int,
+def _layer_profile(node: LayerNode, timed: _Timed, position: int, produced: int, params: int, saved: int,
                    names: tuple[str, ...], largest: int) -> LayerProfile:
     return LayerProfile(
         index=node.index, name=node.name, type=node.type, inputs=tuple(node.inputs),

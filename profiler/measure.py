@@ -21,17 +21,24 @@ model's mask helpers and cache) no stage ever runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.memory import SavedTensorCounter, count_saved, largest_param_bytes, output_bytes, param_bytes
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
+if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
+    import torch
+    from torch import nn
+
+    from pipeplan.capture import LayerGraph, StageModule
+
 __all__ = [
     "LossError",
     "loss_backward",
     "Progress",
+    "StepModel",
     "LayerMeasurement",
     "PassSample",
     "Measurements",
@@ -51,6 +58,15 @@ class LossError(InputError):
     """The model file's ``loss_fn`` raised on the output rebuilt from the layers."""
 
 Progress = Callable[[int, int, str], None]
+
+
+class StepModel(Protocol):
+    """What a whole step runs: the model (an ``nn.Module``) or its captured graph (``WholeGraph``)."""
+
+    def __call__(self, *inputs: torch.Tensor) -> Any: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
 
 @dataclass(frozen=True)
 class LayerMeasurement:
@@ -73,7 +89,7 @@ class PassSample:
     saved_bytes: list[int] = field(default_factory=list)
 
 
-def disable_inplace(model: Any) -> int:
+def disable_inplace(model: nn.Module) -> int:
     """Turn off ``inplace=True`` on the model's modules (ReLU, Dropout, ...); return how many.
 
     A layer's input is a detached tensor that requires grad, as it is on a pipeline
@@ -82,17 +98,18 @@ def disable_inplace(model: Any) -> int:
     changed = 0
     for module in model.modules():
         if getattr(module, "inplace", False) is True:
-            module.inplace = False
+            # a plain flag: nn.Module's typed __setattr__ takes only tensors and modules
+            setattr(module, "inplace", False)  # noqa: B010
             changed += 1
     return changed
 
 
-def _detached(value: Any) -> Any:
+def _detached(value: object) -> object:
     """``value`` (a tensor, or the model's output structure) with every tensor detached."""
     import torch
     from torch.utils import _pytree as pytree
 
-    def detach(leaf: Any) -> Any:
+    def detach(leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         return leaf.detach().requires_grad_(leaf.requires_grad)
@@ -100,13 +117,13 @@ def _detached(value: Any) -> Any:
     return pytree.tree_map(detach, value)
 
 
-def _leaves(value: Any) -> list[Any]:
+def _leaves(value: object) -> list[Any]:
     from torch.utils import _pytree as pytree
 
     return pytree.tree_leaves(value)
 
 
-def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _run(stage: StageModule, args: tuple[object, ...]) -> tuple[object, ...]:
     try:
         outputs = stage.module(*args)
     except Exception as exc:
@@ -118,7 +135,7 @@ def _run(stage: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(outputs)
 
 
-def loss_backward(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any) -> None:
+def loss_backward(loss_fn: Callable[[Any, Any], Any], output: object, targets: object) -> None:
     """The loss on the captured layers' output and its backward; ``LossError`` if ``loss_fn`` raises."""
     try:
         loss = loss_fn(output, targets)
@@ -129,9 +146,9 @@ def loss_backward(loss_fn: Callable[[Any, Any], Any], output: Any, targets: Any)
 
 
 def run_pass(
-    stages: Sequence[Any],
-    inputs: Sequence[Any],
-    targets: Any,
+    stages: Sequence[StageModule],
+    inputs: Sequence[torch.Tensor],
+    targets: object,
     loss_fn: Callable[[Any, Any], Any],
     timer: Timer,
     count_bytes: bool = False,
@@ -148,7 +165,7 @@ def run_pass(
 
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
-    produced: list[tuple[Any, ...]] = []
+    produced: list[tuple[object, ...]] = []
     # one counter for the whole pass: a storage counts in the first layer that saves it
     counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
     with torch.enable_grad():
@@ -192,13 +209,14 @@ def run_pass(
     return sample
 
 
-def _clear_grads(model: Any) -> None:
+def _clear_grads(model: StepModel) -> None:
     for parameter in model.parameters():
         parameter.grad = None
 
 
 def time_step(
-    model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any], timer: Timer
+    model: StepModel, inputs: Sequence[torch.Tensor], targets: object, loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
 ) -> float:
     """One whole-model forward + loss + backward, in ms."""
     import torch
@@ -211,7 +229,7 @@ def time_step(
 
 
 def step_saved_bytes(
-    model: Any, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Any]
+    model: StepModel, inputs: Sequence[torch.Tensor], targets: object, loss_fn: Callable[[Any, Any], Any]
 ) -> int:
     """Distinct storages autograd saves in one whole forward (parameters and the loss excluded)."""
     import torch
@@ -222,7 +240,7 @@ def step_saved_bytes(
     return counter.saved_bytes
 
 
-def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) -> dict[str, float]:
+def time_optimizer_steps(model: nn.Module, timer: Timer, warmup: int, repeats: int) -> dict[str, float]:
     """Median ms of one ``step()`` of each optimizer in ``pipeplan.optimizers`` over all parameters.
 
     The gradients are zeros, so the weights keep their values; the arithmetic (and, for
@@ -235,10 +253,10 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
 
     from pipeplan.optimizers import OPTIMIZERS, make_optimizer
 
-    parameters = [p for p in model.parameters() if p.requires_grad]
+    parameters: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     if not parameters:
         return {name: 0.0 for name in OPTIMIZERS}
-    copies: list[Any] = []
+    copies: list[torch.Tensor] = []
     if parameters[0].is_floating_point() and parameters[0].element_size() < 4:
         copies = parameters
         parameters = [torch.nn.Parameter(p.detach().float()) for p in copies]
@@ -264,7 +282,8 @@ def time_optimizer_steps(model: Any, timer: Timer, warmup: int, repeats: int) ->
 class _refreshing:
     """An optimizer whose ``step`` also copies the (master) ``parameters`` into ``copies``."""
 
-    def __init__(self, optimizer: Any, parameters: list[Any], copies: list[Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],
+                 copies: list[torch.Tensor]) -> None:
         self.optimizer, self.parameters, self.copies = optimizer, parameters, copies
 
     def step(self) -> None:
@@ -285,10 +304,10 @@ class Measurements:
 
 
 def measure_stages(
-    stages: Sequence[Any],
-    model: Any,
-    inputs: Sequence[Any],
-    targets: Any,
+    stages: Sequence[StageModule],
+    model: StepModel,
+    inputs: Sequence[torch.Tensor],
+    targets: object,
     loss_fn: Callable[[Any, Any], Any],
     timer: Timer,
     warmup: int,
@@ -335,21 +354,21 @@ def measure_stages(
 class WholeGraph:
     """A one-stage split called like the model: ``whole(*inputs)`` returns the model output."""
 
-    def __init__(self, stage: Any) -> None:
+    def __init__(self, stage: StageModule) -> None:
         self.stage = stage
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: torch.Tensor) -> Any:
         args = (inputs[int(name.split(":")[1])] for name in self.stage.input_names)
         return self.stage.module(*args)[-1]
 
-    def parameters(self) -> Any:
+    def parameters(self) -> Iterator[nn.Parameter]:
         return self.stage.module.parameters()
 
 
 def measure_layers(
-    graph: Any,
-    inputs: Sequence[Any],
-    targets: Any,
+    graph: LayerGraph,
+    inputs: Sequence[torch.Tensor],
+    targets: object,
     loss_fn: Callable[[Any, Any], Any],
     timer: Timer,
     warmup: int,
@@ -357,7 +376,7 @@ def measure_layers(
     progress: Progress | None = None,
 ) -> tuple[list[LayerProfile], Measurements]:
     """One ``LayerProfile`` per node of ``graph`` (a ``pipeplan.capture.LayerGraph``), and all measurements."""
-    whole = graph.model if graph.kind != "export" else WholeGraph(graph.split([0] * len(graph))[0])
+    whole: StepModel = graph.model if graph.kind != "export" else WholeGraph(graph.split([0] * len(graph))[0])
     per_layer = graph.layer_modules()
     try:
         measured = measure_stages(

@@ -12,7 +12,10 @@ it alive until the backward pass, once per minibatch in flight.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
 
 __all__ = [
     "tensors_in",
@@ -21,12 +24,13 @@ __all__ = [
     "param_bytes",
     "storage_key",
     "SavedTensorCounter",
+    "PackCounter",
     "counting_hooks",
     "count_saved",
 ]
 
 
-def tensors_in(value: Any) -> list[Any]:
+def tensors_in(value: object) -> list[torch.Tensor]:
     """Every tensor in ``value`` (a tensor, or nested tuples / lists / dicts of them)."""
     import torch
 
@@ -39,12 +43,12 @@ def tensors_in(value: Any) -> list[Any]:
     return []
 
 
-def tensor_bytes(tensor: Any) -> int:
+def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes of a tensor's elements: ``numel * element_size`` (what a transfer sends)."""
     return int(tensor.numel()) * int(tensor.element_size())
 
 
-def output_bytes(outputs: Any) -> int:
+def output_bytes(outputs: object) -> int:
     """Bytes of every tensor in ``outputs``, each distinct tensor object counted once."""
     seen: dict[int, int] = {}
     for tensor in tensors_in(outputs):
@@ -52,7 +56,7 @@ def output_bytes(outputs: Any) -> int:
     return sum(seen.values())
 
 
-def param_bytes(parameters: Iterable[Any]) -> int:
+def param_bytes(parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct parameters (a parameter listed twice counts once)."""
     seen: dict[int, int] = {}
     for parameter in parameters:
@@ -60,12 +64,12 @@ def param_bytes(parameters: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
-def largest_param_bytes(parameters: Iterable[Any]) -> int:
+def largest_param_bytes(parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of the largest parameter (0 for none): the gradient temporary autograd makes for it."""
     return max((tensor_bytes(parameter) for parameter in parameters), default=0)
 
 
-def storage_key(tensor: Any) -> int:
+def storage_key(tensor: torch.Tensor) -> int:
     """Identity of the memory behind ``tensor``: its untyped storage's data pointer."""
     try:
         pointer = int(tensor.untyped_storage().data_ptr())
@@ -74,7 +78,7 @@ def storage_key(tensor: Any) -> int:
     return pointer if pointer else id(tensor)
 
 
-def _storage_nbytes(tensor: Any) -> int:
+def _storage_nbytes(tensor: torch.Tensor) -> int:
     try:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
@@ -88,12 +92,12 @@ class SavedTensorCounter:
     address reused by another (which would then go uncounted).
     """
 
-    def __init__(self, exclude: Iterable[Any] = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {storage_key(tensor) for tensor in exclude}
         self.storages: dict[int, int] = {}  # storage key -> bytes
-        self._alive: list[Any] = []
+        self._alive: list[torch.Tensor] = []
 
-    def pack(self, tensor: Any) -> Any:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """Count ``tensor``; what autograd saves is a detached alias (same storage): a saved
         output returned as itself would hold its own ``grad_fn`` through the saved variable,
         a cycle in C++ the collector cannot free."""
@@ -105,7 +109,7 @@ class SavedTensorCounter:
         return alias
 
     @staticmethod
-    def unpack(tensor: Any) -> Any:
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     @property
@@ -115,7 +119,7 @@ class SavedTensorCounter:
 
 @contextmanager
 def count_saved(
-    exclude: Iterable[Any] = (), counter: SavedTensorCounter | None = None
+    exclude: Iterable[torch.Tensor] = (), counter: SavedTensorCounter | None = None
 ) -> Iterator[SavedTensorCounter]:
     """Within the block, record what autograd saves; ``exclude`` (parameters) is not counted.
 
@@ -136,7 +140,13 @@ def count_saved(
         yield counter
 
 
-def counting_hooks(counter: Any) -> Any:
+class PackCounter(Protocol):
+    """What ``counting_hooks`` hands packed tensors to (``SavedTensorCounter`` and the like)."""
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def counting_hooks(counter: PackCounter) -> torch.autograd.graph.saved_tensors_hooks:
     """``saved_tensors_hooks`` that hand each packed tensor to ``counter.pack`` through a weak
     reference. The autograd graph keeps its pack hook and the counter keeps the graph's
     tensors alive: strong both ways, that cycle runs through C++ where the collector cannot
@@ -148,7 +158,7 @@ def counting_hooks(counter: Any) -> Any:
 
     ref = weakref.ref(counter)
 
-    def pack(tensor: Any) -> Any:
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
         alive = ref()
         return tensor if alive is None else alive.pack(tensor)
 

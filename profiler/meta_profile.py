@@ -11,17 +11,25 @@ state once: its time is proportional to the bytes).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pipeplan.memory_errors import OutOfMemory, memory_step
+from pipeplan.model_inputs import ModelInputs
+from pipeplan.modelfile import ModelFile
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.profiler.device import available_bytes, device_info, resolve_dtype
 from pipeplan.profiler.layerwise import measure_layerwise
 from pipeplan.profiler.measure import Progress, disable_inplace, step_saved_bytes, time_optimizer_steps, time_step
 from pipeplan.profiler.memory import output_bytes
-from pipeplan.profiler.timing import make_timer, robust_stats
+from pipeplan.profiler.timing import Stats, Timer, make_timer, robust_stats
 from pipeplan.units import format_bytes
+
+if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
+    import torch
+    from torch import nn
+
+    from pipeplan.capture import LayerGraph
 
 __all__ = ["OPTIMIZER_SAMPLE_BYTES", "profile_on_meta", "whole_step_fits"]
 
@@ -52,8 +60,8 @@ def whole_step_fits(param_bytes: int, activation_bytes: int, available: int,
 
 
 def profile_on_meta(
-    model_name: str, model_file: Any, network: Any, inputs: tuple[Any, Any],
-    targets: Any, batch_size: int, device: Any, dtype: str, warmup: int, repeats: int,
+    model_name: str, model_file: ModelFile, network: nn.Module, inputs: tuple[ModelInputs, ModelInputs],
+    targets: object, batch_size: int, device: torch.device, dtype: str, warmup: int, repeats: int,
     progress: Progress | None, leaf_modules: tuple[str, ...], every_layer: bool, data_ms: float,
     whole_step: bool = True, opaque_modules: tuple[str, ...] = (),
 ) -> Profile:
@@ -118,8 +126,9 @@ def profile_on_meta(
     )
 
 
-def _measure_whole(graph: Any, network: Any, inputs: Sequence[Any], targets: Any, loss_fn: Any, timer: Any,
-                   warmup: int, repeats: int, device: Any, dtype: Any) -> tuple[Any, int, dict[str, float]]:
+def _measure_whole(graph: LayerGraph, network: nn.Module, inputs: Sequence[torch.Tensor], targets: object,
+                   loss_fn: Callable[[Any, Any], Any], timer: Timer, warmup: int, repeats: int,
+                   device: torch.device, dtype: torch.dtype) -> tuple[Stats, int, dict[str, float]]:
     """The whole step (ms stats), its saved bytes and the optimizer steps, all parameters materialised."""
     from pipeplan.capture.materialise import materialise, rebind
     from pipeplan.profiler.measure import WholeGraph
@@ -132,15 +141,15 @@ def _measure_whole(graph: Any, network: Any, inputs: Sequence[Any], targets: Any
     return robust_stats(samples), whole_saved, time_optimizer_steps(network, timer, warmup, repeats)
 
 
-def _param_bytes(network: Any, dtype: Any) -> int:
+def _param_bytes(network: nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the distinct parameters in ``dtype`` (floating ones cast)."""
     seen = {id(p): p.numel() * (p.new_empty((), dtype=dtype).element_size() if p.is_floating_point()
                                 else p.element_size()) for p in network.parameters()}
     return sum(seen.values())
 
 
-def _sampled_optimizer_ms(network: Any, device: Any, dtype: Any, timer: Any, warmup: int,
-                          repeats: int) -> tuple[dict[str, float], int]:
+def _sampled_optimizer_ms(network: nn.Module, device: torch.device, dtype: torch.dtype, timer: Timer,
+                          warmup: int, repeats: int) -> tuple[dict[str, float], int]:
     """Optimizer step times over all parameters, timed on the first ``OPTIMIZER_SAMPLE_BYTES``
     of them (fresh zero tensors of their shapes) and scaled by bytes; (times, sample bytes)."""
     import torch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.model_inputs import ModelInputs
@@ -16,18 +16,22 @@ from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers,
 from pipeplan.profiler.memory import output_bytes
 from pipeplan.profiler.timing import make_timer, robust_stats
 
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
+    from torch import nn
+
 __all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
 
 def prepare_batch(
-    inputs: ModelInputs, targets: Any, device: Any, dtype: Any
-) -> tuple[ModelInputs, Any]:
+    inputs: ModelInputs, targets: object, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelInputs, object]:
     """Move the batch to ``device``; floating-point tensors are cast to ``dtype``.
 
     Targets that are not a tensor are left as they are, for the model file's ``loss_fn``.
     """
     import torch
 
-    def move(value: Any) -> Any:
+    def move(value: object) -> object:
         if not isinstance(value, torch.Tensor):
             return value
         if value.is_floating_point():
@@ -39,7 +43,7 @@ def prepare_batch(
 
 
 def check_model_runs(
-    model_file: ModelFile, model: Any, inputs: ModelInputs, targets: Any, batch_size: int,
+    model_file: ModelFile, model: nn.Module, inputs: ModelInputs, targets: object, batch_size: int,
     allow_nonfinite: bool = False,
 ) -> None:
     """One forward + loss + backward; ``InputError`` (one line) when the user's code raises,
@@ -71,7 +75,8 @@ def check_model_runs(
     model.zero_grad(set_to_none=True)
 
 
-def time_data(model_file: ModelFile, batch_size: int, device: Any, dtype: Any, warmup: int, repeats: int) -> float:
+def time_data(model_file: ModelFile, batch_size: int, device: torch.device, dtype: torch.dtype, warmup: int,
+              repeats: int) -> float:
     """Median ms to draw one minibatch with ``sample_batch`` and place it on ``device``.
 
     The runtime draws every minibatch on the input stage and again on the loss stage
@@ -234,7 +239,7 @@ def _profile(
     )
 
 
-def _check_leaf_modules(model: Any, leaf_modules: Sequence[str]) -> None:
+def _check_leaf_modules(model: nn.Module, leaf_modules: Sequence[str]) -> None:
     """``InputError`` naming a leaf module class that the model does not contain."""
     present = {type(module).__name__ for module in model.modules()}
     missing = [name for name in leaf_modules if name not in present]

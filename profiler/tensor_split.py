@@ -35,11 +35,18 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from pipeplan.errors import one_line
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.timing import Timer
+
+if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeplan.capture import LayerGraph, StageModule
 
 SHARE_TURNS = 5  # whole / split timings of a layer, whatever --repeats says (DTensor on a CPU is slow)
 
@@ -58,7 +65,7 @@ class SplitLayout:
     dims: dict[str, dict[str, int]]  # qualified module path -> {parameter: dim}
 
 
-def layer_layouts(model: Any, tp_plan: dict[str, Any] | None, layers: Sequence[LayerProfile],
+def layer_layouts(model: nn.Module, tp_plan: dict[str, Any] | None, layers: Sequence[LayerProfile],
                   where: str, element_size: int | None = None) -> dict[int, SplitLayout]:
     """Layer index -> its ``SplitLayout``, for the layers holding split modules (empty: no plan).
 
@@ -143,8 +150,8 @@ def measure_split_degree(layouts: dict[int, SplitLayout]) -> int:
     return next((t for t in range(2, units + 1) if units % t == 0), 1)
 
 
-def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLayout], degree: int,
-                   timer: Timer, warmup: int, device_type: str) -> dict[int, SplitShare]:
+def measure_shares(graph: LayerGraph, inputs: Sequence[torch.Tensor], layouts: dict[int, SplitLayout],
+                   degree: int, timer: Timer, warmup: int, device_type: str) -> dict[int, SplitShare]:
     """Per split layer, the measured shares that divide by ``degree`` (module docstring).
 
     Runs the layers in order on ``inputs`` (no grad) to give each its real inputs; layers
@@ -167,7 +174,7 @@ def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLa
         stages = graph.layer_modules()
         values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
         shares: dict[int, SplitShare] = {}
-        measured: dict[tuple[Any, ...], SplitShare] = {}
+        measured: dict[tuple[object, ...], SplitShare] = {}
         for position, stage in enumerate(stages):
             args = tuple(as_input(values[name]) for name in stage.input_names)
             layout = layouts.get(graph.layers[position].index)
@@ -189,14 +196,15 @@ def measure_shares(graph: Any, inputs: Sequence[Any], layouts: dict[int, SplitLa
         dist.destroy_process_group()
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     import torch
     from torch.utils import _pytree as pytree
 
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _share(stage: Any, args: tuple[Any, ...], layout: SplitLayout, degree: int, mesh: Any, timer: Timer,
+def _share(stage: StageModule, args: tuple[object, ...], layout: SplitLayout, degree: int, mesh: DeviceMesh,
+           timer: Timer,
            warmup: int, device_type: str) -> SplitShare:
     """One layer whole and as one rank of a ``degree``-group: the shares that divide by t."""
     from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
@@ -228,7 +236,8 @@ def _share(stage: Any, args: tuple[Any, ...], layout: SplitLayout, degree: int, 
     return SplitShare(share(0), share(1), share(2))
 
 
-def _timed(stage: Any, args: tuple[Any, ...], timer: Timer, warmup: int, repeats: int) -> tuple[float, float, float]:
+def _timed(stage: StageModule, args: tuple[object, ...], timer: Timer, warmup: int,
+           repeats: int) -> tuple[float, float, float]:
     """(forward ms, backward ms, saved bytes) of ``stage`` on ``args``; a split stage's by its local shards."""
     import torch
 
@@ -242,7 +251,7 @@ def _timed(stage: Any, args: tuple[Any, ...], timer: Timer, warmup: int, repeats
     return timed.forward.median, timed.backward.median, float(counter.saved_bytes)
 
 
-def _local(tensor: Any) -> Any:
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -251,17 +260,17 @@ def _local(tensor: Any) -> Any:
 class _LocalCounter:
     """Distinct storages autograd saves, a DTensor counted by its local shard; parameters excluded."""
 
-    def __init__(self, exclude: Sequence[Any]) -> None:
+    def __init__(self, exclude: Sequence[torch.Tensor]) -> None:
         from pipeplan.profiler.memory import SavedTensorCounter
 
         self._counter = SavedTensorCounter(exclude=exclude)
 
-    def pack(self, tensor: Any) -> Any:
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self._counter.pack(_local(tensor))
         return tensor.detach()  # as SavedTensorCounter.pack: no cycle through the saved variable
 
     @staticmethod
-    def unpack(tensor: Any) -> Any:
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     @property
@@ -269,9 +278,9 @@ class _LocalCounter:
         return self._counter.saved_bytes
 
 
-def split_fields(model: Any, tp_plan: dict[str, Any] | None, graph: Any, layers: Sequence[LayerProfile],
-                 inputs: Sequence[Any], timer: Timer, warmup: int, device_type: str,
-                 where: str) -> list[LayerProfile]:
+def split_fields(model: nn.Module, tp_plan: dict[str, Any] | None, graph: LayerGraph,
+                 layers: Sequence[LayerProfile], inputs: Sequence[torch.Tensor], timer: Timer, warmup: int,
+                 device_type: str, where: str) -> list[LayerProfile]:
     """``layers`` with their tensor-parallel fields (module docstring); unchanged without a plan."""
     layouts = layer_layouts(model, tp_plan, layers, where)
     if not layouts:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+if TYPE_CHECKING:  # typing only: torch is imported where it is used
+    import torch
 
 __all__ = ["Timer", "CpuTimer", "CudaTimer", "PendingMs", "read", "make_timer", "Stats", "robust_stats"]
 
@@ -20,7 +23,7 @@ __all__ = ["Timer", "CpuTimer", "CudaTimer", "PendingMs", "read", "make_timer", 
 class PendingMs:
     """Elapsed time between two recorded CUDA events, read after they complete."""
 
-    def __init__(self, begin: Any, end: Any) -> None:
+    def __init__(self, begin: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self._begin, self._end = begin, end
 
     def value(self) -> float:
@@ -57,11 +60,11 @@ class CpuTimer:
 class CudaTimer:
     """CUDA-event timer on the current stream of ``device``; ``stop`` does not synchronise."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: torch.device | str) -> None:
         self._device = device
-        self._begin: Any = None
+        self._begin: torch.cuda.Event | None = None
 
-    def _event(self) -> Any:
+    def _event(self) -> torch.cuda.Event:
         import torch
 
         event = torch.cuda.Event(enable_timing=True)
@@ -72,11 +75,13 @@ class CudaTimer:
         self._begin = self._event()
 
     def stop(self) -> PendingMs:
+        if self._begin is None:
+            raise RuntimeError("CudaTimer.stop() called before start()")
         return PendingMs(self._begin, self._event())
 
 
-def make_timer(device: Any) -> Timer:
-    """A ``CudaTimer`` for a CUDA ``torch.device``, else a ``CpuTimer``."""
+def make_timer(device: torch.device | str) -> Timer:
+    """A ``CudaTimer`` for a CUDA device (a ``torch.device`` or its name), else a ``CpuTimer``."""
     if getattr(device, "type", str(device)) == "cuda":
         return CudaTimer(device)
     return CpuTimer()

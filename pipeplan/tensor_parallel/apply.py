@@ -26,10 +26,12 @@ CPU: train with dropout 0 to compare against single-process runs.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils import _pytree as pytree
@@ -49,7 +51,7 @@ class SplitParameters(ParallelStyle):
         super().__init__()
         self.dims = dict(dims)
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
                 continue
@@ -59,7 +61,7 @@ class SplitParameters(ParallelStyle):
         return module
 
 
-def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh: Any) -> None:
+def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh: DeviceMesh) -> None:
     """Split ``module``'s planned parameters over the 1-D tensor ``mesh``, in place.
 
     ``splits``: local module path in ``module`` -> {parameter name: dim}.
@@ -177,7 +179,7 @@ def _is_split(sub: nn.Module, target: str) -> bool:
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
 
 
-def replicate_partial(value: Any) -> Any:
+def replicate_partial(value: object) -> object:
     """``value`` replicated when it is a partial-sum DTensor (an all-reduce), else itself.
 
     Its gradient is all-reduced where it arrives as a partial sum: DTensor cannot turn a
@@ -188,7 +190,7 @@ def replicate_partial(value: Any) -> Any:
     return value
 
 
-def reduce_gradient(value: Any) -> Any:
+def reduce_gradient(value: object) -> object:
     """``value`` itself; its gradient all-reduced where it is a partial sum (Megatron's f)."""
     if isinstance(value, DTensor) and value.requires_grad:
         return _ReducedGradient.apply(value)
@@ -199,11 +201,11 @@ class _ReducedGradient(torch.autograd.Function):
     """Identity forward; a partial-sum gradient leaves replicated (one all-reduce)."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: FunctionCtx, value: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
             return grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
         return grad
@@ -219,14 +221,14 @@ def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return owners
 
 
-def _enter(args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+def _enter(args: tuple[object, ...], mesh: DeviceMesh) -> tuple[object, ...]:
     """Floating-point inputs as replicated DTensors (their gradient comes back whole)."""
     return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
                  if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point()
                  else a for a in args)
 
 
-def _leave(output: Any) -> Any:
+def _leave(output: object) -> object:
     return pytree.tree_map_only(DTensor, lambda t: t.full_tensor(), output)
 
 

@@ -199,7 +199,7 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
     return styles
 
 
-def _is_layout_hint(style: Any) -> bool:
+def _is_layout_hint(style: object) -> bool:
     """A style that only places activations (it splits no parameter): torchtitan's plans
     use them around attention and norms; a split stage keeps DTensor's own layouts."""
     from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput,
