@@ -8,21 +8,27 @@ dtypes an eager run recorded, so export records a single node and never looks in
 (tensors from the graph, every other value as recorded), returning its output tensors.
 The stage that holds the layer trains the module's own parameters; autograd goes
 through its eager code. Shapes are those of the sample inputs, as for any export capture.
+
+``opaque_fallback`` is capture's fallback: where ``torch.export`` fails inside a module,
+that module's class is made opaque and export runs again, up to ``MOST_OPAQUE`` classes.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["OpaqueLayer", "opaque_calls", "run_opaque_calls"]
+__all__ = ["MOST_OPAQUE", "OpaqueLayer", "opaque_calls", "opaque_fallback", "run_opaque_calls"]
+
+MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
 
 torch.library.define("pipeplan::opaque", "(Tensor[] inputs, int call) -> Tensor[]")
 
@@ -75,7 +81,7 @@ class OpaqueLayer(nn.Module):
         return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
 
 
-def _split(value: Any) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
+def _split(value: pytree.PyTree) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
     """(tensors, leaves with each tensor replaced by TENSOR, spec) of a pytree."""
     leaves, spec = pytree.tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -83,7 +89,9 @@ def _split(value: Any) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
 
 
 @contextmanager
-def opaque_calls(model: nn.Module, classes: Collection[str], record: Any) -> Iterator[list[_Call]]:
+def opaque_calls(
+    model: nn.Module, classes: Collection[str], record: Callable[[], None]
+) -> Iterator[list[_Call]]:
     """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
 
     ``record()`` runs the model once eagerly (no grad) to learn each call's outputs; the
@@ -114,8 +122,11 @@ def opaque_calls(model: nn.Module, classes: Collection[str], record: Any) -> Ite
             _CALLS.pop(call.id, None)
 
 
-def _recorder(name: str, calls: list[_Call]) -> Any:
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+_Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], pytree.PyTree], None]
+
+
+def _recorder(name: str, calls: list[_Call]) -> _Hook:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: pytree.PyTree) -> None:
         _, in_leaves, in_spec = _split((args, kwargs))
         out_tensors, out_leaves, out_spec = _split(output)
         call = _Call(next(_IDS), name, module, in_spec, in_leaves, out_spec, out_leaves,
@@ -126,10 +137,10 @@ def _recorder(name: str, calls: list[_Call]) -> Any:
     return hook
 
 
-def _stand_in(pending: Iterator[_Call]) -> Any:
+def _stand_in(pending: Iterator[_Call]) -> Callable[..., pytree.PyTree]:
     """A module's forward during export: the opaque op, then the recorded output structure."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: pytree.PyTree, **kwargs: pytree.PyTree) -> pytree.PyTree:
         call = next(pending)
         tensors, _, _ = _split((args, kwargs))
         outputs = iter(torch.ops.pipeplan.opaque(tensors, call.id))
@@ -159,3 +170,15 @@ def run_opaque_calls(graph_module: fx.GraphModule, calls: list[_Call]) -> int:
         replaced += 1
     graph_module.recompile()
     return replaced
+
+
+def opaque_fallback(failed_in: str, opaque: Sequence[str], reason: str) -> tuple[str, ...] | None:
+    """The opaque classes for the next export attempt after ``torch.export`` failed (``reason``:
+    ``Type: first line``) in a module of class ``failed_in`` (``""``: outside every module):
+    ``opaque`` and ``failed_in``, which one line on stderr names. None where there is no class
+    to add: none, one already opaque, or ``MOST_OPAQUE`` classes are already."""
+    if not failed_in or failed_in in opaque or len(opaque) >= MOST_OPAQUE:
+        return None
+    sys.stderr.write(f"pipeplan: torch.export cannot trace {failed_in} ({reason}); running "
+                     f"{failed_in} as an opaque layer (--opaque-modules {failed_in})\n")
+    return (*opaque, failed_in)
