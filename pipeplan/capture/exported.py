@@ -29,7 +29,7 @@ of a block's ``ModuleList``, which is iterated and never called, counts as its c
 block gives 4 layers (``ln_1``, ``attn``, ``ln_2``, ``mlp``), a BERT layer 3
 (``attention``, ``intermediate``, ``output``). Ops outside every layer module (a residual
 add in a block's ``forward``, mask construction) are folded into neighbours by
-``pipeplan.capture``.
+``pipeplan.capture.grouping``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 
 from pipeplan.capture.captured import CapturedGraph, LayerModule
 from pipeplan.capture.materialise import fake_mode_for
-from pipeplan.capture.opaque import opaque_calls, opaque_fallback, run_opaque_calls
+from pipeplan.capture.opaque import holds_any, opaque_calls, opaque_fallback, recorded_calls, run_opaque_calls
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
 
@@ -133,14 +133,14 @@ def _export(
     model: nn.Module, root: nn.Module, tensors: tuple[torch.Tensor, ...], prefix: str, opaque: tuple[str, ...]
 ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """One export attempt with ``opaque`` classes run as themselves; the graph and output spec."""
-
-    def record() -> None:
-        with torch.no_grad(), preserved_buffers(model), fake_mode_for(model):
-            root(*tensors)
-
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
     with contextlib.ExitStack() as stack:
-        calls = stack.enter_context(opaque_calls(model, opaque, record)) if opaque else []
+        calls = []
+        if opaque and holds_any(model, opaque):  # one eager run learns the opaque calls' outputs
+            with (recorded_calls(model, opaque) as calls, torch.no_grad(), preserved_buffers(model),
+                  fake_mode_for(model)):
+                root(*tensors)
+            stack.enter_context(opaque_calls(model, opaque, calls))
         try:
             with quiet_torch_logs(), redirect_stderr(stderr):
                 program = torch.export.export(root, tensors, strict=False)

@@ -1,11 +1,11 @@
 """The layer graph: a model as layers over one fx graph, and layers grouped into stage modules.
 
 A *layer* is one leaf module call plus the parameter-free functional ops folded into
-it (``pipeplan.capture.build`` makes the graph). Layers are numbered in topological
-order; every edge goes from a lower to a higher index, so any contiguous range of
-indices is a valid stage. ``LayerGraph.split`` builds one ``fx.GraphModule`` per stage
-whose inputs and outputs name exactly the values that cross its cuts, including skips
-that jump over several stages.
+it (``pipeplan.capture.build`` makes the graph, ``pipeplan.capture.grouping`` the
+layers). Layers are numbered in topological order; every edge goes from a lower to a
+higher index, so any contiguous range of indices is a valid stage. ``LayerGraph.split``
+builds one ``fx.GraphModule`` per stage whose inputs and outputs name exactly the values
+that cross its cuts, including skips that jump over several stages.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Opaque layers: modules ``torch.export`` does not trace into, run as themselves from the captured graph.
 
-Under ``opaque_calls(model, classes)`` every module of the named classes answers a call
-with one ``pipeplan::opaque`` op over its input tensors, whose outputs have the shapes and
-dtypes an eager run recorded, so export records a single node and never looks inside.
+Under ``opaque_calls(model, classes, calls)`` every module of the named classes answers a
+call with one ``pipeplan::opaque`` op over its input tensors, whose outputs have the shapes
+and dtypes an eager run recorded (``recorded_calls``), so export records a single node and
+never looks inside.
 ``run_opaque_calls`` then turns each such node into a ``call_module`` of an
 ``OpaqueLayer``: the user's module itself, called with the arguments it was called with
 (tensors from the graph, every other value as recorded), returning its output tensors.
@@ -26,7 +27,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["MOST_OPAQUE", "OpaqueLayer", "opaque_calls", "opaque_fallback", "run_opaque_calls"]
+__all__ = ["MOST_OPAQUE", "OpaqueLayer", "holds_any", "opaque_calls", "opaque_fallback", "recorded_calls",
+           "run_opaque_calls"]
 
 MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
 
@@ -88,33 +90,40 @@ def _split(value: pytree.PyTree) -> tuple[list[Any], list[Any], pytree.TreeSpec]
     return tensors, [TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
 
 
-@contextmanager
-def opaque_calls(
-    model: nn.Module, classes: Collection[str], record: Callable[[], None]
-) -> Iterator[list[_Call]]:
-    """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
+def holds_any(model: nn.Module, classes: Collection[str]) -> bool:
+    """Whether ``model`` holds a module of one of ``classes``."""
+    return any(type(module).__name__ in classes for module in model.modules())
 
-    ``record()`` runs the model once eagerly (no grad) to learn each call's outputs; the
-    export run that follows must call the modules in the same order. Yields the calls.
-    """
-    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in classes]
+
+@contextmanager
+def recorded_calls(model: nn.Module, classes: Collection[str]) -> Iterator[list[_Call]]:
+    """While active, every call of a module of ``classes`` is recorded: run the model once
+    inside, eagerly (no grad), to learn each call's outputs. Yields the calls (complete at
+    the exit), in the order the model makes them."""
     calls: list[_Call] = []
-    if not targets:
-        yield calls
-        return
-    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True) for name, module in targets]
+    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True)
+             for name, module in model.named_modules() if type(module).__name__ in classes]
     try:
-        record()
+        yield calls
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@contextmanager
+def opaque_calls(model: nn.Module, classes: Collection[str], calls: list[_Call]) -> Iterator[None]:
+    """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
+
+    ``calls``: as ``recorded_calls`` recorded them; the export run inside must call the
+    modules in the same order."""
+    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in classes]
     pending = iter(calls)
     originals = {}
     for name, module in targets:
         originals[name] = module.forward
         module.forward = _stand_in(pending)  # type: ignore[method-assign]
     try:
-        yield calls
+        yield
     finally:
         for name, module in targets:
             module.forward = originals[name]  # type: ignore[method-assign]
