@@ -22,7 +22,7 @@ them in the model's module order, whatever the plan, so every copy agrees.
 Capture's two steps around a model's build (``pipeplan.capture.build``): ``capture_site``
 says where a model is exported (a model on meta: on fake stand-ins on the device its stages
 will run on), and ``place_graph`` points the captured graph back at the model's own tensors
-and the devices it recorded at that device.
+and makes the devices it recorded that device.
 """
 
 from __future__ import annotations
