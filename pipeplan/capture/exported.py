@@ -18,6 +18,9 @@ exported program into a plain ``fx.GraphModule`` over the user's model:
 Output values that are not tensors and that export cannot carry (a ``DynamicCache``
 under ``past_key_values``) are dropped (set to ``None``) and named in ``dropped``.
 
+Where export fails inside a module, that module's class is made opaque and export runs
+again (``pipeplan.capture.opaque``: ``opaque_fallback`` decides, ``opaque_calls`` runs it).
+
 *Layers* (``layer_of_node``): an op belongs to the outermost module of its stack that is
 a layer module (``is_layer_module``): a class named in ``leaf_modules``; a module with no
 children; or a child of a repeated block (an element of a ``ModuleList`` / ``Sequential``
@@ -26,17 +29,17 @@ of a block's ``ModuleList``, which is iterated and never called, counts as its c
 block gives 4 layers (``ln_1``, ``attn``, ``ln_2``, ``mlp``), a BERT layer 3
 (``attention``, ``intermediate``, ``output``). Ops outside every layer module (a residual
 add in a block's ``forward``, mask construction) are folded into neighbours by
-``pipeplan.capture``.
+``pipeplan.capture.grouping``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
 import sys
 from contextlib import contextmanager, redirect_stderr
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator
 
@@ -45,35 +48,18 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from pipeplan.capture.materialise import fake_mode_for, on_meta
-from pipeplan.capture.opaque import opaque_calls, run_opaque_calls
+from pipeplan.capture.captured import CapturedGraph, LayerModule
+from pipeplan.capture.materialise import fake_mode_for
+from pipeplan.capture.opaque import holds_any, opaque_calls, opaque_fallback, recorded_calls, run_opaque_calls
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
 
 __all__ = [
-    "ExportedGraph",
-    "LayerModule",
     "export_graph",
     "is_layer_module",
     "capture_error",
     "preserved_buffers",
 ]
-
-
-@dataclass(frozen=True)
-class LayerModule:
-    name: str  # qualified name in the user's model ("transformer.h.0.attn")
-    type: str  # class name ("GPT2Attention")
-
-
-@dataclass
-class ExportedGraph:
-    graph_module: fx.GraphModule  # ATen ops; inputs: the model's flat input tensors
-    layer_call: dict[str, str]  # node name -> module call key of its layer (absent: folded)
-    layer_modules: dict[str, LayerModule]  # module call key -> the module
-    out_spec: pytree.TreeSpec  # rebuilds the model's output from the graph's flat outputs
-    dropped: tuple[str, ...]  # output fields set to None (values export cannot carry)
-    opaque: tuple[str, ...] = ()  # module classes run as themselves (asked for, or export failed in them)
 
 
 _PREFIX = "model."  # the user's model inside _UserCall
@@ -92,7 +78,7 @@ class _UserCall(nn.Module):
         self.inputs = inputs
         self.dropped = dropped
 
-    def forward(self, *tensors: Any) -> Any:
+    def forward(self, *tensors: torch.Tensor) -> pytree.PyTree:
         output = self.inputs.with_tensors(tensors).call(self.model)
         for name in self.dropped:
             if isinstance(output, dict):
@@ -105,22 +91,23 @@ class _UserCall(nn.Module):
 def export_graph(
     model: nn.Module, sample_inputs: ModelInputs, leaf_modules: Collection[str] = (),
     opaque_modules: Collection[str] = (),
-) -> ExportedGraph:
+) -> CapturedGraph:
     """Export ``model`` on ``sample_inputs`` (shapes are specialised to them) and name layers.
 
     The graph's inputs are the flat tensors of ``sample_inputs`` (``ModelInputs.tensors``).
     Modules of the classes in ``opaque_modules`` are opaque layers (``pipeplan.capture.opaque``).
     Where export fails inside a module, that module's class becomes opaque too (one line on
-    stderr says so) and export runs again, up to ``_MOST_OPAQUE`` classes. Raises
-    ``InputError`` (one line: exception, file:line, the way around) when export still fails.
-    Runs the model eagerly once, plus once per opaque attempt, and under export: O(ops).
+    stderr says so: ``opaque_fallback``) and export runs again. Raises ``InputError`` (one
+    line: exception, file:line, the way around) when export still fails. A model on meta is
+    exported under ``fake_stand_ins`` (``build_layer_graph``). Runs the model eagerly once,
+    plus once per attempt with opaque modules, and under export: O(ops).
     """
     with preserved_buffers(model):  # the sample run must not move BatchNorm statistics
         dropped = _register_outputs(model, sample_inputs)
     wrapped = bool(dropped) or not sample_inputs.positional
     root: nn.Module = _UserCall(model, sample_inputs, dropped) if wrapped else model
     prefix = _PREFIX if wrapped else ""
-    opaque = list(dict.fromkeys(opaque_modules))
+    opaque = tuple(dict.fromkeys(opaque_modules))
     while True:
         try:
             graph_module, out_spec = _export(model, root, sample_inputs.tensors(), prefix, opaque)
@@ -128,18 +115,14 @@ def export_graph(
         except _ExportFailed as failed:
             exc = failed.__cause__ or failed
             _, module_class = _failure_site(exc, model)
-            if not module_class or module_class in opaque or len(opaque) >= _MOST_OPAQUE:
+            more_opaque = opaque_fallback(module_class, opaque, _reason(exc))
+            if more_opaque is None:
                 raise InputError(capture_error(model, exc, "torch.export")) from exc
-            sys.stderr.write(f"pipeplan: torch.export cannot trace {module_class} ({_reason(exc)}); running "
-                             f"{module_class} as an opaque layer (--opaque-modules {module_class})\n")
-            opaque.append(module_class)
+            opaque = more_opaque
     _out_of_place(graph_module.graph)
     graph_module.recompile()
     layer_call, layer_modules = _layers_of(model, graph_module, prefix, {*leaf_modules, *opaque})
-    return ExportedGraph(graph_module, layer_call, layer_modules, out_spec, dropped, tuple(opaque))
-
-
-_MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
+    return CapturedGraph(graph_module, "export", layer_call, layer_modules, out_spec, dropped, opaque)
 
 
 class _ExportFailed(Exception):
@@ -147,25 +130,26 @@ class _ExportFailed(Exception):
 
 
 def _export(
-    model: nn.Module, root: nn.Module, tensors: tuple[Any, ...], prefix: str, opaque: list[str]
+    model: nn.Module, root: nn.Module, tensors: tuple[torch.Tensor, ...], prefix: str, opaque: tuple[str, ...]
 ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
     """One export attempt with ``opaque`` classes run as themselves; the graph and output spec."""
-
-    def record() -> None:
-        with torch.no_grad(), preserved_buffers(model), fake_mode_for(model):
-            root(*tensors)
-
     stderr = io.StringIO()  # on a failure, torch.export prints the partial graph there
-    exported = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in tensors) if on_meta(model) else tensors
-    with opaque_calls(model, opaque, record) as calls:
+    with contextlib.ExitStack() as stack:
+        calls = []
+        if opaque and holds_any(model, opaque):  # one eager run learns the opaque calls' outputs
+            with (recorded_calls(model, opaque) as calls, torch.no_grad(), preserved_buffers(model),
+                  fake_mode_for(model)):
+                root(*tensors)
+            stack.enter_context(opaque_calls(model, opaque, calls))
         try:
-            with quiet_torch_logs(), redirect_stderr(stderr):  # a model on meta: on meta inputs
-                program = torch.export.export(root, exported, strict=False)
+            with quiet_torch_logs(), redirect_stderr(stderr):
+                program = torch.export.export(root, tensors, strict=False)
         except Exception as exc:
             raise _ExportFailed() from exc
         sys.stderr.write(stderr.getvalue())
         graph_module = _as_graph_module(model, program, prefix)
-        run_opaque_calls(graph_module, calls)
+        if calls:
+            run_opaque_calls(graph_module, calls)
     return graph_module, program.call_spec.out_spec
 
 
@@ -214,14 +198,14 @@ def _register_outputs(model: nn.Module, sample_inputs: ModelInputs) -> tuple[str
     return tuple(name for name, value in fields if not _exportable(value))
 
 
-def _exportable(value: Any) -> bool:
+def _exportable(value: pytree.PyTree) -> bool:
     return all(
         leaf is None or isinstance(leaf, (torch.Tensor, int, float, bool, str))
         for leaf in pytree.tree_leaves(value)
     )
 
 
-def _as_graph_module(model: nn.Module, program: Any, prefix: str) -> fx.GraphModule:
+def _as_graph_module(model: nn.Module, program: torch.export.ExportedProgram, prefix: str) -> fx.GraphModule:
     """The exported graph with parameters/buffers as ``get_attr`` on the user's model."""
     from torch.export.graph_signature import InputKind, OutputKind
 

@@ -1,11 +1,11 @@
 """The layer graph: a model as layers over one fx graph, and layers grouped into stage modules.
 
 A *layer* is one leaf module call plus the parameter-free functional ops folded into
-it (``pipeplan.capture.build`` makes the graph). Layers are numbered in topological
-order; every edge goes from a lower to a higher index, so any contiguous range of
-indices is a valid stage. ``LayerGraph.split`` builds one ``fx.GraphModule`` per stage
-whose inputs and outputs name exactly the values that cross its cuts, including skips
-that jump over several stages.
+it (``pipeplan.capture.build`` makes the graph, ``pipeplan.capture.grouping`` the
+layers). Layers are numbered in topological order; every edge goes from a lower to a
+higher index, so any contiguous range of indices is a valid stage. ``LayerGraph.split``
+builds one ``fx.GraphModule`` per stage whose inputs and outputs name exactly the values
+that cross its cuts, including skips that jump over several stages.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -77,6 +78,7 @@ class LayerGraph:
         tensor_valued: frozenset[str],
         result_spec: pytree.TreeSpec | None = None,
         dropped_outputs: tuple[str, ...] = (),
+        opaque_modules: tuple[str, ...] = (),
     ) -> None:
         self.model = model
         self.tensor_valued = tensor_valued  # fx node names whose value is one tensor
@@ -88,7 +90,7 @@ class LayerGraph:
         # flat tuple of tensors and result_spec rebuilds what the model returns
         self.result_spec = result_spec
         self.dropped_outputs = dropped_outputs  # output fields set to None (export only)
-        self.opaque_modules: tuple[str, ...] = ()  # module classes run as themselves (opaque layers)
+        self.opaque_modules = opaque_modules  # module classes run as themselves (opaque layers)
         self.fingerprint = _fingerprint(model, layers, kind)
 
     def __len__(self) -> int:
@@ -162,7 +164,7 @@ class LayerGraph:
         stages: int,
         stage_of_node: dict[str, int],
         readers: dict[str, set[int]],
-        value_name: Any,
+        value_name: Callable[[fx.Node], str],
         result_nodes: list[Any],
     ) -> StageModule:
         source = self.graph_module.graph
@@ -229,7 +231,7 @@ class _RebuildOutput(nn.Module):
         self.spec = spec
         self.count = count
 
-    def forward(self, *inputs: Any) -> tuple[Any, ...]:
+    def forward(self, *inputs: torch.Tensor) -> tuple[Any, ...]:
         flat = tuple(self.graph(*inputs))
         head, tail = flat[: len(flat) - self.count], flat[len(flat) - self.count :]
         return (*head, pytree.tree_unflatten(list(tail), self.spec))

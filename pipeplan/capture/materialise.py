@@ -18,33 +18,48 @@ derived from the run's seed and its qualified name:
 
 A tensor held by several modules (a tied embedding and head) is initialised by each of
 them in the model's module order, whatever the plan, so every copy agrees.
+
+Capture's two steps around a model's build (``pipeplan.capture.build``): ``capture_site``
+says where a model is exported (a model on meta: on fake stand-ins on the device its stages
+will run on), and ``place_graph`` points the captured graph back at the model's own tensors
+and makes the devices it recorded that device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from pipeplan.errors import InputError, one_line
+from pipeplan.model_inputs import ModelInputs
+
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
 __all__ = [
     "BUILDS",
+    "CaptureSite",
     "EAGER_BUILD_BYTES",
     "build_model",
     "build_on_meta",
+    "capture_site",
     "on_meta",
     "model_bytes",
     "materialise",
     "meta_stand_ins",
     "release",
     "rebind",
+    "sample_run",
     "fake_mode_for",
     "fake_stand_ins",
     "module_seed",
+    "place_graph",
 ]
 
 
@@ -54,7 +69,7 @@ BUILDS = ("auto", "eager", "meta")  # --build
 EAGER_BUILD_BYTES = 1 << 30
 
 
-def build_model(build: Any, mode: str, seed: int) -> tuple[nn.Module, bool, str]:
+def build_model(build: Callable[[], nn.Module], mode: str, seed: int) -> tuple[nn.Module, bool, str]:
     """``(model, on_meta, note)``: the user's ``build()`` eagerly under ``torch.manual_seed(seed)``
     or on meta, as ``mode`` (one of ``BUILDS``) says.
 
@@ -77,7 +92,7 @@ def build_model(build: Any, mode: str, seed: int) -> tuple[nn.Module, bool, str]
     return build(), False, note
 
 
-def build_on_meta(build: Any) -> tuple[nn.Module | None, str]:
+def build_on_meta(build: Callable[[], nn.Module]) -> tuple[nn.Module | None, str]:
     """``(model, "")`` built by ``build()`` under the meta device, or ``(None, reason)``."""
     try:
         with torch.device("meta"):
@@ -105,7 +120,20 @@ def model_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def fake_mode_for(model: nn.Module, device: Any = "cpu") -> contextlib.AbstractContextManager[Any]:
+def sample_run(
+    model: nn.Module, tensors: tuple[torch.Tensor, ...]
+) -> tuple[tuple[torch.Tensor, ...], contextlib.AbstractContextManager[Any]]:
+    """``(inputs, context)`` for one run of ``model`` (or a graph over it) on ``tensors``:
+    a model on meta runs on meta inputs, one under ``fake_stand_ins`` on fake tensors
+    (``fake_mode_for``, entered already: enter the context at once), any other as it is."""
+    if on_meta(model):
+        return tuple(value.to("meta") for value in tensors), contextlib.nullcontext()
+    return tensors, fake_mode_for(model)
+
+
+def fake_mode_for(
+    model: nn.Module, device: torch.device | str = "cpu"
+) -> contextlib.AbstractContextManager[Any]:
     """Where ``model`` is on meta, a run with shapes only, as ``torch.export`` will trace it on
     ``device``; else a no-op.
 
@@ -136,7 +164,7 @@ def fake_mode_for(model: nn.Module, device: Any = "cpu") -> contextlib.AbstractC
 
 
 @contextlib.contextmanager
-def fake_stand_ins(model: nn.Module, device: Any) -> Iterator[Any]:
+def fake_stand_ins(model: nn.Module, device: torch.device | str) -> Iterator[FakeTensorMode]:
     """Inside, every meta parameter and buffer of ``model`` is a fake tensor on ``device``
     (same shape, stride and dtype, no storage) of one ``FakeTensorMode``, which it yields;
     the meta tensors come back after. A graph exported inside records ``device`` where the
@@ -161,7 +189,7 @@ def fake_stand_ins(model: nn.Module, device: Any) -> Iterator[Any]:
         _replace(model, originals)
 
 
-def _fake_mode_of(model: nn.Module) -> Any:
+def _fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
     """The ``FakeTensorMode`` of the model's fake stand-ins, if it holds any."""
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -183,7 +211,7 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def materialise(
-    model: nn.Module, tensors: Iterable[torch.Tensor] | None, device: Any, seed: int,
+    model: nn.Module, tensors: Iterable[torch.Tensor] | None, device: torch.device | str, seed: int,
     dtype: torch.dtype | None = None, loaded_after: bool = False,
 ) -> int:
     """Give storage on ``device`` to the meta tensors in ``tensors`` (None: all) and initialise
@@ -269,8 +297,6 @@ def rebind(graph_modules: Iterable[nn.Module], model: nn.Module) -> None:
     graphs nested in them) at the model's current tensors of those qualified names. A tensor
     constant captured on meta with no elements (an empty tensor the model made: GPT-2's) gets
     an empty one on the CPU: it has no values to lose."""
-    import torch.fx as fx
-
     current: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     current.update(model.named_buffers(remove_duplicate=False))
     for root in graph_modules:
@@ -303,6 +329,69 @@ def _fill_empty_constant(graph_module: nn.Module, target: str) -> None:
             holder._buffers[field] = empty
         else:
             setattr(holder, field, empty)
+
+
+@dataclass(frozen=True)
+class CaptureSite:
+    """Where an export capture runs, on what, and where its stages will run."""
+
+    on_meta: bool  # the model is on meta: it is exported on fake stand-ins (fake_stand_ins) on target
+    target: torch.device  # where the stages will run
+    captured_on: torch.device  # where the capture runs: target for a model on meta, else the inputs' device
+    sample_inputs: ModelInputs  # as the capture runs them: on target for a model on meta
+
+
+@contextlib.contextmanager
+def capture_site(
+    model: nn.Module, sample_inputs: ModelInputs, device: torch.device | str | None
+) -> Iterator[CaptureSite]:
+    """Inside, ``model`` as it is exported, and where: ``device`` is where the stages will run
+    (None: where the sample inputs are; the CPU for a model on meta). A model on meta holds
+    fake tensors there (``fake_stand_ins``) and its sample inputs are moved there, so its
+    code takes the branches it takes on that device (a kernel or a dtype chosen by device,
+    as Hugging Face MoE experts choose); its meta tensors come back after. A model with
+    storage is exported where its sample inputs are (``place_graph`` moves the devices)."""
+    tensors = sample_inputs.tensors()
+    lazy = on_meta(model)
+    if device is not None:
+        target = torch.device(device)
+    else:
+        target = torch.device("cpu") if lazy else _inputs_device(tensors)
+    if lazy:
+        sample_inputs = sample_inputs.map(lambda tensor: tensor.to(target))
+    site = CaptureSite(lazy, target, target if lazy else _inputs_device(tensors), sample_inputs)
+    with fake_stand_ins(model, target) if lazy else contextlib.nullcontext():
+        yield site
+
+
+def place_graph(graph_module: fx.GraphModule, model: nn.Module, site: CaptureSite) -> None:
+    """A graph exported on fake stand-ins reads the model's own meta tensors again (``rebind``),
+    and the devices the export recorded where it ran become ``site.target``."""
+    if site.on_meta:
+        rebind([graph_module], model)  # the model's meta tensors, not the stand-ins
+    if site.target != site.captured_on:
+        _devices_to(graph_module, site.captured_on, site.target)
+
+
+def _devices_to(graph_module: fx.GraphModule, source: torch.device, target: torch.device) -> None:
+    """An export records the device it ran on (the sample inputs') in factory ops
+    (``arange``, ``full``) and ``_assert_tensor_metadata``; make them ``target``, the
+    device the stages will run on."""
+    for module in graph_module.modules():  # higher-order ops' bodies too
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = tuple(target if _is(arg, source) else arg for arg in node.args)
+                node.kwargs = {k: target if _is(v, source) else v for k, v in node.kwargs.items()}
+            module.recompile()
+
+
+def _is(value: fx.node.Argument, device: torch.device) -> bool:
+    return isinstance(value, torch.device) and value == device
+
+
+def _inputs_device(tensors: tuple[torch.Tensor, ...]) -> torch.device:
+    """The device of the sample inputs (the CPU when there are none)."""
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:

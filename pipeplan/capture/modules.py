@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from torch import nn
 
@@ -39,8 +39,8 @@ def module_calls(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> list[
 
     order: list[str] = []
 
-    def recorder(name: str) -> Any:
-        def record(_module: nn.Module, _args: Any) -> None:
+    def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def record(_module: nn.Module, _args: tuple[Any, ...]) -> None:
             order.append(name)
         return record
 

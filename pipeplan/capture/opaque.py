@@ -1,28 +1,36 @@
 """Opaque layers: modules ``torch.export`` does not trace into, run as themselves from the captured graph.
 
-Under ``opaque_calls(model, classes)`` every module of the named classes answers a call
-with one ``pipeplan::opaque`` op over its input tensors, whose outputs have the shapes and
-dtypes an eager run recorded, so export records a single node and never looks inside.
+Under ``opaque_calls(model, classes, calls)`` every module of the named classes answers a
+call with one ``pipeplan::opaque`` op over its input tensors, whose outputs have the shapes
+and dtypes an eager run recorded (``recorded_calls``), so export records a single node and
+never looks inside.
 ``run_opaque_calls`` then turns each such node into a ``call_module`` of an
 ``OpaqueLayer``: the user's module itself, called with the arguments it was called with
 (tensors from the graph, every other value as recorded), returning its output tensors.
 The stage that holds the layer trains the module's own parameters; autograd goes
 through its eager code. Shapes are those of the sample inputs, as for any export capture.
+
+``opaque_fallback`` is capture's fallback: where ``torch.export`` fails inside a module,
+that module's class is made opaque and export runs again, up to ``MOST_OPAQUE`` classes.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["OpaqueLayer", "opaque_calls", "run_opaque_calls"]
+__all__ = ["MOST_OPAQUE", "OpaqueLayer", "holds_any", "opaque_calls", "opaque_fallback", "recorded_calls",
+           "run_opaque_calls"]
+
+MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
 
 torch.library.define("pipeplan::opaque", "(Tensor[] inputs, int call) -> Tensor[]")
 
@@ -75,38 +83,47 @@ class OpaqueLayer(nn.Module):
         return [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
 
 
-def _split(value: Any) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
+def _split(value: pytree.PyTree) -> tuple[list[Any], list[Any], pytree.TreeSpec]:
     """(tensors, leaves with each tensor replaced by TENSOR, spec) of a pytree."""
     leaves, spec = pytree.tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     return tensors, [TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec
 
 
-@contextmanager
-def opaque_calls(model: nn.Module, classes: Collection[str], record: Any) -> Iterator[list[_Call]]:
-    """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
+def holds_any(model: nn.Module, classes: Collection[str]) -> bool:
+    """Whether ``model`` holds a module of one of ``classes``."""
+    return any(type(module).__name__ in classes for module in model.modules())
 
-    ``record()`` runs the model once eagerly (no grad) to learn each call's outputs; the
-    export run that follows must call the modules in the same order. Yields the calls.
-    """
-    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in classes]
+
+@contextmanager
+def recorded_calls(model: nn.Module, classes: Collection[str]) -> Iterator[list[_Call]]:
+    """While active, every call of a module of ``classes`` is recorded: run the model once
+    inside, eagerly (no grad), to learn each call's outputs. Yields the calls (complete at
+    the exit), in the order the model makes them."""
     calls: list[_Call] = []
-    if not targets:
-        yield calls
-        return
-    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True) for name, module in targets]
+    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True)
+             for name, module in model.named_modules() if type(module).__name__ in classes]
     try:
-        record()
+        yield calls
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@contextmanager
+def opaque_calls(model: nn.Module, classes: Collection[str], calls: list[_Call]) -> Iterator[None]:
+    """While active, modules of ``classes`` are one ``pipeplan::opaque`` op per call.
+
+    ``calls``: as ``recorded_calls`` recorded them; the export run inside must call the
+    modules in the same order."""
+    targets = [(name, module) for name, module in model.named_modules() if type(module).__name__ in classes]
     pending = iter(calls)
     originals = {}
     for name, module in targets:
         originals[name] = module.forward
         module.forward = _stand_in(pending)  # type: ignore[method-assign]
     try:
-        yield calls
+        yield
     finally:
         for name, module in targets:
             module.forward = originals[name]  # type: ignore[method-assign]
@@ -114,8 +131,11 @@ def opaque_calls(model: nn.Module, classes: Collection[str], record: Any) -> Ite
             _CALLS.pop(call.id, None)
 
 
-def _recorder(name: str, calls: list[_Call]) -> Any:
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+_Hook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], pytree.PyTree], None]
+
+
+def _recorder(name: str, calls: list[_Call]) -> _Hook:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: pytree.PyTree) -> None:
         _, in_leaves, in_spec = _split((args, kwargs))
         out_tensors, out_leaves, out_spec = _split(output)
         call = _Call(next(_IDS), name, module, in_spec, in_leaves, out_spec, out_leaves,
@@ -126,10 +146,10 @@ def _recorder(name: str, calls: list[_Call]) -> Any:
     return hook
 
 
-def _stand_in(pending: Iterator[_Call]) -> Any:
+def _stand_in(pending: Iterator[_Call]) -> Callable[..., pytree.PyTree]:
     """A module's forward during export: the opaque op, then the recorded output structure."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: pytree.PyTree, **kwargs: pytree.PyTree) -> pytree.PyTree:
         call = next(pending)
         tensors, _, _ = _split((args, kwargs))
         outputs = iter(torch.ops.pipeplan.opaque(tensors, call.id))
@@ -159,3 +179,15 @@ def run_opaque_calls(graph_module: fx.GraphModule, calls: list[_Call]) -> int:
         replaced += 1
     graph_module.recompile()
     return replaced
+
+
+def opaque_fallback(failed_in: str, opaque: Sequence[str], reason: str) -> tuple[str, ...] | None:
+    """The opaque classes for the next export attempt after ``torch.export`` failed (``reason``:
+    ``Type: first line``) in a module of class ``failed_in`` (``""``: outside every module):
+    ``opaque`` and ``failed_in``, which one line on stderr names. None where there is no class
+    to add: none, one already opaque, or ``MOST_OPAQUE`` classes are already."""
+    if not failed_in or failed_in in opaque or len(opaque) >= MOST_OPAQUE:
+        return None
+    sys.stderr.write(f"pipeplan: torch.export cannot trace {failed_in} ({reason}); running "
+                     f"{failed_in} as an opaque layer (--opaque-modules {failed_in})\n")
+    return (*opaque, failed_in)

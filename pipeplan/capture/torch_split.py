@@ -19,8 +19,9 @@ import warnings
 from bisect import bisect_right
 from contextlib import redirect_stderr
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
+import torch.fx as fx
 from torch import nn
 
 from pipeplan.model_inputs import ModelInputs
@@ -115,10 +116,10 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
     calls = [node for node in graph.nodes if node.op == "call_module"]
     piece_of = {node.name: k for k, node in enumerate(calls)}
 
-    def producer(node: Any) -> tuple[str, int]:
+    def producer(node: fx.Node) -> tuple[str, int]:
         source = node
         while source.op == "call_function" and source.target is operator.getitem:
-            source = source.args[0]
+            source = cast(fx.Node, source.args[0])  # a getitem of a piece's tuple of outputs
         if source.op == "placeholder":
             return node.name, INPUT
         return node.name, piece_of[source.name]
