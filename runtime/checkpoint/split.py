@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["whole", "copy_whole", "shard_like", "group_rng_states"]
@@ -46,7 +47,7 @@ def shard_like(param: torch.Tensor, value: Any) -> Any:
     return value
 
 
-def group_rng_states(mesh: Any) -> list[torch.Tensor]:
+def group_rng_states(mesh: DeviceMesh) -> list[torch.Tensor]:
     """Every rank's CPU RNG state in the 1-D tensor-parallel ``mesh``, in mesh order (collective).
 
     Random ops in a split region draw per rank, so each rank's state is saved (by the
@@ -54,6 +55,6 @@ def group_rng_states(mesh: Any) -> list[torch.Tensor]:
     """
     import torch.distributed as dist
 
-    states: list[Any] = [None] * mesh.size()
+    states: list[torch.Tensor | None] = [None] * mesh.size()
     dist.all_gather_object(states, torch.get_rng_state(), group=mesh.get_group())
     return [torch.as_tensor(state) for state in states]
