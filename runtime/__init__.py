@@ -6,8 +6,9 @@ p2p with a shape handshake and bounded waits), ``stash`` (weight stashing), ``sy
 (replica and tied-parameter gradient all-reduce), ``data`` (minibatches), ``executor``
 (walks a ``pipeplan.schedules`` action list), ``recorder`` / ``report`` (timings, metrics,
 traces), ``failure`` (watchdog, deadlines), ``checkpoint`` (atomic per-stage checkpoints),
-``run_identity`` (which run a checkpoint belongs to),
-``train`` (the loop). Public names are imported lazily so importing a submodule stays cheap.
+``run_identity`` (which run a checkpoint belongs to), ``config`` (the run's typed
+configuration, from which the CLI options are generated), ``progress`` / ``run_record``
+(the live progress line, ``--record``), ``train`` (the loop: prepare, build, train, finish). Public names are imported lazily so importing a submodule stays cheap.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ __all__ = ["RunConfig", "run_training", "build_pipeline", "PipelineSpec", "Weigh
            "BatchSource", "Watchdog", "Executor"]
 
 _HOME = {
-    "RunConfig": "train", "run_training": "train", "build_pipeline": "stage", "PipelineSpec": "stage",
+    "RunConfig": "config", "run_training": "train", "build_pipeline": "stage", "PipelineSpec": "stage",
     "WeightStash": "stash", "P2P": "comm", "BatchSource": "data", "Watchdog": "failure",
     "Executor": "executor",
 }

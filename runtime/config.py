@@ -21,6 +21,7 @@ At the bottom of the runtime: imports no other runtime module (and no torch, so 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,6 +42,7 @@ __all__ = [
     "OutputConfig",
     "RunConfig",
     "ScheduleConfig",
+    "check_options",
     "check_recompute",
 ]
 
@@ -209,6 +211,27 @@ class RunConfig:
     def schedule_settings(self) -> LRSchedule:
         """The built-in learning-rate curve over the run's ``steps``."""
         return LRSchedule(self.optim.lr_schedule, self.optim.warmup_steps, self.optim.min_lr, self.steps)
+
+
+def check_options(config: RunConfig) -> None:
+    """``InputError`` for a value no run takes, in one line naming its flag (before any communication)."""
+    optim = config.optim
+    if config.optimizer not in OPTIMIZERS:
+        raise InputError(f"optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    if config.steps < 1:
+        raise InputError(f"--steps must be >= 1 (got {config.steps})")
+    if config.checkpoints.every < 0:
+        raise InputError(f"--checkpoint-every must be >= 0 (got {config.checkpoints.every})")
+    if not (math.isfinite(optim.lr) and optim.lr > 0):
+        raise InputError(f"--lr must be a finite number > 0 (got {optim.lr})")
+    if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
+        raise InputError(f"--weight-decay must be a finite number >= 0 (got {optim.weight_decay})")
+    if optim.clip_grad_norm is not None and not (math.isfinite(optim.clip_grad_norm) and optim.clip_grad_norm > 0):
+        raise InputError(f"--clip-grad-norm must be a finite number > 0 (got {optim.clip_grad_norm})")
+    config.schedule_settings.check(optim.lr)
+    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
+        raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
+    check_recompute(config)
 
 
 def check_recompute(config: RunConfig) -> None:

@@ -1,16 +1,19 @@
 """``pipeplan run``: the training loop of one rank, from plan.json to metrics.json.
 
-Phases (every rank):
+Phases (every rank), each a function with a typed record in and out:
 
-1. *Prepare* (no communication, identical on every rank): read torchrun's environment,
-   check the world size, build the stage (``pipeplan.runtime.stage``) and the schedule.
-   An error here is the user's and the same everywhere: ``PrepareError``, printed by
-   rank 0 only, and every rank exits 2.
-2. *Start*: join the process group (``timeout_s`` on every collective), start the
-   watchdog, create the replica and tie groups, load a checkpoint with ``--resume``.
-3. *Train*: walk this worker's actions (``pipeplan.runtime.executor``).
-4. *Finish*: gather every rank's measurements on rank 0, which writes metrics.json and
-   the Chrome trace.
+1. *Prepare* (``_prepare`` -> ``Prepared``; no communication, identical on every rank): read
+   torchrun's environment, check the world size and the configuration
+   (``pipeplan.runtime.config``), build the stage (``pipeplan.runtime.stage``) and the
+   schedule. An error here is the user's and the same everywhere: ``PrepareError``,
+   printed by rank 0 only, and every rank exits 2. ``run_training`` then joins the process
+   group (``timeout_s`` on every collective) and starts the watchdog.
+2. *Build* (``_build`` -> ``BuiltStage``): create the replica and tie groups, place and split
+   the stage, make its optimizer, load a checkpoint with ``--resume`` (or ``--weights``).
+3. *Train* (``_train_steps`` -> ``TrainedRank``): walk this worker's actions
+   (``pipeplan.runtime.executor``); ``_StepEnd`` runs at each step's end.
+4. *Finish* (``_finish_run``): gather every rank's measurements on rank 0, which writes
+   metrics.json and the Chrome trace.
 
 Steps: a step is ``L = lcm(stage replicas)`` minibatches for 1F1B-RR (so replicas
 all-reduce in lock step; ``L = 1`` without replication) and one minibatch for 1F1B-Flush
@@ -59,7 +62,7 @@ from pipeplan.runtime import training_state as state
 from pipeplan.runtime.checkpoint import store
 from pipeplan.runtime.clip import GradNorm, make_grad_norm
 from pipeplan.runtime.comm import P2P, PeerFailure
-from pipeplan.runtime.config import RunConfig, check_recompute
+from pipeplan.runtime.config import RunConfig, check_options
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
@@ -186,7 +189,7 @@ def _prepare(config: RunConfig) -> Prepared:
     try:
         env = read_env(config.plan)
         check_world_size(config.plan, env)
-        _check_config(config)
+        check_options(config)
         _check_tensor_parallel(config)
         if env.rank == 0 and config.precision.dtype != config.plan.dtype:
             sys.stderr.write(f"note: the plan's times and memory are {config.plan.dtype}'s (its profile's "
@@ -224,27 +227,6 @@ def _prepare(config: RunConfig) -> Prepared:
     except InputError as exc:
         raise PrepareError(str(exc)) from exc
     return Prepared(env, model_file, spec, schedule, identity, meter)
-
-
-def _check_config(config: RunConfig) -> None:
-    """The numbers and names of the command line, each refused in one line naming its flag."""
-    optim = config.optim
-    if config.optimizer not in OPTIMIZERS:
-        raise InputError(f"optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    if config.steps < 1:
-        raise InputError(f"--steps must be >= 1 (got {config.steps})")
-    if config.checkpoints.every < 0:
-        raise InputError(f"--checkpoint-every must be >= 0 (got {config.checkpoints.every})")
-    if not (math.isfinite(optim.lr) and optim.lr > 0):
-        raise InputError(f"--lr must be a finite number > 0 (got {optim.lr})")
-    if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
-        raise InputError(f"--weight-decay must be a finite number >= 0 (got {optim.weight_decay})")
-    if optim.clip_grad_norm is not None and not (math.isfinite(optim.clip_grad_norm) and optim.clip_grad_norm > 0):
-        raise InputError(f"--clip-grad-norm must be a finite number > 0 (got {optim.clip_grad_norm})")
-    config.schedule_settings.check(optim.lr)
-    if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
-        raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
-    check_recompute(config)
 
 
 def _optimizer_identity(config: RunConfig, model_file: ModelFile) -> str:

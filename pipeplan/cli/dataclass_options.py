@@ -56,10 +56,10 @@ class ConfigOption:
             kind = click.Path(**_PATHS[option.path])  # type: ignore[arg-type]
         else:
             kind = self.value_type
-        required = default is MISSING
-        return click.option(option.flag, self.name, type=kind, required=required,
-                            default=None if required else default,
-                            show_default=not required and default is not None,
+        if default is MISSING:
+            return click.option(option.flag, self.name, type=kind, required=True, hidden=option.hidden,
+                                help=option.help)
+        return click.option(option.flag, self.name, type=kind, default=default, show_default=default is not None,
                             hidden=option.hidden, help=option.help)
 
 

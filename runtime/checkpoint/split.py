@@ -9,8 +9,6 @@ shard, sliced as DTensor shards it (uneven chunks included) with no communicatio
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -18,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 __all__ = ["whole", "copy_whole", "shard_like", "group_rng_states"]
 
 
-def whole(value: Any) -> Any:
+def whole(value: object) -> object:  # a state-dict value: a tensor, or a step count, a setting
     """``value`` whole: a DTensor gathered over its mesh (collective) onto the host; anything else as is."""
     if isinstance(value, DTensor):
         return value.full_tensor().cpu()
@@ -39,7 +37,7 @@ def copy_whole(target: torch.Tensor, full: torch.Tensor) -> None:
             target.copy_(full)
 
 
-def shard_like(param: torch.Tensor, value: Any) -> Any:
+def shard_like(param: torch.Tensor, value: object) -> object:  # as ``whole``
     """An optimizer state ``value`` saved whole, with ``param``'s placements when ``param`` is
     a DTensor and ``value`` has its shape (``exp_avg``, a momentum buffer); else as is (``step``)."""
     if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
