@@ -8,7 +8,8 @@ p2p with a shape handshake and bounded waits), ``stash`` (weight stashing), ``sy
 traces), ``failure`` (watchdog, deadlines), ``checkpoint`` (atomic per-stage checkpoints),
 ``run_identity`` (which run a checkpoint belongs to), ``config`` (the run's typed
 configuration, from which the CLI options are generated), ``progress`` / ``run_record``
-(the live progress line, ``--record``), ``train`` (the loop: prepare, build, train, finish). Public names are imported lazily so importing a submodule stays cheap.
+(the live progress line, ``--record``), ``train`` (the loop: prepare, build, train,
+finish). Public names are imported lazily so importing a submodule stays cheap.
 """
 
 from __future__ import annotations

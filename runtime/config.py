@@ -226,7 +226,8 @@ def check_options(config: RunConfig) -> None:
         raise InputError(f"--lr must be a finite number > 0 (got {optim.lr})")
     if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):
         raise InputError(f"--weight-decay must be a finite number >= 0 (got {optim.weight_decay})")
-    if optim.clip_grad_norm is not None and not (math.isfinite(optim.clip_grad_norm) and optim.clip_grad_norm > 0):
+    clip = optim.clip_grad_norm
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise InputError(f"--clip-grad-norm must be a finite number > 0 (got {optim.clip_grad_norm})")
     config.schedule_settings.check(optim.lr)
     if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):

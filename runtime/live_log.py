@@ -163,7 +163,8 @@ def open_live_log(config: RunConfig, rank: int, spec: PipelineSpec, samples_per_
                    watchdog.peek).open(done_steps)
 
 
-def publish_step(watchdog: Watchdog, executor: Executor, recorder: Recorder, spec: PipelineSpec, rank: int, step: int,
+def publish_step(watchdog: Watchdog, executor: Executor, recorder: Recorder, spec: PipelineSpec, rank: int,
+                 step: int,
                  period: int, published: dict[str, float]) -> None:
     """This rank's share of step ``step`` (0-based) for rank 0's live log."""
     minibatches = range(step * period, (step + 1) * period)

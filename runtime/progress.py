@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: rich is imported where a line is shown
+    from rich.progress import Progress, TaskID
+
     from pipeplan.runtime.config import RunConfig
     from pipeplan.runtime.failure import Watchdog
-    from rich.progress import Progress, TaskID
 
 __all__ = ["ProgressLine"]
 

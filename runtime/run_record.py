@@ -12,14 +12,14 @@ import io
 import os
 
 import torch
-from pipeplan.runtime.executor import Executor
-from pipeplan.runtime.mixed_precision import MixedPrecision
-from pipeplan.runtime.stage import PipelineSpec
-from pipeplan.runtime.stash import WeightStash
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipeplan.jsonio import write_atomic
+from pipeplan.runtime.executor import Executor
+from pipeplan.runtime.mixed_precision import MixedPrecision
+from pipeplan.runtime.stage import PipelineSpec
+from pipeplan.runtime.stash import WeightStash
 from pipeplan.tensor_parallel.apply import full
 
 __all__ = ["digests", "write_record"]
@@ -58,6 +58,6 @@ def write_record(folder: str, rank: int, spec: PipelineSpec, module: nn.Module, 
 
 
 def _layout(tensor: torch.Tensor) -> tuple[str, tuple[str, ...]]:
-    """``("bfloat16", ("Shard(dim=0)",))``: a tensor's dtype and DTensor placements (none for a plain tensor)."""
+    """``("bfloat16", ("Shard(dim=0)",))``: a tensor's dtype and DTensor placements (none: a plain tensor)."""
     placements = tuple(repr(p) for p in tensor.placements) if isinstance(tensor, DTensor) else ()
     return str(tensor.dtype).removeprefix("torch."), placements

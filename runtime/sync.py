@@ -47,7 +47,8 @@ class GradSync:
     replica_group: dist.ProcessGroup | None = None  # this stage's replica group (None: one replica)
     replica_ranks: tuple[int, ...] = ()
     # (group or None when all copies are on this rank, ranks, per tied parameter its local copies)
-    tie_groups: list[tuple[dist.ProcessGroup | None, tuple[int, ...], list[list[str]]]] = field(default_factory=list)
+    tie_groups: list[tuple[dist.ProcessGroup | None, tuple[int, ...], list[list[str]]]] = field(
+        default_factory=list)
 
     def reduce(self) -> None:
         """All-reduce this stage's gradients (replicas), then the tied ones (stages)."""

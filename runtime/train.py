@@ -51,48 +51,12 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
-from pipeplan.runtime import training_state as state
-from pipeplan.runtime.checkpoint import store
-from pipeplan.runtime.clip import GradNorm, make_grad_norm
-from pipeplan.runtime.comm import P2P, PeerFailure
-from pipeplan.runtime.config import RunConfig, check_options
-from pipeplan.runtime.data import BatchSource
-from pipeplan.runtime.executor import Executor
-from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
-from pipeplan.runtime.launch import (
-    DistEnv,
-    check_world_size,
-    init_distributed,
-    read_env,
-)
-from pipeplan.runtime.live_log import LiveLog, open_live_log, publish_step
-from pipeplan.runtime.memory_usage import MemoryMeter
-from pipeplan.runtime.mixed_precision import MixedPrecision, cast_buffers
-from pipeplan.runtime.progress import ProgressLine
-from pipeplan.runtime.recorder import Recorder
-from pipeplan.runtime.report import (
-    gather_reports,
-    rank_report,
-    warmup_minibatches,
-    write_outputs,
-)
-from pipeplan.runtime.run_identity import (
-    RunIdentity,
-    check_checkpoint_dir,
-    plan_fingerprint,
-)
-from pipeplan.runtime.run_record import digests, write_record
-from pipeplan.runtime.stage import PipelineSpec, build_pipeline
-from pipeplan.runtime.stash import WeightStash
-from pipeplan.runtime.sync import GradSync, make_grad_sync
-from pipeplan.runtime.tensor_parallel.mesh import stage_meshes
 from torch import nn
 
 from pipeplan.capture import MODEL_OUTPUT
@@ -101,13 +65,28 @@ from pipeplan.host_memory import keep_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.modelfile import ModelFile, load_model_file, resolve_model_path
 from pipeplan.optimizers import OPTIMIZERS
-from pipeplan.schedules import (
-    Schedule,
-    ScheduleKind,
-    build_schedule,
-    peak_in_flight,
-    schedule_kind,
-)
+from pipeplan.runtime import training_state as state
+from pipeplan.runtime.checkpoint import store
+from pipeplan.runtime.clip import GradNorm, make_grad_norm
+from pipeplan.runtime.comm import P2P, PeerFailure
+from pipeplan.runtime.config import RunConfig, check_options
+from pipeplan.runtime.data import BatchSource
+from pipeplan.runtime.executor import Executor
+from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
+from pipeplan.runtime.launch import DistEnv, check_world_size, init_distributed, read_env
+from pipeplan.runtime.live_log import LiveLog, open_live_log, publish_step
+from pipeplan.runtime.memory_usage import MemoryMeter
+from pipeplan.runtime.mixed_precision import MixedPrecision, cast_buffers
+from pipeplan.runtime.progress import ProgressLine
+from pipeplan.runtime.recorder import Recorder
+from pipeplan.runtime.report import gather_reports, rank_report, warmup_minibatches, write_outputs
+from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
+from pipeplan.runtime.run_record import digests, write_record
+from pipeplan.runtime.stage import PipelineSpec, build_pipeline
+from pipeplan.runtime.stash import WeightStash
+from pipeplan.runtime.sync import GradSync, make_grad_sync
+from pipeplan.runtime.tensor_parallel.mesh import stage_meshes
+from pipeplan.schedules import Schedule, ScheduleKind, build_schedule, peak_in_flight, schedule_kind
 from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
 
 if TYPE_CHECKING:
@@ -221,7 +200,8 @@ def _prepare(config: RunConfig) -> Prepared:
             # safetensors and the checkpoint readers: only for a run that loads weights
             from pipeplan.runtime.checkpoint.pretrained import open_weights
 
-            open_weights(config.checkpoints.weights)  # a path that holds no weights: one line, before any communication
+            # a path that holds no weights: one line, before any communication
+            open_weights(config.checkpoints.weights)
     except PrepareError:
         raise
     except InputError as exc:
@@ -374,7 +354,8 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
     stash = mixed = None
     if built.kind.gradients != "exact" and module is not None:  # weight versions: stashed or delayed
         stash = WeightStash(module, built.kind.weight_versions(spec.replicas, spec.stage_index),
-                            delayed=built.kind.gradients == "delayed", compute_dtype=dtype if master else None)
+                            delayed=built.kind.gradients == "delayed",
+                            compute_dtype=dtype if master else None)
     elif master is not None and module is not None:  # after --resume / --weights filled the masters
         mixed = MixedPrecision(dtype, [chunk.module for chunk in spec.chunks])
     recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.outputs.trace_path),
@@ -433,7 +414,8 @@ class _StepEnd:
         self._fault = _fault_hook(self.prepared.env.rank)
 
     def __call__(self, minibatch: int) -> None:
-        config, spec, rank, period = self.config, self.prepared.spec, self.prepared.env.rank, self.built.period
+        config, spec, period = self.config, self.prepared.spec, self.built.period
+        rank = self.prepared.env.rank
         assert self.executor is not None, "the executor calls its on_step only once it exists"
         step = minibatch // period  # global step index
         last_of_step = minibatch + spec.replicas[spec.stage_index] >= (step + 1) * period
@@ -449,7 +431,8 @@ class _StepEnd:
         if self.built.scheduler is not None:
             self.built.scheduler.step()  # once per training step: the next step's lr
         if spec.stage is not None and config.outputs.log_dir is not None:
-            publish_step(self.watchdog, self.executor, self.recorder, spec, rank, step, period, self._published)
+            publish_step(self.watchdog, self.executor, self.recorder, spec, rank, step, period,
+                         self._published)
         if self.live is not None:
             self.live.poll()
         if config.outputs.record_dir and self.built.module is not None:
@@ -467,7 +450,8 @@ class _StepEnd:
                        self.prepared.identity, built.layout, built.scheduler, built.tensor_mesh)
 
 
-def _finish_run(config: RunConfig, prepared: Prepared, built: BuiltStage, trained: TrainedRank) -> dict[str, Any] | None:
+def _finish_run(config: RunConfig, prepared: Prepared, built: BuiltStage,
+                trained: TrainedRank) -> dict[str, Any] | None:
     """Finish: prune old checkpoints, write ``--record``, gather every rank's report on rank 0,
     which writes metrics.json and the trace and returns the summary (None elsewhere)."""
     env, spec = prepared.env, prepared.spec

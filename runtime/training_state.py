@@ -31,14 +31,14 @@ from pipeplan.runtime.stage import PipelineSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Layout", "make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume", "save",
-           "load_weights"]
+__all__ = ["Layout", "make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume",
+           "save", "load_weights"]
 
 Layout = dict[str, Any]  # a checkpoint manifest's "layout": the plan that wrote it (JSON)
 
 
-def make_training_optimizer(config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module | None
-                            ) -> tuple[Optimizer | None, LRScheduler | None]:
+def make_training_optimizer(config: RunConfig, model_file: ModelFile, spec: PipelineSpec,
+                            module: nn.Module | None) -> tuple[Optimizer | None, LRScheduler | None]:
     """(optimizer, LR scheduler) of this rank's parameters; (None, None) when it has none.
 
     The parameters go as named groups (``pipeplan.optimizers.param_groups``: qualified
@@ -154,14 +154,15 @@ def resume(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, device:
             raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
         if optimizer is not None and (model_file is None or (model_file.make_optimizer is None
                                                              and model_file.make_lr_scheduler is None)):
-            apply_lr(optimizer, scheduler, config.optim.lr)  # the built-in ones: this run's --lr, on the saved curve
+            # the built-in ones: this run's --lr, on the saved curve
+            apply_lr(optimizer, scheduler, config.optim.lr)
         if same_plan:  # dropout continues as it would have
             ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica), spec.tp_index)
     return agreed
 
 
-def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimizer: Optimizer | None, step: int,
-         identity: RunIdentity, layout: Layout, scheduler: LRScheduler | None = None,
+def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimizer: Optimizer | None,
+         step: int, identity: RunIdentity, layout: Layout, scheduler: LRScheduler | None = None,
          tensor_mesh: DeviceMesh | None = None) -> None:
     """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
 

@@ -49,7 +49,8 @@ def test_every_option_field_is_one_click_option_with_its_flag_default_and_choice
         assert option.help == field.option.help
         assert option.hidden == field.option.hidden
         if field.value_type is bool:
-            assert option.is_flag and option.default == field.default and option.flag_value == (not field.default)
+            assert option.is_flag and option.default == field.default
+            assert option.flag_value == (not field.default)
         elif field.default is dataclasses.MISSING:
             assert option.required
         else:
@@ -68,7 +69,8 @@ def test_the_options_keep_their_flags_types_and_choices() -> None:
     assert kinds == {
         "--model": "file", "--steps": "integer", "--schedule": "choice", "--microbatches": "integer",
         "--recompute": "boolean", "--optimizer": "choice", "--lr": "float", "--weight-decay": "float",
-        "--lr-schedule": "choice", "--warmup-steps": "integer", "--min-lr": "float", "--clip-grad-norm": "float",
+        "--lr-schedule": "choice", "--warmup-steps": "integer", "--min-lr": "float",
+        "--clip-grad-norm": "float",
         "--build": "choice", "--dtype": "choice", "--seed": "integer", "--checkpoint-dir": "directory",
         "--checkpoint-every": "integer", "--resume": "boolean", "--weights": "path", "--metrics": "file",
         "--trace": "file", "--log-dir": "directory", "--no-progress": "boolean", "--record": "directory",
@@ -111,7 +113,8 @@ def _parse(tmp_path: Path, *args: str) -> RunConfig:
 def test_a_command_line_builds_the_nested_config(tmp_path: Path) -> None:
     config = _parse(tmp_path, "--model", "m.py", "--steps", "7", "--schedule", "gpipe", "--microbatches", "4",
                     "--recompute", "--optimizer", "adamw", "--lr", "0.5", "--weight-decay", "0.1",
-                    "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.01", "--clip-grad-norm", "1",
+                    "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.01",
+                    "--clip-grad-norm", "1",
                     "--build", "meta", "--dtype", "bfloat16", "--seed", "3", "--checkpoint-dir", "ck",
                     "--checkpoint-every", "2", "--resume", "--weights", "w", "--metrics", "m.json",
                     "--trace", "t.json", "--log-dir", "logs", "--no-progress", "--record", "rec",
@@ -119,8 +122,8 @@ def test_a_command_line_builds_the_nested_config(tmp_path: Path) -> None:
     assert config == RunConfig(
         plan=config.plan, model_path="m.py", steps=7,
         pipeline=ScheduleConfig(schedule="gpipe", microbatches=4, recompute=True),
-        optim=OptimizerConfig(optimizer="adamw", lr=0.5, weight_decay=0.1, lr_schedule="cosine", warmup_steps=2,
-                              min_lr=0.01, clip_grad_norm=1.0),
+        optim=OptimizerConfig(optimizer="adamw", lr=0.5, weight_decay=0.1, lr_schedule="cosine",
+                              warmup_steps=2, min_lr=0.01, clip_grad_norm=1.0),
         build=BuildConfig(mode="meta", dtype="bfloat16", seed=3),
         checkpoints=CheckpointConfig(directory="ck", every=2, resume=True, weights="w"),
         outputs=OutputConfig(metrics_path="m.json", trace_path="t.json", log_dir="logs", progress=False,
@@ -134,7 +137,8 @@ def test_a_command_line_builds_the_nested_config(tmp_path: Path) -> None:
 def test_defaults_come_from_the_fields_and_the_plan(tmp_path: Path) -> None:
     config = _parse(tmp_path, "--model", "m.py")
     assert config == RunConfig(plan=config.plan, model_path="m.py")
-    assert (config.steps, config.optim.lr, config.timeout_s, config.outputs.progress) == (10, 0.01, 300.0, True)
+    assert config.steps == 10 and config.optim.lr == 0.01
+    assert config.timeout_s == 300.0 and config.outputs.progress
     plan = config.plan
     assert (config.schedule, config.microbatches, config.optimizer) == (plan.schedule, 2, plan.optimizer)
     assert config.precision == plan.precision

@@ -166,7 +166,8 @@ def test_one_rank_run_in_process_equals_plain_training(monkeypatch: pytest.Monke
                        "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(key, value)
     config = RunConfig(plan=plan, model_path=model, steps=3, optim=OptimizerConfig(optimizer="sgd", lr=0.05),
-                       pipeline=ScheduleConfig(schedule=schedule, microbatches=2, recompute=schedule == "gpipe"),
+                       pipeline=ScheduleConfig(schedule=schedule, microbatches=2,
+                                               recompute=schedule == "gpipe"),
                        outputs=OutputConfig(record_dir=str(tmp_path), progress=False))
     summary = run_training(config)
     assert summary is not None and summary["steps"] == 3

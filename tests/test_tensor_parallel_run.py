@@ -31,7 +31,13 @@ from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
 from pipeplan.tensor_parallel.plans import resolve_splits  # noqa: E402
-from pipeplan.runtime.config import BuildConfig, CheckpointConfig, OptimizerConfig, RunConfig, ScheduleConfig  # noqa: E402
+from pipeplan.runtime.config import (  # noqa: E402
+    BuildConfig,
+    CheckpointConfig,
+    OptimizerConfig,
+    RunConfig,
+    ScheduleConfig,
+)
 from pipeplan.runtime.train import _check_tensor_parallel  # noqa: E402
 from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
 

@@ -59,8 +59,8 @@ class ConfigOption:
         if default is MISSING:
             return click.option(option.flag, self.name, type=kind, required=True, hidden=option.hidden,
                                 help=option.help)
-        return click.option(option.flag, self.name, type=kind, default=default, show_default=default is not None,
-                            hidden=option.hidden, help=option.help)
+        return click.option(option.flag, self.name, type=kind, default=default,
+                            show_default=default is not None, hidden=option.hidden, help=option.help)
 
 
 def config_options(config_type: type) -> list[ConfigOption]:
@@ -81,7 +81,9 @@ def _walk(config_type: type, prefix: tuple[str, ...]) -> Iterator[ConfigOption]:
 def _nested_config(f: Field[object]) -> type | None:
     """The config dataclass a group field holds (its default factory), else None."""
     factory = f.default_factory
-    return factory if factory is not MISSING and dataclasses.is_dataclass(factory) else None  # type: ignore[return-value]
+    if factory is MISSING or not dataclasses.is_dataclass(factory):
+        return None
+    return factory  # type: ignore[return-value]  # a dataclass type, which is_dataclass narrows too loosely
 
 
 def _value_type(f: Field[object]) -> type:

@@ -108,7 +108,8 @@ def rng_key(tp_index: int) -> str:
 
 
 def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer | None,
-               scheduler: LRScheduler | None = None, weights: bool = True, keep: bool = True) -> dict[str, Any]:
+               scheduler: LRScheduler | None = None, weights: bool = True,
+               keep: bool = True) -> dict[str, Any]:
     """This rank's state under qualified names (``names``: state_dict key -> qualified name).
 
     ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
