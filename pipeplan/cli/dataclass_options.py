@@ -29,7 +29,6 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., object])
 
 _VALUE_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
-_PATHS = {"file": {"dir_okay": False}, "dir": {"file_okay": False}, "any": {}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +45,15 @@ class ConfigOption:
         """The ``click.option`` decorator of this field."""
         option, default = self.option, self.default
         if self.value_type is bool:  # a flag sets the value opposite to its default
-            assert isinstance(default, bool), f"{self.name}: a flag needs a bool default"
+            if not isinstance(default, bool):
+                raise TypeError(f"config field {self.name}: a flag needs a bool default, not {default!r}")
             return click.option(option.flag, self.name, is_flag=True, flag_value=not default,
                                 default=default, hidden=option.hidden, help=option.help)
         kind: click.ParamType | type
         if option.choices is not None:
             kind = click.Choice(option.choices)
         elif option.path is not None:
-            kind = click.Path(**_PATHS[option.path])  # type: ignore[arg-type]
+            kind = click.Path(file_okay=option.path != "dir", dir_okay=option.path != "file")
         else:
             kind = self.value_type
         if default is MISSING:
