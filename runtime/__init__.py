@@ -7,8 +7,10 @@ p2p with a shape handshake and bounded waits), ``stash`` (weight stashing), ``sy
 (walks a ``pipeplan.schedules`` action list), ``recorder`` / ``rank_metrics`` (timings,
 metrics, traces), ``device_mesh`` (the (pipeline, data, tensor) mesh of tensor-parallel
 runs), ``failure`` (watchdog, deadlines), ``checkpoint`` (atomic per-stage checkpoints),
-``run_identity`` (which run a checkpoint belongs to),
-``train`` (the loop). Public names are imported lazily so importing a submodule stays cheap.
+``run_identity`` (which run a checkpoint belongs to), ``config`` (the run's typed
+configuration, from which the CLI options are generated), ``progress`` / ``run_record``
+(the live progress line, ``--record``), ``train`` (the loop: prepare, build, train,
+finish). Public names are imported lazily so importing a submodule stays cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ __all__ = ["RunConfig", "run_training", "build_pipeline", "PipelineSpec", "Weigh
            "BatchSource", "Watchdog", "Executor"]
 
 _HOME = {
-    "RunConfig": "train", "run_training": "train", "build_pipeline": "stage", "PipelineSpec": "stage",
+    "RunConfig": "config", "run_training": "train", "build_pipeline": "stage", "PipelineSpec": "stage",
     "WeightStash": "stash", "P2P": "comm", "BatchSource": "data", "Watchdog": "failure",
     "Executor": "executor",
 }

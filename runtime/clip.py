@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +49,7 @@ class GradNorm:
     rank: int
     module: nn.Module | None
     max_norm: float | None  # None: measure only (for --log-dir), no communication
-    group: Any = None  # every stage's ranks; None: this stage alone (1F1B-RR)
+    group: dist.ProcessGroup | None = None  # every stage's ranks; None: this stage alone (1F1B-RR)
     group_ranks: tuple[int, ...] = ()
     across_pipeline: bool = True
     device: str = "cpu"  # where the all-reduced number lives (NCCL: the GPU)

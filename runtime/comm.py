@@ -124,12 +124,12 @@ class PendingRecv:
     label: str  # for errors and traces: "recv F3 <-r1"
     spec: TensorSpec | None
     buffer: torch.Tensor | None = None
-    work: Any = None
+    work: dist.Work | None = None
 
 
 @dataclass
 class _PendingSend:
-    work: Any
+    work: dist.Work
     tensor: torch.Tensor
     peer: int
     label: str
@@ -182,9 +182,12 @@ class P2P:
         self._sends.append(_PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start))
         self.reap()
 
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> Any:
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> dist.Work:
         try:
-            return dist.isend(tensor, peer, tag=tag if self.tagged else 0)
+            work = dist.isend(tensor, peer, tag=tag if self.tagged else 0)
+            if work is None:  # torch's answer for a rank outside the group, which no peer is
+                raise RuntimeError(f"rank {peer} is not in the process group")
+            return work
         except Exception as exc:
             raise self._failure(f"sending {label}", peer, exc) from exc
 
@@ -268,8 +271,10 @@ class P2P:
         return self._specs[channel]
 
     # ------------------------------------------------------------------- errors
-    def _wait(self, work: Any, what: str, peer: int) -> None:
+    def _wait(self, work: dist.Work | None, what: str, peer: int) -> None:
         try:
+            if work is None:
+                raise RuntimeError("no request was posted")
             work.wait(timeout=self.timeout)
         except Exception as exc:
             raise self._failure(what, peer, exc) from exc

@@ -16,23 +16,22 @@ split over the mesh's tensor dimension with ``parallelize_module``
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["stage_meshes"]
 
 
 def stage_meshes(ranks: Sequence[Sequence[int]], tensor_parallel: Sequence[int], positions: int,
-                 device_type: str) -> list[Any]:
+                 device_type: str) -> list[DeviceMesh | None]:
     """The (data, tensor) mesh of each pipeline position (collective on every rank).
 
     ``ranks[q]`` / ``tensor_parallel[q]``: model stage q's ranks and degree; only the
     first ``positions`` stages are used (with virtual stages, a position's later chunks
     run on the same ranks).
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     layouts = [torch.tensor(list(ranks[q])).view(-1, tensor_parallel[q]) for q in range(positions)]
     if len({tuple(layout.shape) for layout in layouts}) == 1:
         mesh = DeviceMesh(device_type, torch.stack(layouts), mesh_dim_names=("pipeline", "data", "tensor"))
@@ -40,7 +39,7 @@ def stage_meshes(ranks: Sequence[Sequence[int]], tensor_parallel: Sequence[int],
     return [DeviceMesh(device_type, layout, mesh_dim_names=("data", "tensor")) for layout in layouts]
 
 
-def _position_slice(mesh: Any, position: int, layout: torch.Tensor) -> Any:
+def _position_slice(mesh: DeviceMesh, position: int, layout: torch.Tensor) -> DeviceMesh | None:
     """Position ``position``'s (data, tensor) slice of the 3-D mesh (None off this rank's position).
 
     ``mesh["data", "tensor"]`` is the slice holding this rank; other positions' slices

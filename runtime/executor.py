@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -137,7 +137,7 @@ class Executor:
     def _unit(self, action: Action) -> int:
         return action.minibatch * self.microbatches + action.microbatch
 
-    def _in_message_order(self, names: Any) -> list[str]:
+    def _in_message_order(self, names: Iterable[str]) -> list[str]:
         """``names`` by global message id: the order both ends of a link send and receive.
 
         NCCL matches point-to-point messages between two ranks by the order they are
@@ -251,7 +251,7 @@ class Executor:
             loss = None
         self._saved[(unit, action.chunk)] = _Saved(inputs, outputs, loss, version, rng)
 
-    def _run_stage(self, stage: StageModule, inputs: list[torch.Tensor], targets: Any,
+    def _run_stage(self, stage: StageModule, inputs: list[torch.Tensor], targets: object,  # the loss_fn's
                    version: WeightVersion | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         if version is not None:
             assert self.stash is not None
@@ -394,12 +394,12 @@ def _cuda_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
-def _rng_state() -> tuple[Any, Any]:
+def _rng_state() -> tuple[torch.Tensor, torch.Tensor | None]:
     cuda = torch.cuda.get_rng_state() if _cuda_devices() else None
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state: tuple[Any, Any]) -> None:
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
     if cuda is not None:

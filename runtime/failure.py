@@ -35,9 +35,12 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from pipeplan.errors import RuntimeFailure, first_line
+
+if TYPE_CHECKING:  # torch.distributed is imported where a store is made: the watchdog module stays light
+    from torch.distributed import TCPStore
 
 __all__ = ["Watchdog", "HEARTBEAT_TIMEOUT_S", "deadline", "exit_now"]
 
@@ -70,7 +73,7 @@ def _brief(exc: BaseException) -> str:
     return first_line(exc)[:120]
 
 
-def _connect(host: str, port: int, timeout_s: float) -> Any:
+def _connect(host: str, port: int, timeout_s: float) -> TCPStore:
     import torch.distributed as dist
 
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
@@ -154,7 +157,7 @@ class Watchdog:
         self._on_failure(message)
 
     @contextlib.contextmanager
-    def _main_call(self) -> Iterator[Any]:
+    def _main_call(self) -> Iterator[TCPStore]:
         """The main thread's store client, with the guard timing the call."""
         with self._main_lock:
             self._main_since = time.monotonic()

@@ -24,7 +24,16 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # types only: ``pipeplan.runtime.curves`` reads LOG_NAME without importing torch
+    from torch.utils.tensorboard import SummaryWriter
+
+    from pipeplan.runtime.config import RunConfig
+    from pipeplan.runtime.executor import Executor
+    from pipeplan.runtime.failure import Watchdog
+    from pipeplan.runtime.recorder import Recorder
+    from pipeplan.runtime.stage import PipelineSpec
 
 __all__ = ["LiveLog", "step_record", "open_live_log", "publish_step"]
 
@@ -56,15 +65,15 @@ class LiveLog:
     samples_per_step: int
     minibatches_per_step: int
     across_pipeline: bool  # one global gradient norm (all but 1F1B-RR)
-    peek: Any  # name -> published string or None (Watchdog.peek)
+    peek: Callable[[str], str | None]  # name -> published string or None (Watchdog.peek)
     next_step: int = 1  # the first step not yet written
     _previous_end_ms: float = 0.0
     _previous_stage_end: dict[int, float] = field(default_factory=dict)
-    _writer: Any = None
-    _lines: Any = None
+    _writer: SummaryWriter | None = None
+    _lines: IO[str] | None = None
 
     def open(self, first_step: int) -> "LiveLog":
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # tensorboard's import is slow: only with --log-dir
 
         os.makedirs(self.directory, exist_ok=True)
         self.next_step = first_step + 1
@@ -88,6 +97,7 @@ class LiveLog:
             self.poll()
             if self.next_step <= last_step:
                 time.sleep(0.01)
+        assert self._writer is not None and self._lines is not None, "close() after open()"
         self._writer.close()
         self._lines.close()
 
@@ -101,6 +111,7 @@ class LiveLog:
         return records
 
     def _write(self, step: int, records: list[dict[str, Any]]) -> None:
+        assert self._writer is not None and self._lines is not None, "write after open()"
         losses = [r["loss_sum"] for r in records if r["loss_sum"] is not None]
         loss = sum(losses) / self.minibatches_per_step if losses else None
         lr = next((r["lr"] for r in records if r["lr"] is not None), None)
@@ -141,17 +152,19 @@ class LiveLog:
         self._writer.flush()
 
 
-def open_live_log(config: Any, rank: int, spec: Any, samples_per_step: int, period: int,
-                  across: bool, watchdog: Any, done_steps: int) -> Any:
+def open_live_log(config: RunConfig, rank: int, spec: PipelineSpec, samples_per_step: int, period: int,
+                  across: bool, watchdog: Watchdog, done_steps: int) -> LiveLog | None:
     """Rank 0's ``--log-dir`` writer (None elsewhere or without the option)."""
-    if rank != 0 or config.log_dir is None or done_steps >= config.steps:
+    log_dir = config.outputs.log_dir
+    if rank != 0 or log_dir is None or done_steps >= config.steps:
         return None
     ranks = tuple(sorted({r for stage_ranks in spec.ranks for r in stage_ranks}))
-    return LiveLog(config.log_dir, ranks, spec.stages, samples_per_step, period, across,
+    return LiveLog(log_dir, ranks, spec.stages, samples_per_step, period, across,
                    watchdog.peek).open(done_steps)
 
 
-def publish_step(watchdog: Any, executor: Any, recorder: Any, spec: Any, rank: int, step: int,
+def publish_step(watchdog: Watchdog, executor: Executor, recorder: Recorder, spec: PipelineSpec, rank: int,
+                 step: int,
                  period: int, published: dict[str, float]) -> None:
     """This rank's share of step ``step`` (0-based) for rank 0's live log."""
     minibatches = range(step * period, (step + 1) * period)

@@ -19,8 +19,18 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pipeplan.errors import InputError
 from pipeplan.metrics import METRICS_SCHEMA, Metrics, StageMetrics
+from pipeplan.plan import Plan
+from pipeplan.planner.predict import predict
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.executor import Executor
+from pipeplan.runtime.memory_usage import MemoryReading
+from pipeplan.runtime.recorder import Recorder
+from pipeplan.runtime.stage import PipelineSpec
+from pipeplan.runtime.stash import WeightStash
 from pipeplan.schedules import schedule_kind
+from pipeplan.trace import TraceEvent, merge_events, write_chrome_trace
 
 __all__ = [
     "METRICS_SCHEMA",
@@ -47,8 +57,8 @@ class RankReport:
     losses: dict[int, float]  # global minibatch -> loss (loss stage only)
     done_ms: dict[int, float]  # global minibatch -> time its S finished here (from t0)
     peak_versions: int
-    events: list[Any] = field(default_factory=list)
-    memory: Any = None  # pipeplan.runtime.memory_usage.MemoryReading
+    events: list[TraceEvent] = field(default_factory=list)
+    memory: MemoryReading | None = None
 
 
 def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> int:
@@ -61,8 +71,8 @@ def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> 
     return min(fill, max(total - 1, 0))
 
 
-def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: float, stash: Any,
-                memory: Any = None) -> RankReport:
+def rank_report(rank: int, spec: PipelineSpec, executor: Executor, recorder: Recorder, wall_ms: float,
+                stash: WeightStash | None, memory: MemoryReading | None = None) -> RankReport:
     counted_from = recorder.count_from - executor.minibatch_offset
     handled = {a.minibatch for a in executor.actions if a.kind == "F" and a.minibatch >= counted_from}
     done = dict(executor.done_ms)
@@ -83,7 +93,7 @@ def rank_report(rank: int, spec: Any, executor: Any, recorder: Any, wall_ms: flo
 
 def gather_reports(report: RankReport, rank: int) -> list[RankReport]:
     """Every rank's report on rank 0 (``[]`` elsewhere); collective."""
-    out: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    out: list[RankReport | None] = [None] * dist.get_world_size() if rank == 0 else []
     dist.gather_object(report, out if rank == 0 else None, dst=0)
     return [r for r in out if r is not None] if rank == 0 else []
 
@@ -101,7 +111,7 @@ def steady_period_ms(done_ms: list[float], warmup: int) -> float:
     return (times[-1] - times[start]) / (len(times) - 1 - start)
 
 
-def prediction_for_run(plan: Any, schedule: str, microbatches: int) -> Any:
+def prediction_for_run(plan: Plan, schedule: str, microbatches: int) -> Plan:
     """``plan`` predicted for the ``schedule`` and ``microbatches`` that ran.
 
     The plan itself when they are its own; else re-predicted from the plan's per-stage
@@ -109,9 +119,6 @@ def prediction_for_run(plan: Any, schedule: str, microbatches: int) -> Any:
     schedule's number. A schedule the plan cannot be simulated with (its chunks do not
     suit it) keeps the plan's figures, and ``predicted_schedule`` in the metrics says so.
     """
-    from pipeplan.errors import InputError
-    from pipeplan.planner.predict import predict
-
     kind = schedule_kind(schedule)
     same_micro = kind.whole_minibatches or microbatches == plan.microbatches
     if schedule == plan.schedule and same_micro:
@@ -122,7 +129,7 @@ def prediction_for_run(plan: Any, schedule: str, microbatches: int) -> Any:
         return plan
 
 
-def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankReport], period: int,
+def write_outputs(config: RunConfig, spec: PipelineSpec, reports: list[RankReport], period: int,
                   offset: int) -> dict[str, Any]:
     """Build the metrics summary (and write --metrics / --trace files); returns it."""
     plan = config.plan
@@ -200,14 +207,12 @@ def write_outputs(config: Any, spec: Any, schedule: Any, reports: list[RankRepor
         stages=tuple(stages),
     )
     summary = metrics.to_dict()
-    if config.metrics_path:
-        metrics.save(config.metrics_path)
-    if config.trace_path:
-        from pipeplan.trace import merge_events, write_chrome_trace
-
+    if config.outputs.metrics_path:
+        metrics.save(config.outputs.metrics_path)
+    if config.outputs.trace_path:
         events = merge_events(*(r.events for r in reports))
         names = {r.rank: f"rank {r.rank} (stage {r.stage}, replica {r.replica})" for r in reports if r.stage >= 0}
-        write_chrome_trace(config.trace_path, events,
+        write_chrome_trace(config.outputs.trace_path, events,
                            {"source": "runtime", "schedule": config.schedule,
                             "microbatches": config.microbatches}, names)
     return summary

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
@@ -44,10 +44,11 @@ class GradSync:
     rank: int
     module: nn.Module | None
     average_replicas: bool
-    replica_group: Any = None  # this stage's replica group (None: one replica)
+    replica_group: dist.ProcessGroup | None = None  # this stage's replica group (None: one replica)
     replica_ranks: tuple[int, ...] = ()
     # (group or None when all copies are on this rank, ranks, per tied parameter its local copies)
-    tie_groups: list[tuple[Any, tuple[int, ...], list[list[str]]]] = field(default_factory=list)
+    tie_groups: list[tuple[dist.ProcessGroup | None, tuple[int, ...], list[list[str]]]] = field(
+        default_factory=list)
 
     def reduce(self) -> None:
         """All-reduce this stage's gradients (replicas), then the tied ones (stages)."""
@@ -74,11 +75,11 @@ class GradSync:
                     if grads[name] is not total:
                         grads[name].copy_(total)
 
-    def _all_reduce(self, params: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
+    def _all_reduce(self, params: list[torch.Tensor], group: dist.ProcessGroup, ranks: tuple[int, ...],
                     scale: float, what: str) -> None:
         self._all_reduce_grads([local(p.grad) for p in params], group, ranks, scale, what)  # type: ignore[arg-type]
 
-    def _all_reduce_grads(self, grads: list[torch.Tensor], group: Any, ranks: tuple[int, ...],
+    def _all_reduce_grads(self, grads: list[torch.Tensor], group: dist.ProcessGroup, ranks: tuple[int, ...],
                           scale: float, what: str) -> None:
         if not grads:  # a stage without parameters (pooling, activations): nothing to sum
             return
@@ -106,7 +107,7 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
 
 
 def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float,
-                   meshes: list[Any] | None = None) -> GradSync:
+                   meshes: list[DeviceMesh | None] | None = None) -> GradSync:
     """Create every replica and tie group (collective: all ranks, same order).
 
     ``meshes``: each pipeline position's (data, tensor) mesh in a tensor-parallel run

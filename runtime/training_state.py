@@ -9,68 +9,88 @@ continues the learning-rate curve exactly.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from pipeplan.errors import InputError, first_line
+from pipeplan.modelfile import ModelFile
+from pipeplan.optimizers import make_lr_scheduler, make_optimizer, param_groups
+from pipeplan.runtime.checkpoint import pretrained, store
+from pipeplan.runtime.checkpoint import state as ckstate
+from pipeplan.runtime.checkpoint.split import group_rng_states
+from pipeplan.runtime.config import RunConfig
+from pipeplan.runtime.run_identity import RunIdentity
+from pipeplan.runtime.stage import PipelineSpec
 
-__all__ = ["make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume", "save",
-           "load_weights"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Layout", "make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume",
+           "save", "load_weights"]
+
+Layout = dict[str, Any]  # a checkpoint manifest's "layout": the plan that wrote it (JSON)
 
 
-def make_training_optimizer(config: Any, model_file: Any, spec: Any, module: Any) -> tuple[Any, Any]:
+def make_training_optimizer(config: RunConfig, model_file: ModelFile, spec: PipelineSpec,
+                            module: nn.Module | None) -> tuple[Optimizer | None, LRScheduler | None]:
     """(optimizer, LR scheduler) of this rank's parameters; (None, None) when it has none.
 
     The parameters go as named groups (``pipeplan.optimizers.param_groups``: qualified
     names, biases and norms without weight decay) to the built-in optimizer or to the model
     file's ``make_optimizer(params)``; ``make_lr_scheduler(optimizer)`` likewise.
     """
-    from pipeplan.optimizers import make_lr_scheduler, make_optimizer, param_groups
-
     if module is None or not list(module.parameters()):
         return None, None
     names = spec.qualified_names
     groups = param_groups((names[n], p) for n, p in module.named_parameters())
     if model_file.make_optimizer is not None:
-        optimizer = _user_hook(model_file, "make_optimizer", groups)
+        optimizer = _user_hook(model_file.make_optimizer, model_file, "make_optimizer", groups)
         for method in ("step", "zero_grad", "state_dict", "load_state_dict"):
             if not callable(getattr(optimizer, method, None)) or not hasattr(optimizer, "param_groups"):
                 raise InputError(f"{model_file.path}: make_optimizer returned {type(optimizer).__name__}, "
                                  f"not a torch.optim.Optimizer (it has no {method}() or param_groups)")
     else:
-        optimizer = make_optimizer(config.optimizer, groups, config.lr, config.weight_decay)
+        optimizer = make_optimizer(config.optimizer, groups, config.optim.lr, config.optim.weight_decay)
     if model_file.make_lr_scheduler is not None:
-        scheduler = _user_hook(model_file, "make_lr_scheduler", optimizer)
+        scheduler = _user_hook(model_file.make_lr_scheduler, model_file, "make_lr_scheduler", optimizer)
         if scheduler is not None and not all(callable(getattr(scheduler, m, None))
                                              for m in ("step", "state_dict", "load_state_dict")):
             raise InputError(f"{model_file.path}: make_lr_scheduler returned {type(scheduler).__name__}, "
                              "not an LR scheduler (step, state_dict, load_state_dict)")
     else:
-        scheduler = make_lr_scheduler(optimizer, config.schedule_settings, config.lr)
+        scheduler = make_lr_scheduler(optimizer, config.schedule_settings, config.optim.lr)
+    # the model file's hooks return what the checks above verified: an optimizer, an LR scheduler
     return optimizer, scheduler
 
 
-def _user_hook(model_file: Any, name: str, argument: Any) -> Any:
-    """Call the model file's ``name``; its exception is one line naming the hook."""
+def _user_hook(hook: Callable[[Any], Any], model_file: ModelFile, name: str, argument: object) -> Any:
+    """Call the model file's hook ``name``; its exception is one line naming the hook."""
     try:
-        return getattr(model_file, name)(argument)
+        return hook(argument)
     except Exception as exc:
         raise InputError(f"{model_file.path}: {name} raised {type(exc).__name__}: {first_line(exc)[:160]}") from exc
 
 
-def apply_lr(optimizer: Any, scheduler: Any, lr: float) -> None:
+def apply_lr(optimizer: Optimizer, scheduler: LRScheduler | None, lr: float) -> None:
     """Peak ``lr`` for the built-in schedule: each group's lr = lr * factor(saved step), as LambdaLR computes it."""
-    if scheduler is None:
+    if not isinstance(scheduler, LambdaLR):  # none (the built-in one is a LambdaLR)
         for group in optimizer.param_groups:
             group["lr"] = lr
         return
     scheduler.base_lrs = [lr for _ in optimizer.param_groups]
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        factor.peak = lr
+        factor.peak = lr  # type: ignore[attr-defined]  # the built-in factors (pipeplan.optimizers) keep it
         group["initial_lr"] = lr
         group["lr"] = lr * factor(scheduler.last_epoch)
 
 
-def plan_layout(config: Any, spec: Any, identity: Any, period: int) -> dict[str, Any]:
+def plan_layout(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, period: int) -> Layout:
     """What a checkpoint manifest says about the plan that wrote it (printed when it changes)."""
     return {
         "fingerprint": identity.plan,
@@ -84,7 +104,7 @@ def plan_layout(config: Any, spec: Any, identity: Any, period: int) -> dict[str,
     }
 
 
-def describe_layout(layout: dict[str, Any]) -> str:
+def describe_layout(layout: Layout) -> str:
     """``2 stages (layers 0-2 | 3-5), replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks``."""
     layers = " | ".join(f"{start}-{end - 1}" for start, end in layout["layers"])
     return (f"{len(layout['layers'])} stages (layers {layers}), replicas "
@@ -92,8 +112,9 @@ def describe_layout(layout: dict[str, Any]) -> str:
             f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks")
 
 
-def resume(config: Any, spec: Any, identity: Any, device: str, rank: int, module: Any,
-           optimizer: Any, layout: dict[str, Any], scheduler: Any = None, model_file: Any = None) -> int:
+def resume(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, device: str, rank: int,
+           module: nn.Module | None, optimizer: Optimizer | None, layout: Layout,
+           scheduler: LRScheduler | None = None, model_file: ModelFile | None = None) -> int:
     """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
@@ -102,15 +123,7 @@ def resume(config: Any, spec: Any, identity: Any, device: str, rank: int, module
     deletes this run's folders after that step, which the resumed run writes anew.
     Any plan of the same model resumes: every tensor is found by its qualified name.
     """
-    import sys
-
-    import torch
-    import torch.distributed as dist
-
-    from pipeplan.runtime.checkpoint import state as ckstate
-    from pipeplan.runtime.checkpoint import store
-
-    directory = str(config.checkpoint_dir)
+    directory = str(config.checkpoints.directory)
     latest, skipped = store.latest_complete_step(directory, identity.fingerprint)
     agreed_tensor = torch.tensor([latest or 0], dtype=torch.int64, device=device)  # NCCL: on the GPU
     dist.all_reduce(agreed_tensor, op=dist.ReduceOp.MIN)
@@ -141,14 +154,16 @@ def resume(config: Any, spec: Any, identity: Any, device: str, rank: int, module
             raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
         if optimizer is not None and (model_file is None or (model_file.make_optimizer is None
                                                              and model_file.make_lr_scheduler is None)):
-            apply_lr(optimizer, scheduler, config.lr)  # the built-in ones: this run's --lr, on the saved curve
+            # the built-in ones: this run's --lr, on the saved curve
+            apply_lr(optimizer, scheduler, config.optim.lr)
         if same_plan:  # dropout continues as it would have
             ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica), spec.tp_index)
     return agreed
 
 
-def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identity: Any,
-          layout: dict[str, Any], scheduler: Any = None, tensor_mesh: Any = None) -> None:
+def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimizer: Optimizer | None,
+         step: int, identity: RunIdentity, layout: Layout, scheduler: LRScheduler | None = None,
+         tensor_mesh: DeviceMesh | None = None) -> None:
     """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
 
     ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
@@ -158,10 +173,6 @@ def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identit
     the group's first rank writes one folder holding the whole tensors (in its host memory
     while it writes) and every rank's RNG state; the others write nothing.
     """
-    from pipeplan.runtime.checkpoint import state as ckstate
-    from pipeplan.runtime.checkpoint import store
-    from pipeplan.runtime.checkpoint.split import group_rng_states
-
     if module is None:
         return
     writer = spec.tp_index == 0
@@ -173,16 +184,14 @@ def save(config: Any, spec: Any, module: Any, optimizer: Any, step: int, identit
     state.update({ckstate.rng_key(j): rng for j, rng in enumerate(rngs) if j > 0})
     manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
                 "minibatches": step * layout["minibatches_per_step"], "layout": layout}
-    store.save_rank(str(config.checkpoint_dir), step, spec.stage_index, spec.replica, state, manifest)
+    store.save_rank(str(config.checkpoints.directory), step, spec.stage_index, spec.replica, state, manifest)
     if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
         # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
-        store.prune_checkpoints(str(config.checkpoint_dir), identity.fingerprint, keep=2)
+        store.prune_checkpoints(str(config.checkpoints.directory), identity.fingerprint, keep=2)
 
 
-def load_weights(config: Any, model_file: Any, spec: Any, module: Any) -> None:
+def load_weights(config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module) -> None:
     """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
-    from pipeplan.runtime.checkpoint.pretrained import library_layout, load_weights, tie_aliases
-    from pipeplan.runtime.checkpoint.state import rank_state_names
-
-    load_weights(str(config.weights), module, rank_state_names(spec), tie_aliases(model_file),
-                 library_layout(model_file, str(config.weights)))
+    path = str(config.checkpoints.weights)
+    pretrained.load_weights(path, module, ckstate.rank_state_names(spec), pretrained.tie_aliases(model_file),
+                            pretrained.library_layout(model_file, path))

@@ -19,7 +19,8 @@ from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.launch import check_world_size, choose_backend, read_env
 from pipeplan.runtime.stage import build_pipeline, stage_of_layers
 from pipeplan.runtime.stash import WeightStash
-from pipeplan.runtime.train import RunConfig, run_training, steps_period
+from pipeplan.runtime.config import OptimizerConfig, OutputConfig, RunConfig, ScheduleConfig
+from pipeplan.runtime.train import run_training, steps_period
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runtime"
 sys.path.insert(0, str(FIXTURES))
@@ -164,9 +165,10 @@ def test_one_rank_run_in_process_equals_plain_training(monkeypatch: pytest.Monke
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port())}.items():
         monkeypatch.setenv(key, value)
-    config = RunConfig(plan=plan, model_path=model, schedule=schedule, steps=3, lr=0.05,
-                       optimizer="sgd", microbatches=2, recompute=schedule == "gpipe",
-                       record_dir=str(tmp_path), progress=False)
+    config = RunConfig(plan=plan, model_path=model, steps=3, optim=OptimizerConfig(optimizer="sgd", lr=0.05),
+                       pipeline=ScheduleConfig(schedule=schedule, microbatches=2,
+                                               recompute=schedule == "gpipe"),
+                       outputs=OutputConfig(record_dir=str(tmp_path), progress=False))
     summary = run_training(config)
     assert summary is not None and summary["steps"] == 3
     reference, losses = train_reference(model, 3, 8, 0.05)

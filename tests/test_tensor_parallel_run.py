@@ -31,7 +31,14 @@ from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
 from pipeplan.tensor_parallel.plans import resolve_splits  # noqa: E402
-from pipeplan.runtime.train import RunConfig, _check_tensor_parallel  # noqa: E402
+from pipeplan.runtime.config import (  # noqa: E402
+    BuildConfig,
+    CheckpointConfig,
+    OptimizerConfig,
+    RunConfig,
+    ScheduleConfig,
+)
+from pipeplan.runtime.train import _check_tensor_parallel  # noqa: E402
 from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
 
 sys.path.insert(0, str(FIXTURES))
@@ -287,17 +294,18 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("schedule,extra,expected", [
     ("1f1b-rr", {}, "not 1f1b-rr"),
-    ("2bw", {"dtype": "bfloat16"}, "not 2bw"),
-    ("zb-h1", {"checkpoint_dir": "ckpt", "weights": "hf"}, "not zb-h1"),
-    ("1f1b-flush", {"checkpoint_dir": "ckpt", "weights": "hf", "dtype": "bfloat16"}, None),
-    ("gpipe", {"checkpoint_dir": "ckpt", "resume": True}, None),
+    ("2bw", {"build": BuildConfig(dtype="bfloat16")}, "not 2bw"),
+    ("zb-h1", {"checkpoints": CheckpointConfig(directory="ckpt", weights="hf")}, "not zb-h1"),
+    ("1f1b-flush", {"checkpoints": CheckpointConfig(directory="ckpt", weights="hf"),
+                    "build": BuildConfig(dtype="bfloat16")}, None),
+    ("gpipe", {"checkpoints": CheckpointConfig(directory="ckpt", resume=True)}, None),
 ])
 def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, expected: str | None) -> None:
     """In one line, in float32 as in bf16 mixed precision; mixed precision, checkpoints and
     --weights run split (``None``: nothing refused)."""
     plan = make_plan(GPT2, [list(range(13))], [1], schedule, tensor_parallel=[2])
-    config = RunConfig(plan=plan, model_path=GPT2, schedule=schedule, steps=1, lr=LR, optimizer="sgd",
-                       microbatches=1, **extra)
+    config = RunConfig(plan=plan, model_path=GPT2, steps=1, optim=OptimizerConfig(optimizer="sgd", lr=LR),
+                       pipeline=ScheduleConfig(schedule=schedule, microbatches=1), **extra)
     if expected is None:
         _check_tensor_parallel(config)
         return

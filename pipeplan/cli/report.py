@@ -141,7 +141,7 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
 
     from pipeplan.units import format_bytes
 
-    def size(value: Any) -> str:
+    def size(value: int | None) -> str:
         return "-" if value is None else format_bytes(value)
 
     kinds = {s.get("memory_kind") for s in stages} - {None}

@@ -9,15 +9,14 @@ shard, sliced as DTensor shards it (uneven chunks included) with no communicatio
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["whole", "copy_whole", "shard_like", "group_rng_states"]
 
 
-def whole(value: Any) -> Any:
+def whole(value: object) -> object:  # a state-dict value: a tensor, or a step count, a setting
     """``value`` whole: a DTensor gathered over its mesh (collective) onto the host; anything else as is."""
     if isinstance(value, DTensor):
         return value.full_tensor().cpu()
@@ -38,7 +37,7 @@ def copy_whole(target: torch.Tensor, full: torch.Tensor) -> None:
             target.copy_(full)
 
 
-def shard_like(param: torch.Tensor, value: Any) -> Any:
+def shard_like(param: torch.Tensor, value: object) -> object:  # as ``whole``
     """An optimizer state ``value`` saved whole, with ``param``'s placements when ``param`` is
     a DTensor and ``value`` has its shape (``exp_avg``, a momentum buffer); else as is (``step``)."""
     if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
@@ -46,7 +45,7 @@ def shard_like(param: torch.Tensor, value: Any) -> Any:
     return value
 
 
-def group_rng_states(mesh: Any) -> list[torch.Tensor]:
+def group_rng_states(mesh: DeviceMesh) -> list[torch.Tensor]:
     """Every rank's CPU RNG state in the 1-D tensor-parallel ``mesh``, in mesh order (collective).
 
     Random ops in a split region draw per rank, so each rank's state is saved (by the
@@ -54,6 +53,6 @@ def group_rng_states(mesh: Any) -> list[torch.Tensor]:
     """
     import torch.distributed as dist
 
-    states: list[Any] = [None] * mesh.size()
+    states: list[torch.Tensor | None] = [None] * mesh.size()
     dist.all_gather_object(states, torch.get_rng_state(), group=mesh.get_group())
     return [torch.as_tensor(state) for state in states]

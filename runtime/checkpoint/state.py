@@ -24,14 +24,18 @@ from __future__ import annotations
 import io
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from pipeplan.errors import InputError, first_line
 from pipeplan.runtime.checkpoint.split import copy_whole, shard_like, whole
 from pipeplan.runtime.checkpoint.store import rank_folder, read_manifests
+
+if TYPE_CHECKING:  # types only: importing the stage (and capture) is not needed to read checkpoints
+    from pipeplan.runtime.stage import PipelineSpec
 
 __all__ = ["CheckpointIndex", "rank_state", "restore_rank", "load_model_tensors", "restore_rng",
            "rank_state_names", "rng_key", "SCHEDULER_KEY"]
@@ -88,7 +92,7 @@ class CheckpointIndex:
         return io.BytesIO()
 
 
-def rank_state_names(spec: Any) -> dict[str, str]:
+def rank_state_names(spec: PipelineSpec) -> dict[str, str]:
     """``spec.rank_module`` state_dict key -> qualified name (parameters and persistent buffers)."""
     names: dict[str, str] = {}
     for c, chunk in enumerate(spec.chunks):
@@ -104,7 +108,8 @@ def rng_key(tp_index: int) -> str:
 
 
 def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer | None,
-               scheduler: Any = None, weights: bool = True, keep: bool = True) -> dict[str, Any]:
+               scheduler: LRScheduler | None = None, weights: bool = True,
+               keep: bool = True) -> dict[str, Any]:
     """This rank's state under qualified names (``names``: state_dict key -> qualified name).
 
     ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
@@ -116,7 +121,7 @@ def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.
     if not weights:
         return state
 
-    def put(key: str, value: Any) -> None:
+    def put(key: str, value: object) -> None:  # a tensor, or an optimizer state's other values
         value = whole(value)  # collective for a DTensor
         if keep:
             state[key] = value
@@ -135,7 +140,7 @@ def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.
 
 
 def restore_rank(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
-                 optimizer: torch.optim.Optimizer | None, scheduler: Any = None) -> None:
+                 optimizer: torch.optim.Optimizer | None, scheduler: LRScheduler | None = None) -> None:
     """Load this rank's weights, optimizer and scheduler state from ``index`` (any plan's step)."""
     load_model_tensors(index, module, names)
     if optimizer is not None:
@@ -240,14 +245,14 @@ def _scheduler_state(index: CheckpointIndex, groups: int | None) -> dict[str, An
     return state
 
 
-def _unwrap(value: Any) -> Any:
+def _unwrap(value: object) -> Any:  # a loaded entry: a tensor, or a saved object's bytes
     if isinstance(value, io.BytesIO):
         value.seek(0)
         return torch.load(value, weights_only=True)
     return value
 
 
-def _bytes(value: Any) -> io.BytesIO:
+def _bytes(value: object) -> io.BytesIO:  # any object torch.save writes
     buffer = io.BytesIO()
     torch.save(value, buffer)
     buffer.seek(0)

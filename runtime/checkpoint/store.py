@@ -241,7 +241,7 @@ def _file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _file_problem(path: Path, expected: Any) -> str | None:
+def _file_problem(path: Path, expected: object) -> str | None:  # a manifest entry, not yet checked
     if not isinstance(expected, dict):
         return "has no size and hash in its manifest"
     try:
