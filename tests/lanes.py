@@ -1,17 +1,19 @@
-"""Run the whole suite in lanes: the fast tests first, then the slow ones, then the multi-process ones.
+"""Run the whole suite in lanes: the fast tests first, then the slow ones, then those that run alone.
 
     python tests/lanes.py            # every lane (the README's test command, which CI runs)
-    python tests/lanes.py fast       # one lane: fast, slow or multiprocess
+    python tests/lanes.py fast       # one lane: fast, slow or serial
     python tests/lanes.py fast -x    # the arguments after the lane names go to each lane's pytest
 
 The markers split the suite into three disjoint lanes that together hold every test
 (``tests/test_lanes.py`` checks it):
 
-- ``fast``: neither ``slow`` nor ``multiprocess``; 2 pytest-xdist workers.
-- ``slow``: ``slow`` (whole models, Hugging Face families), no processes; 2 workers.
-- ``multiprocess``: tests that launch processes (torchrun and gloo ranks, a subprocess): one at
-  a time in one pytest, so their 2 to 4 ranks have the machine's cores to themselves and do not
-  run into their timeouts (``tests/spawn_guard.py`` makes every launching test carry the marker).
+- ``fast``: no ``slow``, ``multiprocess`` or ``timing`` marker; 2 pytest-xdist workers.
+- ``slow``: ``slow`` (whole models, Hugging Face families), neither of the others; 2 workers.
+- ``serial``: ``multiprocess`` (the test launches processes: torchrun and gloo ranks, a
+  subprocess) or ``timing`` (it compares measured times): one test at a time in one pytest, so
+  that ranks have the machine's cores to themselves and do not run into their timeouts, and
+  timings are not taken beside another test (``tests/spawn_guard.py`` makes every launching
+  test carry ``multiprocess``).
 
 Every lane runs, even after a lane failed, so one run reports every failure; the exit status is
 0 when every lane passed and 1 otherwise. pytest's exit status 5 (the lane selected no test) is
@@ -46,9 +48,9 @@ class Lane:
 
 
 LANES = (
-    Lane("fast", "not slow and not multiprocess", xdist_workers=2),
-    Lane("slow", "slow and not multiprocess", xdist_workers=2),
-    Lane("multiprocess", "multiprocess", xdist_workers=0),
+    Lane("fast", "not slow and not multiprocess and not timing", xdist_workers=2),
+    Lane("slow", "slow and not multiprocess and not timing", xdist_workers=2),
+    Lane("serial", "multiprocess or timing", xdist_workers=0),
 )
 
 

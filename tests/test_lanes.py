@@ -19,7 +19,11 @@ TESTS = Path(__file__).parent
 
 @pytest.mark.parametrize(
     "markers",
-    [set(chosen) for n in range(4) for chosen in itertools.combinations(("slow", "multiprocess", "gpu"), n)],
+    [
+        set(chosen)
+        for n in range(5)
+        for chosen in itertools.combinations(("slow", "multiprocess", "timing", "gpu"), n)
+    ],
 )
 def test_every_test_runs_in_exactly_one_lane(markers: set[str]) -> None:
     holding = [
