@@ -12,5 +12,15 @@ GPU tests (marker ``gpu``):
 
 import os
 
+import pytest
+
 if os.environ.get("PIPEPLAN_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # read when CUDA initialises, which nothing has done yet
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A test that launches processes must be marked multiprocess (tests/spawn_guard.py).
+    import spawn_guard
+
+    if not config.pluginmanager.is_registered(spawn_guard):
+        config.pluginmanager.register(spawn_guard, "spawn_guard")

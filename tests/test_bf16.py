@@ -144,6 +144,7 @@ def held_by_a_mixed_precision_stage() -> tuple[int, int]:
     return _live_cpu_bytes() - before, sum(p.numel() for p in stage.parameters())
 
 
+@pytest.mark.multiprocess
 def test_a_mixed_precision_stage_holds_what_the_rule_charges() -> None:
     """After a step, every tensor the stage keeps (masters, bf16 copies, float32 gradients, Adam's
     float32 moments) is 18 bytes per parameter, the rule's figure; no bf16 gradient is left.

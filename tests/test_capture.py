@@ -177,6 +177,8 @@ def test_unknown_leaf_module_class_is_one_line() -> None:
         profile_model(GPT2_FILE, batch_size=2, device="cpu", warmup=0, repeats=1, leaf_modules=("GPT3Block",))
 
 
+@pytest.mark.slow
+@pytest.mark.timing
 def test_twelve_block_gpt2_granularity_and_sum_of_layers_vs_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Default granularity: 4 layers per GPT-2 block plus 5 (embeddings, dropout, ln_f, head)."""
     monkeypatch.setenv("HF_GPT2_LAYERS", "12")

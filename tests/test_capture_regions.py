@@ -153,6 +153,7 @@ def test_export_failure_outside_every_module_is_one_line() -> None:
     assert "\n" not in message
 
 
+@pytest.mark.multiprocess
 def test_profile_cli_names_the_opaque_module_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     result = subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "gated.py"), "-o", str(out),

@@ -346,6 +346,7 @@ def _split_round_trip(rank: int, port: int) -> None:
     os._exit(0)  # passed: skip interpreter teardown, where torch's store threads sometimes abort (SIGABRT)
 
 
+@pytest.mark.multiprocess
 def test_split_tensors_load_each_ranks_chunk_and_save_whole() -> None:
     """2 gloo ranks: a whole tensor copied into a DTensor leaves each rank DTensor's own chunk
     (uneven 5 = 3 + 2 rows included), gathers back equal, optimizer states take the

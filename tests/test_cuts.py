@@ -197,6 +197,7 @@ TOPOLOGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["squeezenet1_0", "resnet18"])
 @pytest.mark.parametrize("shape", sorted(TOPOLOGIES))
 def test_pipedream_mode_is_never_worse_than_pipedream(model: str, shape: str):

@@ -211,6 +211,7 @@ def test_export_rebuilds_the_plans_leaf_and_opaque_layers(kind: str, tmp_path: P
     assert f'SPLIT_SPEC = {{"{first}": SplitPoint.BEGINNING}}' in output
 
 
+@pytest.mark.slow
 def test_planned_for_torchtitan_exports_the_stages_units(profiles: dict[str, Path], tmp_path: Path) -> None:
     for name, model in MODELS.items():
         profile = Profile.load(profiles[name])
@@ -243,6 +244,7 @@ def test_tied_gpt_has_no_cut_and_says_why(tmp_path: Path) -> None:
         assert one.exit_code == 0 and len(Plan.load(tmp_path / "p.json").stages) == 1
 
 
+@pytest.mark.slow
 def test_export_agrees_with_the_planners_rules_at_every_boundary(profiles: dict[str, Path]) -> None:
     """Every boundary the planner allows exports; every one it blocks for a module reason, export refuses;
     for ViT, torch's own split of every 2-stage plan is checked too."""
@@ -280,6 +282,7 @@ def test_export_agrees_with_the_planners_rules_at_every_boundary(profiles: dict[
                         check()
 
 
+@pytest.mark.slow
 def test_vit_three_stage_splits_the_planner_allows_are_those_torch_runs(profiles: dict[str, Path]) -> None:
     """Every 3-stage split of ViT at the cuts --for pipelining allows: the DP's family admits it
     exactly when torch's own ``pipeline()`` split passes no value past the next stage."""

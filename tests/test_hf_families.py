@@ -58,6 +58,9 @@ def plan_family(family: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> P
     return plan
 
 
+pytestmark = pytest.mark.slow  # whole models: Hugging Face families, meta builds
+
+
 @pytest.mark.parametrize("family", PLAN_ONLY)
 def test_family_profiles_and_partitions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
     plan_family(family, tmp_path, monkeypatch)

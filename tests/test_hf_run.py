@@ -26,7 +26,7 @@ from pipeplan.profiler.profile_model import profile_model  # noqa: E402
 from test_run_torchrun import LR, assert_params_match, records, torchrun  # noqa: E402
 from reference import train_reference  # noqa: E402  (tests/fixtures/runtime, on sys.path)
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 ROOT = Path(__file__).parent.parent
 MODELS = {

@@ -36,6 +36,7 @@ print(held, returned, kept)
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="needs glibc"
 )

@@ -14,6 +14,7 @@ from pipeplan.runtime.memory_usage import MemoryMeter, peak_rss_bytes
 MiB = 1 << 20
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
 def test_meter_counts_what_was_touched_after_its_baseline() -> None:
     # In a fresh interpreter: inside the suite's process the block may land on heap pages an
@@ -27,6 +28,7 @@ def test_meter_counts_what_was_touched_after_its_baseline() -> None:
     assert 63 * MiB <= int(held) < 80 * MiB
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
 def test_peak_is_the_process_own_not_its_parents() -> None:
     """getrusage's ru_maxrss of a child includes its parent's RSS at the fork; VmHWM does not."""

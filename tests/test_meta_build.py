@@ -27,6 +27,9 @@ from plans import make_plan  # noqa: E402
 from reference import train_reference  # noqa: E402
 
 
+pytestmark = pytest.mark.slow  # whole models: Hugging Face families, meta builds
+
+
 @pytest.mark.parametrize("model", ["mlp", "resnet", str(FIXTURES / "runtime" / "tied.py")])
 def test_capture_on_meta_gives_the_eager_layer_graph(model: str) -> None:
     model_file = load_model_file(resolve_model_path(model))

@@ -84,6 +84,7 @@ def test_env_vars_scale_the_models(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(resnet.stages) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, steps", [("mlp", 15), ("gpt", 30)])
 def test_bundled_tasks_are_learnable(name: str, steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIPEPLAN_MLP_DIM", "256")  # the task, not the width, makes it learnable

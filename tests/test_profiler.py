@@ -122,6 +122,7 @@ def test_bundled_resnet_skip_edges_jump_over_layers(monkeypatch: pytest.MonkeyPa
     assert sum(layer.saved_bytes for layer in profile.layers) == profile.step_saved_bytes > 0
 
 
+@pytest.mark.timing
 def test_sum_of_layers_is_close_to_the_measured_step_on_cpu() -> None:
     threads = torch.get_num_threads()
     profile = profile_model("mlp", batch_size=32, device="cpu", warmup=3, repeats=10, threads=1)

@@ -81,6 +81,7 @@ def test_device_cuda_without_cuda_is_one_line() -> None:
     assert result.stderr == "error: --device cuda requested, but CUDA is not available on this machine\n"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "model, message",
     [
@@ -102,6 +103,7 @@ def test_subprocess_exit_2_and_one_stderr_line(model: str, message: str, tmp_pat
     assert "Traceback" not in completed.stderr and completed.stdout == ""
 
 
+@pytest.mark.multiprocess
 def test_capture_failure_is_one_line_and_leaf_modules_gets_around_it(tmp_path: Path) -> None:
     model = str(FIXTURES / "gated_top.py")  # a branch on a tensor's value in the model's own forward
     out = tmp_path / "profile.json"
@@ -120,6 +122,7 @@ def test_capture_failure_is_one_line_and_leaf_modules_gets_around_it(tmp_path: P
     assert Profile.load(out).leaf_modules == ("Gate",)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("hash_seed", [None, "random"])
 def test_commands_run_under_one_hash_seed_so_set_ordered_models_capture_one_graph(
         tmp_path: Path, hash_seed: str | None) -> None:

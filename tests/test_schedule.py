@@ -313,6 +313,7 @@ def test_uneven_replicas_smallest_deadlock_now_runs() -> None:
     assert orders(zb)[1] == "F0 I0 F0.3 I0.3 W0 W0.3 S0"
 
 
+@pytest.mark.slow
 def test_planner_case_that_deadlocked_runs() -> None:
     # issue 20's planner hit this one (8 stages, 1,536 micro-batches)
     replicas = (32, 32, 74, 74, 74, 74, 95, 57)

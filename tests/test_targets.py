@@ -315,6 +315,7 @@ def test_module_tree_round_trips_and_old_profiles_load(tmp_path: Path) -> None:
         Profile.from_dict(bad)
 
 
+@pytest.mark.slow
 def test_profiler_records_calls_and_parameters(tmp_path: Path) -> None:
     from pipeplan.profiler.profile_model import profile_model
 

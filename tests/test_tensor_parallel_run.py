@@ -54,6 +54,7 @@ BUNDLED_GPT = str(ROOT / "configs" / "models" / "gpt.py")
 MLP = str(FIXTURES / "mlp.py")
 LLAMA = str(ROOT / "tests" / "fixtures" / "models" / "hf_family.py")  # LlamaForCausalLM: 4 heads, 2 kv heads, untied
 STEPS, BATCH, CLIP = 2, 8, 0.05
+pytestmark = pytest.mark.slow  # whole models (Llama, BERT, GPT-2) split over ranks
 
 
 def _layers(model: str) -> int:

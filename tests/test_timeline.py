@@ -65,6 +65,7 @@ def test_rejects_unknown_suffix_and_empty(tmp_path) -> None:
         write_timeline(tmp_path / "t.svg", [])
 
 
+@pytest.mark.slow
 def test_simulate_cli_table_and_timelines(simulated, tmp_path) -> None:
     plan, profile, result = simulated
     plan.save(tmp_path / "plan.json")
