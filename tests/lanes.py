@@ -23,9 +23,11 @@ filtered run (``-k``). Each lane's wall time is printed.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,13 +56,34 @@ LANES = (
 )
 
 
-def _run(lane: Lane, extra: list[str], root: Path) -> tuple[int, float]:
-    """The lane's pytest exit status and its wall time (in seconds)."""
+OUTCOME = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)\b")
+
+
+def outcome_counts(summary: str) -> Counter[str]:
+    """The counts of pytest's closing line ("3 failed, 10 passed, 1 skipped in 2.0s").
+
+    >>> dict(outcome_counts("== 3 failed, 10 passed, 1 skipped, 2 errors in 2.01s =="))
+    {'failed': 3, 'passed': 10, 'skipped': 1, 'error': 2}
+    """
+    counts: Counter[str] = Counter()
+    for number, outcome in OUTCOME.findall(summary):
+        counts["error" if outcome.startswith("error") else outcome] += int(number)
+    return counts
+
+
+def _run(lane: Lane, extra: list[str], root: Path) -> tuple[int, float, Counter[str]]:
+    """The lane's pytest exit status, wall time (in seconds) and outcome counts."""
     command = [sys.executable, "-m", "pytest", *lane.pytest_args(), *extra]
     print(f"== lane {lane.name}: {' '.join(command[1:])}", flush=True)
     start = time.monotonic()
-    status = subprocess.run(command, cwd=root).returncode
-    return status, time.monotonic() - start
+    closing = ""
+    with subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, text=True, bufsize=1) as pytest:
+        assert pytest.stdout is not None
+        for line in pytest.stdout:
+            sys.stdout.write(line)
+            if OUTCOME.search(line) and " in " in line:
+                closing = line  # pytest's closing line; the last one wins
+    return pytest.returncode, time.monotonic() - start, outcome_counts(closing)
 
 
 def _verdict(status: int) -> str:
@@ -79,10 +102,15 @@ def main(argv: list[str]) -> int:
     root = Path(__file__).resolve().parent.parent
     results = [(lane, *_run(lane, extra, root)) for lane in lanes]
     print("== lanes:", flush=True)
-    for lane, status, wall_s in results:
+    total: Counter[str] = Counter()
+    for lane, status, wall_s, counts in results:
         print(f"   {lane.name:<13} {wall_s:7.1f} s  {_verdict(status)}")
-    print(f"   {'total':<13} {sum(wall_s for _, _, wall_s in results):7.1f} s", flush=True)
-    return 0 if all(status in (0, NO_TESTS_COLLECTED) for _, status, _ in results) else 1
+        total += counts
+    print(f"   {'total':<13} {sum(result[2] for result in results):7.1f} s")
+    failed = total["failed"] + total["error"]
+    # One plain closing line over every lane, as CI reads it.
+    print(f"lanes: {total['passed']} passed, {failed} failed, {total['skipped']} skipped", flush=True)
+    return 0 if all(status in (0, NO_TESTS_COLLECTED) for _, status, _, _ in results) else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import lanes
@@ -38,23 +39,35 @@ def test_every_test_runs_in_exactly_one_lane(markers: set[str]) -> None:
     "statuses, expected", [((0, 0, 0), 0), ((0, 5, 0), 0), ((1, 0, 0), 1), ((0, 0, 2), 1)]
 )
 def test_every_lane_runs_and_any_failure_fails_the_run(
-    monkeypatch: pytest.MonkeyPatch, statuses: tuple[int, ...], expected: int
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    statuses: tuple[int, ...],
+    expected: int,
 ) -> None:
     ran: list[tuple[str, list[str]]] = []
 
-    def fake_run(lane: lanes.Lane, extra: list[str], root: Path) -> tuple[int, float]:
+    def fake_run(lane: lanes.Lane, extra: list[str], root: Path) -> tuple[int, float, Counter[str]]:
         ran.append((lane.name, extra))
-        return statuses[len(ran) - 1], 0.0
+        status = statuses[len(ran) - 1]
+        return status, 0.0, Counter({"passed": 2, "failed": int(status not in (0, 5))})
 
     monkeypatch.setattr(lanes, "_run", fake_run)
     assert lanes.main(["-x"]) == expected
     assert ran == [(lane.name, ["-x"]) for lane in lanes.LANES]
+    failed = sum(status not in (0, 5) for status in statuses)
+    closing = capsys.readouterr().out.splitlines()[-1]
+    assert closing == f"lanes: 6 passed, {failed} failed, 0 skipped"  # one line CI reads
+
+
+def test_a_lanes_closing_line_is_counted() -> None:
+    counts = lanes.outcome_counts("=== 1 failed, 598 passed, 1 skipped, 2 errors in 84.93s (0:01:24) ===")
+    assert counts == Counter({"passed": 598, "failed": 1, "skipped": 1, "error": 2})
 
 
 def test_lane_names_come_first_and_the_rest_goes_to_pytest(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: list[tuple[str, list[str]]] = []
     monkeypatch.setattr(
-        lanes, "_run", lambda lane, extra, root: (ran.append((lane.name, extra)), (0, 0.0))[1]
+        lanes, "_run", lambda lane, extra, root: (ran.append((lane.name, extra)), (0, 0.0, Counter()))[1]
     )
     assert lanes.main(["slow", "fast", "-k", "fast"]) == 0
     assert ran == [("fast", ["-k", "fast"]), ("slow", ["-k", "fast"])]
