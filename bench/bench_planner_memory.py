@@ -42,17 +42,36 @@ print(json.dumps(result))
 
 def run_case(layers: int, shape: str, timeout_s: float) -> dict:
     import os
+
     bench = os.path.dirname(os.path.abspath(__file__))
     start = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD.format(bench=bench, layers=layers, shape=shape)],
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD.format(bench=bench, layers=layers, shape=shape)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except subprocess.TimeoutExpired:
-        return {"layers": layers, "shape": shape, "error": f"over {timeout_s:.0f} s", "wall_s": time.perf_counter() - start}
+        return {
+            "layers": layers,
+            "shape": shape,
+            "error": f"over {timeout_s:.0f} s",
+            "wall_s": time.perf_counter() - start,
+        }
     if done.returncode != 0:
-        return {"layers": layers, "shape": shape, "error": done.stderr.strip().splitlines()[-1:], "wall_s": time.perf_counter() - start}
-    return {"layers": layers, "shape": shape, **json.loads(done.stdout.strip().splitlines()[-1]),
-            "wall_s": time.perf_counter() - start}
+        return {
+            "layers": layers,
+            "shape": shape,
+            "error": done.stderr.strip().splitlines()[-1:],
+            "wall_s": time.perf_counter() - start,
+        }
+    return {
+        "layers": layers,
+        "shape": shape,
+        **json.loads(done.stdout.strip().splitlines()[-1]),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -62,18 +81,33 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case (default 600)")
     parser.add_argument("--out", default="bench/results/planner_memory.json")
     args = parser.parse_args()
-    rows = [run_case(int(n), shape, args.timeout) for n in args.layers.split(",") for shape in args.shapes.split(",")]
+    rows = [
+        run_case(int(n), shape, args.timeout)
+        for n in args.layers.split(",")
+        for shape in args.shapes.split(",")
+    ]
     table = Table(title="pipeplan partition: planner memory (fresh process per case)")
     for column in ("layers", "devices", "planner s", "process s", "peak RSS", "result"):
         table.add_column(column, justify="left" if column == "result" else "right")
     for row in rows:
         a, b, c = (int(x) for x in row["shape"].split("x"))
-        result = row.get("refused") or row.get("error") or f"{row['stages']} stages, {row['time_per_minibatch_ms']:.3f} ms/minibatch"
+        result = (
+            row.get("refused")
+            or row.get("error")
+            or f"{row['stages']} stages, {row['time_per_minibatch_ms']:.3f} ms/minibatch"
+        )
         peak = row.get("peak_rss_bytes")
-        table.add_row(str(row["layers"]), str(a * b * c), f"{row.get('seconds', float('nan')):.2f} s", f"{row['wall_s']:.2f} s",
-                      f"{peak / 2**30:.2f} GiB" if peak else "-", str(result))
+        table.add_row(
+            str(row["layers"]),
+            str(a * b * c),
+            f"{row.get('seconds', float('nan')):.2f} s",
+            f"{row['wall_s']:.2f} s",
+            f"{peak / 2**30:.2f} GiB" if peak else "-",
+            str(result),
+        )
     Console(width=150).print(table)
     from pipeplan.jsonio import write_json_atomic
+
     write_json_atomic(args.out, {"schema": "pipeplan.bench.planner_memory/1", "rows": rows})
 
 

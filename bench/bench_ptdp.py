@@ -24,13 +24,13 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.jsonio import write_json_atomic
 from pipeplan.plan import Plan
+from pipeplan.planner.auto import search
+from pipeplan.planner.partition import PartitionOptions, partition, plan_uniform
 from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, GPTShape, estimate_gpt
 from pipeplan.topology import DeviceSpec, Level, Topology
-from pipeplan.planner.auto import search
-from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.planner.partition import PartitionOptions, partition, plan_uniform
 
 TARGET_S = 10.0
 
@@ -70,8 +70,11 @@ TABLE_1 = (
 
 def megatron_cluster(gpus: int) -> Topology:
     """``gpus / 8`` DGX A100 nodes as in the paper (configs/topologies/megatron-a100.yaml)."""
-    return Topology(f"megatron-a100-{gpus}", DeviceSpec("A100-80GB", 80 * 2**30),
-                    (Level("node", 8, 300e9, 0.002), Level("cluster", gpus // 8, 200e9, 0.005)))
+    return Topology(
+        f"megatron-a100-{gpus}",
+        DeviceSpec("A100-80GB", 80 * 2**30),
+        (Level("node", 8, 300e9, 0.002), Level("cluster", gpus // 8, 200e9, 0.005)),
+    )
 
 
 # the schedules searched: those that train as Megatron does (every minibatch's exact gradient,
@@ -84,8 +87,13 @@ def megatron_cluster(gpus: int) -> Topology:
 SCHEDULES = ("1f1b-flush", "gpipe")
 
 
-def plan_row(row: Row, gpus: int | None = None, batch: int | None = None,
-             schedule: str | None = None, matmul_efficiency: float = MATMUL_EFFICIENCY) -> tuple[Plan, float, float]:
+def plan_row(
+    row: Row,
+    gpus: int | None = None,
+    batch: int | None = None,
+    schedule: str | None = None,
+    matmul_efficiency: float = MATMUL_EFFICIENCY,
+) -> tuple[Plan, float, float]:
     """(pipeplan's plan, planning wall seconds, planning CPU seconds of this process) of
     ``row`` (optionally on other counts): ``planner.auto.search`` over ``SCHEDULES`` x
     micro-batch counts (powers of two, and micro-batches of 1, 2, 4, 8 sequences) x t, p,
@@ -95,11 +103,19 @@ def plan_row(row: Row, gpus: int | None = None, batch: int | None = None,
     profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], batch, matmul_efficiency=matmul_efficiency)
     start, cpu = time.perf_counter(), time.process_time()
     if schedule:
-        plan = partition(profile, megatron_cluster(gpus),
-                         PartitionOptions(schedule=schedule, microbatches=batch, optimizer="adam"))
+        plan = partition(
+            profile,
+            megatron_cluster(gpus),
+            PartitionOptions(schedule=schedule, microbatches=batch, optimizer="adam"),
+        )
     else:
-        plan = search(profile, megatron_cluster(gpus), PartitionOptions(optimizer="adam"), SCHEDULES,
-                      misfit_memory=False).plan
+        plan = search(
+            profile,
+            megatron_cluster(gpus),
+            PartitionOptions(optimizer="adam"),
+            SCHEDULES,
+            misfit_memory=False,
+        ).plan
     return plan, time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -128,13 +144,19 @@ def paper_config(row: Row) -> dict:
     plans without replicas only); {"error": ...} when it does not fit pipeplan's memory."""
     profile = estimate_gpt(row.shape, DEVICE_RATES["a100-80gb"], row.batch)
     try:
-        plan = plan_uniform(profile, megatron_cluster(row.gpus),
-                            PartitionOptions(schedule="1f1b-flush", microbatches=row.batch, optimizer="adam"),
-                            row.t, row.p)
+        plan = plan_uniform(
+            profile,
+            megatron_cluster(row.gpus),
+            PartitionOptions(schedule="1f1b-flush", microbatches=row.batch, optimizer="adam"),
+            row.t,
+            row.p,
+        )
     except (InfeasibleError, InputError) as exc:
         return {"error": str(exc)}
-    return {"tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
-            "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3}
+    return {
+        "tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
+        "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3,
+    }
 
 
 def bubble(p: int, d: int, microbatches: int) -> float:
@@ -147,31 +169,50 @@ def describe(row: Row, plan: Plan, seconds: float, cpu_seconds: float) -> dict:
     p, d = len(plan.stages), plan.stages[0].replicas
     paper_d = row.gpus // (row.t * row.p)
     return {
-        "params_billions": row.billions, "gpus": row.gpus, "batch": row.batch,
-        "paper": {"t": row.t, "p": row.p, "d": paper_d, "tflops_per_gpu": row.tflops,
-                  "bubble_1f1b_one_sequence": bubble(row.p, paper_d, row.batch)},
+        "params_billions": row.billions,
+        "gpus": row.gpus,
+        "batch": row.batch,
+        "paper": {
+            "t": row.t,
+            "p": row.p,
+            "d": paper_d,
+            "tflops_per_gpu": row.tflops,
+            "bubble_1f1b_one_sequence": bubble(row.p, paper_d, row.batch),
+        },
         "pipeplan_at_paper_config": paper_config(row),
-        "pipeplan": {"t": t, "p": p, "d": d,
-                     "replicas": [s.replicas for s in plan.stages], "schedule": plan.schedule,
-                     "microbatches": plan.microbatches, "simulated": plan.predicted.simulated,
-                     "bubble": bubble(p, d, plan.microbatches),
-                     "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3,
-                     "tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
-                     "peak_memory_gib": max(s.memory_bytes for s in plan.stages) / 2**30},
+        "pipeplan": {
+            "t": t,
+            "p": p,
+            "d": d,
+            "replicas": [s.replicas for s in plan.stages],
+            "schedule": plan.schedule,
+            "microbatches": plan.microbatches,
+            "simulated": plan.predicted.simulated,
+            "bubble": bubble(p, d, plan.microbatches),
+            "time_per_iteration_s": plan.predicted.time_per_minibatch_ms / 1e3,
+            "tflops_per_gpu": tflops_per_gpu(row, plan, row.gpus, row.batch),
+            "peak_memory_gib": max(s.memory_bytes for s in plan.stages) / 2**30,
+        },
         "planning_seconds": seconds,
         "planning_cpu_seconds": cpu_seconds,
     }
 
 
 def markdown(results: list[dict]) -> str:
-    head = ("| params | GPUs | batch | paper t, p, d | paper TFLOP/s/GPU | pipeplan at the paper's t, p, d "
-            "| pipeplan t, p, d | schedule, micro-batches | pipeplan TFLOP/s/GPU (estimated) | vs paper "
-            "| bubble (p-1)/m: pipeplan, paper's p, d at 1F1B, b=1 | peak GiB per GPU "
-            "| planning (wall, CPU) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    head = (
+        "| params | GPUs | batch | paper t, p, d | paper TFLOP/s/GPU | pipeplan at the paper's t, p, d "
+        "| pipeplan t, p, d | schedule, micro-batches | pipeplan TFLOP/s/GPU (estimated) | vs paper "
+        "| bubble (p-1)/m: pipeplan, paper's p, d at 1F1B, b=1 | peak GiB per GPU "
+        "| planning (wall, CPU) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
     lines = []
     for r in results:
         paper, ours, theirs = r["paper"], r["pipeplan"], r["pipeplan_at_paper_config"]
-        d = str(ours["d"]) if len(set(ours["replicas"])) == 1 else "/".join(map(str, sorted(set(ours["replicas"]))))
+        d = (
+            str(ours["d"])
+            if len(set(ours["replicas"])) == 1
+            else "/".join(map(str, sorted(set(ours["replicas"]))))
+        )
         at_paper = f"{theirs['tflops_per_gpu']:.1f}" if "tflops_per_gpu" in theirs else "does not fit"
         lines.append(
             f"| {r['params_billions']:g}B | {r['gpus']:,} | {r['batch']:,} | {paper['t']}, {paper['p']}, {paper['d']} "
@@ -181,16 +222,22 @@ def markdown(results: list[dict]) -> str:
             f"| {100 * (ours['tflops_per_gpu'] / paper['tflops_per_gpu'] - 1):+.1f}% "
             f"| {100 * ours['bubble']:.1f}%, {100 * paper['bubble_1f1b_one_sequence']:.1f}% "
             f"| {ours['peak_memory_gib']:.1f} "
-            f"| {r['planning_seconds']:.1f} s, {r['planning_cpu_seconds']:.1f} s |")
+            f"| {r['planning_seconds']:.1f} s, {r['planning_cpu_seconds']:.1f} s |"
+        )
     return head + "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/ptdp.json")
-    parser.add_argument("--rows", default="", help="comma-separated parameter counts in billions (default: all)")
-    parser.add_argument("--calibrate", action="store_true",
-                        help="print the GEMM efficiency that brings the 1.7B row to the paper's figure, and stop")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated parameter counts in billions (default: all)"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="print the GEMM efficiency that brings the 1.7B row to the paper's figure, and stop",
+    )
     args = parser.parse_args()
     if args.calibrate:
         print(f"GEMM efficiency calibrated on the {TABLE_1[0].billions:g}B row: {calibrate(TABLE_1[0]):.4f}")
@@ -204,14 +251,28 @@ def main() -> None:
     print()
     print(markdown(results))
     slow = [f"{r['params_billions']:g}B" for r in results if r["planning_seconds"] > TARGET_S]
-    print(f"\nrows over {TARGET_S:.0f} s of planning (wall): {len(slow)} of {len(results)}" + (f" ({', '.join(slow)})" if slow else ""))
+    print(
+        f"\nrows over {TARGET_S:.0f} s of planning (wall): {len(slow)} of {len(results)}"
+        + (f" ({', '.join(slow)})" if slow else "")
+    )
     slow = [f"{r['params_billions']:g}B" for r in results if r["planning_cpu_seconds"] > TARGET_S]
-    print(f"rows over {TARGET_S:.0f} s of planning (CPU): {len(slow)} of {len(results)}" + (f" ({', '.join(slow)})" if slow else ""))
-    print(f"GEMM efficiency {MATMUL_EFFICIENCY:.3f} of the A100's 312 TFLOP/s (calibrated on the 1.7B row); "
-          f"every pipeplan figure rests on an ESTIMATED profile")
-    write_json_atomic(args.out, {"schema": "pipeplan.bench.ptdp/2", "matmul_efficiency": MATMUL_EFFICIENCY,
-                                 "schedules": list(SCHEDULES),
-                                 "rows": results})
+    print(
+        f"rows over {TARGET_S:.0f} s of planning (CPU): {len(slow)} of {len(results)}"
+        + (f" ({', '.join(slow)})" if slow else "")
+    )
+    print(
+        f"GEMM efficiency {MATMUL_EFFICIENCY:.3f} of the A100's 312 TFLOP/s (calibrated on the 1.7B row); "
+        f"every pipeplan figure rests on an ESTIMATED profile"
+    )
+    write_json_atomic(
+        args.out,
+        {
+            "schema": "pipeplan.bench.ptdp/2",
+            "matmul_efficiency": MATMUL_EFFICIENCY,
+            "schedules": list(SCHEDULES),
+            "rows": results,
+        },
+    )
 
 
 if __name__ == "__main__":

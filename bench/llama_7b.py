@@ -11,9 +11,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 LAYERS = int(os.environ.get("PIPEPLAN_LLAMA_LAYERS", "32"))
 SEQ = int(os.environ.get("PIPEPLAN_LLAMA_SEQ", "128"))
-CONFIG = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=LAYERS,
-                     num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
-                     max_position_embeddings=4096, use_cache=False)
+CONFIG = LlamaConfig(
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    use_cache=False,
+)
 LEAF_MODULES = ["LlamaDecoderLayer"]
 
 

@@ -36,13 +36,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "bench" / "llama_7b.py")
 
 # Runs `pipeplan ARGS` in this process and prints its peak CUDA allocation (bytes) last on stderr.
-_WRAP = ("import sys, runpy, torch\nsys.argv = ['pipeplan', *sys.argv[1:]]\ntry:\n"
-         "    runpy.run_module('pipeplan', run_name='__main__', alter_sys=True)\nfinally:\n"
-         "    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0\n"
-         "    print(f'PEAK_CUDA_BYTES {peak}', file=sys.stderr)\n")
+_WRAP = (
+    "import sys, runpy, torch\nsys.argv = ['pipeplan', *sys.argv[1:]]\ntry:\n"
+    "    runpy.run_module('pipeplan', run_name='__main__', alter_sys=True)\nfinally:\n"
+    "    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0\n"
+    "    print(f'PEAK_CUDA_BYTES {peak}', file=sys.stderr)\n"
+)
 
 
-def run_step(name: str, command: list[str], env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
+def run_step(
+    name: str, command: list[str], env: dict[str, str], log: Path, timeout_s: float
+) -> dict[str, Any]:
     """Run ``command``; its exit code, wall time, own peak RSS (bytes) and, for a wrapped
     pipeplan command, its peak CUDA allocation. Output goes to ``log``."""
     start = time.perf_counter()
@@ -57,10 +61,18 @@ def run_step(name: str, command: list[str], env: dict[str, str], log: Path, time
     code = os.waitstatus_to_exitcode(status)
     text = log.read_text()
     peak_cuda = [int(line.split()[1]) for line in text.splitlines() if line.startswith("PEAK_CUDA_BYTES")]
-    result = {"step": name, "exit": code, "wall_s": round(wall, 1), "peak_rss_bytes": usage.ru_maxrss * 1024,
-              "peak_cuda_bytes": peak_cuda[-1] if peak_cuda else None}
-    print(f"{name}: exit {code}, {wall:.1f} s, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB"
-          + (f", peak CUDA {peak_cuda[-1] / 2**30:.2f} GiB" if peak_cuda else ""), flush=True)
+    result = {
+        "step": name,
+        "exit": code,
+        "wall_s": round(wall, 1),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "peak_cuda_bytes": peak_cuda[-1] if peak_cuda else None,
+    }
+    print(
+        f"{name}: exit {code}, {wall:.1f} s, peak RSS {usage.ru_maxrss / 2**20:.2f} GiB"
+        + (f", peak CUDA {peak_cuda[-1] / 2**30:.2f} GiB" if peak_cuda else ""),
+        flush=True,
+    )
     if code != 0:
         print(text[-3000:], flush=True)
         raise SystemExit(f"{name} failed (exit {code}); log: {log}")
@@ -75,7 +87,7 @@ def stage_decoder_layers(profile: Path, plan: Path, stage: int) -> int:
     """Decoder layers (``LlamaDecoderLayer``) in ``stage`` of ``plan``."""
     layers = json.loads(profile.read_text())["layers"]
     chosen = json.loads(plan.read_text())["stages"][stage]
-    share = layers[chosen["layer_start"]:chosen["layer_end"]]
+    share = layers[chosen["layer_start"] : chosen["layer_end"]]
     return sum(layer["type"] == "LlamaDecoderLayer" for layer in share)
 
 
@@ -97,7 +109,9 @@ def save_weights(folder: str, batch_size: int, device: str) -> None:
         logits = model(inputs.to(device)).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
     Path(folder, "first_loss.json").write_text(json.dumps({"loss": float(loss)}))
-    print(f"saved {sum(p.numel() for p in model.parameters()) / 1e9:.2f}e9 parameters; first loss {float(loss):.4f}")
+    print(
+        f"saved {sum(p.numel() for p in model.parameters()) / 1e9:.2f}e9 parameters; first loss {float(loss):.4f}"
+    )
 
 
 def main() -> None:
@@ -109,8 +123,12 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=3e-4, help="Adam's, after 5 steps of warm-up")
-    parser.add_argument("--stage-layers", type=int, default=0, help="decoder layers of the trained model "
-                        "(default: those of the plan's first stage)")
+    parser.add_argument(
+        "--stage-layers",
+        type=int,
+        default=0,
+        help="decoder layers of the trained model (default: those of the plan's first stage)",
+    )
     parser.add_argument("--topology", default=str(ROOT / "bench" / "two-h100-nodes.yaml"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "llama-7b-gpu")
     parser.add_argument("--save-weights", help=argparse.SUPPRESS)  # the child of step 3
@@ -123,42 +141,123 @@ def main() -> None:
     env = {**os.environ, "PIPEPLAN_LLAMA_SEQ": str(args.seq), "PIPEPLAN_LLAMA_LAYERS": str(args.layers)}
     summary: dict[str, Any] = {"layers": args.layers, "seq": args.seq, "device": args.device, "steps": []}
 
-    def step(name: str, command: list[str], step_env: dict[str, str], timeout_s: float = 900) -> dict[str, Any]:
+    def step(
+        name: str, command: list[str], step_env: dict[str, str], timeout_s: float = 900
+    ) -> dict[str, Any]:
         record = run_step(name, command, step_env, out / f"{name}.log", timeout_s)
         summary["steps"].append(record)
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         return record
 
     profile, plan = out / "profile-7b.json", out / "plan-7b.json"
-    step("profile-7b", pipeplan("profile", MODEL, "--device", args.device, "--dtype", "bfloat16", "-b", "1",
-                                "-o", str(profile)), env)
-    step("partition-7b", pipeplan("partition", str(profile), "--topology", args.topology, "--optimizer", "adam",
-                                  "-o", str(plan)), env)
+    step(
+        "profile-7b",
+        pipeplan(
+            "profile", MODEL, "--device", args.device, "--dtype", "bfloat16", "-b", "1", "-o", str(profile)
+        ),
+        env,
+    )
+    step(
+        "partition-7b",
+        pipeplan(
+            "partition", str(profile), "--topology", args.topology, "--optimizer", "adam", "-o", str(plan)
+        ),
+        env,
+    )
     layers = args.stage_layers or stage_decoder_layers(profile, plan, 0)
     summary["stage_layers"] = layers
     stage_env = {**env, "PIPEPLAN_LLAMA_LAYERS": str(layers)}
     weights = out / "weights"
-    step("save-weights", [sys.executable, __file__, "--save-weights", str(weights), "--batch-size",
-                          str(args.batch_size), "--device", args.device], stage_env)
+    step(
+        "save-weights",
+        [
+            sys.executable,
+            __file__,
+            "--save-weights",
+            str(weights),
+            "--batch-size",
+            str(args.batch_size),
+            "--device",
+            args.device,
+        ],
+        stage_env,
+    )
     stage_profile, stage_plan = out / "profile-stage.json", out / "plan-stage.json"
-    step("profile-stage", pipeplan("profile", MODEL, "--device", args.device, "--dtype", "bfloat16", "-b",
-                                   str(args.batch_size), "-o", str(stage_profile)), stage_env)
-    step("partition-stage", pipeplan("partition", str(stage_profile), "--topology",
-                                     str(ROOT / "bench" / "one-h100.yaml"), "--schedule", "1f1b-flush",
-                                     "--microbatches", str(args.microbatches), "--optimizer", "adam",
-                                     "-o", str(stage_plan)), stage_env)
+    step(
+        "profile-stage",
+        pipeplan(
+            "profile",
+            MODEL,
+            "--device",
+            args.device,
+            "--dtype",
+            "bfloat16",
+            "-b",
+            str(args.batch_size),
+            "-o",
+            str(stage_profile),
+        ),
+        stage_env,
+    )
+    step(
+        "partition-stage",
+        pipeplan(
+            "partition",
+            str(stage_profile),
+            "--topology",
+            str(ROOT / "bench" / "one-h100.yaml"),
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            str(args.microbatches),
+            "--optimizer",
+            "adam",
+            "-o",
+            str(stage_plan),
+        ),
+        stage_env,
+    )
     metrics = out / "metrics.json"
-    step("run-stage", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "pipeplan",
-                       "run", str(stage_plan), "--model", MODEL, "--weights", str(weights), "--dtype", "bfloat16",
-                       "--steps", str(args.steps), "--optimizer", "adam", "--lr", str(args.lr),
-                       "--warmup-steps", "5", "--no-progress",
-                       "--metrics", str(metrics)], stage_env)
+    step(
+        "run-stage",
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "pipeplan",
+            "run",
+            str(stage_plan),
+            "--model",
+            MODEL,
+            "--weights",
+            str(weights),
+            "--dtype",
+            "bfloat16",
+            "--steps",
+            str(args.steps),
+            "--optimizer",
+            "adam",
+            "--lr",
+            str(args.lr),
+            "--warmup-steps",
+            "5",
+            "--no-progress",
+            "--metrics",
+            str(metrics),
+        ],
+        stage_env,
+    )
     step("report", pipeplan("report", str(metrics)), stage_env)
     ran = json.loads(metrics.read_text())
     stage = json.loads(stage_plan.read_text())["stages"][0]
     measured = ran["stages"][0]
-    summary["first_loss"] = {"run": ran["losses"][0],
-                             "reference_bf16": json.loads((weights / "first_loss.json").read_text())["loss"]}
+    summary["first_loss"] = {
+        "run": ran["losses"][0],
+        "reference_bf16": json.loads((weights / "first_loss.json").read_text())["loss"],
+    }
     summary["losses"] = ran["losses"]
     summary["memory"] = {"planned_bytes": stage["memory_bytes"], "metrics_stage": measured}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

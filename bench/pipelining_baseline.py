@@ -75,7 +75,11 @@ def run_pipelining_baseline(
     if schedule not in SCHEDULES:
         raise InputError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
     stages = len(stage_boundaries) + 1
-    if virtual_stages < 1 or stages % virtual_stages or (virtual_stages > 1) != (schedule == "ScheduleInterleaved1F1B"):
+    if (
+        virtual_stages < 1
+        or stages % virtual_stages
+        or (virtual_stages > 1) != (schedule == "ScheduleInterleaved1F1B")
+    ):
         raise InputError(
             f"{schedule} with {virtual_stages} stages per rank does not fit {stages} stages "
             f"(ScheduleInterleaved1F1B takes 2 or more per rank, the others 1)"
@@ -84,11 +88,11 @@ def run_pipelining_baseline(
     if ranks < 2:
         raise InputError("stage_boundaries is empty: the pipelining baseline needs at least 2 ranks")
     if microbatches < ranks:
-        raise InputError(f"{schedule} needs microbatches >= ranks (microbatches: {microbatches}, ranks: {ranks})")
-    if batch_size % microbatches:
         raise InputError(
-            f"batch size {batch_size} does not split into {microbatches} equal micro-batches"
+            f"{schedule} needs microbatches >= ranks (microbatches: {microbatches}, ranks: {ranks})"
         )
+    if batch_size % microbatches:
+        raise InputError(f"batch size {batch_size} does not split into {microbatches} equal micro-batches")
     children = _sequential_length(model_path)
     bounds = [0, *stage_boundaries, children]
     if any(b <= a for a, b in zip(bounds[:-1], bounds[1:])):
@@ -116,9 +120,16 @@ def run_pipelining_baseline(
         result_path = Path(folder) / "result.json"
         config_path.write_text(json.dumps(config))
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={ranks}", os.path.abspath(__file__),
-            _WORKER_FLAG, str(config_path), str(result_path),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={ranks}",
+            os.path.abspath(__file__),
+            _WORKER_FLAG,
+            str(config_path),
+            str(result_path),
         ]
         log = _launch(command, Path(folder) / "log.txt", timeout_s)
         if not result_path.is_file():
@@ -293,11 +304,13 @@ def _worker(config_path: str, result_path: str) -> None:
         pipeline_stages = [PipelineStage(m, q, stages, torch.device("cpu")) for m, q in zip(submodules, held)]
         schedule_class = getattr(pipelining, config["schedule"])
         if config["schedule"] == "Schedule1F1B":
-            schedule = schedule_class(pipeline_stages[0], n_microbatches=config["microbatches"],
-                                      loss_fn=model_file.loss_fn)
+            schedule = schedule_class(
+                pipeline_stages[0], n_microbatches=config["microbatches"], loss_fn=model_file.loss_fn
+            )
         else:
-            schedule = schedule_class(pipeline_stages, n_microbatches=config["microbatches"],
-                                      loss_fn=model_file.loss_fn)
+            schedule = schedule_class(
+                pipeline_stages, n_microbatches=config["microbatches"], loss_fn=model_file.loss_fn
+            )
         optimizer = torch.optim.SGD([p for m in submodules for p in m.parameters()], lr=config["lr"])
         warmup, steps = config["warmup_steps"], config["steps"]
         batches = [model_file.batch(config["batch_size"], seed=i) for i in range(warmup + steps)]
@@ -339,19 +352,47 @@ def _main() -> None:
         epilog="Examples:\n\n  python bench/pipelining_baseline.py --model mlp --steps 20\n\n"
         "  python bench/pipelining_baseline.py --model my_model.py --boundaries 3 --out b.json",
     )
-    @click.option("--model", "model", default="mlp", show_default=True,
-                  help="Model file path, or a bundled model name (mlp).")
-    @click.option("--boundaries", default=None,
-                  help="Comma-separated Sequential indices where stages 1.. start (default: the middle child).")
+    @click.option(
+        "--model",
+        "model",
+        default="mlp",
+        show_default=True,
+        help="Model file path, or a bundled model name (mlp).",
+    )
+    @click.option(
+        "--boundaries",
+        default=None,
+        help="Comma-separated Sequential indices where stages 1.. start (default: the middle child).",
+    )
     @click.option("--batch-size", default=64, show_default=True, type=int, help="Samples per minibatch.")
-    @click.option("--microbatches", default=4, show_default=True, type=int, help="Micro-batches per minibatch.")
-    @click.option("--steps", default=20, show_default=True, type=int, help="Timed minibatches (after 2 warm-up).")
+    @click.option(
+        "--microbatches", default=4, show_default=True, type=int, help="Micro-batches per minibatch."
+    )
+    @click.option(
+        "--steps", default=20, show_default=True, type=int, help="Timed minibatches (after 2 warm-up)."
+    )
     @click.option("--lr", default=0.01, show_default=True, type=float, help="SGD learning rate.")
-    @click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float,
-                  help="Kill the pipelined run after this many seconds.")
-    @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here.")
-    def main(model: str, boundaries: str | None, batch_size: int, microbatches: int, steps: int,
-             lr: float, timeout_s: float, out: str | None) -> None:
+    @click.option(
+        "--timeout",
+        "timeout_s",
+        default=300.0,
+        show_default=True,
+        type=float,
+        help="Kill the pipelined run after this many seconds.",
+    )
+    @click.option(
+        "--out", type=click.Path(dir_okay=False), default=None, help="Write the results as JSON here."
+    )
+    def main(
+        model: str,
+        boundaries: str | None,
+        batch_size: int,
+        microbatches: int,
+        steps: int,
+        lr: float,
+        timeout_s: float,
+        out: str | None,
+    ) -> None:
         """Measure torch.distributed.pipelining (1F1B, CPU ranks) against one process."""
         from rich.console import Console
         from rich.table import Table
@@ -362,28 +403,46 @@ def _main() -> None:
 
         try:
             path = model if Path(model).is_file() else bundled_model_path(model)
-            cuts = ([int(item) for item in boundaries.split(",")] if boundaries
-                    else [_sequential_length(path) // 2])
-            piped = run_pipelining_baseline(path, cuts, batch_size, microbatches, steps, lr,
-                                            timeout_s=timeout_s)
+            cuts = (
+                [int(item) for item in boundaries.split(",")]
+                if boundaries
+                else [_sequential_length(path) // 2]
+            )
+            piped = run_pipelining_baseline(
+                path, cuts, batch_size, microbatches, steps, lr, timeout_s=timeout_s
+            )
             single = run_single_process_baseline(path, batch_size, steps, lr)
         except (PipeplanError, ValueError) as exc:
             raise click.ClickException(str(exc).splitlines()[0]) from exc
         gap = max(abs(a - b) for a, b in zip(piped["losses"], single["losses"]))
-        table = Table(title=f"{Path(path).name}: {batch_size} samples/minibatch, {steps} timed steps, lr {lr:g}")
+        table = Table(
+            title=f"{Path(path).name}: {batch_size} samples/minibatch, {steps} timed steps, lr {lr:g}"
+        )
         for column in ("run", "ranks", "threads/rank", "samples/s", "ms/minibatch", "loss first→last"):
             table.add_column(column, justify="left" if column == "run" else "right")
         for name, run in ((f"1F1B, {microbatches} micro-batches", piped), ("single process", single)):
-            table.add_row(name, str(run["ranks"]), str(run["threads_per_rank"]),
-                          f"{run['samples_per_s']:.1f}", f"{run['time_per_minibatch_ms']:.2f}",
-                          f"{run['losses'][0]:.4f}→{run['losses'][-1]:.4f}")
+            table.add_row(
+                name,
+                str(run["ranks"]),
+                str(run["threads_per_rank"]),
+                f"{run['samples_per_s']:.1f}",
+                f"{run['time_per_minibatch_ms']:.2f}",
+                f"{run['losses'][0]:.4f}→{run['losses'][-1]:.4f}",
+            )
         console = Console(width=max(100, Console().width))
         console.print(table)
         console.print(f"stage boundaries {cuts}; max |loss difference| {gap:.2e} (unitless)")
         if out:
-            write_json_atomic(out, {"schema": "pipeplan.bench.pipelining-baseline/1", "model": path,
-                                    "pipelining": piped, "single_process": single,
-                                    "max_loss_difference": gap})
+            write_json_atomic(
+                out,
+                {
+                    "schema": "pipeplan.bench.pipelining-baseline/1",
+                    "model": path,
+                    "pipelining": piped,
+                    "single_process": single,
+                    "max_loss_difference": gap,
+                },
+            )
             console.print(f"wrote {out}")
 
     main()

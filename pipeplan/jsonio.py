@@ -22,8 +22,16 @@ from typing import Any, NoReturn
 
 from pipeplan.errors import InputError
 
-__all__ = ["JSONValue", "write_atomic", "write_json_atomic", "read_json", "read_json_object",
-           "finite_or_none", "parse_json_text", "MAX_JSON_DEPTH"]
+__all__ = [
+    "JSONValue",
+    "write_atomic",
+    "write_json_atomic",
+    "read_json",
+    "read_json_object",
+    "finite_or_none",
+    "parse_json_text",
+    "MAX_JSON_DEPTH",
+]
 
 # A JSON value: what ``json`` parses (objects are dicts, arrays lists) and what a writer hands
 # over (any mapping with string keys, any sequence; tuples become lists).

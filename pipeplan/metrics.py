@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from pipeplan.errors import InputError
 from pipeplan.jsonio import JSONValue, read_json, write_json_atomic
@@ -63,7 +64,7 @@ class StageMetrics:
         return self.peak_memory_bytes - self.baseline_memory_bytes
 
     @classmethod
-    def from_dict(cls, obj: JSONValue, where: str) -> "StageMetrics":
+    def from_dict(cls, obj: JSONValue, where: str) -> StageMetrics:
         if not isinstance(obj, Mapping) or "stage" not in obj:
             raise InputError(f"{where} has no 'stage'")
         values = _typed(cls, obj, where)
@@ -113,7 +114,7 @@ class Metrics:
         return {"schema": METRICS_SCHEMA, **{k: _finite(v) for k, v in out.items()}}
 
     @classmethod
-    def from_dict(cls, obj: JSONValue, where: str = "metrics") -> "Metrics":
+    def from_dict(cls, obj: JSONValue, where: str = "metrics") -> Metrics:
         """Parse (and type-check) a metrics object; ``InputError`` naming the bad key."""
         if not isinstance(obj, Mapping):
             raise InputError(f"{where}: expected a JSON object (got {type(obj).__name__})")
@@ -125,14 +126,16 @@ class Metrics:
         return cls(
             **_typed(cls, rest, where),
             plan=plan if isinstance(plan, Mapping) else None,
-            stages=tuple(StageMetrics.from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(raw_stages)),
+            stages=tuple(
+                StageMetrics.from_dict(s, f"{where}: stages[{i}]") for i, s in enumerate(raw_stages)
+            ),
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Metrics":
+    def load(cls, path: str | os.PathLike[str]) -> Metrics:
         return cls.from_dict(read_json(path, METRICS_SCHEMA, OLDER_METRICS_SCHEMAS), where=str(path))
 
 
@@ -160,7 +163,9 @@ def _typed(cls: type, obj: Mapping[str, Any], where: str) -> dict[str, Any]:
                 raise InputError(f"{where}: {f.name} = {value!r} is not a finite number")
             out[f.name] = None if value is None else float(value)
         elif kind.startswith("int"):
-            if not (value is None and "None" in kind) and (isinstance(value, bool) or not isinstance(value, int)):
+            if not (value is None and "None" in kind) and (
+                isinstance(value, bool) or not isinstance(value, int)
+            ):
                 raise InputError(f"{where}: {f.name!r} must be an integer (got {value!r})")
             out[f.name] = value
         else:  # str fields

@@ -11,8 +11,9 @@ position (``input:k``). ``names()`` says which argument each flat tensor is.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, TypeGuard
+from typing import Any, TypeGuard
 
 from pipeplan.errors import InputError
 
@@ -33,7 +34,8 @@ class ModelInputs:
     def names(self) -> tuple[str, ...]:
         """The argument of each flat tensor: its position (``"0"``) or its keyword."""
         return tuple(
-            name for name, value in (*((str(i), v) for i, v in enumerate(self.args)), *self.kwargs.items())
+            name
+            for name, value in (*((str(i), v) for i, v in enumerate(self.args)), *self.kwargs.items())
             if _is_tensor(value)
         )
 
@@ -46,7 +48,7 @@ class ModelInputs:
         """``model(*args, **kwargs)``."""
         return model(*self.args, **self.kwargs)
 
-    def with_tensors(self, tensors: tuple[Any, ...] | list[Any]) -> "ModelInputs":
+    def with_tensors(self, tensors: tuple[Any, ...] | list[Any]) -> ModelInputs:
         """The same arguments with the flat tensors replaced, in order, by ``tensors``."""
         supply = iter(tensors)
 
@@ -57,7 +59,7 @@ class ModelInputs:
         kwargs = {name: swap(value) for name, value in self.kwargs.items()}
         return ModelInputs(args, kwargs)
 
-    def map(self, fn: Callable[[Any], Any]) -> "ModelInputs":
+    def map(self, fn: Callable[[Any], Any]) -> ModelInputs:
         """``fn`` applied to every flat tensor."""
         return self.with_tensors([fn(tensor) for tensor in self.tensors()])
 
@@ -65,7 +67,9 @@ class ModelInputs:
         """The positional inputs, so that ``model(*inputs)`` keeps working where there are
         no keyword inputs; with keyword inputs it raises (use ``inputs.call(model)``)."""
         if self.kwargs:
-            raise TypeError("these model inputs have keyword arguments: call the model with inputs.call(model)")
+            raise TypeError(
+                "these model inputs have keyword arguments: call the model with inputs.call(model)"
+            )
         return iter(self.args)
 
     def __getitem__(self, position: int) -> Any:

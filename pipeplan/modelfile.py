@@ -30,9 +30,10 @@ import importlib.util
 import os
 import sys
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.model_inputs import ModelInputs, model_inputs
@@ -197,13 +198,10 @@ def _tp_plan(value: object, path: str | os.PathLike[str]) -> dict[str, Any] | No
     return dict(value)
 
 
-def _leaf_modules(value: object, path: str | os.PathLike[str],
-                  what: str = "LEAF_MODULES") -> tuple[str, ...]:
+def _leaf_modules(value: object, path: str | os.PathLike[str], what: str = "LEAF_MODULES") -> tuple[str, ...]:
     """``LEAF_MODULES`` (or ``OPAQUE_MODULES``) as a tuple of class names (strings, or the classes themselves)."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise InputError(
-            f"{path}: {what} is {type(value).__name__}, expected a list of module class names"
-        )
+        raise InputError(f"{path}: {what} is {type(value).__name__}, expected a list of module class names")
     names = []
     for item in value:
         name = item if isinstance(item, str) else getattr(item, "__name__", None)

@@ -9,16 +9,24 @@ not decayed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import InputError
 
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
     import torch
 
-__all__ = ["OPTIMIZERS", "STATE_COPIES", "LR_SCHEDULES", "LRSchedule", "make_optimizer",
-           "make_lr_scheduler", "param_groups"]
+__all__ = [
+    "OPTIMIZERS",
+    "STATE_COPIES",
+    "LR_SCHEDULES",
+    "LRSchedule",
+    "make_optimizer",
+    "make_lr_scheduler",
+    "param_groups",
+]
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 
@@ -41,15 +49,24 @@ def param_groups(named_params: Iterable[tuple[str, Any]]) -> list[dict[str, Any]
         (decay if param.ndim >= 2 else no_decay).append((name, param))
     groups: list[dict[str, Any]] = []
     if decay:
-        groups.append({"name": "decay", "params": [p for _, p in decay], "param_names": [n for n, _ in decay]})
+        groups.append(
+            {"name": "decay", "params": [p for _, p in decay], "param_names": [n for n, _ in decay]}
+        )
     if no_decay:
-        groups.append({"name": "no_decay", "params": [p for _, p in no_decay],
-                       "param_names": [n for n, _ in no_decay], "weight_decay": 0.0})
+        groups.append(
+            {
+                "name": "no_decay",
+                "params": [p for _, p in no_decay],
+                "param_names": [n for n, _ in no_decay],
+                "weight_decay": 0.0,
+            }
+        )
     return groups
 
 
-def make_optimizer(name: str, params: Iterable[Any], lr: float,
-                   weight_decay: float = 0.0) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Iterable[Any], lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
     """``torch.optim`` optimizer ``name``: sgd, momentum (SGD, momentum 0.9), adam, adamw.
 
     ``params``: tensors or parameter groups (``param_groups``); ``weight_decay`` is the
@@ -117,8 +134,9 @@ class LRSchedule:
         if self.kind not in LR_SCHEDULES:
             raise InputError(f"unknown --lr-schedule {self.kind!r} (choose {', '.join(LR_SCHEDULES)})")
         if self.warmup_steps < 0 or self.warmup_steps > self.total_steps:
-            raise InputError(f"--warmup-steps must be between 0 and --steps {self.total_steps} "
-                             f"(got {self.warmup_steps})")
+            raise InputError(
+                f"--warmup-steps must be between 0 and --steps {self.total_steps} (got {self.warmup_steps})"
+            )
         if not (math.isfinite(self.min_lr) and 0.0 <= self.min_lr <= lr):
             raise InputError(f"--min-lr must be between 0 and --lr {lr} (got {self.min_lr})")
 
@@ -141,8 +159,10 @@ class LRSchedule:
         """
         if self.kind == "constant":
             return f"constant(warmup_steps={self.warmup_steps})"
-        return (f"{self.kind}(warmup_steps={self.warmup_steps}, min_lr={self.min_lr!r}, "
-                f"total_steps={self.total_steps})")
+        return (
+            f"{self.kind}(warmup_steps={self.warmup_steps}, min_lr={self.min_lr!r}, "
+            f"total_steps={self.total_steps})"
+        )
 
 
 class _Factor:
@@ -157,8 +177,9 @@ class _Factor:
         return schedule.lr(step, self.peak) / self.peak
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule,
-                      lr: float) -> torch.optim.lr_scheduler.LambdaLR:
+def make_lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: LRSchedule, lr: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``torch.optim.lr_scheduler.LambdaLR`` following ``schedule`` from peak ``lr``.
 
     Stepped once per training step after the optimizer step; its ``state_dict`` (step

@@ -28,7 +28,15 @@ from pipeplan.precision import Precision
 from pipeplan.schedules.kinds import SCHEDULE_NAMES  # the names a plan may carry (the registry's)
 from pipeplan.topology import DeviceSpec, Level, Topology
 
-__all__ = ["PLAN_SCHEMA", "OLDER_PLAN_SCHEMAS", "SCHEDULE_NAMES", "EXPORT_TARGETS", "StagePlan", "Predicted", "Plan"]
+__all__ = [
+    "PLAN_SCHEMA",
+    "OLDER_PLAN_SCHEMAS",
+    "SCHEDULE_NAMES",
+    "EXPORT_TARGETS",
+    "StagePlan",
+    "Predicted",
+    "Plan",
+]
 
 PLAN_SCHEMA = "pipeplan.plan/2"
 OLDER_PLAN_SCHEMAS = ("pipeplan.plan/1",)  # still load (new fields take defaults)
@@ -59,7 +67,7 @@ class StagePlan:
     def replica_ranks(self, replica: int) -> tuple[int, ...]:
         """The tensor-parallel group of ``replica``: its ``tensor_parallel`` ranks."""
         t = self.tensor_parallel
-        return self.ranks[replica * t:(replica + 1) * t]
+        return self.ranks[replica * t : (replica + 1) * t]
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,9 @@ class Plan:
     # module classes run as opaque layers (the profile's; None: not recorded, OPAQUE_MODULES apply)
     opaque_modules: tuple[str, ...] | None = None
     cut_family: str = "prefix"  # cut states searched: "prefix", "all-downsets", "window-<w>" (planner.cuts)
-    cut_candidates: int = 0  # how many cut states (downsets, the empty and the full one included) that family held
+    cut_candidates: int = (
+        0  # how many cut states (downsets, the empty and the full one included) that family held
+    )
     virtual_stages: int = 1  # model chunks per device (interleaved-1f1b); stage q on position q % P
     # the engine whose cuts the planner kept to (`partition --for`): "pipelining" | "torchtitan";
     # None: any cut pipeplan's runtime runs
@@ -132,18 +142,14 @@ class Plan:
         return {"schema": out.pop("schema"), **out}
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any], where: str = "plan") -> "Plan":
+    def from_dict(cls, obj: dict[str, Any], where: str = "plan") -> Plan:
         _check_plan_fields(obj, where)
         try:
             stages = tuple(
                 StagePlan(**{**s, "ranks": tuple(s["ranks"]), "layers": tuple(s.get("layers", ()))})
                 for s in obj["stages"]
             )
-            rest = {
-                k: v
-                for k, v in obj.items()
-                if k not in ("schema", "stages", "topology", "predicted")
-            }
+            rest = {k: v for k, v in obj.items() if k not in ("schema", "stages", "topology", "predicted")}
             for name in ("leaf_modules", "opaque_modules"):
                 if rest.get(name) is not None:
                     rest[name] = tuple(rest[name])
@@ -162,7 +168,7 @@ class Plan:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Plan":
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
         return cls.from_dict(read_json(path, PLAN_SCHEMA, OLDER_PLAN_SCHEMAS), where=str(path))
 
 
@@ -194,7 +200,9 @@ def validate(plan: Plan) -> None:
     if plan.schedule not in SCHEDULE_NAMES:
         raise InputError(f"plan schedule {plan.schedule!r} is not one of {', '.join(SCHEDULE_NAMES)}")
     if plan.export_target is not None and plan.export_target not in EXPORT_TARGETS:
-        raise InputError(f"plan export_target {plan.export_target!r} is not one of {', '.join(EXPORT_TARGETS)}")
+        raise InputError(
+            f"plan export_target {plan.export_target!r} is not one of {', '.join(EXPORT_TARGETS)}"
+        )
     Precision(plan.dtype, plan.master_dtype)  # known dtypes, or one line naming the value
     if plan.world_size != plan.topology.world_size:
         raise InputError(
@@ -225,9 +233,7 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
             if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
                 raise InputError(f"plan stage {stage.index}: layer {layer!r} is not a layer index")
             if layer in owner:
-                raise InputError(
-                    f"plan stages {owner[layer]} and {stage.index} both hold layer {layer}"
-                )
+                raise InputError(f"plan stages {owner[layer]} and {stage.index} both hold layer {layer}")
             owner[layer] = stage.index
         first, end = min(stage.layers), max(stage.layers) + 1
         if (stage.layer_start, stage.layer_end) != (first, end):
@@ -245,8 +251,7 @@ def _check_stage_ranks(plan: Plan) -> None:
     virtual = plan.virtual_stages
     if not isinstance(virtual, int) or virtual < 1 or len(plan.stages) % virtual:
         raise InputError(
-            f"plan has {len(plan.stages)} stages, not a multiple of its {virtual!r} virtual stages "
-            f"per device"
+            f"plan has {len(plan.stages)} stages, not a multiple of its {virtual!r} virtual stages per device"
         )
     positions = len(plan.stages) // virtual
     seen: set[int] = set()

@@ -32,7 +32,7 @@ class Precision:
             raise InputError(f"master dtype {self.master_dtype!r} is not one of {', '.join(MASTER_DTYPES)}")
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> "Precision":
+    def for_dtype(cls, dtype: str) -> Precision:
         """The training precision pipeplan plans and runs for compute in ``dtype``: float32
         masters for a lower precision, else none (float32 trains in float32)."""
         return cls(dtype, "float32" if DTYPE_BYTES.get(dtype, 4) < 4 else None)

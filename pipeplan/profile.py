@@ -35,8 +35,16 @@ from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 
-__all__ = ["PROFILE_SCHEMA", "OLDER_PROFILE_SCHEMAS", "DeviceInfo", "LayerProfile", "ModuleRecord", "Profile", "MAX_MS",
-           "MAX_BYTES"]
+__all__ = [
+    "PROFILE_SCHEMA",
+    "OLDER_PROFILE_SCHEMAS",
+    "DeviceInfo",
+    "LayerProfile",
+    "ModuleRecord",
+    "Profile",
+    "MAX_MS",
+    "MAX_BYTES",
+]
 
 PROFILE_SCHEMA = "pipeplan.profile/2"
 OLDER_PROFILE_SCHEMAS = ("pipeplan.profile/1",)  # still load (new fields take defaults)
@@ -193,7 +201,7 @@ class Profile:
         return out
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any], where: str = "profile") -> "Profile":
+    def from_dict(cls, obj: dict[str, Any], where: str = "profile") -> Profile:
         check_fields(cls, obj, where, nested=("device", "layers", "modules"))
         check_fields(DeviceInfo, obj["device"], f"{where}: device")
         for name, kind in (("layers", LayerProfile), ("modules", ModuleRecord)):
@@ -215,8 +223,13 @@ class Profile:
             )
             fields = {k: v for k, v in obj.items() if k not in ("layers", "device", "schema", "modules")}
             fields["modules"] = tuple(ModuleRecord(**module) for module in obj.get("modules", ()))
-            for name in ("leaf_modules", "dropped_outputs", "opaque_modules", "pipelining_reach",
-                         "pipelining_blocked"):
+            for name in (
+                "leaf_modules",
+                "dropped_outputs",
+                "opaque_modules",
+                "pipelining_reach",
+                "pipelining_blocked",
+            ):
                 if name in fields:
                     fields[name] = tuple(fields[name])
             return cls(device=DeviceInfo(**obj["device"]), layers=layers, **fields)
@@ -229,7 +242,7 @@ class Profile:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Profile":
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
         return cls.from_dict(read_json(path, PROFILE_SCHEMA, OLDER_PROFILE_SCHEMAS), where=str(path))
 
 
@@ -255,21 +268,42 @@ def validate(profile: Profile) -> None:
         for name in ("forward_ms", "backward_ms", "forward_ms_spread", "backward_ms_spread"):
             _check_amount(getattr(layer, name), MAX_MS, f"profile layer {layer.index} ({layer.name}): {name}")
         for name in ("output_bytes", "param_bytes", "saved_bytes"):
-            _check_amount(getattr(layer, name), MAX_BYTES,
-                          f"profile layer {layer.index} ({layer.name}): {name}", integer=True)
+            _check_amount(
+                getattr(layer, name),
+                MAX_BYTES,
+                f"profile layer {layer.index} ({layer.name}): {name}",
+                integer=True,
+            )
         for name in ("tp_split_forward_ms", "tp_split_backward_ms"):
-            _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
-                          f"profile layer {layer.index} ({layer.name}): {name}")
-        _check_amount(layer.largest_param_bytes, layer.param_bytes,
-                      f"profile layer {layer.index} ({layer.name}): largest_param_bytes", integer=True)
+            _check_amount(
+                getattr(layer, name),
+                getattr(layer, name[len("tp_split_") :]),
+                f"profile layer {layer.index} ({layer.name}): {name}",
+            )
+        _check_amount(
+            layer.largest_param_bytes,
+            layer.param_bytes,
+            f"profile layer {layer.index} ({layer.name}): largest_param_bytes",
+            integer=True,
+        )
         for name in ("tp_split_param_bytes", "tp_split_saved_bytes"):
-            _check_amount(getattr(layer, name), getattr(layer, name[len("tp_split_"):]),
-                          f"profile layer {layer.index} ({layer.name}): {name}", integer=True)
+            _check_amount(
+                getattr(layer, name),
+                getattr(layer, name[len("tp_split_") :]),
+                f"profile layer {layer.index} ({layer.name}): {name}",
+                integer=True,
+            )
         for name in ("tp_units", "tp_allreduce_bytes", "tp_forward_allreduces", "tp_backward_allreduces"):
-            _check_amount(getattr(layer, name), MAX_BYTES, f"profile layer {layer.index} ({layer.name}): {name}",
-                          integer=True)
+            _check_amount(
+                getattr(layer, name),
+                MAX_BYTES,
+                f"profile layer {layer.index} ({layer.name}): {name}",
+                integer=True,
+            )
         if not all(isinstance(name, str) and name for name in layer.parameters):
-            raise InputError(f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names")
+            raise InputError(
+                f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names"
+            )
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
@@ -293,7 +327,9 @@ def validate(profile: Profile) -> None:
     _validate_modules(profile.modules)
     reach, n = profile.pipelining_reach, len(profile.layers)
     if reach and (len(reach) != n or not all(isinstance(r, int) and -1 <= r < n for r in reach)):
-        raise InputError(f"profile pipelining_reach must hold {n} layer indices (-1 .. {n - 1}), one per layer")
+        raise InputError(
+            f"profile pipelining_reach must hold {n} layer indices (-1 .. {n - 1}), one per layer"
+        )
     blocked = profile.pipelining_blocked
     if blocked and (len(blocked) != n or not all(isinstance(why, str) for why in blocked) or blocked[0]):
         raise InputError(f"profile pipelining_blocked must hold {n} strings, one per layer (the first empty)")

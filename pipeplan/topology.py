@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
@@ -81,12 +82,12 @@ class Topology:
         }
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Topology":
+    def load(cls, path: str | os.PathLike[str]) -> Topology:
         """Read a topology YAML file (see the module docstring)."""
         return load_topology(path)
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> "Topology":
+    def from_dict(cls, obj: dict[str, Any]) -> Topology:
         """From ``to_dict``'s form (types checked by the reader); ``InputError`` on a bad range."""
         topology = cls(
             name=obj["name"],
@@ -144,8 +145,7 @@ def _mapping(
             )
         if key not in allowed:
             raise InputError(
-                f"{_where(source, key_node)}: unknown key '{key}' in {what} "
-                f"(allowed: {', '.join(allowed)})"
+                f"{_where(source, key_node)}: unknown key '{key}' in {what} (allowed: {', '.join(allowed)})"
             )
         out[key] = (key_node, value_node)
     return out
@@ -278,9 +278,7 @@ def preset(name: str) -> Topology:
     """The bundled topology preset ``name`` (e.g. ``"cluster-a"``, ``"local-cpu"``)."""
     resource = resources.files("pipeplan.configs.topologies") / f"{name}.yaml"
     if not resource.is_file():
-        raise InputError(
-            f"no topology preset {name!r} (presets: {', '.join(preset_names())})"
-        )
+        raise InputError(f"no topology preset {name!r} (presets: {', '.join(preset_names())})")
     return parse_topology(resource.read_text(), source=f"preset {name}")
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from pipeplan.errors import InputError
 from pipeplan.jsonio import JSONValue, read_json_object, write_atomic
@@ -76,7 +77,7 @@ class TraceEvent:
         }
 
     @classmethod
-    def from_chrome(cls, event: Mapping[str, Any]) -> "TraceEvent":
+    def from_chrome(cls, event: Mapping[str, Any]) -> TraceEvent:
         args = event.get("args") or {}
         return cls(
             name=str(event["name"]),
@@ -105,17 +106,12 @@ def to_chrome_trace(
             names[event.rank] = f"rank {event.rank}{where}"
     meta: list[dict[str, Any]] = []
     for rank in sorted(names):
+        meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": names[rank]}})
         meta.append(
-            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": names[rank]}}
-        )
-        meta.append(
-            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-             "args": {"sort_index": rank}}
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0, "args": {"sort_index": rank}}
         )
         for tid, label in ((COMPUTE_TID, "compute"), (COMM_TID, "communication")):
-            meta.append(
-                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": label}}
-            )
+            meta.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": label}})
     return {
         "traceEvents": meta + [event.to_chrome() for event in ordered],
         "displayTimeUnit": "ms",
@@ -159,9 +155,7 @@ def validate_chrome_trace(obj: JSONValue, where: str = "trace") -> None:
         required = ("name", "ph", "ts", "dur", "pid", "tid") if phase == "X" else ("name", "pid")
         missing = [key for key in required if key not in event]
         if phase not in ("X", "M") or missing:
-            raise InputError(
-                f"{where}: traceEvents[{position}] has ph={phase!r}, missing {missing}"
-            )
+            raise InputError(f"{where}: traceEvents[{position}] has ph={phase!r}, missing {missing}")
         if phase == "X":
             for key in ("ts", "dur"):
                 value = event[key]

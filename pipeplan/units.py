@@ -58,9 +58,7 @@ def _split(text: object, units: dict[str, float] | dict[str, int], what: str) ->
         raise ValueError(f"{what} {text!r} is not '<number> <unit>'")
     number, unit = float(match.group(1)), match.group(2)
     if unit not in units:
-        raise ValueError(
-            f"unknown {what} unit {unit!r} in {text!r} (expected one of {', '.join(units)})"
-        )
+        raise ValueError(f"unknown {what} unit {unit!r} in {text!r} (expected one of {', '.join(units)})")
     if not math.isfinite(number):
         raise ValueError(f"{what} {text!r} is not finite")
     return number, unit

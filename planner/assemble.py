@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 from pipeplan.plan import Plan, Predicted, StagePlan
-from pipeplan.precision import Precision
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays
 from pipeplan.planner.cuts import CutFamily
@@ -24,7 +23,10 @@ def data_parallel_ms(arrays: LayerArrays, topology: Topology, cost_model_name: s
 
 
 def stage_figures(
-    flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions,
+    flat: tuple[FlatStage, ...],
+    arrays: LayerArrays,
+    topology: Topology,
+    options: PartitionOptions,
     single_nodes: frozenset = frozenset(),
 ) -> list[tuple[float, float, float, float]]:
     """(compute, all-reduce, communication, time per minibatch) in ms for each stage (the cost model's)."""
@@ -33,9 +35,16 @@ def stage_figures(
     )
 
 
-def assemble_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
-                  stages: tuple[StagePlan, ...], time_ms: float, virtual_stages: int = 1,
-                  family: CutFamily | None = None) -> Plan:
+def assemble_plan(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    arrays: LayerArrays,
+    stages: tuple[StagePlan, ...],
+    time_ms: float,
+    virtual_stages: int = 1,
+    family: CutFamily | None = None,
+) -> Plan:
     """A ``Plan`` of ``stages`` predicting ``time_ms`` per minibatch (baselines from ``arrays``,
     cut at the states of ``family``; default: the prefixes of the layer order)."""
     if family is None:
@@ -55,14 +64,25 @@ def assemble_plan(profile: Profile, topology: Topology, options: PartitionOption
     replicas = [stage.replicas for stage in stages[:positions]]
     bottleneck = max(range(len(stages)), key=lambda q: stages[q].time_per_minibatch_ms)
     return Plan(
-        profile_fingerprint=profile.fingerprint, model=profile.model, batch_size=profile.batch_size,
-        dtype=profile.dtype, topology=topology, schedule=options.schedule, cost_model=options.cost_model,
-        optimizer=options.optimizer, world_size=topology.world_size,
+        profile_fingerprint=profile.fingerprint,
+        model=profile.model,
+        batch_size=profile.batch_size,
+        dtype=profile.dtype,
+        topology=topology,
+        schedule=options.schedule,
+        cost_model=options.cost_model,
+        optimizer=options.optimizer,
+        world_size=topology.world_size,
         in_flight=schedule_kind(options.schedule).minibatches_in_flight(replicas),
-        stages=stages, predicted=predicted, bottleneck_stage=bottleneck,
-        microbatches=options.microbatches, virtual_stages=virtual_stages,
-        leaf_modules=profile.leaf_modules, opaque_modules=profile.opaque_modules,
-        cut_family=family.name, cut_candidates=family.states,
+        stages=stages,
+        predicted=predicted,
+        bottleneck_stage=bottleneck,
+        microbatches=options.microbatches,
+        virtual_stages=virtual_stages,
+        leaf_modules=profile.leaf_modules,
+        opaque_modules=profile.opaque_modules,
+        cut_family=family.name,
+        cut_candidates=family.states,
         export_target=options.export_target,
         master_dtype=profile.master_dtype,
     )

@@ -11,19 +11,18 @@ names the smallest memory in which one of them would. Equally fast candidates (w
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
+from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
+from pipeplan.planner.options import PartitionOptions
+from pipeplan.planner.partition import partition, resimulated
 from pipeplan.profile import Profile
 from pipeplan.schedules import SCHEDULE_KINDS, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
-from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
-from pipeplan.planner.options import PartitionOptions
-from pipeplan.planner.partition import partition, resimulated
-
 
 __all__ = ["Candidate", "SearchResult", "candidate_shapes", "choose_schedule", "device_peak_bytes", "search"]
 
@@ -83,8 +82,9 @@ def _counts(options: PartitionOptions, batch_size: int, world_size: int) -> list
     return sorted(small | large) or [1]
 
 
-def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int,
-                     schedules: Sequence[str] | None = None) -> list[tuple[str, int, int | None]]:
+def candidate_shapes(
+    options: PartitionOptions, batch_size: int, world_size: int, schedules: Sequence[str] | None = None
+) -> list[tuple[str, int, int | None]]:
     """(schedule, micro-batches, virtual stages) to plan, in registry order (only
     ``schedules`` when given).
 
@@ -107,8 +107,13 @@ def candidate_shapes(options: PartitionOptions, batch_size: int, world_size: int
     return out
 
 
-def search(profile: Profile, topology: Topology, options: PartitionOptions,
-           schedules: Sequence[str] | None = None, misfit_memory: bool = True) -> SearchResult:
+def search(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    schedules: Sequence[str] | None = None,
+    misfit_memory: bool = True,
+) -> SearchResult:
     """Plan every candidate shape (of ``schedules`` only, when given); the fastest that
     fits (ties within ``TIE_REL``: fewer micro-batches, whose per-message costs the time
     model leaves out, then the smaller peak memory, then the earlier candidate).
@@ -128,13 +133,22 @@ def search(profile: Profile, topology: Topology, options: PartitionOptions,
     return _search(profile, topology, options, schedules, misfit_memory=True)
 
 
-def _search(profile: Profile, topology: Topology, options: PartitionOptions, schedules: Sequence[str] | None,
-            misfit_memory: bool) -> SearchResult:
+def _search(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    schedules: Sequence[str] | None,
+    misfit_memory: bool,
+) -> SearchResult:
     candidates: list[Candidate] = []
     plans: list[Plan | None] = []
     for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size, schedules):
-        shape = replace(options, schedule=name, microbatches=micro,
-                        virtual_stages=virtual if schedule_kind(name).virtual_stages else None)
+        shape = replace(
+            options,
+            schedule=name,
+            microbatches=micro,
+            virtual_stages=virtual if schedule_kind(name).virtual_stages else None,
+        )
         plan: Plan | None = None
         note = ""
         fits = True
@@ -156,15 +170,18 @@ def _search(profile: Profile, topology: Topology, options: PartitionOptions, sch
         else:
             peak = device_peak_bytes(plan)
             fits = fits and peak <= topology.device.memory_bytes
-            candidates.append(Candidate(name, micro, plan.virtual_stages,
-                                        plan.predicted.time_per_minibatch_ms, peak, fits))
+            candidates.append(
+                Candidate(name, micro, plan.virtual_stages, plan.predicted.time_per_minibatch_ms, peak, fits)
+            )
         plans.append(plan)
     fitting = [i for i, c in enumerate(candidates) if c.fits]
     if not fitting:
         planned = [c for c in candidates if c.peak_memory_bytes > 0]
         if not planned:
-            raise InfeasibleError("no schedule can be planned: " + "; ".join(
-                f"{c.schedule} M={c.microbatches}: {c.note}" for c in candidates[:3]))
+            raise InfeasibleError(
+                "no schedule can be planned: "
+                + "; ".join(f"{c.schedule} M={c.microbatches}: {c.note}" for c in candidates[:3])
+            )
         least = min(planned, key=lambda c: c.peak_memory_bytes)
         raise InfeasibleError(
             f"no schedule fits in {format_bytes(topology.device.memory_bytes)} per device; the smallest "
@@ -191,7 +208,8 @@ def choose_schedule(profile: Profile, topology: Topology, options: PartitionOpti
     best = found.best
     others = ", ".join(
         f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
-        for i, c in enumerate(found.candidates) if i != found.chosen and c.fits
+        for i, c in enumerate(found.candidates)
+        if i != found.chosen and c.fits
     )
     reason = (
         f"{best.schedule} (M={best.microbatches}, v={best.virtual_stages}) simulates "

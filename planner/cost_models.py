@@ -18,8 +18,9 @@ comparing its name:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import InputError
 from pipeplan.planner.costs import COST_MODELS, LayerArrays, ring_allreduce_ms, transfer_ms
@@ -49,9 +50,14 @@ class CostModel:
         """The optimizer whose measured step counts as compute (None: none does)."""
         return optimizer if self.charges_optimizer else None
 
-    def stage_figures(self, flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology,
-                      activation_compression_ratio: float | None = None,
-                      single_nodes: frozenset = frozenset()) -> StageFigures:
+    def stage_figures(
+        self,
+        flat: tuple[FlatStage, ...],
+        arrays: LayerArrays,
+        topology: Topology,
+        activation_compression_ratio: float | None = None,
+        single_nodes: frozenset = frozenset(),
+    ) -> StageFigures:
         """(compute, all-reduce, communication, time per minibatch) in ms for each stage."""
         return self._stage_figures(flat, arrays, topology, activation_compression_ratio, single_nodes)
 
@@ -73,8 +79,13 @@ def _outgoing_level(flat: tuple[FlatStage, ...], index: int) -> int:
     return here[-1].level
 
 
-def _pipeplan_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology,
-                            ratio: float | None, single_nodes: frozenset) -> StageFigures:
+def _pipeplan_stage_figures(
+    flat: tuple[FlatStage, ...],
+    arrays: LayerArrays,
+    topology: Topology,
+    ratio: float | None,
+    single_nodes: frozenset,
+) -> StageFigures:
     out = []
     for q, stage in enumerate(flat):
         compute = arrays.compute(stage.start, stage.end)
@@ -83,18 +94,35 @@ def _pipeplan_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, to
         above = 1
         for node in stage.path:  # top first
             lv = topology.levels[node.level - 1]
-            ar = float(ring_allreduce_ms(arrays.sync_bytes(node.start, node.end), node.units,
-                                         lv.bandwidth_bytes_per_s, lv.latency_ms)) / above
+            ar = (
+                float(
+                    ring_allreduce_ms(
+                        arrays.sync_bytes(node.start, node.end),
+                        node.units,
+                        lv.bandwidth_bytes_per_s,
+                        lv.latency_ms,
+                    )
+                )
+                / above
+            )
             allreduce = max(allreduce, ar)
             if comm_level == node.level:
-                comm = float(transfer_ms(arrays.cut_bytes[stage.end], lv.bandwidth_bytes_per_s, lv.latency_ms)) / above
+                comm = (
+                    float(transfer_ms(arrays.cut_bytes[stage.end], lv.bandwidth_bytes_per_s, lv.latency_ms))
+                    / above
+                )
             above *= node.units
         out.append((compute, allreduce, comm, max(compute / above, allreduce, comm)))
     return out
 
 
-def _pipedream_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, topology: Topology,
-                             ratio: float | None, single_nodes: frozenset) -> StageFigures:
+def _pipedream_stage_figures(
+    flat: tuple[FlatStage, ...],
+    arrays: LayerArrays,
+    topology: Topology,
+    ratio: float | None,
+    single_nodes: frozenset,
+) -> StageFigures:
     out = []
     for q, stage in enumerate(flat):
         compute = arrays.compute(stage.start, stage.end)
@@ -102,7 +130,9 @@ def _pipedream_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, t
         time = compute / 1000.0
         allreduce = 0.0
         comm = 0.0
-        within_of = {k + 1: (topology.levels[k - 1].count if k >= 1 else 1) for k in range(len(topology.levels))}
+        within_of = {
+            k + 1: (topology.levels[k - 1].count if k >= 1 else 1) for k in range(len(topology.levels))
+        }
         for node in reversed(stage.path):  # innermost first
             lv = topology.levels[node.level - 1]
             grads = arrays.sync_bytes(node.start, node.end)
@@ -111,7 +141,13 @@ def _pipedream_stage_figures(flat: tuple[FlatStage, ...], arrays: LayerArrays, t
                 ar /= within_of[node.level]
             allreduce += ar * 1000.0
             if ratio is not None and comm_level == node.level:
-                comm = 2.0 * arrays.frontier_bytes[stage.end] / (lv.bandwidth_bytes_per_s * node.units) / ratio * 1000.0
+                comm = (
+                    2.0
+                    * arrays.frontier_bytes[stage.end]
+                    / (lv.bandwidth_bytes_per_s * node.units)
+                    / ratio
+                    * 1000.0
+                )
             time = max((time + ar) / node.units, comm / 1000.0)
         out.append((compute, allreduce, comm, time * 1000.0))
     return out
@@ -121,7 +157,9 @@ def _pipeplan_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float
     time = arrays.compute(0, arrays.layers)
     grads = arrays.sync_bytes(0, arrays.layers)
     for level in topology.levels:
-        allreduce = float(ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms))
+        allreduce = float(
+            ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
+        )
         time = max(time / level.count, allreduce)
     return time
 
@@ -134,7 +172,9 @@ def _pipedream_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> floa
 
 COST_MODEL_OBJECTS: dict[str, CostModel] = {
     "pipeplan": CostModel("pipeplan", True, True, True, _pipeplan_stage_figures, _pipeplan_data_parallel_ms),
-    "pipedream": CostModel("pipedream", False, False, False, _pipedream_stage_figures, _pipedream_data_parallel_ms),
+    "pipedream": CostModel(
+        "pipedream", False, False, False, _pipedream_stage_figures, _pipedream_data_parallel_ms
+    ),
 }
 
 

@@ -28,14 +28,22 @@ from typing import overload
 
 import numpy as np
 
+from pipeplan.planner.cuts import CutFamily, prefix_family
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
-from pipeplan.planner.cuts import CutFamily, prefix_family
 
 # a number, or a numpy array of numbers: the cost formulas work elementwise on either
 Elementwise = float | np.ndarray
 
-__all__ = ["COST_MODELS", "LayerArrays", "layer_arrays", "layer_compute_ms", "update_ms", "ring_allreduce_ms", "transfer_ms"]
+__all__ = [
+    "COST_MODELS",
+    "LayerArrays",
+    "layer_arrays",
+    "layer_compute_ms",
+    "update_ms",
+    "ring_allreduce_ms",
+    "transfer_ms",
+]
 
 COST_MODELS = ("pipeplan", "pipedream")
 
@@ -76,7 +84,11 @@ class LayerArrays:
 
     def nested(self, i: int, j: int) -> bool:
         """True when a stage can run from state i to state j (state i a proper subset of j)."""
-        if self.family is not None and self.family.stage_ok is not None and not (i < j and self.family.stage_ok[i, j]):
+        if (
+            self.family is not None
+            and self.family.stage_ok is not None
+            and not (i < j and self.family.stage_ok[i, j])
+        ):
             return False
         if self.family is None or self.family.masks is None:
             return i < j
@@ -135,7 +147,10 @@ class LayerArrays:
         def holds(k: np.ndarray) -> np.ndarray:
             return counts[ends, k] - counts[starts, k] > 0.5
 
-        low, high = np.zeros(starts.shape, dtype=np.intp), np.full(starts.shape, len(sizes) - 1, dtype=np.intp)
+        low, high = (
+            np.zeros(starts.shape, dtype=np.intp),
+            np.full(starts.shape, len(sizes) - 1, dtype=np.intp),
+        )
         while np.any(open_ := low < high):  # the first (largest) size the stage holds
             middle = (low + high) // 2
             found = holds(middle)
@@ -185,7 +200,9 @@ def layer_compute_ms(profile: Profile, optimizer: str | None) -> list[float]:
     return compute
 
 
-def layer_arrays(profile: Profile, optimizer: str | None = None, family: CutFamily | None = None) -> LayerArrays:
+def layer_arrays(
+    profile: Profile, optimizer: str | None = None, family: CutFamily | None = None
+) -> LayerArrays:
     """Sums and cut sizes of ``profile`` over the states of ``family`` (default: the
     prefixes); compute includes ``optimizer``'s step. O(N + edges) for prefixes, O(F N^2)
     (one matrix product) for a family of F downsets."""
@@ -259,16 +276,20 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
 
 
 @overload
-def ring_allreduce_ms(param_bytes: float, replicas: float, bandwidth_bytes_per_s: float,
-                      latency_ms: float = 0.0) -> float: ...
+def ring_allreduce_ms(
+    param_bytes: float, replicas: float, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> float: ...
 @overload
-def ring_allreduce_ms(param_bytes: np.ndarray, replicas: Elementwise, bandwidth_bytes_per_s: float,
-                      latency_ms: float = 0.0) -> np.ndarray: ...
+def ring_allreduce_ms(
+    param_bytes: np.ndarray, replicas: Elementwise, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> np.ndarray: ...
 @overload
-def ring_allreduce_ms(param_bytes: Elementwise, replicas: np.ndarray, bandwidth_bytes_per_s: float,
-                      latency_ms: float = 0.0) -> np.ndarray: ...
-def ring_allreduce_ms(param_bytes: Elementwise, replicas: Elementwise, bandwidth_bytes_per_s: float,
-                      latency_ms: float = 0.0) -> Elementwise:
+def ring_allreduce_ms(
+    param_bytes: Elementwise, replicas: np.ndarray, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> np.ndarray: ...
+def ring_allreduce_ms(
+    param_bytes: Elementwise, replicas: Elementwise, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> Elementwise:
     """Ring all-reduce of ``param_bytes`` among ``replicas``: 2(m-1)/m * P / B (+ 2(m-1) latencies).
 
     Works elementwise on numpy arrays. 0 for one replica.
@@ -280,8 +301,9 @@ def ring_allreduce_ms(param_bytes: Elementwise, replicas: Elementwise, bandwidth
 @overload
 def transfer_ms(cut_bytes: float, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float: ...
 @overload
-def transfer_ms(cut_bytes: np.ndarray, bandwidth_bytes_per_s: float,
-                latency_ms: float = 0.0) -> np.ndarray: ...
+def transfer_ms(
+    cut_bytes: np.ndarray, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> np.ndarray: ...
 def transfer_ms(cut_bytes: Elementwise, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> Elementwise:
     """Activations forward plus gradients back over one cut: 2 a / B (+ 2 latencies) in ms."""
     return 2.0 * cut_bytes / bandwidth_bytes_per_s * 1e3 + np.where(cut_bytes > 0, 2.0 * latency_ms, 0.0)

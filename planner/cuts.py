@@ -35,7 +35,16 @@ import numpy as np
 
 from pipeplan.profile import Profile
 
-__all__ = ["MAX_CUT_STATES", "LARGE_GRAPH_LAYERS", "CutFamily", "cut_family", "state_budget", "prefix_family", "downsets", "is_chain"]
+__all__ = [
+    "MAX_CUT_STATES",
+    "LARGE_GRAPH_LAYERS",
+    "CutFamily",
+    "cut_family",
+    "state_budget",
+    "prefix_family",
+    "downsets",
+    "is_chain",
+]
 
 MAX_CUT_STATES = 256
 LARGE_GRAPH_LAYERS = 512

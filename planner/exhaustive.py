@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from pipeplan.profile import Profile
-from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, stage_figures
 from pipeplan.planner.placement import flatten
+from pipeplan.profile import Profile
+from pipeplan.topology import Topology
 
 __all__ = ["pipelines", "evaluate", "exhaustive_best"]
 
@@ -29,8 +29,9 @@ __all__ = ["pipelines", "evaluate", "exhaustive_best"]
 Nested = Callable[[int, int], bool]
 
 
-def _compositions(start: int, end: int, units: int, straight: bool, fewer: bool,
-                  nested: Nested) -> Iterator[list[tuple[int, int, int]]]:
+def _compositions(
+    start: int, end: int, units: int, straight: bool, fewer: bool, nested: Nested
+) -> Iterator[list[tuple[int, int, int]]]:
     """Every chain of states start < s_1 < ... < end (each a proper subset of the next)
     with unit counts summing to ``units``."""
     if start == end:
@@ -47,8 +48,15 @@ def _compositions(start: int, end: int, units: int, straight: bool, fewer: bool,
                 yield [(start, stop, count)] + rest
 
 
-def pipelines(level: int, start: int, end: int, units: int, topology: Topology, options: PartitionOptions,
-              nested: Nested = lambda i, j: i < j) -> Iterator[tuple[StageNode, ...]]:
+def pipelines(
+    level: int,
+    start: int,
+    end: int,
+    units: int,
+    topology: Topology,
+    options: PartitionOptions,
+    nested: Nested = lambda i, j: i < j,
+) -> Iterator[tuple[StageNode, ...]]:
     """Every pipeline from state ``start`` to state ``end`` on ``units`` units of level
     ``level`` (1-based); ``nested(i, j)``: a stage may run from state i to state j."""
     fewer = options.use_fewer_devices
@@ -62,7 +70,9 @@ def pipelines(level: int, start: int, end: int, units: int, topology: Topology, 
             yield tuple(StageNode(level, s, e, c, kids) for (s, e, c), kids in zip(stages, inner))
 
 
-def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> float:
+def evaluate(
+    tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions
+) -> float:
     """Time per minibatch (ms) of ``tree``, or inf when a stage does not fit in memory."""
     flat = flatten(tree, topology)
     if options.max_stages is not None and len(flat) > options.max_stages:
@@ -71,16 +81,24 @@ def evaluate(tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topolog
     if options.memory_check:
         for q, stage in enumerate(flat):
             memory, _, _ = plan_stage_memory(
-                options.schedule, replicas, q, arrays.params(stage.start, stage.end),
-                arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
-                precision=arrays.precision, largest_param_bytes=arrays.largest(stage.start, stage.end),
+                options.schedule,
+                replicas,
+                q,
+                arrays.params(stage.start, stage.end),
+                arrays.saved(stage.start, stage.end),
+                options.optimizer,
+                options.microbatches,
+                precision=arrays.precision,
+                largest_param_bytes=arrays.largest(stage.start, stage.end),
             )
             if memory > topology.device.memory_bytes:
                 return math.inf
     return max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
 
 
-def exhaustive_best(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...] | None]:
+def exhaustive_best(
+    profile: Profile, topology: Topology, options: PartitionOptions
+) -> tuple[float, tuple[StageNode, ...] | None]:
     """(best time in ms, its tree) over every plan cutting at the planner's cut states
     (every downset on a small DAG); (inf, None) when none fits. Trees are over states."""
     arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))

@@ -18,16 +18,16 @@ prunes candidate plans with it before simulating any of them.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
-from pipeplan.precision import Precision
-from pipeplan.profile import Profile
-from pipeplan.schedules import names_where, schedule_kind
-from pipeplan.topology import Topology
 from pipeplan.planner.costs import update_ms
 from pipeplan.planner.cuts import CutFamily
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.simulate import allreduce_ms
+from pipeplan.precision import Precision
+from pipeplan.profile import Profile
+from pipeplan.schedules import names_where, schedule_kind
+from pipeplan.topology import Topology
 
 __all__ = ["BOUNDED_SCHEDULES", "flush_period_bound_ms"]
 
@@ -35,8 +35,15 @@ __all__ = ["BOUNDED_SCHEDULES", "flush_period_bound_ms"]
 BOUNDED_SCHEDULES = names_where(lambda kind: kind.flush_period_bounded)
 
 
-def flush_period_bound_ms(profile: Profile, family: CutFamily, flat: Sequence[FlatStage], topology: Topology,
-                          schedule: str, microbatches: int, charged_optimizer: str | None) -> float:
+def flush_period_bound_ms(
+    profile: Profile,
+    family: CutFamily,
+    flat: Sequence[FlatStage],
+    topology: Topology,
+    schedule: str,
+    microbatches: int,
+    charged_optimizer: str | None,
+) -> float:
     """The bound of the module docstring for the stages ``flat`` (cut states of
     ``family``, ranks of ``topology``) under ``schedule`` with ``microbatches``; 0.0 for
     a schedule it does not cover (``BOUNDED_SCHEDULES``). O(layers + stages).

@@ -11,21 +11,20 @@ registry's activations in flight per chunk) is kept.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
+from pipeplan.planner.assemble import assemble_plan
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
+from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.options import PartitionOptions
+from pipeplan.planner.predict import predict
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
-from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
-from pipeplan.planner.memory import plan_stage_memory
-from pipeplan.planner.assemble import assemble_plan
-from pipeplan.planner.options import PartitionOptions
-from pipeplan.planner.predict import predict
-
 
 __all__ = ["VIRTUAL_CANDIDATES", "balanced_cuts", "interleaved_plan", "partition_interleaved", "rechunk"]
 
@@ -70,8 +69,15 @@ def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
     return cuts
 
 
-def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
-                     positions: int, virtual: int, ranks: Sequence[int] | None = None) -> tuple[Plan, int]:
+def interleaved_plan(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    arrays: LayerArrays,
+    positions: int,
+    virtual: int,
+    ranks: Sequence[int] | None = None,
+) -> tuple[Plan, int]:
     """(plan before simulation, peak bytes per device) of v * p balanced chunks.
 
     Position i runs on ``ranks[i]`` (default: rank i).
@@ -93,16 +99,38 @@ def interleaved_plan(profile: Profile, topology: Topology, options: PartitionOpt
             level = topology.levels[topology.level_joining(rank_of[i], rank_of[(q + 1) % positions])]
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
         memory, versions, in_flight = plan_stage_memory(
-            options.schedule, replicas, i, arrays.params(start, end), arrays.saved(start, end), optimizer,
-            micro, virtual, chunk=c, precision=arrays.precision,
-            largest_param_bytes=max(arrays.largest(cuts[k], cuts[k + 1]) for k in range(i, chunks, positions)))
+            options.schedule,
+            replicas,
+            i,
+            arrays.params(start, end),
+            arrays.saved(start, end),
+            optimizer,
+            micro,
+            virtual,
+            chunk=c,
+            precision=arrays.precision,
+            largest_param_bytes=max(
+                arrays.largest(cuts[k], cuts[k + 1]) for k in range(i, chunks, positions)
+            ),
+        )
         device_bytes[i] += memory
         compute = arrays.compute(start, end)
-        stages.append(StagePlan(
-            index=q, layer_start=start, layer_end=end, replicas=1, ranks=(rank_of[i],), compute_ms=compute,
-            allreduce_ms=0.0, communication_ms=comm, time_per_minibatch_ms=max(compute, comm),
-            memory_bytes=memory, weight_versions=versions, in_flight=max(1, math.ceil(in_flight)),
-        ))
+        stages.append(
+            StagePlan(
+                index=q,
+                layer_start=start,
+                layer_end=end,
+                replicas=1,
+                ranks=(rank_of[i],),
+                compute_ms=compute,
+                allreduce_ms=0.0,
+                communication_ms=comm,
+                time_per_minibatch_ms=max(compute, comm),
+                memory_bytes=memory,
+                weight_versions=versions,
+                in_flight=max(1, math.ceil(in_flight)),
+            )
+        )
     time_ms = max(stage.time_per_minibatch_ms for stage in stages)
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, virtual)
     return plan, int(max(device_bytes))
@@ -129,7 +157,9 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     virtuals = [wanted] if wanted else [v for v in VIRTUAL_CANDIDATES if v * positions <= arrays.layers]
     kind.check((1,) * positions, options.microbatches, max(virtuals))
     if wanted and wanted * positions > arrays.layers:
-        raise InputError(f"{wanted} chunks on {positions} devices need {wanted * positions} layers (got {arrays.layers})")
+        raise InputError(
+            f"{wanted} chunks on {positions} devices need {wanted * positions} layers (got {arrays.layers})"
+        )
     best: Plan | None = None
     smallest = math.inf
     memory = topology.device.memory_bytes
@@ -149,22 +179,34 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     return best
 
 
-def rechunk(plan: Plan, profile: Profile, schedule: str, virtual: int = 2, microbatches: int | None = None) -> Plan:
+def rechunk(
+    plan: Plan, profile: Profile, schedule: str, virtual: int = 2, microbatches: int | None = None
+) -> Plan:
     """``plan``'s devices running ``schedule`` (one of virtual stages): v * p balanced chunks, simulated.
 
     For comparing a one-chunk plan with interleaving on the same devices (``pipeplan
     simulate -s all``). Needs a straight plan (one device per stage): ``InputError`` else.
     """
     if any(stage.replicas != 1 for stage in plan.stages) or plan.virtual_stages != 1:
-        raise InputError("interleaving needs a straight plan of one chunk per device (partition with --straight)")
+        raise InputError(
+            "interleaving needs a straight plan of one chunk per device (partition with --straight)"
+        )
     positions = len(plan.stages)
     micro = microbatches or positions * max(1, math.ceil(plan.microbatches / positions))
-    options = PartitionOptions(schedule=schedule, cost_model=plan.cost_model, optimizer=plan.optimizer,
-                               microbatches=micro, virtual_stages=virtual)
+    options = PartitionOptions(
+        schedule=schedule,
+        cost_model=plan.cost_model,
+        optimizer=plan.optimizer,
+        microbatches=micro,
+        virtual_stages=virtual,
+    )
     arrays = layer_arrays(profile, cost_model(plan.cost_model).charged_optimizer(plan.optimizer))
     schedule_kind(options.schedule).check((1,) * positions, micro, virtual)
     if virtual * positions > arrays.layers:
-        raise InputError(f"{virtual} chunks on {positions} devices need {virtual * positions} layers (got {arrays.layers})")
-    chunked, _ = interleaved_plan(profile, plan.topology, options, arrays, positions, virtual,
-                                  [stage.ranks[0] for stage in plan.stages])
+        raise InputError(
+            f"{virtual} chunks on {positions} devices need {virtual * positions} layers (got {arrays.layers})"
+        )
+    chunked, _ = interleaved_plan(
+        profile, plan.topology, options, arrays, positions, virtual, [stage.ranks[0] for stage in plan.stages]
+    )
     return predict(chunked, profile)

@@ -25,7 +25,8 @@ lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence, overload
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, overload
 
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
@@ -34,6 +35,7 @@ from pipeplan.schedules import schedule_kind
 
 if TYPE_CHECKING:  # typing only
     import numpy as np
+
     from pipeplan.planner.costs import Elementwise
 
 __all__ = [
@@ -63,8 +65,9 @@ def optimizer_states(optimizer: str) -> int:
 def parameter_copies(versions: float, optimizer: str, precision: Precision = ...) -> float: ...
 @overload
 def parameter_copies(versions: np.ndarray, optimizer: str, precision: Precision = ...) -> np.ndarray: ...
-def parameter_copies(versions: Elementwise, optimizer: str,
-                     precision: Precision = Precision()) -> Elementwise:
+def parameter_copies(
+    versions: Elementwise, optimizer: str, precision: Precision = Precision()
+) -> Elementwise:
     """Bytes per byte of (compute-dtype) parameters: the weight versions, the gradient,
     the optimizer's states and, under mixed precision, the masters (module docstring).
 
@@ -75,31 +78,57 @@ def parameter_copies(versions: Elementwise, optimizer: str,
 
 
 @overload
-def stage_memory_bytes(param_bytes: float, saved_bytes: float, versions: float, in_flight: float,
-                       optimizer: str, precision: Precision = ..., temporary_bytes: float = ...) -> float: ...
+def stage_memory_bytes(
+    param_bytes: float,
+    saved_bytes: float,
+    versions: float,
+    in_flight: float,
+    optimizer: str,
+    precision: Precision = ...,
+    temporary_bytes: float = ...,
+) -> float: ...
 @overload
-def stage_memory_bytes(param_bytes: Elementwise, saved_bytes: Elementwise, versions: Elementwise,
-                       in_flight: Elementwise, optimizer: str, precision: Precision = ...,
-                       temporary_bytes: Elementwise = ...) -> Elementwise: ...
-def stage_memory_bytes(param_bytes: Elementwise, saved_bytes: Elementwise, versions: Elementwise,
-                       in_flight: Elementwise, optimizer: str, precision: Precision = Precision(),
-                       temporary_bytes: Elementwise = 0.0) -> Elementwise:
+def stage_memory_bytes(
+    param_bytes: Elementwise,
+    saved_bytes: Elementwise,
+    versions: Elementwise,
+    in_flight: Elementwise,
+    optimizer: str,
+    precision: Precision = ...,
+    temporary_bytes: Elementwise = ...,
+) -> Elementwise: ...
+def stage_memory_bytes(
+    param_bytes: Elementwise,
+    saved_bytes: Elementwise,
+    versions: Elementwise,
+    in_flight: Elementwise,
+    optimizer: str,
+    precision: Precision = Precision(),
+    temporary_bytes: Elementwise = 0.0,
+) -> Elementwise:
     """Bytes one replica keeps at its peak; elementwise on numpy arrays.
 
     >>> stage_memory_bytes(100, 10, versions=3, in_flight=3, optimizer="adam")
     630.0
     """
-    return param_bytes * parameter_copies(versions, optimizer, precision) + saved_bytes * in_flight + temporary_bytes
+    return (
+        param_bytes * parameter_copies(versions, optimizer, precision)
+        + saved_bytes * in_flight
+        + temporary_bytes
+    )
 
 
 @overload
-def gradient_temporary_bytes(largest_param_bytes: float, microbatches: int,
-                             precision: Precision = ...) -> float: ...
+def gradient_temporary_bytes(
+    largest_param_bytes: float, microbatches: int, precision: Precision = ...
+) -> float: ...
 @overload
-def gradient_temporary_bytes(largest_param_bytes: np.ndarray, microbatches: int,
-                             precision: Precision = ...) -> Elementwise: ...
-def gradient_temporary_bytes(largest_param_bytes: Elementwise, microbatches: int,
-                             precision: Precision = Precision()) -> Elementwise:
+def gradient_temporary_bytes(
+    largest_param_bytes: np.ndarray, microbatches: int, precision: Precision = ...
+) -> Elementwise: ...
+def gradient_temporary_bytes(
+    largest_param_bytes: Elementwise, microbatches: int, precision: Precision = Precision()
+) -> Elementwise:
     """Bytes of the gradient temporary a stage holds at its peak, beside its kept gradients.
 
     A backward computes each parameter's gradient into a new tensor. A replica's first
@@ -155,5 +184,7 @@ def plan_stage_memory(
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
     temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches, precision)
-    memory = stage_memory_bytes(param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary)
+    memory = stage_memory_bytes(
+        param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary
+    )
     return int(math.ceil(memory)), versions, in_flight

@@ -52,13 +52,18 @@ class PartitionOptions:
         if ratio is not None and not ratio > 0:
             raise InputError(f"activation compression ratio must be positive (got {ratio})")
         kind = schedule_kind(self.schedule)
-        if self.virtual_stages is not None and (self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1):
+        if self.virtual_stages is not None and (
+            self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1
+        ):
             raise InputError(
                 f"schedule {self.schedule} runs "
-                + ("v >= 2" if kind.virtual_stages else "one") + f" chunk(s) per device (got --virtual-stages {self.virtual_stages})"
+                + ("v >= 2" if kind.virtual_stages else "one")
+                + f" chunk(s) per device (got --virtual-stages {self.virtual_stages})"
             )
         if kind.whole_minibatches and self.microbatches != 1:
-            raise InputError(f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})")
+            raise InputError(
+                f"{self.schedule} runs whole minibatches (got --microbatches {self.microbatches})"
+            )
         if self.export_target is not None:
             self._validate_target()
 
@@ -73,13 +78,19 @@ class PartitionOptions:
                 f"{ENGINES[target]} runs flush schedules, and pipeplan restricts the cuts of one chunk per device"
             )
         if not self.straight:
-            raise InputError(f"--for {target} plans one device per stage (--straight): {ENGINES[target]} "
-                             f"replicates whole pipelines, not stages")
+            raise InputError(
+                f"--for {target} plans one device per stage (--straight): {ENGINES[target]} "
+                f"replicates whole pipelines, not stages"
+            )
         if self.uniform:
-            raise InputError(f"--for {target} plans the DP's cuts, not --uniform shapes (which replicate stages)")
+            raise InputError(
+                f"--for {target} plans the DP's cuts, not --uniform shapes (which replicate stages)"
+            )
         if self.tensor_parallel not in (None, 1):
-            raise InputError(f"--for {target} plans without tensor parallelism (got --tensor-parallel "
-                             f"{self.tensor_parallel}): pipeplan exports pipeline stages only")
+            raise InputError(
+                f"--for {target} plans without tensor parallelism (got --tensor-parallel "
+                f"{self.tensor_parallel}): pipeplan exports pipeline stages only"
+            )
 
 
 def charged_optimizer(options: PartitionOptions) -> str | None:

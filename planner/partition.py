@@ -14,29 +14,38 @@ from dataclasses import replace
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
+from pipeplan.planner import tp_pricing as tp
+from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
+from pipeplan.planner.cost_models import cost_model
+from pipeplan.planner.costs import LayerArrays, layer_arrays
+from pipeplan.planner.cuts import CutFamily, cut_family
+from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
+from pipeplan.planner.flush_bound import flush_period_bound_ms
+from pipeplan.planner.interleave import partition_interleaved
+from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory, stage_memory_bytes
+from pipeplan.planner.options import PartitionOptions, charged_optimizer
+from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
+from pipeplan.planner.placement import flatten
+from pipeplan.planner.predict import predict
+from pipeplan.planner.simulate import SimulationTooLarge
+from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
+from pipeplan.planner.uniform import uniform_trees
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.schedules import names_where, or_list, schedule_kind
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
-from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import LayerArrays, layer_arrays
-from pipeplan.planner.cuts import CutFamily, cut_family
-from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
-from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory, stage_memory_bytes
-from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
-from pipeplan.planner.assemble import assemble_plan, data_parallel_ms, stage_figures
-from pipeplan.planner.options import PartitionOptions, charged_optimizer
-from pipeplan.planner.placement import flatten
-from pipeplan.planner.uniform import uniform_trees
-from pipeplan.planner.flush_bound import flush_period_bound_ms
-from pipeplan.planner import tp_pricing as tp
-from pipeplan.planner.interleave import partition_interleaved
-from pipeplan.planner.predict import predict
-from pipeplan.planner.simulate import SimulationTooLarge
-from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 
-__all__ = ["PartitionOptions", "partition", "resimulated", "plan_uniform", "data_parallel_ms", "stage_figures", "charged_optimizer", "flush_in_flight"]
+__all__ = [
+    "PartitionOptions",
+    "partition",
+    "resimulated",
+    "plan_uniform",
+    "data_parallel_ms",
+    "stage_figures",
+    "charged_optimizer",
+    "flush_in_flight",
+]
 
 
 def _least_in_flight(options: PartitionOptions, world_size: int) -> float:
@@ -66,14 +75,22 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
     return [
-        stage_memory_bytes(float(layer.param_bytes), float(layer.saved_bytes), 1, least_in_flight, options.optimizer,
-                           precision, gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches,
-                                                               precision))
+        stage_memory_bytes(
+            float(layer.param_bytes),
+            float(layer.saved_bytes),
+            1,
+            least_in_flight,
+            options.optimizer,
+            precision,
+            gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches, precision),
+        )
         for layer in profile.layers
     ]
 
 
-def _infeasible_message(arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions) -> str:
+def _infeasible_message(
+    arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions
+) -> str:
     """Name the layer that needs the most memory even in the most favourable position."""
     need = _least_need_bytes(profile, topology, options)
     worst = max(range(len(need)), key=lambda i: need[i])
@@ -99,20 +116,36 @@ def _infeasible_hint(options: PartitionOptions) -> str:
     return "try more --microbatches, --schedule auto or more devices"
 
 
-def _solve_pipedream(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
+def _solve_pipedream(
+    arrays: LayerArrays, topology: Topology, options: PartitionOptions
+) -> tuple[float, tuple[StageNode, ...], frozenset]:
     result = solve_pipedream(
-        arrays, topology,
-        PipeDreamSettings(options.straight, options.use_fewer_devices, options.memory_check,
-                          options.activation_compression_ratio),
+        arrays,
+        topology,
+        PipeDreamSettings(
+            options.straight,
+            options.use_fewer_devices,
+            options.memory_check,
+            options.activation_compression_ratio,
+        ),
     )
     return result.time_ms, result.stages, result.single_stage_nodes
 
 
-def _solve_pipeplan(arrays: LayerArrays, topology: Topology, options: PartitionOptions) -> tuple[float, tuple[StageNode, ...], frozenset]:
-    settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages,
-                          options.use_fewer_devices, options.memory_check,
-                          flush_in_flight(options, arrays.layers, topology.world_size), arrays.precision,
-                          microbatches=options.microbatches)
+def _solve_pipeplan(
+    arrays: LayerArrays, topology: Topology, options: PartitionOptions
+) -> tuple[float, tuple[StageNode, ...], frozenset]:
+    settings = DPSettings(
+        options.schedule,
+        options.optimizer,
+        options.straight,
+        options.max_stages,
+        options.use_fewer_devices,
+        options.memory_check,
+        flush_in_flight(options, arrays.layers, topology.world_size),
+        arrays.precision,
+        microbatches=options.microbatches,
+    )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()
@@ -128,18 +161,28 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
     cuts = target_cuts(profile, target)
     if cuts.refusal:
         raise InputError(f"--for {target}: {engine} runs no split of {profile.model}: {cuts.refusal}")
-    least = 1 if options.use_fewer_devices else min(topology.world_size, options.max_stages or topology.world_size)
+    least = (
+        1
+        if options.use_fewer_devices
+        else min(topology.world_size, options.max_stages or topology.world_size)
+    )
     if len(cuts.allowed) + 1 < least:
-        where = (f"only {len(cuts.allowed)} layer boundar{'y' if len(cuts.allowed) == 1 else 'ies'} (before "
-                 f"layer {', '.join(map(str, cuts.allowed[:6]))})" if cuts.allowed else "no layer boundary")
+        where = (
+            f"only {len(cuts.allowed)} layer boundar{'y' if len(cuts.allowed) == 1 else 'ies'} (before "
+            f"layer {', '.join(map(str, cuts.allowed[:6]))})"
+            if cuts.allowed
+            else "no layer boundary"
+        )
         raise InputError(
             f"--for {target}: {engine} can cut {profile.model} at {where}, too few for {least} stages; "
             f"blocked by {blocked_summary(cuts)} (pass --use-fewer-devices or --max-stages "
             f"{len(cuts.allowed) + 1})"
         )
     if profile.batch_size % options.microbatches:
-        raise InputError(f"--for {target}: the batch of {profile.batch_size} samples does not split into "
-                         f"{options.microbatches} equal micro-batches, as {engine} splits it")
+        raise InputError(
+            f"--for {target}: the batch of {profile.batch_size} samples does not split into "
+            f"{options.microbatches} equal micro-batches, as {engine} splits it"
+        )
     stages = min(topology.world_size, options.max_stages or topology.world_size)
     runs_as = schedule_kind(options.schedule).engine
     if runs_as is not None and runs_as.microbatch_per_stage and options.microbatches < stages:
@@ -182,8 +225,13 @@ def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> 
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model
 
 
-def partition(profile: Profile, topology: Topology, options: PartitionOptions = PartitionOptions(), *,
-              resimulate: bool = True) -> Plan:
+def partition(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions = PartitionOptions(),
+    *,
+    resimulate: bool = True,
+) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, over the
     tensor-parallel degrees ``planner.tp_pricing.degrees`` allows: one exact plan per
     degree (``_partition_at_tensor_degree``: ``_partition_pipeline`` on its group topology
@@ -196,7 +244,9 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
     """
     options.validate()
     if options.uniform is None:  # transformers (splitting layers) also try Megatron's uniform shapes
-        options = replace(options, uniform=not options.export_target and any(layer.splits for layer in profile.layers))
+        options = replace(
+            options, uniform=not options.export_target and any(layer.splits for layer in profile.layers)
+        )
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
     choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
@@ -225,7 +275,9 @@ def partition(profile: Profile, topology: Topology, options: PartitionOptions = 
             continue
         found.append((plan.predicted.time_per_minibatch_ms, t, plan))
     if not found:
-        raise failure if failure is not None else InfeasibleError("no plan (internal: every degree dominated)")
+        raise (
+            failure if failure is not None else InfeasibleError("no plan (internal: every degree dominated)")
+        )
     # simulated periods first: a plan too large to simulate has only its bubble-free figure
     best = min(found, key=lambda item: (not item[2].predicted.simulated, item[0], item[1]))[2]
     return resimulated(best, profile, options) if resimulate else best
@@ -235,7 +287,9 @@ def resimulated(plan: Plan, profile: Profile, options: PartitionOptions) -> Plan
     """``plan`` predicted over the default window when ``partition`` priced it on one
     minibatch (the uniform candidates of a flush schedule), else ``plan``."""
     if options.uniform is None:
-        options = replace(options, uniform=not options.export_target and any(layer.splits for layer in profile.layers))
+        options = replace(
+            options, uniform=not options.export_target and any(layer.splits for layer in profile.layers)
+        )
     if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
         try:
             return predict(plan, profile)  # the default window, as every plan's figures
@@ -263,26 +317,33 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
             if t == 1:
                 return plan
             whole = layer_arrays(profile, model.charged_optimizer(options.optimizer))
-            baselines = (whole.compute(0, whole.layers), data_parallel_ms(whole, topology, options.cost_model))
+            baselines = (
+                whole.compute(0, whole.layers),
+                data_parallel_ms(whole, topology, options.cost_model),
+            )
             return tp.expand_plan(plan, topology, t, baselines_ms=baselines)
-    raise InputError(f"no uniform plan of {p} stages with tensor-parallel degree {t} on {topology.name}: "
-                     f"{topology.world_size // t} groups do not split into {p} stages laid out within the levels")
+    raise InputError(
+        f"no uniform plan of {p} stages with tensor-parallel degree {t} on {topology.name}: "
+        f"{topology.world_size // t} groups do not split into {p} stages laid out within the levels"
+    )
 
 
 class _Dominated(Exception):
     """No plan of this degree can beat the best of an earlier one (its stage bound is higher)."""
 
 
-def _partition_at_tensor_degree(profile: Profile, topology: Topology, options: PartitionOptions, t: int,
-                                beat_ms: float = math.inf) -> Plan:
+def _partition_at_tensor_degree(
+    profile: Profile, topology: Topology, options: PartitionOptions, t: int, beat_ms: float = math.inf
+) -> Plan:
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
     on the group topology and split profile, expanded to the real ranks."""
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
     try:
-        grouped = _partition_pipeline(tp.split_profile(profile, topology, t), tp.group_topology(topology, t),
-                                      options, beat_ms)
+        grouped = _partition_pipeline(
+            tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options, beat_ms
+        )
     except InfeasibleError as exc:
         raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
     if t == 1:
@@ -293,8 +354,9 @@ def _partition_at_tensor_degree(profile: Profile, topology: Topology, options: P
     return tp.expand_plan(grouped, topology, t, baselines_ms=baselines)
 
 
-def _partition_pipeline(profile: Profile, topology: Topology, options: PartitionOptions,
-                        beat_ms: float = math.inf) -> Plan:
+def _partition_pipeline(
+    profile: Profile, topology: Topology, options: PartitionOptions, beat_ms: float = math.inf
+) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, without tensor parallelism.
 
     Its predicted time, throughput and per-stage figures are those of its own schedule,
@@ -313,9 +375,14 @@ def _partition_pipeline(profile: Profile, topology: Topology, options: Partition
     model = cost_model(options.cost_model)
     family = _target_family(profile, topology, options) if options.export_target else cut_family(profile)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)
-    if options.memory_check and model.checks_memory and \
-            max(_least_need_bytes(profile, topology, options)) > topology.device.memory_bytes:
-        raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))  # what the DP would find
+    if (
+        options.memory_check
+        and model.checks_memory
+        and max(_least_need_bytes(profile, topology, options)) > topology.device.memory_bytes
+    ):
+        raise InfeasibleError(
+            _infeasible_message(arrays, profile, topology, options)
+        )  # what the DP would find
     time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options)
     uniform = options.uniform and kind.flushes
     if not math.isfinite(time_ms) and not uniform:
@@ -329,22 +396,31 @@ def _partition_pipeline(profile: Profile, topology: Topology, options: Partition
         if not bubble:
             return stage_ms
         flat = flatten(shape, topology)
-        bound = flush_period_bound_ms(profile, family, flat, topology, options.schedule, options.microbatches, charged)
-        return max(stage_ms, bound * (1 - 1e-12))  # 1e-12: its sums add in another order than the simulation's
+        bound = flush_period_bound_ms(
+            profile, family, flat, topology, options.schedule, options.microbatches, charged
+        )
+        return max(
+            stage_ms, bound * (1 - 1e-12)
+        )  # 1e-12: its sums add in another order than the simulation's
 
     # the DP's first: it wins ties. It charges a 1f1b-flush stage min(M, K) / M minibatches of
     # activations (K >= stages, ``flush_in_flight``) where a uniform pipeline of p stages holds
     # min(M, p - s) / M: with few micro-batches the DP may find nothing that the uniform shapes do
     candidates = [(bound_ms(time_ms, tree), time_ms, tree, single_nodes)] if math.isfinite(time_ms) else []
-    failure: Exception = _Dominated() if candidates else InfeasibleError(
-        _infeasible_message(arrays, profile, topology, options))
+    failure: Exception = (
+        _Dominated()
+        if candidates
+        else InfeasibleError(_infeasible_message(arrays, profile, topology, options))
+    )
     for _, _, shape in uniform_trees(arrays, topology):
         flat = flatten(shape, topology)
         stage_ms = max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
         candidates.append((bound_ms(stage_ms, shape), stage_ms, shape, frozenset()))
     best: Plan | None = None
     unsimulated: Plan | None = None  # the first plan too large to simulate, kept when none simulates
-    for bound, stage_ms, shape, nodes in sorted(candidates, key=lambda item: item[0]):  # stable: DP, then fewer stages
+    for bound, stage_ms, shape, nodes in sorted(
+        candidates, key=lambda item: item[0]
+    ):  # stable: DP, then fewer stages
         if bound > beat_ms or (best is not None and bound >= best.predicted.time_per_minibatch_ms):
             break  # a period is never below its bound (slowest stage, flush bubble): no later candidate can win
         try:
@@ -355,7 +431,9 @@ def _partition_pipeline(profile: Profile, topology: Topology, options: Partition
             continue
         if not plan.predicted.simulated:  # too large to simulate: its bubble-free figure ranks with no other
             unsimulated = unsimulated or plan
-        elif best is None or plan.predicted.time_per_minibatch_ms < best.predicted.time_per_minibatch_ms * (1 - 1e-9):
+        elif best is None or plan.predicted.time_per_minibatch_ms < best.predicted.time_per_minibatch_ms * (
+            1 - 1e-9
+        ):
             best = plan
     chosen = best or unsimulated
     if chosen is None:
@@ -363,8 +441,16 @@ def _partition_pipeline(profile: Profile, topology: Topology, options: Partition
     return chosen
 
 
-def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, arrays: LayerArrays,
-               tree: tuple[StageNode, ...], time_ms: float, single_nodes: frozenset, steady: int = 8) -> Plan:
+def _tree_plan(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    arrays: LayerArrays,
+    tree: tuple[StageNode, ...],
+    time_ms: float,
+    single_nodes: frozenset,
+    steady: int = 8,
+) -> Plan:
     """The plan of the stage ``tree``: placed, priced, its memory checked exactly
     (``InfeasibleError``), predicted by simulating its schedule when the cost model does."""
     kind = schedule_kind(options.schedule)
@@ -377,9 +463,15 @@ def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, 
     stages = []
     for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
         memory, versions, in_flight = plan_stage_memory(
-            options.schedule, replicas, q, arrays.params(stage.start, stage.end),
-            arrays.saved(stage.start, stage.end), options.optimizer, options.microbatches,
-            precision=arrays.precision, largest_param_bytes=arrays.largest(stage.start, stage.end),
+            options.schedule,
+            replicas,
+            q,
+            arrays.params(stage.start, stage.end),
+            arrays.saved(stage.start, stage.end),
+            options.optimizer,
+            options.microbatches,
+            precision=arrays.precision,
+            largest_param_bytes=arrays.largest(stage.start, stage.end),
         )
         if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
             raise InfeasibleError(
@@ -388,12 +480,23 @@ def _tree_plan(profile: Profile, topology: Topology, options: PartitionOptions, 
                 f"({_infeasible_hint(options)})"
             )
         layers = family.stage_layers(stage.start, stage.end)
-        stages.append(StagePlan(
-            index=q, layer_start=min(layers), layer_end=max(layers) + 1, layers=layers, replicas=stage.replicas,
-            ranks=stage.ranks, compute_ms=compute, allreduce_ms=allreduce, communication_ms=comm,
-            time_per_minibatch_ms=stage_time, memory_bytes=memory, weight_versions=versions,
-            in_flight=int(math.ceil(in_flight)),
-        ))
+        stages.append(
+            StagePlan(
+                index=q,
+                layer_start=min(layers),
+                layer_end=max(layers) + 1,
+                layers=layers,
+                replicas=stage.replicas,
+                ranks=stage.ranks,
+                compute_ms=compute,
+                allreduce_ms=allreduce,
+                communication_ms=comm,
+                time_per_minibatch_ms=stage_time,
+                memory_bytes=memory,
+                weight_versions=versions,
+                in_flight=int(math.ceil(in_flight)),
+            )
+        )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)
     if not model.predicts_by_simulation(kind):
         return plan

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeplan.errors import InfeasibleError
-from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays
 from pipeplan.planner.dp import StageNode, nested_states
+from pipeplan.topology import Topology
 
 __all__ = ["PipeDreamSettings", "PipeDreamSolution", "solve_pipedream", "pipedream_data_parallel_ms"]
 
@@ -103,9 +103,19 @@ class _LevelTables:
     fewer: bool
 
 
-def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, grads: np.ndarray, out_act: np.ndarray,
-           units: int, within: float, bandwidth: float, memory: float, settings: PipeDreamSettings,
-           final: bool) -> _LevelTables:
+def _level(
+    compute: np.ndarray,
+    act: np.ndarray,
+    params: np.ndarray,
+    grads: np.ndarray,
+    out_act: np.ndarray,
+    units: int,
+    within: float,
+    bandwidth: float,
+    memory: float,
+    settings: PipeDreamSettings,
+    final: bool,
+) -> _LevelTables:
     """One level's table. O(u^2 n^3 / 6) numpy work (n^2 u^2 at the final level, whose
     ranges all start at state 0), O(u^2 n) Python steps. ``params`` are the ranges'
     weight bytes (the memory rule), ``grads`` the gradient bytes they all-reduce."""
@@ -151,13 +161,15 @@ def _level(compute: np.ndarray, act: np.ndarray, params: np.ndarray, grads: np.n
             extra = first_extra[m_prime]
             if rows == 1:  # final level: one (split k, end j) matrix for the range starting at 0
                 head = np.maximum(first[0, : n - 1], extra[: n - 1])
-                np.minimum(best[0], np.maximum(head[:, None], cost[1:, :]).min(axis=0, initial=INF), out=best[0])
+                np.minimum(
+                    best[0], np.maximum(head[:, None], cost[1:, :]).min(axis=0, initial=INF), out=best[0]
+                )
                 continue
             for k in range(n - 1):
                 top = min(rows, k + 1)
                 head = np.maximum(first[:top, k], extra[k])
-                block = best[:top, k + 1:]
-                np.minimum(block, np.maximum(head[:, None], cost[k + 1, k + 1:][None, :]), out=block)
+                block = best[:top, k + 1 :]
+                np.minimum(block, np.maximum(head[:, None], cost[k + 1, k + 1 :][None, :]), out=block)
     return _LevelTables(time, single, last, first_extra, settings.use_fewer_devices)
 
 
@@ -185,7 +197,9 @@ def _choice(tables: _LevelTables, i: int, j: int, m: int, straight: bool) -> tup
     raise InfeasibleError(f"internal: no PipeDream split reproduces {target} s")
 
 
-def _analyze(tables: list[_LevelTables], level: int, start: int, end: int, nodes: set, straight: bool) -> tuple[StageNode, ...]:
+def _analyze(
+    tables: list[_LevelTables], level: int, start: int, end: int, nodes: set, straight: bool
+) -> tuple[StageNode, ...]:
     """PipeDream's analyze_partitioning for states [start, end) at ``level`` (1-based)."""
     table = tables[level - 1]
     stages: list[tuple[int, int, int]] = []
@@ -206,7 +220,9 @@ def _analyze(tables: list[_LevelTables], level: int, start: int, end: int, nodes
     return tuple(out)
 
 
-def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDreamSettings) -> PipeDreamSolution:
+def solve_pipedream(
+    arrays: LayerArrays, topology: Topology, settings: PipeDreamSettings
+) -> PipeDreamSolution:
     """Run PipeDream's hierarchical optimizer over the cut states of ``arrays``.
 
     PipeDream's state j is cut state j + 1 (state 0, the empty set, is implicit); a
@@ -225,8 +241,19 @@ def solve_pipedream(arrays: LayerArrays, topology: Topology, settings: PipeDream
     for k, level in enumerate(levels):
         final = k == len(levels) - 1
         tables.append(
-            _level(compute, act, params, grads, out_act, level.count, within, level.bandwidth_bytes_per_s,
-                   memory, settings, final)
+            _level(
+                compute,
+                act,
+                params,
+                grads,
+                out_act,
+                level.count,
+                within,
+                level.bandwidth_bytes_per_s,
+                memory,
+                settings,
+                final,
+            )
         )
         within = level.count
         compute = tables[-1].time[-1].copy()

@@ -9,11 +9,12 @@ unit that holds them. Replica j of a flattened stage is its j-th rank in ascendi
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pipeplan.topology import Topology
 from pipeplan.planner.dp import StageNode
+from pipeplan.topology import Topology
 
 __all__ = ["FlatStage", "flatten"]
 
@@ -36,8 +37,13 @@ def _devices_per_unit(topology: Topology, level: int) -> int:
     return math.prod(lv.count for lv in topology.levels[:level])
 
 
-def _walk(node_list: Sequence[StageNode], topology: Topology, base_units: list[int], path: tuple[StageNode, ...],
-          out: dict[Any, Any]) -> None:
+def _walk(
+    node_list: Sequence[StageNode],
+    topology: Topology,
+    base_units: list[int],
+    path: tuple[StageNode, ...],
+    out: dict[Any, Any],
+) -> None:
     """Assign units to ``node_list`` (a pipeline at one level) inside every unit of ``base_units``.
 
     ``base_units`` are global indices of the enclosing units (of the level of the nodes);

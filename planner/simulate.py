@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from pipeplan.errors import InputError
-from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
-from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
+from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
+from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.profile import Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
+from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
 
@@ -99,9 +100,7 @@ class SimResult:
     def device_memory_bytes(self) -> tuple[int, ...]:
         """Peak bytes per device of each pipeline position: the sum over its model stages."""
         positions = len(self.stages) // self.virtual_stages
-        return tuple(
-            sum(stage.memory_bytes for stage in self.stages[i::positions]) for i in range(positions)
-        )
+        return tuple(sum(stage.memory_bytes for stage in self.stages[i::positions]) for i in range(positions))
 
     @property
     def samples_per_s(self) -> float:
@@ -157,7 +156,9 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     charged = cost_model(plan.cost_model).charged_optimizer(plan.optimizer)
     update = update_ms(profile, charged)
     # the loss and the minibatch draw: charged here to the stage's forwards
-    extra = [c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)]
+    extra = [
+        c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)
+    ]
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
@@ -234,7 +235,9 @@ def allreduce_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) ->
 # --------------------------------------------------------------------------- simulation
 
 
-def default_minibatches(schedule: str, stage_replicas: Sequence[int], steady: int = 8) -> tuple[int, int, int]:
+def default_minibatches(
+    schedule: str, stage_replicas: Sequence[int], steady: int = 8
+) -> tuple[int, int, int]:
     """(total, warm-up, window) minibatches to simulate ``steady`` rounds of steady state.
 
     Stashed gradients (1f1b-rr): the warm-up and the drain each cover the in-flight
@@ -261,7 +264,9 @@ def plan_positions(plan: Plan) -> int:
     return len(plan.stages) // plan.virtual_stages
 
 
-def simulation_shape(plan: Plan, schedule: str | None = None, microbatches: int | None = None) -> tuple[str, int, int]:
+def simulation_shape(
+    plan: Plan, schedule: str | None = None, microbatches: int | None = None
+) -> tuple[str, int, int]:
     """(schedule, micro-batches, virtual stages) that simulating ``plan`` under ``schedule`` uses.
 
     The plan's own by default; micro-batches default to the plan's (1 for a schedule of
@@ -274,8 +279,11 @@ def simulation_shape(plan: Plan, schedule: str | None = None, microbatches: int 
     if kind.virtual_stages != (virtual > 1):
         raise InputError(
             f"plan has {virtual} virtual stage(s) per device; schedule {name} "
-            + ("needs at least 2 (partition with --schedule " + name + ")" if kind.virtual_stages
-               else "runs one (partition again for it)")
+            + (
+                "needs at least 2 (partition with --schedule " + name + ")"
+                if kind.virtual_stages
+                else "runs one (partition again for it)"
+            )
         )
     micro = 1 if kind.whole_minibatches else (microbatches or max(plan.microbatches, 1))
     replicas = tuple(stage.replicas for stage in plan.stages[: plan_positions(plan)])
@@ -290,7 +298,9 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
     ranks = [stage.ranks for stage in plan.stages]
     ratio = plan.precision.gradient_ratio
     reduce = [
-        c.allreduce_ms if c.allreduce_ms is not None else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
+        c.allreduce_ms
+        if c.allreduce_ms is not None
+        else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
         for q, c in enumerate(costs)
     ]
     return Durations(
@@ -336,11 +346,15 @@ def simulate(
     shown = plan if lanes == 1 else _one_lane(plan)
     ranks = [stage.ranks for stage in shown.stages[:positions]]
     with collector_paused():  # until the timeline is dropped (see collector_paused)
-        built = build_schedule(name, tuple(n // lanes for n in replicas), total, micro // lanes,
-                               virtual_stages=virtual)
+        built = build_schedule(
+            name, tuple(n // lanes for n in replicas), total, micro // lanes, virtual_stages=virtual
+        )
         timeline = run_schedule(
-            built, durations(plan, costs, micro), ranks,
-            lambda a, b, size: link_time_ms(plan.topology, a, b, size), record,
+            built,
+            durations(plan, costs, micro),
+            ranks,
+            lambda a, b, size: link_time_ms(plan.topology, a, b, size),
+            record,
         )
         done = timeline.completion
         first, last = warm - 1, warm - 1 + window
@@ -350,10 +364,18 @@ def simulate(
         del built, timeline, done
     if lanes > 1:
         kind = schedule_kind(name)
-        stages = [_all_lanes(sim, lanes, costs[sim.stage], plan,
-                             kind.weight_versions(replicas, sim.stage % positions), replicas[sim.stage % positions],
-                             _temporary_bytes(costs, sim.stage, positions, micro, plan))
-                  for sim in stages]
+        stages = [
+            _all_lanes(
+                sim,
+                lanes,
+                costs[sim.stage],
+                plan,
+                kind.weight_versions(replicas, sim.stage % positions),
+                replicas[sim.stage % positions],
+                _temporary_bytes(costs, sim.stage, positions, micro, plan),
+            )
+            for sim in stages
+        ]
     return SimResult(
         schedule=name,
         minibatches=total,
@@ -383,21 +405,39 @@ def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, recor
 
 def _one_lane(plan: Plan) -> Plan:
     """``plan`` cut to replica 0 of every stage (its first rank), for ``_lanes``."""
-    stages = tuple(replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1) for stage in plan.stages)
+    stages = tuple(
+        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1) for stage in plan.stages
+    )
     return replace(plan, stages=stages)
 
 
-def _all_lanes(sim: StageSim, lanes: int, costs: StageCosts, plan: Plan, versions: int, replicas: int,
-               temporary_bytes: float) -> StageSim:
+def _all_lanes(
+    sim: StageSim,
+    lanes: int,
+    costs: StageCosts,
+    plan: Plan,
+    versions: int,
+    replicas: int,
+    temporary_bytes: float,
+) -> StageSim:
     """A stage's figures from one lane (``_lanes``): the same busy time per replica; the
     micro-batches held at the peak, the same count, are 1/lanes as much of a minibatch."""
     in_flight = sim.in_flight / lanes
-    memory = stage_memory_bytes(costs.param_bytes, costs.saved_bytes, versions, in_flight, plan.optimizer,
-                                plan.precision, temporary_bytes)
+    memory = stage_memory_bytes(
+        costs.param_bytes,
+        costs.saved_bytes,
+        versions,
+        in_flight,
+        plan.optimizer,
+        plan.precision,
+        temporary_bytes,
+    )
     return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
 
 
-def _temporary_bytes(costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, plan: Plan) -> float:
+def _temporary_bytes(
+    costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, plan: Plan
+) -> float:
     """Model stage ``q``'s gradient temporary (``planner.memory``): a device's, charged to its first chunk."""
     if q >= positions:
         return 0.0
@@ -426,8 +466,7 @@ def simulate_plan(
     if profile is None:
         # a plan carries no parameter or activation sizes: keep its own memory figures
         stages = tuple(
-            replace(sim, memory_bytes=stage.memory_bytes)
-            for sim, stage in zip(result.stages, plan.stages)
+            replace(sim, memory_bytes=stage.memory_bytes) for sim, stage in zip(result.stages, plan.stages)
         )
         result = replace(result, stages=stages)
     return result
@@ -452,7 +491,8 @@ def _stage_figures(
     kind = schedule_kind(schedule.name)
     held = {
         (i, r): _held_at_peak(schedule, i, schedule.actions[(i, r)], costs)
-        for i, n in enumerate(schedule.stage_replicas) for r in range(n)
+        for i, n in enumerate(schedule.stage_replicas)
+        for r in range(n)
     }
     inside = {key: _inside_ms(spans, t0, t1) for key, spans in timeline.busy.items()}
     device_busy_ms: dict[tuple[int, int], float] = {}
@@ -469,11 +509,21 @@ def _stage_figures(
             for part in inside.get((q, r), []):
                 busy_total += part
         busy_ms = busy_total / stage.replicas / minibatches
-        comm_ms = max((busiest[rank] for rank in stage.ranks if rank in busiest), default=0.0) / schedule.minibatches
+        comm_ms = (
+            max((busiest[rank] for rank in stage.ranks if rank in busiest), default=0.0)
+            / schedule.minibatches
+        )
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
-        memory = stage_memory_bytes(costs[q].param_bytes, costs[q].saved_bytes, versions, in_flight, plan.optimizer,
-                                    plan.precision, _temporary_bytes(costs, q, positions, schedule.microbatches, plan))
+        memory = stage_memory_bytes(
+            costs[q].param_bytes,
+            costs[q].saved_bytes,
+            versions,
+            in_flight,
+            plan.optimizer,
+            plan.precision,
+            _temporary_bytes(costs, q, positions, schedule.microbatches, plan),
+        )
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
         idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
         out.append(
@@ -523,7 +573,9 @@ def _busiest_link_ms(link_busy: dict[tuple[int, int], float]) -> dict[int, float
     return busiest
 
 
-def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]) -> list[int]:
+def _held_at_peak(
+    schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]
+) -> list[int]:
     """Units of each chunk a worker holds when its saved activation bytes peak.
 
     A unit is held from its "F" to its "B" (or its "W" when the backward is split); a
@@ -547,7 +599,9 @@ def _held_at_peak(schedule: Schedule, position: int, actions: Sequence[Any], cos
         chunk = np.zeros(len(actions), dtype=np.int64)
     else:
         chunk = np.fromiter(map(_chunk_of, actions), dtype=np.int64, count=len(actions))
-    unit_bytes = np.array([float(max(costs[c * schedule.stages + position].saved_bytes, 1)) for c in range(chunks)])
+    unit_bytes = np.array(
+        [float(max(costs[c * schedule.stages + position].saved_bytes, 1)) for c in range(chunks)]
+    )
     held_bytes = np.cumsum(step * unit_bytes[chunk])
     peak = int(held_bytes.argmax())
     if not held_bytes[peak] > 0.0:

@@ -41,10 +41,18 @@ import numpy as np
 
 from pipeplan.errors import InputError
 from pipeplan.plan import EXPORT_TARGETS
-from pipeplan.profile import Profile
 from pipeplan.planner.cuts import CutFamily
+from pipeplan.profile import Profile
 
-__all__ = ["EXPORT_TARGETS", "ENGINES", "TargetCuts", "blocked_summary", "most_stages", "target_cuts", "target_family"]
+__all__ = [
+    "EXPORT_TARGETS",
+    "ENGINES",
+    "TargetCuts",
+    "blocked_summary",
+    "most_stages",
+    "target_cuts",
+    "target_family",
+]
 
 ENGINES = {"pipelining": "torch.distributed.pipelining", "torchtitan": "torchtitan"}
 
@@ -82,8 +90,11 @@ def _shared_parameters(profile: Profile) -> dict[int, str]:
     for name in sorted(users):
         first, last = min(users[name]), max(users[name])
         for c in range(first + 1, last + 1):
-            blocked.setdefault(c, f"parameter {name} (used by layers {first} "
-                                  f"({profile.layers[first].name}) and {last} ({profile.layers[last].name}))")
+            blocked.setdefault(
+                c,
+                f"parameter {name} (used by layers {first} "
+                f"({profile.layers[first].name}) and {last} ({profile.layers[last].name}))",
+            )
     return blocked
 
 
@@ -103,8 +114,11 @@ def _inputs_blocked(profile: Profile) -> dict[int, str]:
     for position, layers in sorted(readers.items()):
         last = max(layers) if len(readers) > 1 else min(layers)
         for c in range(1, last + 1):
-            blocked.setdefault(c, f"model input {position} (read by layer {last}, {profile.layers[last].name}: "
-                                  f"the first stage must read every input)")
+            blocked.setdefault(
+                c,
+                f"model input {position} (read by layer {last}, {profile.layers[last].name}: "
+                f"the first stage must read every input)",
+            )
     return blocked
 
 
@@ -129,12 +143,19 @@ def unit_of(name: str, containers: frozenset[str]) -> str:
     return parts[0]
 
 
-def _torchtitan_blocked(profile: Profile, calls: dict[str, int], types: dict[str, str],
-                        containers: frozenset[str]) -> tuple[dict[int, str], str]:
-    functional = [f"{layer.index} ({layer.name})" for layer in profile.layers if layer.name not in calls or not layer.name]
+def _torchtitan_blocked(
+    profile: Profile, calls: dict[str, int], types: dict[str, str], containers: frozenset[str]
+) -> tuple[dict[int, str], str]:
+    functional = [
+        f"{layer.index} ({layer.name})"
+        for layer in profile.layers
+        if layer.name not in calls or not layer.name
+    ]
     if functional:
-        return {}, (f"layer(s) {', '.join(functional[:3])}{', ...' if len(functional) > 3 else ''} are not "
-                    f"modules (functional ops of the root): torchtitan places modules, not ops")
+        return {}, (
+            f"layer(s) {', '.join(functional[:3])}{', ...' if len(functional) > 3 else ''} are not "
+            f"modules (functional ops of the root): torchtitan places modules, not ops"
+        )
     span: dict[str, tuple[int, int]] = {}
     for layer in profile.layers:
         unit = unit_of(layer.name, containers)
@@ -181,7 +202,9 @@ def target_family(cuts: TargetCuts, profile: Profile) -> CutFamily:
             reach[producer + 1] = max(reach[producer + 1], layer.index)
     reach = np.maximum.accumulate(reach)
     if cuts.target == "pipelining" and profile.pipelining_reach:
-        reach[:n] = np.maximum(reach[:n], profile.pipelining_reach)  # torch's own pieces (Profile.pipelining_reach)
+        reach[:n] = np.maximum(
+            reach[:n], profile.pipelining_reach
+        )  # torch's own pieces (Profile.pipelining_reach)
     stage_ok = reach[sizes][:, None] < sizes[None, :]  # [i, j]: nothing jumps from before i to j or later
     stage_ok[:, -1] = True  # the last stage ends the pipeline: nothing lies beyond it
     return CutFamily(f"{cuts.target}-cuts", n, masks, exact=False, stage_ok=stage_ok)
@@ -208,5 +231,7 @@ def blocked_summary(cuts: TargetCuts, limit: int = 4) -> str:
     for reason in cuts.blocked.values():
         counts[reason] = counts.get(reason, 0) + 1
     ranked = sorted(counts.items(), key=lambda item: -item[1])
-    text = ", ".join(f"{reason} at {count} boundar{'y' if count == 1 else 'ies'}" for reason, count in ranked[:limit])
+    text = ", ".join(
+        f"{reason} at {count} boundar{'y' if count == 1 else 'ies'}" for reason, count in ranked[:limit]
+    )
     return text + (f" and {len(ranked) - limit} more" if len(ranked) > limit else "")

@@ -28,12 +28,20 @@ from dataclasses import replace
 
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
+from pipeplan.planner.costs import ring_allreduce_ms
 from pipeplan.profile import LayerProfile, Profile
 from pipeplan.topology import Topology
-from pipeplan.planner.costs import ring_allreduce_ms
 
-__all__ = ["degrees", "check_degree", "split_profile", "group_topology", "group_ranks", "expand_plan",
-           "group_view", "plan_degree"]
+__all__ = [
+    "degrees",
+    "check_degree",
+    "split_profile",
+    "group_topology",
+    "group_ranks",
+    "expand_plan",
+    "group_view",
+    "plan_degree",
+]
 
 
 def _divisors(n: int) -> list[int]:
@@ -93,7 +101,9 @@ def group_topology(topology: Topology, t: int) -> Topology:
     if t == 1:
         return topology
     inner = topology.levels[0]
-    outer = tuple(replace(level, bandwidth_bytes_per_s=level.bandwidth_bytes_per_s / t) for level in topology.levels[1:])
+    outer = tuple(
+        replace(level, bandwidth_bytes_per_s=level.bandwidth_bytes_per_s / t) for level in topology.levels[1:]
+    )
     return replace(topology, levels=(replace(inner, count=inner.count // t),) + outer)
 
 
@@ -113,23 +123,42 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
             layers.append(layer)
             continue
         ar = allreduce(layer.tp_allreduce_bytes) if layer.tp_allreduce_bytes else 0.0
-        layers.append(replace(
-            layer,
-            forward_ms=layer.forward_ms - layer.tp_split_forward_ms + layer.tp_split_forward_ms / (t * eff)
-            + layer.tp_forward_allreduces * ar,
-            backward_ms=layer.backward_ms - layer.tp_split_backward_ms + layer.tp_split_backward_ms / (t * eff)
-            + layer.tp_backward_allreduces * ar,
-            param_bytes=layer.param_bytes - layer.tp_split_param_bytes + math.ceil(layer.tp_split_param_bytes / t),
-            saved_bytes=layer.saved_bytes - layer.tp_split_saved_bytes + math.ceil(layer.tp_split_saved_bytes / t),
-            largest_param_bytes=_largest_after_split(layer, t),
-            tp_units=0, tp_split_forward_ms=0.0, tp_split_backward_ms=0.0, tp_split_param_bytes=0,
-            tp_split_saved_bytes=0, tp_allreduce_bytes=0, tp_forward_allreduces=0, tp_backward_allreduces=0,
-        ))
+        layers.append(
+            replace(
+                layer,
+                forward_ms=layer.forward_ms
+                - layer.tp_split_forward_ms
+                + layer.tp_split_forward_ms / (t * eff)
+                + layer.tp_forward_allreduces * ar,
+                backward_ms=layer.backward_ms
+                - layer.tp_split_backward_ms
+                + layer.tp_split_backward_ms / (t * eff)
+                + layer.tp_backward_allreduces * ar,
+                param_bytes=layer.param_bytes
+                - layer.tp_split_param_bytes
+                + math.ceil(layer.tp_split_param_bytes / t),
+                saved_bytes=layer.saved_bytes
+                - layer.tp_split_saved_bytes
+                + math.ceil(layer.tp_split_saved_bytes / t),
+                largest_param_bytes=_largest_after_split(layer, t),
+                tp_units=0,
+                tp_split_forward_ms=0.0,
+                tp_split_backward_ms=0.0,
+                tp_split_param_bytes=0,
+                tp_split_saved_bytes=0,
+                tp_allreduce_bytes=0,
+                tp_forward_allreduces=0,
+                tp_backward_allreduces=0,
+            )
+        )
     before = sum(layer.param_bytes for layer in profile.layers)
     after = sum(layer.param_bytes for layer in layers)
     share = after / before if before else 1.0  # a rank steps the bytes it holds
-    return replace(profile, layers=tuple(layers),
-                   optimizer_ms={name: ms * share for name, ms in profile.optimizer_ms.items()})
+    return replace(
+        profile,
+        layers=tuple(layers),
+        optimizer_ms={name: ms * share for name, ms in profile.optimizer_ms.items()},
+    )
 
 
 def group_ranks(topology: Topology, t: int, group: int) -> tuple[int, ...]:
@@ -145,8 +174,9 @@ def group_ranks(topology: Topology, t: int, group: int) -> tuple[int, ...]:
     return tuple(range(base, base + t))
 
 
-def expand_plan(plan: Plan, topology: Topology, t: int,
-                baselines_ms: tuple[float, float] | None = None) -> Plan:
+def expand_plan(
+    plan: Plan, topology: Topology, t: int, baselines_ms: tuple[float, float] | None = None
+) -> Plan:
     """A plan of ``group_topology(topology, t)`` on the real ``topology``: each group
     rank becomes its ``t`` ranks (replica-major), every stage ``tensor_parallel = t``.
     The per-device figures stay the split profile's (what one rank pays); the baselines
@@ -155,18 +185,27 @@ def expand_plan(plan: Plan, topology: Topology, t: int,
     if t == 1:
         return plan
     stages = tuple(
-        replace(stage, tensor_parallel=t,
-                ranks=tuple(rank for group in stage.ranks for rank in group_ranks(topology, t, group)))
+        replace(
+            stage,
+            tensor_parallel=t,
+            ranks=tuple(rank for group in stage.ranks for rank in group_ranks(topology, t, group)),
+        )
         for stage in plan.stages
     )
     predicted = plan.predicted
     if baselines_ms is not None:
         period = predicted.time_per_minibatch_ms
         single, dp = baselines_ms
-        predicted = replace(predicted, single_device_ms=single, data_parallel_ms=dp,
-                            speedup_vs_single_device=single / period if period > 0 else math.inf,
-                            speedup_vs_data_parallel=dp / period if period > 0 else math.inf)
-    return replace(plan, topology=topology, world_size=topology.world_size, stages=stages, predicted=predicted)
+        predicted = replace(
+            predicted,
+            single_device_ms=single,
+            data_parallel_ms=dp,
+            speedup_vs_single_device=single / period if period > 0 else math.inf,
+            speedup_vs_data_parallel=dp / period if period > 0 else math.inf,
+        )
+    return replace(
+        plan, topology=topology, world_size=topology.world_size, stages=stages, predicted=predicted
+    )
 
 
 def plan_degree(plan: Plan) -> int:
@@ -189,8 +228,10 @@ def group_view(plan: Plan, profile: Profile | None) -> tuple[Plan, Profile | Non
     if profile is not None:
         check_degree(profile, plan.topology, t)
     elif plan.topology.levels[0].count % t:
-        raise InputError(f"plan tensor-parallel degree {t} does not divide its innermost level's "
-                         f"{plan.topology.levels[0].count} devices")
+        raise InputError(
+            f"plan tensor-parallel degree {t} does not divide its innermost level's "
+            f"{plan.topology.levels[0].count} devices"
+        )
     grouped = group_topology(plan.topology, t)
     stages = []
     for stage in plan.stages:
@@ -220,5 +261,7 @@ def _largest_after_split(layer: LayerProfile, t: int) -> int:
     if not layer.largest_param_bytes:
         return 0  # not recorded: the planner reads the layer's whole (split) bytes
     whole = layer.param_bytes - layer.tp_split_param_bytes
-    return max(math.ceil(min(layer.largest_param_bytes, layer.tp_split_param_bytes) / t),
-               min(layer.largest_param_bytes, whole))
+    return max(
+        math.ceil(min(layer.largest_param_bytes, layer.tp_split_param_bytes) / t),
+        min(layer.largest_param_bytes, whole),
+    )

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeplan.topology import Topology
 from pipeplan.planner.costs import LayerArrays
 from pipeplan.planner.dp import StageNode
+from pipeplan.topology import Topology
 
 __all__ = ["uniform_shapes", "balanced_cuts", "uniform_trees"]
 
@@ -107,8 +107,13 @@ def uniform_trees(arrays: LayerArrays, topology: Topology) -> list[tuple[int, in
         else:  # g / d stages share each unit
             per = g // d
             tree = tuple(
-                StageNode(2, spans[u * per][0], spans[u * per + per - 1][1], 1,
-                          tuple(StageNode(1, s, e, d) for s, e in spans[u * per:(u + 1) * per]))
+                StageNode(
+                    2,
+                    spans[u * per][0],
+                    spans[u * per + per - 1][1],
+                    1,
+                    tuple(StageNode(1, s, e, d) for s, e in spans[u * per : (u + 1) * per]),
+                )
                 for u in range(p // per)
             )
         out.append((p, d, tree))

@@ -36,14 +36,21 @@ gaps, and the transient activations of the one block being recomputed.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 
-__all__ = ["DeviceRates", "DEVICE_RATES", "GPTShape", "estimate_gpt", "MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY", "PARAM_BYTES",
-           "MASTER_BYTES"]
+__all__ = [
+    "DeviceRates",
+    "DEVICE_RATES",
+    "GPTShape",
+    "estimate_gpt",
+    "MATMUL_EFFICIENCY",
+    "MEMORY_EFFICIENCY",
+    "PARAM_BYTES",
+    "MASTER_BYTES",
+]
 
 # Calibrated, not measured (no A100 at hand): the one factor that brings the roofline of the
 # PTD-P paper's smallest row (1.7B, pure data parallelism: no pipeline, no tensor
@@ -78,12 +85,27 @@ class DeviceRates:
 
 
 DEVICE_RATES = {
-    "a100-80gb": DeviceRates("A100-SXM4-80GB", 312e12, 2.039e12, 80 * 2**30,
-                             "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e"),
-    "a100-40gb": DeviceRates("A100-SXM4-40GB", 312e12, 1.555e12, 40 * 2**30,
-                             "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 1,555 GB/s HBM2"),
-    "h100-sxm": DeviceRates("H100-SXM5-80GB", 989e12, 3.35e12, 80 * 2**30,
-                            "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3"),
+    "a100-80gb": DeviceRates(
+        "A100-SXM4-80GB",
+        312e12,
+        2.039e12,
+        80 * 2**30,
+        "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e",
+    ),
+    "a100-40gb": DeviceRates(
+        "A100-SXM4-40GB",
+        312e12,
+        1.555e12,
+        40 * 2**30,
+        "NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 1,555 GB/s HBM2",
+    ),
+    "h100-sxm": DeviceRates(
+        "H100-SXM5-80GB",
+        989e12,
+        3.35e12,
+        80 * 2**30,
+        "NVIDIA H100 datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3",
+    ),
 }
 
 
@@ -131,9 +153,17 @@ def _check(shape: GPTShape, batch_size: int) -> None:
         raise InputError(f"batch size must be >= 1 (got {batch_size})")
 
 
-def estimate_gpt(shape: GPTShape, rates: DeviceRates, batch_size: int, *, recompute: bool = True,
-                 matmul_efficiency: float = MATMUL_EFFICIENCY, memory_efficiency: float = MEMORY_EFFICIENCY,
-                 tp_efficiency: float = 1.0, mixed_precision: bool = True) -> Profile:
+def estimate_gpt(
+    shape: GPTShape,
+    rates: DeviceRates,
+    batch_size: int,
+    *,
+    recompute: bool = True,
+    matmul_efficiency: float = MATMUL_EFFICIENCY,
+    memory_efficiency: float = MEMORY_EFFICIENCY,
+    tp_efficiency: float = 1.0,
+    mixed_precision: bool = True,
+) -> Profile:
     """The what-if profile of ``shape`` on ``rates`` for minibatches of ``batch_size``
     sequences (module docstring). ``mixed_precision`` (Megatron's): 2-byte bf16 parameters
     with float32 masters, 18 bytes per parameter with Adam in the planner's memory rule;
@@ -143,7 +173,9 @@ def estimate_gpt(shape: GPTShape, rates: DeviceRates, batch_size: int, *, recomp
     _check(shape, batch_size)
     if not (0 < matmul_efficiency <= 1 and 0 < memory_efficiency <= 1):
         raise InputError(f"efficiencies must be in (0, 1] (got {matmul_efficiency}, {memory_efficiency})")
-    run = _Rates(rates.matmul_flops_per_s * matmul_efficiency, rates.memory_bandwidth_bytes_per_s * memory_efficiency)
+    run = _Rates(
+        rates.matmul_flops_per_s * matmul_efficiency, rates.memory_bandwidth_bytes_per_s * memory_efficiency
+    )
     tokens = batch_size * shape.seq_len
     size = _Bytes(PARAM_BYTES if mixed_precision else MASTER_BYTES)
     layers = [_embedding(shape, tokens, run, size)]
@@ -154,12 +186,16 @@ def estimate_gpt(shape: GPTShape, rates: DeviceRates, batch_size: int, *, recomp
     # weight and gradient, write the weight; each moment adds a read and a write), plus the
     # bf16 copy written back under mixed precision
     copy = PARAM_BYTES if mixed_precision else 0
-    optimizer_ms = {name: (passes * MASTER_BYTES + copy) * count / run.bytes * 1e3
-                    for name, passes in (("sgd", 3), ("momentum", 5), ("adam", 7))}
-    how = (f"what-if, not measured: {rates.source}; kernels at their roofline, GEMMs at {matmul_efficiency:g} of "
-           f"peak (calibrated), bytes at {memory_efficiency:g} of HBM; Megatron GPT FLOP and byte counts; "
-           + ("bf16 weights with float32 masters" if mixed_precision else "float32 weights")
-           + ("; full activation recomputation" if recompute else ""))
+    optimizer_ms = {
+        name: (passes * MASTER_BYTES + copy) * count / run.bytes * 1e3
+        for name, passes in (("sgd", 3), ("momentum", 5), ("adam", 7))
+    }
+    how = (
+        f"what-if, not measured: {rates.source}; kernels at their roofline, GEMMs at {matmul_efficiency:g} of "
+        f"peak (calibrated), bytes at {memory_efficiency:g} of HBM; Megatron GPT FLOP and byte counts; "
+        + ("bf16 weights with float32 masters" if mixed_precision else "float32 weights")
+        + ("; full activation recomputation" if recompute else "")
+    )
     key = f"gpt l={shape.layers} h={shape.hidden} a={shape.heads} s={shape.seq_len} V={shape.vocab}"
     return Profile(
         model=f"GPT {shape.parameters / 1e9:.1f}B ({key})",
@@ -193,15 +229,27 @@ def _embedding(shape: GPTShape, tokens: int, run: _Rates, size: _Bytes) -> Layer
     elements = 3 * tokens * h  # two lookups written, summed
     forward = run.ms(0.0, elements)
     return LayerProfile(
-        0, "embedding", "VocabParallelEmbedding", (), forward, 2 * forward, tokens * h * ELEMENT_BYTES,
-        size((shape.vocab + shape.seq_len) * h), tokens * 8, model_inputs=(0,),
-        tp_units=shape.vocab, tp_split_param_bytes=size(shape.vocab * h),
-        tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_forward_allreduces=1,
+        0,
+        "embedding",
+        "VocabParallelEmbedding",
+        (),
+        forward,
+        2 * forward,
+        tokens * h * ELEMENT_BYTES,
+        size((shape.vocab + shape.seq_len) * h),
+        tokens * 8,
+        model_inputs=(0,),
+        tp_units=shape.vocab,
+        tp_split_param_bytes=size(shape.vocab * h),
+        tp_allreduce_bytes=tokens * h * ELEMENT_BYTES,
+        tp_forward_allreduces=1,
         largest_param_bytes=size(shape.vocab * h),
     )
 
 
-def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: bool, size: _Bytes) -> LayerProfile:
+def _block(
+    shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: bool, size: _Bytes
+) -> LayerProfile:
     """A transformer block; its GEMMs, softmax, attention dropout and GeLU split by heads."""
     h, a, s = shape.hidden, shape.heads, shape.seq_len
     # element reads + writes per token: GeLU on 4h (8h), scale-mask-softmax (2 a s) and
@@ -222,11 +270,23 @@ def _block(shape: GPTShape, tokens: int, run: _Rates, index: int, recompute: boo
         split_saved = int(tokens * h * (24 + 5 * a * s / h))
     params = size(12 * h * h + 13 * h)
     return LayerProfile(
-        index, f"blocks.{index - 1}", "ParallelTransformerLayer", (index - 1,), split_f + repeated_f,
-        split_b + repeated_b, activation, params, saved,
-        tp_units=a, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
-        tp_split_param_bytes=size(12 * h * h + 7 * h), tp_split_saved_bytes=split_saved,
-        tp_allreduce_bytes=activation, tp_forward_allreduces=2, tp_backward_allreduces=2 + (2 if recompute else 0),
+        index,
+        f"blocks.{index - 1}",
+        "ParallelTransformerLayer",
+        (index - 1,),
+        split_f + repeated_f,
+        split_b + repeated_b,
+        activation,
+        params,
+        saved,
+        tp_units=a,
+        tp_split_forward_ms=split_f,
+        tp_split_backward_ms=split_b,
+        tp_split_param_bytes=size(12 * h * h + 7 * h),
+        tp_split_saved_bytes=split_saved,
+        tp_allreduce_bytes=activation,
+        tp_forward_allreduces=2,
+        tp_backward_allreduces=2 + (2 if recompute else 0),
         largest_param_bytes=size(4 * h * h),  # each MLP GEMM's weight (h x 4h)
     )
 
@@ -239,10 +299,21 @@ def _head(shape: GPTShape, tokens: int, run: _Rates, index: int, size: _Bytes) -
     repeated_f = run.ms(0.0, 2.0 * tokens * h)  # the LayerNorm
     split_b, repeated_b = run.ms(4.0 * tokens * h * v, 3.0 * tokens * v), 2 * repeated_f
     return LayerProfile(
-        index, "head", "VocabParallelHead", (index - 1,), split_f + repeated_f, split_b + repeated_b, 4,
-        size(v * h + 2 * h), 2 * tokens * h * ELEMENT_BYTES + tokens * v * ELEMENT_BYTES,
-        tp_units=v, tp_split_forward_ms=split_f, tp_split_backward_ms=split_b,
-        tp_split_param_bytes=size(v * h), tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
-        tp_allreduce_bytes=tokens * h * ELEMENT_BYTES, tp_backward_allreduces=1,
+        index,
+        "head",
+        "VocabParallelHead",
+        (index - 1,),
+        split_f + repeated_f,
+        split_b + repeated_b,
+        4,
+        size(v * h + 2 * h),
+        2 * tokens * h * ELEMENT_BYTES + tokens * v * ELEMENT_BYTES,
+        tp_units=v,
+        tp_split_forward_ms=split_f,
+        tp_split_backward_ms=split_b,
+        tp_split_param_bytes=size(v * h),
+        tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
+        tp_allreduce_bytes=tokens * h * ELEMENT_BYTES,
+        tp_backward_allreduces=1,
         largest_param_bytes=size(v * h),
     )

@@ -21,16 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.measure import Progress, loss_backward
-from pipeplan.profiler.memory import (SavedTensorCounter, count_saved, largest_param_bytes, output_bytes,
-                                     param_bytes, storage_key)
+from pipeplan.profiler.memory import (
+    SavedTensorCounter,
+    count_saved,
+    largest_param_bytes,
+    output_bytes,
+    param_bytes,
+    storage_key,
+)
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
 
@@ -58,10 +65,19 @@ class _Timed:
 
 
 def measure_layerwise(
-    graph: LayerGraph, model: nn.Module, inputs: Sequence[torch.Tensor], targets: object,
-    loss_fn: Callable[[Any, Any], Any], timer: Timer, warmup: int, repeats: int, device: torch.device,
-    dtype: torch.dtype, seed: int,
-    every_layer: bool = False, progress: Progress | None = None,
+    graph: LayerGraph,
+    model: nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: object,
+    loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    every_layer: bool = False,
+    progress: Progress | None = None,
 ) -> LayerwiseResult:
     """Measure every layer of ``graph`` (captured from ``model``, which is on meta). O(layers)."""
     import torch
@@ -85,9 +101,11 @@ def measure_layerwise(
             # a new meta tensor in the model, no longer the one the stage was split with
             rebind([stage.module], model)
             held = [*stage.module.parameters(), *stage.module.buffers()]
-            with memory_step(f"layer {position} ({node.name}, {format_bytes(param_bytes(held))} of parameters "
-                             f"and buffers) was measured alone",
-                             "lower --batch-size, or profile on a device with more memory"):
+            with memory_step(
+                f"layer {position} ({node.name}, {format_bytes(param_bytes(held))} of parameters "
+                f"and buffers) was measured alone",
+                "lower --batch-size, or profile on a device with more memory",
+            ):
                 materialise(model, held, device, seed, dtype)
                 rebind([stage.module], model)
                 # the materialised tensors; not the constants the graph holds (a Falcon's index tensors),
@@ -110,10 +128,18 @@ def measure_layerwise(
                     timed[key] = reuse
                 if MODEL_OUTPUT in stage.output_names:
                     loss = _time_loss(outputs[-1], targets, loss_fn, timer, warmup, repeats)
-                layers.append(_layer_profile(graph.layers[position], reuse, position, produced,
-                                             param_bytes(stage.module.parameters()), saved,
-                                             tuple(sorted(set(stage.parameter_names.values()))),
-                                             largest_param_bytes(stage.module.parameters())))
+                layers.append(
+                    _layer_profile(
+                        graph.layers[position],
+                        reuse,
+                        position,
+                        produced,
+                        param_bytes(stage.module.parameters()),
+                        saved,
+                        tuple(sorted(set(stage.parameter_names.values()))),
+                        largest_param_bytes(stage.module.parameters()),
+                    )
+                )
                 for name, value in zip(stage.output_names, outputs):
                     values[name] = _detached(value)
                 del outputs, args, counter
@@ -212,7 +238,9 @@ def layer_signature(stage: StageModule, args: tuple[object, ...]) -> tuple[objec
     normalised = _normalise_names(str(code))
     modules = _normalise_names(" ".join(type(m).__name__ for _, m in stage.module.named_modules()))
     params = tuple((tuple(p.shape), str(p.dtype)) for p in stage.module.parameters())
-    shapes = tuple((tuple(t.shape), str(t.dtype)) for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor))
+    shapes = tuple(
+        (tuple(t.shape), str(t.dtype)) for a in args for t in tensors_in(a) if isinstance(t, torch.Tensor)
+    )
     return normalised, modules, params, shapes, len(stage.output_names)
 
 
@@ -223,8 +251,15 @@ def _normalise_names(code: str) -> str:
     return re.sub(r"\d+", "#", code)
 
 
-def time_layer(stage: StageModule, args: tuple[object, ...], first: tuple[object, ...], timer: Timer,
-                warmup: int, repeats: int, position: int) -> _Timed:
+def time_layer(
+    stage: StageModule,
+    args: tuple[object, ...],
+    first: tuple[object, ...],
+    timer: Timer,
+    warmup: int,
+    repeats: int,
+    position: int,
+) -> _Timed:
     """Forward and backward of one layer, ``repeats`` timed passes after ``warmup``."""
     import torch
 
@@ -256,8 +291,14 @@ def time_layer(stage: StageModule, args: tuple[object, ...], first: tuple[object
     return _Timed(position, robust_stats(forward), robust_stats(backward))
 
 
-def _time_loss(output: object, targets: object, loss_fn: Callable[[Any, Any], Any], timer: Timer,
-               warmup: int, repeats: int) -> Stats:
+def _time_loss(
+    output: object,
+    targets: object,
+    loss_fn: Callable[[Any, Any], Any],
+    timer: Timer,
+    warmup: int,
+    repeats: int,
+) -> Stats:
     """The loss's forward + backward on the model output, ms."""
     import torch
 
@@ -273,14 +314,30 @@ def _time_loss(output: object, targets: object, loss_fn: Callable[[Any, Any], An
     return robust_stats(samples)
 
 
-def _layer_profile(node: LayerNode, timed: _Timed, position: int, produced: int, params: int, saved: int,
-                   names: tuple[str, ...], largest: int) -> LayerProfile:
+def _layer_profile(
+    node: LayerNode,
+    timed: _Timed,
+    position: int,
+    produced: int,
+    params: int,
+    saved: int,
+    names: tuple[str, ...],
+    largest: int,
+) -> LayerProfile:
     return LayerProfile(
-        index=node.index, name=node.name, type=node.type, inputs=tuple(node.inputs),
-        forward_ms=timed.forward.median, backward_ms=timed.backward.median,
-        output_bytes=produced, param_bytes=params, saved_bytes=saved,
-        forward_ms_spread=timed.forward.spread, backward_ms_spread=timed.backward.spread,
+        index=node.index,
+        name=node.name,
+        type=node.type,
+        inputs=tuple(node.inputs),
+        forward_ms=timed.forward.median,
+        backward_ms=timed.backward.median,
+        output_bytes=produced,
+        param_bytes=params,
+        saved_bytes=saved,
+        forward_ms_spread=timed.forward.spread,
+        backward_ms_spread=timed.backward.spread,
         model_inputs=tuple(node.model_inputs),
-        reused_from=-1 if timed.index == position else timed.index, parameters=names,
+        reused_from=-1 if timed.index == position else timed.index,
+        parameters=names,
         largest_param_bytes=largest,
     )

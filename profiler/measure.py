@@ -20,12 +20,19 @@ model's mask helpers and cache) no stage ever runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.memory import SavedTensorCounter, count_saved, largest_param_bytes, output_bytes, param_bytes
+from pipeplan.profiler.memory import (
+    SavedTensorCounter,
+    count_saved,
+    largest_param_bytes,
+    output_bytes,
+    param_bytes,
+)
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 
 if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
@@ -56,6 +63,7 @@ __all__ = [
 
 class LossError(InputError):
     """The model file's ``loss_fn`` raised on the output rebuilt from the layers."""
+
 
 Progress = Callable[[int, int, str], None]
 
@@ -215,7 +223,10 @@ def _clear_grads(model: StepModel) -> None:
 
 
 def time_step(
-    model: StepModel, inputs: Sequence[torch.Tensor], targets: object, loss_fn: Callable[[Any, Any], Any],
+    model: StepModel,
+    inputs: Sequence[torch.Tensor],
+    targets: object,
+    loss_fn: Callable[[Any, Any], Any],
     timer: Timer,
 ) -> float:
     """One whole-model forward + loss + backward, in ms."""
@@ -255,15 +266,17 @@ def time_optimizer_steps(model: nn.Module, timer: Timer, warmup: int, repeats: i
 
     parameters: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
     if not parameters:
-        return {name: 0.0 for name in OPTIMIZERS}
+        return dict.fromkeys(OPTIMIZERS, 0.0)
     copies: list[torch.Tensor] = []
     if parameters[0].is_floating_point() and parameters[0].element_size() < 4:
         copies = parameters
         parameters = [torch.nn.Parameter(p.detach().float()) for p in copies]
     for parameter in parameters:
         parameter.grad = torch.zeros_like(parameter)
-    optimizers = {name: _refreshing(make_optimizer(name, parameters, lr=1e-3), parameters, copies)
-                  for name in OPTIMIZERS}
+    optimizers = {
+        name: _refreshing(make_optimizer(name, parameters, lr=1e-3), parameters, copies)
+        for name in OPTIMIZERS
+    }
     samples: dict[str, list[float]] = {name: [] for name in OPTIMIZERS}
     # Round-robin, so start-up costs (a thread pool waking up, state allocation) fall in
     # the untimed first rounds of every optimizer, not on whichever is timed first.
@@ -282,8 +295,9 @@ def time_optimizer_steps(model: nn.Module, timer: Timer, warmup: int, repeats: i
 class _refreshing:
     """An optimizer whose ``step`` also copies the (master) ``parameters`` into ``copies``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor],
-                 copies: list[torch.Tensor]) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], copies: list[torch.Tensor]
+    ) -> None:
         self.optimizer, self.parameters, self.copies = optimizer, parameters, copies
 
     def step(self) -> None:

@@ -11,8 +11,9 @@ it alive until the backward pass, once per minibatch in flight.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
     import torch
@@ -132,7 +133,6 @@ def count_saved(
     >>> counter.saved_bytes  # the (2, 4) float32 input: 2 * 4 * 4 bytes
     32
     """
-    import torch
 
     if counter is None:
         counter = SavedTensorCounter(exclude)

@@ -75,7 +75,13 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", batch_size: int 
             raise InputError(f"{where}: not a PipeDream node line: {line.strip()[:80]!r}")
         forward = _number(match["f"], where, "forward_compute_time")
         backward = _number(match["b"], where, "backward_compute_time")
-        nodes[match["id"]] = (match["desc"], forward, backward, _size(match["a"], where), _size(match["p"], where))
+        nodes[match["id"]] = (
+            match["desc"],
+            forward,
+            backward,
+            _size(match["a"], where),
+            _size(match["p"], where),
+        )
         order.append(match["id"])
     if not nodes:
         raise InputError(f"{source}: no nodes")
@@ -113,14 +119,27 @@ def parse_pipedream_graph(text: str, source: str = "graph.txt", batch_size: int 
         desc, forward, backward, activation, params = nodes[n]
         inputs = tuple(sorted(index[p] for p in preds[n] if p in index))
         digest.update(f"{desc}|{inputs}|{int(params)}\n".encode())
-        layers.append(LayerProfile(
-            index=i, name=n, type=desc.split("(")[0], inputs=inputs, forward_ms=forward,
-            backward_ms=backward, output_bytes=int(round(activation)), param_bytes=int(round(params)),
-            saved_bytes=int(round(activation)),
-        ))
+        layers.append(
+            LayerProfile(
+                index=i,
+                name=n,
+                type=desc.split("(")[0],
+                inputs=inputs,
+                forward_ms=forward,
+                backward_ms=backward,
+                output_bytes=int(round(activation)),
+                param_bytes=int(round(params)),
+                saved_bytes=int(round(activation)),
+            )
+        )
     return Profile(
-        model=source, fingerprint=digest.hexdigest(), device=DeviceInfo(type="cuda", name="V100 (PipeDream profile)"),
-        batch_size=batch_size, dtype="float32", layers=tuple(layers), source="pipedream",
+        model=source,
+        fingerprint=digest.hexdigest(),
+        device=DeviceInfo(type="cuda", name="V100 (PipeDream profile)"),
+        batch_size=batch_size,
+        dtype="float32",
+        layers=tuple(layers),
+        source="pipedream",
     )
 
 

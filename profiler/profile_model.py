@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipeplan.errors import InputError, one_line
-from pipeplan.model_inputs import ModelInputs
 from pipeplan.memory_errors import memory_step
+from pipeplan.model_inputs import ModelInputs
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # typing only: torch is imported where it is used
     from torch import nn
 
 __all__ = ["BUNDLED_MODELS", "resolve_model_path", "prepare_batch", "check_model_runs", "profile_model"]
+
 
 def prepare_batch(
     inputs: ModelInputs, targets: object, device: torch.device, dtype: torch.dtype
@@ -41,9 +43,12 @@ def prepare_batch(
     return inputs.map(move), move(targets)
 
 
-
 def check_model_runs(
-    model_file: ModelFile, model: nn.Module, inputs: ModelInputs, targets: object, batch_size: int,
+    model_file: ModelFile,
+    model: nn.Module,
+    inputs: ModelInputs,
+    targets: object,
+    batch_size: int,
     allow_nonfinite: bool = False,
 ) -> None:
     """One forward + loss + backward; ``InputError`` (one line) when the user's code raises,
@@ -75,8 +80,14 @@ def check_model_runs(
     model.zero_grad(set_to_none=True)
 
 
-def time_data(model_file: ModelFile, batch_size: int, device: torch.device, dtype: torch.dtype, warmup: int,
-              repeats: int) -> float:
+def time_data(
+    model_file: ModelFile,
+    batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    warmup: int,
+    repeats: int,
+) -> float:
     """Median ms to draw one minibatch with ``sample_batch`` and place it on ``device``.
 
     The runtime draws every minibatch on the input stage and again on the loss stage
@@ -138,8 +149,21 @@ def profile_model(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _profile(model, batch_size, device, dtype, warmup, repeats, progress, allow_nonfinite,
-                        leaf_modules, opaque_modules, build, time_every_layer, whole_step)
+        return _profile(
+            model,
+            batch_size,
+            device,
+            dtype,
+            warmup,
+            repeats,
+            progress,
+            allow_nonfinite,
+            leaf_modules,
+            opaque_modules,
+            build,
+            time_every_layer,
+            whole_step,
+        )
     finally:
         torch.set_num_threads(previous_threads)
 
@@ -169,8 +193,9 @@ def _profile(
     model_file = load_model_file(resolve_model_path(model))
     from pipeplan.capture.materialise import build_model
 
-    with memory_step(f"build_model() ran (--build {build})",
-                     "profile with --build meta, which holds one layer at a time"):
+    with memory_step(
+        f"build_model() ran (--build {build})", "profile with --build meta, which holds one layer at a time"
+    ):
         network, lazy, note = build_model(model_file.build, build, seed=0)
     if note and progress is not None:
         progress(0, 1, note)
@@ -183,9 +208,24 @@ def _profile(
         from pipeplan.profiler.meta_profile import profile_on_meta
 
         data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
-        return profile_on_meta(str(model), model_file, network, (raw_inputs, inputs), targets, batch_size,
-                               torch_device, dtype, warmup, repeats, progress, leaves, time_every_layer, data_ms,
-                               whole_step, opaque)
+        return profile_on_meta(
+            str(model),
+            model_file,
+            network,
+            (raw_inputs, inputs),
+            targets,
+            batch_size,
+            torch_device,
+            dtype,
+            warmup,
+            repeats,
+            progress,
+            leaves,
+            time_every_layer,
+            data_ms,
+            whole_step,
+            opaque,
+        )
     whole = "profile with --build meta, which holds one layer at a time, or lower --batch-size"
     with memory_step("the whole model ran its check step (--build eager)", whole):
         network = network.to(device=torch_device, dtype=torch_dtype).train()
@@ -197,8 +237,9 @@ def _profile(
     disable_inplace(network)
     graph = build_layer_graph(network, inputs, leaves, opaque)
     modules = module_records(network, inputs)
-    reach, blocked = recorded_split(network, inputs, [layer.name for layer in graph.layers], modules,
-                                    graph.opaque_modules)
+    reach, blocked = recorded_split(
+        network, inputs, [layer.name for layer in graph.layers], modules, graph.opaque_modules
+    )
     timer = make_timer(torch_device)
     with memory_step("the layers and the whole step were measured (--build eager)", whole):
         layers, measured = measure_layers(
@@ -206,10 +247,21 @@ def _profile(
         )
     from pipeplan.profiler.tensor_split import split_fields
 
-    layers = split_fields(network, model_file.tp_plan, graph, layers, inputs.tensors(), timer, warmup,
-                          torch_device.type, str(model_file.path))
-    with memory_step("the optimizer steps were timed over every parameter (Adam adds two copies of them)",
-                     "profile with --build meta, which times them on a 16 MiB sample"):
+    layers = split_fields(
+        network,
+        model_file.tp_plan,
+        graph,
+        layers,
+        inputs.tensors(),
+        timer,
+        warmup,
+        torch_device.type,
+        str(model_file.path),
+    )
+    with memory_step(
+        "the optimizer steps were timed over every parameter (Adam adds two copies of them)",
+        "profile with --build meta, which times them on a 16 MiB sample",
+    ):
         optimizer_ms = time_optimizer_steps(network, timer, warmup, repeats)
     data_ms = time_data(model_file, batch_size, torch_device, torch_dtype, warmup, repeats)
     return Profile(
@@ -233,7 +285,8 @@ def _profile(
         opaque_modules=graph.opaque_modules,
         dropped_outputs=graph.dropped_outputs,
         modules=modules,
-        pipelining_reach=reach, pipelining_blocked=blocked,
+        pipelining_reach=reach,
+        pipelining_blocked=blocked,
         build="eager",
         master_dtype=Precision.for_dtype(dtype).master_dtype,
     )

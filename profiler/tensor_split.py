@@ -34,8 +34,9 @@ import copy
 import math
 import statistics
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import one_line
 from pipeplan.profile import LayerProfile
@@ -50,8 +51,15 @@ if TYPE_CHECKING:  # typing only: torch and the capture are imported where they 
 
 SHARE_TURNS = 5  # whole / split timings of a layer, whatever --repeats says (DTensor on a CPU is slow)
 
-__all__ = ["SplitLayout", "SplitShare", "layer_layouts", "fill_split_fields", "measure_split_degree",
-           "measure_shares", "split_fields"]
+__all__ = [
+    "SplitLayout",
+    "SplitShare",
+    "layer_layouts",
+    "fill_split_fields",
+    "measure_split_degree",
+    "measure_shares",
+    "split_fields",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,13 @@ class SplitLayout:
     dims: dict[str, dict[str, int]]  # qualified module path -> {parameter: dim}
 
 
-def layer_layouts(model: nn.Module, tp_plan: dict[str, Any] | None, layers: Sequence[LayerProfile],
-                  where: str, element_size: int | None = None) -> dict[int, SplitLayout]:
+def layer_layouts(
+    model: nn.Module,
+    tp_plan: dict[str, Any] | None,
+    layers: Sequence[LayerProfile],
+    where: str,
+    element_size: int | None = None,
+) -> dict[int, SplitLayout]:
     """Layer index -> its ``SplitLayout``, for the layers holding split modules (empty: no plan).
 
     ``element_size``: bytes per parameter element as profiled (default: as the model holds them).
@@ -83,8 +96,11 @@ def layer_layouts(model: nn.Module, tp_plan: dict[str, Any] | None, layers: Sequ
     layouts: dict[int, SplitLayout] = {}
     for layer in layers:
         names = set(layer.parameters)
-        held = [split for path, split in splits.items()
-                if any(f"{path}.{name}" in names for name, _ in split.dims)]
+        held = [
+            split
+            for path, split in splits.items()
+            if any(f"{path}.{name}" in names for name, _ in split.dims)
+        ]
         if not held:
             continue
         units, split_bytes, seen = 0, 0, set()
@@ -100,11 +116,16 @@ def layer_layouts(model: nn.Module, tp_plan: dict[str, Any] | None, layers: Sequ
         embeddings = [isinstance(modules[split.module], nn.Embedding) for split in held]
         rows = sum(1 for split, embedding in zip(held, embeddings) if split.style == ROWWISE)
         # a column group (q, k, v; gate, up) reads one input: one all-reduce of its gradient
-        column_groups = {split.module.rpartition(".")[0] for split, embedding in zip(held, embeddings)
-                         if split.style == COLWISE and not embedding}
+        column_groups = {
+            split.module.rpartition(".")[0]
+            for split, embedding in zip(held, embeddings)
+            if split.style == COLWISE and not embedding
+        }
         layouts[layer.index] = SplitLayout(
-            units=units, param_bytes=split_bytes,
-            forward_allreduces=rows, backward_allreduces=len(column_groups),
+            units=units,
+            param_bytes=split_bytes,
+            forward_allreduces=rows,
+            backward_allreduces=len(column_groups),
             dims={split.module: dict(split.dims) for split in held},
         )
     return layouts
@@ -119,8 +140,9 @@ class SplitShare:
     saved: float
 
 
-def fill_split_fields(layers: Sequence[LayerProfile], layouts: dict[int, SplitLayout],
-                      shares: dict[int, SplitShare]) -> list[LayerProfile]:
+def fill_split_fields(
+    layers: Sequence[LayerProfile], layouts: dict[int, SplitLayout], shares: dict[int, SplitShare]
+) -> list[LayerProfile]:
     """``layers`` with their tp_* fields set from ``layouts`` and the measured ``shares``."""
     out = []
     for layer in layers:
@@ -129,16 +151,19 @@ def fill_split_fields(layers: Sequence[LayerProfile], layouts: dict[int, SplitLa
             out.append(layer)
             continue
         share = shares.get(layer.index, SplitShare(0.0, 0.0, 0.0))
-        out.append(replace(
-            layer, tp_units=layout.units,
-            tp_split_forward_ms=layer.forward_ms * share.forward,
-            tp_split_backward_ms=layer.backward_ms * share.backward,
-            tp_split_param_bytes=min(layout.param_bytes, layer.param_bytes),
-            tp_split_saved_bytes=int(layer.saved_bytes * share.saved),
-            tp_allreduce_bytes=layer.output_bytes,
-            tp_forward_allreduces=layout.forward_allreduces,
-            tp_backward_allreduces=layout.backward_allreduces,
-        ))
+        out.append(
+            replace(
+                layer,
+                tp_units=layout.units,
+                tp_split_forward_ms=layer.forward_ms * share.forward,
+                tp_split_backward_ms=layer.backward_ms * share.backward,
+                tp_split_param_bytes=min(layout.param_bytes, layer.param_bytes),
+                tp_split_saved_bytes=int(layer.saved_bytes * share.saved),
+                tp_allreduce_bytes=layer.output_bytes,
+                tp_forward_allreduces=layout.forward_allreduces,
+                tp_backward_allreduces=layout.backward_allreduces,
+            )
+        )
     return out
 
 
@@ -150,8 +175,15 @@ def measure_split_degree(layouts: dict[int, SplitLayout]) -> int:
     return next((t for t in range(2, units + 1) if units % t == 0), 1)
 
 
-def measure_shares(graph: LayerGraph, inputs: Sequence[torch.Tensor], layouts: dict[int, SplitLayout],
-                   degree: int, timer: Timer, warmup: int, device_type: str) -> dict[int, SplitShare]:
+def measure_shares(
+    graph: LayerGraph,
+    inputs: Sequence[torch.Tensor],
+    layouts: dict[int, SplitLayout],
+    degree: int,
+    timer: Timer,
+    warmup: int,
+    device_type: str,
+) -> dict[int, SplitShare]:
     """Per split layer, the measured shares that divide by ``degree`` (module docstring).
 
     Runs the layers in order on ``inputs`` (no grad) to give each its real inputs; layers
@@ -184,8 +216,11 @@ def measure_shares(graph: LayerGraph, inputs: Sequence[torch.Tensor], layouts: d
                     try:
                         measured[key] = _share(stage, args, layout, degree, mesh, timer, warmup, device_type)
                     except Exception as exc:  # an op DTensor cannot split: the layer is charged whole
-                        warnings.warn(f"layer {graph.layers[position].name}: its tensor-parallel split could not "
-                                      f"be timed ({one_line(exc)}); its split shares are 0", stacklevel=1)
+                        warnings.warn(
+                            f"layer {graph.layers[position].name}: its tensor-parallel split could not "
+                            f"be timed ({one_line(exc)}); its split shares are 0",
+                            stacklevel=1,
+                        )
                         measured[key] = SplitShare(0.0, 0.0, 0.0)
                 shares[graph.layers[position].index] = measured[key]
             with torch.no_grad():
@@ -203,9 +238,16 @@ def _plain(value: object) -> object:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _share(stage: StageModule, args: tuple[object, ...], layout: SplitLayout, degree: int, mesh: DeviceMesh,
-           timer: Timer,
-           warmup: int, device_type: str) -> SplitShare:
+def _share(
+    stage: StageModule,
+    args: tuple[object, ...],
+    layout: SplitLayout,
+    degree: int,
+    mesh: DeviceMesh,
+    timer: Timer,
+    warmup: int,
+    device_type: str,
+) -> SplitShare:
     """One layer whole and as one rank of a ``degree``-group: the shares that divide by t."""
     from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
     from pipeplan.tensor_parallel.plans import Split, stage_splits
@@ -213,8 +255,10 @@ def _share(stage: StageModule, args: tuple[object, ...], layout: SplitLayout, de
     with warnings.catch_warnings():  # copying the graph's pytree specs warns of a deprecation in torch
         warnings.simplefilter("ignore", FutureWarning)
         split_stage = copy.deepcopy(stage)
-    dims = stage_splits(split_stage.parameter_names,
-                        {path: Split(path, "", tuple(d.items())) for path, d in layout.dims.items()})
+    dims = stage_splits(
+        split_stage.parameter_names,
+        {path: Split(path, "", tuple(d.items())) for path, d in layout.dims.items()},
+    )
     parallelize_stage(split_stage.module, dims, mesh)
     # whole and split timed in turns, so a change of load on the machine falls on both alike
     wholes, parts = [], []
@@ -236,8 +280,9 @@ def _share(stage: StageModule, args: tuple[object, ...], layout: SplitLayout, de
     return SplitShare(share(0), share(1), share(2))
 
 
-def _timed(stage: StageModule, args: tuple[object, ...], timer: Timer, warmup: int,
-           repeats: int) -> tuple[float, float, float]:
+def _timed(
+    stage: StageModule, args: tuple[object, ...], timer: Timer, warmup: int, repeats: int
+) -> tuple[float, float, float]:
     """(forward ms, backward ms, saved bytes) of ``stage`` on ``args``; a split stage's by its local shards."""
     import torch
 
@@ -278,9 +323,17 @@ class _LocalCounter:
         return self._counter.saved_bytes
 
 
-def split_fields(model: nn.Module, tp_plan: dict[str, Any] | None, graph: LayerGraph,
-                 layers: Sequence[LayerProfile], inputs: Sequence[torch.Tensor], timer: Timer, warmup: int,
-                 device_type: str, where: str) -> list[LayerProfile]:
+def split_fields(
+    model: nn.Module,
+    tp_plan: dict[str, Any] | None,
+    graph: LayerGraph,
+    layers: Sequence[LayerProfile],
+    inputs: Sequence[torch.Tensor],
+    timer: Timer,
+    warmup: int,
+    device_type: str,
+    where: str,
+) -> list[LayerProfile]:
     """``layers`` with their tensor-parallel fields (module docstring); unchanged without a plan."""
     layouts = layer_layouts(model, tp_plan, layers, where)
     if not layouts:

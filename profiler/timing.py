@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
     import torch
@@ -31,7 +32,7 @@ class PendingMs:
         return float(self._begin.elapsed_time(self._end))
 
 
-def read(reading: "float | PendingMs") -> float:
+def read(reading: float | PendingMs) -> float:
     """Milliseconds of a timer reading (waits for the device when it is pending)."""
     return reading.value() if isinstance(reading, PendingMs) else float(reading)
 
@@ -39,7 +40,7 @@ def read(reading: "float | PendingMs") -> float:
 class Timer(Protocol):
     def start(self) -> None: ...
 
-    def stop(self) -> "float | PendingMs":
+    def stop(self) -> float | PendingMs:
         """Milliseconds since ``start()`` (pass the result to ``read``)."""
         ...
 

@@ -18,12 +18,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["RunConfig", "run_training", "build_pipeline", "PipelineSpec", "WeightStash", "P2P",
-           "BatchSource", "Watchdog", "Executor"]
+__all__ = [
+    "RunConfig",
+    "run_training",
+    "build_pipeline",
+    "PipelineSpec",
+    "WeightStash",
+    "P2P",
+    "BatchSource",
+    "Watchdog",
+    "Executor",
+]
 
 _HOME = {
-    "RunConfig": "config", "run_training": "train", "build_pipeline": "stage", "PipelineSpec": "stage",
-    "WeightStash": "stash", "P2P": "comm", "BatchSource": "data", "Watchdog": "failure",
+    "RunConfig": "config",
+    "run_training": "train",
+    "build_pipeline": "stage",
+    "PipelineSpec": "stage",
+    "WeightStash": "stash",
+    "P2P": "comm",
+    "BatchSource": "data",
+    "Watchdog": "failure",
     "Executor": "executor",
 }
 

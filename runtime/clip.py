@@ -35,7 +35,8 @@ from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.sync import GradSync
-from pipeplan.tensor_parallel.apply import counted_here, local as local_shard
+from pipeplan.tensor_parallel.apply import counted_here
+from pipeplan.tensor_parallel.apply import local as local_shard
 
 __all__ = ["GradNorm", "make_grad_norm"]
 
@@ -87,12 +88,20 @@ class GradNorm:
         return local
 
 
-def make_grad_norm(spec: PipelineSpec, rank: int, sync: GradSync, max_norm: float | None,
-                   across_pipeline: bool, timeout_s: float, device: str = "cpu") -> GradNorm:
+def make_grad_norm(
+    spec: PipelineSpec,
+    rank: int,
+    sync: GradSync,
+    max_norm: float | None,
+    across_pipeline: bool,
+    timeout_s: float,
+    device: str = "cpu",
+) -> GradNorm:
     """The norm of this rank's step (collective when ``across_pipeline``: every rank calls it)."""
     module = spec.rank_module if spec.stage is not None else None
-    clip = GradNorm(rank, module, max_norm, across_pipeline=across_pipeline, device=device,
-                    tp_index=spec.tp_index)
+    clip = GradNorm(
+        rank, module, max_norm, across_pipeline=across_pipeline, device=device, tp_index=spec.tp_index
+    )
     if across_pipeline:
         busy = sorted({r for stage_ranks in spec.ranks for r in stage_ranks})
         clip.group = dist.new_group(busy, timeout=timedelta(seconds=timeout_s))

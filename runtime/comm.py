@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,13 @@ import torch.distributed as dist
 from pipeplan.errors import RuntimeFailure, first_line
 
 __all__ = [
-    "FORWARD", "BACKWARD", "TensorSpec", "PendingRecv", "P2P", "PeerFailure", "message_tag",
+    "FORWARD",
+    "BACKWARD",
+    "TensorSpec",
+    "PendingRecv",
+    "P2P",
+    "PeerFailure",
+    "message_tag",
     "short_reason",
 ]
 
@@ -45,8 +52,18 @@ _HEADER_LEN = 16  # int64: [ndim, dtype code, dim0, dim1, ...]
 _MAX_TAG = 2**31 - 1
 _MIN_TAG_WINDOW = 1 << 16  # work units between two uses of one tag (units in flight are far fewer)
 _DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 )
 
 
@@ -76,7 +93,7 @@ class TensorSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorSpec":
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
         return cls(tuple(tensor.shape), tensor.dtype)
 
     def encode(self, device: str) -> torch.Tensor:
@@ -89,7 +106,7 @@ class TensorSpec:
         return header.to(device)
 
     @classmethod
-    def decode(cls, header: torch.Tensor) -> "TensorSpec":
+    def decode(cls, header: torch.Tensor) -> TensorSpec:
         values = header.cpu().tolist()
         ndim = int(values[0])
         return cls(tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[int(values[1])])
@@ -166,7 +183,9 @@ class P2P:
         self._mailbox: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # to this rank itself
 
     # ------------------------------------------------------------------ sending
-    def send(self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str) -> None:
+    def send(
+        self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str
+    ) -> None:
         """Start sending ``tensor``; the first activation on a channel carries a header."""
         if peer == self.rank:
             self._mailbox.setdefault((value, unit, direction), []).append(tensor.detach().clone())
@@ -213,8 +232,9 @@ class P2P:
         self._sends = []
 
     # ---------------------------------------------------------------- receiving
-    def post(self, peer: int, value: int, unit: int, direction: int, label: str,
-             spec: TensorSpec | None = None) -> PendingRecv:
+    def post(
+        self, peer: int, value: int, unit: int, direction: int, label: str, spec: TensorSpec | None = None
+    ) -> PendingRecv:
         """Post a receive now where possible (gloo, header known); ``wait`` completes it."""
         pending = PendingRecv(peer, value, unit, direction, label, spec)
         if self.tagged and peer != self.rank:
@@ -226,7 +246,9 @@ class P2P:
         if pending.peer == self.rank:
             mail = self._mailbox.get((pending.value, pending.unit, pending.direction))
             if not mail:
-                raise RuntimeFailure(f"rank {self.rank}: {pending.label}: nothing was sent to this rank itself")
+                raise RuntimeFailure(
+                    f"rank {self.rank}: {pending.label}: nothing was sent to this rank itself"
+                )
             value = mail.pop(0)
             if not mail:
                 del self._mailbox[(pending.value, pending.unit, pending.direction)]
@@ -285,6 +307,4 @@ class P2P:
             cause = f"no answer within {self.timeout_s:.0f} s"
         else:
             cause = f"connection lost ({reason})"
-        return PeerFailure(
-            f"rank {self.rank}: {what} failed: {cause}; rank {peer} failed or died", peer
-        )
+        return PeerFailure(f"rank {self.rank}: {what} failed: {cause}; rank {peer} failed or died", peer)

@@ -68,8 +68,13 @@ class Option:
     hidden: bool = False
 
 
-def _option(flag: str, help: str, choices: tuple[str, ...] | None = None,
-            path: Literal["file", "dir", "any"] | None = None, hidden: bool = False) -> dict[str, Option]:
+def _option(
+    flag: str,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    path: Literal["file", "dir", "any"] | None = None,
+    hidden: bool = False,
+) -> dict[str, Option]:
     """A field's metadata: ``field(default=..., metadata=_option("--flag", "Help."))``."""
     return {OPTION: Option(flag, help, choices, path, hidden)}
 
@@ -78,89 +83,158 @@ def _option(flag: str, help: str, choices: tuple[str, ...] | None = None,
 class ScheduleConfig:
     """Which pipeline schedule runs, over how many micro-batches, and whether GPipe recomputes."""
 
-    schedule: str | None = field(default=None, metadata=_option(
-        "--schedule", "Override the plan's schedule.", choices=SCHEDULE_NAMES))
-    microbatches: int | None = field(default=None, metadata=_option(
-        "--microbatches", "Micro-batches per minibatch (all but 1f1b-rr) [default: the plan's]."))
-    recompute: bool = field(default=False, metadata=_option(
-        "--recompute", "GPipe re-materialisation: recompute in backward."))
+    schedule: str | None = field(
+        default=None, metadata=_option("--schedule", "Override the plan's schedule.", choices=SCHEDULE_NAMES)
+    )
+    microbatches: int | None = field(
+        default=None,
+        metadata=_option(
+            "--microbatches", "Micro-batches per minibatch (all but 1f1b-rr) [default: the plan's]."
+        ),
+    )
+    recompute: bool = field(
+        default=False, metadata=_option("--recompute", "GPipe re-materialisation: recompute in backward.")
+    )
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer, its learning-rate curve and gradient clipping (``pipeplan.optimizers``)."""
 
-    optimizer: str | None = field(default=None, metadata=_option(
-        "--optimizer", "Optimizer [default: the plan's]; a model file's make_optimizer(params) replaces it.",
-        choices=OPTIMIZERS))
+    optimizer: str | None = field(
+        default=None,
+        metadata=_option(
+            "--optimizer",
+            "Optimizer [default: the plan's]; a model file's make_optimizer(params) replaces it.",
+            choices=OPTIMIZERS,
+        ),
+    )
     lr: float = field(default=0.01, metadata=_option("--lr", "Learning rate."))
-    weight_decay: float = field(default=0.0, metadata=_option(
-        "--weight-decay", "Weight decay (adamw: decoupled); never on biases and norm weights (ndim < 2)."))
-    lr_schedule: str = field(default="constant", metadata=_option(
-        "--lr-schedule",
-        "Learning rate after the warm-up, over --steps; a model file's make_lr_scheduler replaces it.",
-        choices=LR_SCHEDULES))
-    warmup_steps: int = field(default=0, metadata=_option(
-        "--warmup-steps", "Steps of linear warm-up from lr/N to --lr."))
-    min_lr: float = field(default=0.0, metadata=_option(
-        "--min-lr", "Learning rate the linear or cosine decay ends at."))
-    clip_grad_norm: float | None = field(default=None, metadata=_option(
-        "--clip-grad-norm",
-        "Clip gradients to this global norm over every stage and replica (1f1b-rr: per stage)."))
+    weight_decay: float = field(
+        default=0.0,
+        metadata=_option(
+            "--weight-decay", "Weight decay (adamw: decoupled); never on biases and norm weights (ndim < 2)."
+        ),
+    )
+    lr_schedule: str = field(
+        default="constant",
+        metadata=_option(
+            "--lr-schedule",
+            "Learning rate after the warm-up, over --steps; a model file's make_lr_scheduler replaces it.",
+            choices=LR_SCHEDULES,
+        ),
+    )
+    warmup_steps: int = field(
+        default=0, metadata=_option("--warmup-steps", "Steps of linear warm-up from lr/N to --lr.")
+    )
+    min_lr: float = field(
+        default=0.0, metadata=_option("--min-lr", "Learning rate the linear or cosine decay ends at.")
+    )
+    clip_grad_norm: float | None = field(
+        default=None,
+        metadata=_option(
+            "--clip-grad-norm",
+            "Clip gradients to this global norm over every stage and replica (1f1b-rr: per stage).",
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class BuildConfig:
     """How each rank builds its stage: whole or on meta, in which dtype, from which seed."""
 
-    mode: str = field(default="auto", metadata=_option(
-        "--build",
-        "eager: build the whole model under --seed, then keep the stage; meta: build on the meta "
-        "device and materialise only this rank's layers (weights seeded by module name); "
-        "auto: meta above 1 GiB of parameters and buffers.", choices=BUILD_MODES))
-    dtype: str | None = field(default=None, metadata=_option(
-        "--dtype",
-        "Compute dtype; bfloat16 trains in mixed precision (bf16 compute and activations, "
-        "float32 master weights, gradients and optimizer state) [default: the plan's].",
-        choices=COMPUTE_DTYPES))
-    seed: int = field(default=0, metadata=_option(
-        "--seed", "Model init seed; minibatch k is drawn with seed + k."))
+    mode: str = field(
+        default="auto",
+        metadata=_option(
+            "--build",
+            "eager: build the whole model under --seed, then keep the stage; meta: build on the meta "
+            "device and materialise only this rank's layers (weights seeded by module name); "
+            "auto: meta above 1 GiB of parameters and buffers.",
+            choices=BUILD_MODES,
+        ),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=_option(
+            "--dtype",
+            "Compute dtype; bfloat16 trains in mixed precision (bf16 compute and activations, "
+            "float32 master weights, gradients and optimizer state) [default: the plan's].",
+            choices=COMPUTE_DTYPES,
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=_option("--seed", "Model init seed; minibatch k is drawn with seed + k.")
+    )
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where checkpoints go, how often, and what the run starts from (``pipeplan.runtime.checkpoint``)."""
 
-    directory: str | None = field(default=None, metadata=_option(
-        "--checkpoint-dir", "Save per-stage checkpoints here.", path="dir"))
-    every: int = field(default=0, metadata=_option(  # steps; 0: only at the end
-        "--checkpoint-every", "Checkpoint every N steps (0: once at the end)."))
-    resume: bool = field(default=False, metadata=_option(
-        "--resume", "Continue from the last complete checkpoint (of this or another plan of the model)."))
-    weights: str | None = field(default=None, metadata=_option(
-        "--weights",
-        "Start from pretrained weights: a Hugging Face save_pretrained folder "
-        "(safetensors, sharded or not), a .safetensors file or a pipeplan checkpoint "
-        "(not used when --resume finds a checkpoint to continue).", path="any"))
+    directory: str | None = field(
+        default=None, metadata=_option("--checkpoint-dir", "Save per-stage checkpoints here.", path="dir")
+    )
+    every: int = field(
+        default=0,
+        metadata=_option(  # steps; 0: only at the end
+            "--checkpoint-every", "Checkpoint every N steps (0: once at the end)."
+        ),
+    )
+    resume: bool = field(
+        default=False,
+        metadata=_option(
+            "--resume", "Continue from the last complete checkpoint (of this or another plan of the model)."
+        ),
+    )
+    weights: str | None = field(
+        default=None,
+        metadata=_option(
+            "--weights",
+            "Start from pretrained weights: a Hugging Face save_pretrained folder "
+            "(safetensors, sharded or not), a .safetensors file or a pipeplan checkpoint "
+            "(not used when --resume finds a checkpoint to continue).",
+            path="any",
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class OutputConfig:
     """What the run writes besides checkpoints, and what it shows while it trains."""
 
-    metrics_path: str | None = field(default=None, metadata=_option(
-        "--metrics", "Write the run's metrics JSON (rank 0).", path="file"))
-    trace_path: str | None = field(default=None, metadata=_option(
-        "--trace", "Write a Chrome trace of every rank's work (rank 0 merges).", path="file"))
-    log_dir: str | None = field(default=None, metadata=_option(  # TensorBoard events and metrics.jsonl
-        "--log-dir",
-        "Write per-step loss, lr, gradient norm, samples/s and stage times as TensorBoard "
-        "events and metrics.jsonl here (rank 0).", path="dir"))
-    progress: bool = field(default=True, metadata=_option(  # a flag that turns the default off
-        "--no-progress", "No live progress line."))
-    record_dir: str | None = field(default=None, metadata=_option(  # per-rank params, versions, digests
-        "--record", "Tests: write per-rank parameters, weight versions and digests here.", path="dir",
-        hidden=True))
+    metrics_path: str | None = field(
+        default=None, metadata=_option("--metrics", "Write the run's metrics JSON (rank 0).", path="file")
+    )
+    trace_path: str | None = field(
+        default=None,
+        metadata=_option(
+            "--trace", "Write a Chrome trace of every rank's work (rank 0 merges).", path="file"
+        ),
+    )
+    log_dir: str | None = field(
+        default=None,
+        metadata=_option(  # TensorBoard events and metrics.jsonl
+            "--log-dir",
+            "Write per-step loss, lr, gradient norm, samples/s and stage times as TensorBoard "
+            "events and metrics.jsonl here (rank 0).",
+            path="dir",
+        ),
+    )
+    progress: bool = field(
+        default=True,
+        metadata=_option(  # a flag that turns the default off
+            "--no-progress", "No live progress line."
+        ),
+    )
+    record_dir: str | None = field(
+        default=None,
+        metadata=_option(  # per-rank params, versions, digests
+            "--record",
+            "Tests: write per-rank parameters, weight versions and digests here.",
+            path="dir",
+            hidden=True,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -168,21 +242,32 @@ class RunConfig:
     """One ``pipeplan run``: the plan, the model file and the groups above."""
 
     plan: Plan  # PLAN, loaded (the command's argument, not an option)
-    model_path: str = field(metadata=_option(
-        "--model",
-        "model.py (build_model, sample_batch[, loss_fn, data_loader]) or a bundled model: "
-        "mlp, vgg, resnet, gpt.", path="file"))
-    steps: int = field(default=10, metadata=_option(  # total steps (a resumed run continues up to it)
-        "--steps", "Total optimizer steps (1F1B-RR: lcm(replicas) minibatches per step)."))
+    model_path: str = field(
+        metadata=_option(
+            "--model",
+            "model.py (build_model, sample_batch[, loss_fn, data_loader]) or a bundled model: "
+            "mlp, vgg, resnet, gpt.",
+            path="file",
+        )
+    )
+    steps: int = field(
+        default=10,
+        metadata=_option(  # total steps (a resumed run continues up to it)
+            "--steps", "Total optimizer steps (1F1B-RR: lcm(replicas) minibatches per step)."
+        ),
+    )
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     build: BuildConfig = field(default_factory=BuildConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     outputs: OutputConfig = field(default_factory=OutputConfig)
-    timeout_s: float = field(default=300.0, metadata=_option(
-        "--timeout", "Bound in seconds on every collective and point-to-point wait."))
-    allow_nonfinite: bool = field(default=False, metadata=_option(
-        "--allow-nonfinite", "Train on when a loss is NaN or infinite."))
+    timeout_s: float = field(
+        default=300.0,
+        metadata=_option("--timeout", "Bound in seconds on every collective and point-to-point wait."),
+    )
+    allow_nonfinite: bool = field(
+        default=False, metadata=_option("--allow-nonfinite", "Train on when a loss is NaN or infinite.")
+    )
 
     @property
     def schedule(self) -> str:

@@ -38,8 +38,11 @@ def read_curve(path: str) -> TrainingCurve:
 
     metrics = Metrics.load(path)
     first = metrics.first_step
-    return TrainingCurve(path, tuple(range(first + 1, first + 1 + len(metrics.losses))),
-                         tuple(_finite(x) for x in metrics.losses))
+    return TrainingCurve(
+        path,
+        tuple(range(first + 1, first + 1 + len(metrics.losses))),
+        tuple(_finite(x) for x in metrics.losses),
+    )
 
 
 def _read_log(path: str) -> TrainingCurve:
@@ -67,8 +70,9 @@ def _read_log(path: str) -> TrainingCurve:
     def column(name: str) -> tuple[float | None, ...]:
         return tuple(_finite(by_step[s].get(name)) for s in steps)
 
-    return TrainingCurve(path, steps, column("loss"), column("lr"), column("grad_norm"),
-                         column("samples_per_s"))
+    return TrainingCurve(
+        path, steps, column("loss"), column("lr"), column("grad_norm"), column("samples_per_s")
+    )
 
 
 def _finite(value: object) -> float | None:
@@ -96,8 +100,14 @@ def draw_curve(curve: TrainingCurve, title: str = "") -> bytes:
     rates = [(s, x) for s, x in zip(curve.steps, curve.lrs) if x is not None]
     if rates:
         right = ax.twinx()
-        right.plot([s for s, _ in rates], [x for _, x in rates], color="#ff7f0e", linewidth=1.2,
-                   linestyle="--", label="learning rate")
+        right.plot(
+            [s for s, _ in rates],
+            [x for _, x in rates],
+            color="#ff7f0e",
+            linewidth=1.2,
+            linestyle="--",
+            label="learning rate",
+        )
         right.set_ylabel("learning rate", color="#ff7f0e")
         right.set_ylim(bottom=0.0)
         handles = [*handles, *right.get_lines()]

@@ -17,8 +17,9 @@ order in which the captured graph takes them (model input ``k``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -67,7 +68,9 @@ class BatchSource:
         """
         drawn = held = 0
         for k in minibatches:
-            if drawn == most or (drawn and held * (drawn + 1) > budget_bytes * drawn):  # the next would exceed it
+            if drawn == most or (
+                drawn and held * (drawn + 1) > budget_bytes * drawn
+            ):  # the next would exceed it
                 break
             inputs, targets = self._minibatch(k, evict=False)
             held += sum(t.numel() * t.element_size() for t in (*inputs, targets))
@@ -100,8 +103,10 @@ class BatchSource:
                         f"{self.model_file.path}: minibatch {k} tensor {position} has "
                         f"{t.shape[0]} samples, expected the plan's batch size {self.batch_size}"
                     )
-            self._cache[k] = (tuple(self._placed(t, self.dtype) for t in inputs),
-                              self._placed(targets, self.target_dtype or self.dtype))
+            self._cache[k] = (
+                tuple(self._placed(t, self.dtype) for t in inputs),
+                self._placed(targets, self.target_dtype or self.dtype),
+            )
         return self._cache[k]
 
     def _placed(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,7 @@ split over the mesh's tensor dimension with ``parallelize_module``
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,8 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = ["stage_meshes"]
 
 
-def stage_meshes(ranks: Sequence[Sequence[int]], tensor_parallel: Sequence[int], positions: int,
-                 device_type: str) -> list[DeviceMesh | None]:
+def stage_meshes(
+    ranks: Sequence[Sequence[int]], tensor_parallel: Sequence[int], positions: int, device_type: str
+) -> list[DeviceMesh | None]:
     """The (data, tensor) mesh of each pipeline position (collective on every rank).
 
     ``ranks[q]`` / ``tensor_parallel[q]``: model stage q's ranks and degree; only the

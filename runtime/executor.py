@@ -30,14 +30,15 @@ maps them to global minibatch ids for data (a resumed run continues the data str
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from pipeplan.errors import RuntimeFailure
 from pipeplan.capture import MODEL_OUTPUT, StageModule
+from pipeplan.errors import RuntimeFailure
 from pipeplan.runtime.clip import GradNorm
 from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpec
 from pipeplan.runtime.data import BatchSource
@@ -93,22 +94,30 @@ class Executor:
     schedule: str = "1f1b-flush"  # the schedule's name: which weight version a forward runs on
     grad_norm: GradNorm | None = None  # measures (and clips) the gradient norm at each step
     # where the actions run (a tensor-parallel stage's DTensor settings); None: as they are
-    compute_context: Callable[[], ContextManager[Any]] | None = None
+    compute_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     precision: MixedPrecision | None = None  # mixed precision without weight versions: the compute copies
     loss_dtype: torch.dtype | None = None  # mixed precision: the model output is cast to it for the loss
     losses: dict[int, float] = field(default_factory=dict)  # global minibatch -> loss
     units: dict[int, UnitRecord] = field(default_factory=dict)  # unit -> versions used
     done_ms: dict[int, float] = field(default_factory=dict)  # global minibatch -> its S ended (ms from t0)
-    grad_squares: dict[int, float] = field(default_factory=dict)  # global minibatch -> counted squared gradient sum (before clipping)
+    grad_squares: dict[int, float] = field(
+        default_factory=dict
+    )  # global minibatch -> counted squared gradient sum (before clipping)
     lrs: dict[int, float] = field(default_factory=dict)  # global minibatch -> lr of its S (first group)
     _kind: ScheduleKind | None = None
     _steps: int = 0  # "S" done
     _saved: dict[_Key, _Saved] = field(default_factory=dict)
     _posted: dict[tuple[str, int, int], dict[str, list[PendingRecv]]] = field(default_factory=dict)
-    _minibatch_grads: dict[int, dict[str, torch.Tensor | None]] = field(default_factory=dict)  # summed per minibatch
+    _minibatch_grads: dict[int, dict[str, torch.Tensor | None]] = field(
+        default_factory=dict
+    )  # summed per minibatch
     # A value crosses to a rank once per unit, however many of its chunks read it:
-    _inbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [pending|tensor, uses left]
-    _outbound: dict[tuple[str, int], list[Any]] = field(default_factory=dict)  # (name, unit) -> [grad sum, grads left]
+    _inbound: dict[tuple[str, int], list[Any]] = field(
+        default_factory=dict
+    )  # (name, unit) -> [pending|tensor, uses left]
+    _outbound: dict[tuple[str, int], list[Any]] = field(
+        default_factory=dict
+    )  # (name, unit) -> [grad sum, grads left]
     _readers: dict[str, int] = field(default_factory=dict)  # value name -> this rank's chunks reading it
 
     # ------------------------------------------------------------------ driver
@@ -117,8 +126,13 @@ class Executor:
         for chunk in self.spec.chunks:
             for name in chunk.input_names:
                 self._readers[name] = self._readers.get(name, 0) + 1
-        handlers = {"F": self._forward, "B": self._backward, "I": self._backward, "W": self._weights,
-                    "S": self._step}
+        handlers = {
+            "F": self._forward,
+            "B": self._backward,
+            "I": self._backward,
+            "W": self._weights,
+            "S": self._step,
+        }
         with self.compute_context() if self.compute_context is not None else contextlib.nullcontext():
             for position, action in enumerate(self.actions):
                 self._prefetch(position)
@@ -166,8 +180,9 @@ class Executor:
             if producer < 0 or (name, unit) in self._inbound:
                 continue
             peer = self.spec.recv_peer(producer, unit)
-            pending = self.comm.post(peer, self.spec.value_ids[name], unit, FORWARD,
-                                     f"{name!r} of {action} from rank {peer}")
+            pending = self.comm.post(
+                peer, self.spec.value_ids[name], unit, FORWARD, f"{name!r} of {action} from rank {peer}"
+            )
             self._inbound[(name, unit)] = [pending, self._readers[name]]
         return {}
 
@@ -193,8 +208,14 @@ class Executor:
             spec = TensorSpec.of(value)
             peers = dict.fromkeys(self.spec.recv_peer(c, unit) for c in stage.consumers[name])
             posted[name] = [
-                self.comm.post(peer, self.spec.value_ids[name], unit, BACKWARD,
-                               f"gradient of {name!r} for {action} from rank {peer}", spec)
+                self.comm.post(
+                    peer,
+                    self.spec.value_ids[name],
+                    unit,
+                    BACKWARD,
+                    f"gradient of {name!r} for {action} from rank {peer}",
+                    spec,
+                )
                 for peer in peers  # one gradient per consuming rank, summed over its chunks
             ]
         return posted
@@ -202,8 +223,14 @@ class Executor:
     def _wait(self, pending: PendingRecv, action: Action) -> torch.Tensor:
         start = now_ms()
         value = self.comm.wait(pending)
-        self.recorder.add("recv", f"recv {action} <-r{pending.peer}", start, now_ms(),
-                          action.minibatch + self.minibatch_offset, action.microbatch)
+        self.recorder.add(
+            "recv",
+            f"recv {action} <-r{pending.peer}",
+            start,
+            now_ms(),
+            action.minibatch + self.minibatch_offset,
+            action.microbatch,
+        )
         return value
 
     # ----------------------------------------------------------------- forward
@@ -243,16 +270,24 @@ class Executor:
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
         for name in self._in_message_order(stage.output_names):
-            for peer in dict.fromkeys(p for c in stage.consumers[name] for p in self.spec.send_peers(c, unit)):
-                self.comm.send(outputs[name], peer, self.spec.value_ids[name], unit, FORWARD,
-                               f"send {action} ->r{peer}")
+            for peer in dict.fromkeys(
+                p for c in stage.consumers[name] for p in self.spec.send_peers(c, unit)
+            ):
+                self.comm.send(
+                    outputs[name], peer, self.spec.value_ids[name], unit, FORWARD, f"send {action} ->r{peer}"
+                )
         if self.recompute:
             outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
             loss = None
         self._saved[(unit, action.chunk)] = _Saved(inputs, outputs, loss, version, rng)
 
-    def _run_stage(self, stage: StageModule, inputs: list[torch.Tensor], targets: object,  # the loss_fn's
-                   version: WeightVersion | None) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def _run_stage(
+        self,
+        stage: StageModule,
+        inputs: list[torch.Tensor],
+        targets: object,  # the loss_fn's
+        version: WeightVersion | None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         if version is not None:
             assert self.stash is not None
             result = self.stash.forward(version, tuple(inputs))
@@ -267,7 +302,9 @@ class Executor:
             output = outputs[MODEL_OUTPUT]
             if self.loss_dtype is not None:  # its floating tensors (HF: a ModelOutput's logits)
                 dtype = self.loss_dtype
-                output = tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+                output = tree_map_only(
+                    torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output
+                )
             loss = self.loss_fn(output, targets)
             if self.microbatches > 1:
                 loss = loss / self.microbatches
@@ -275,7 +312,7 @@ class Executor:
 
     # ---------------------------------------------------------------- backward
     def _backward(self, action: Action) -> None:
-        """"B" (whole backward) or "I" (input gradients now, weight gradients at "W")."""
+        """ "B" (whole backward) or "I" (input gradients now, weight gradients at "W")."""
         unit = self._unit(action)
         stage = self._chunk(action)
         saved = self._saved[(unit, action.chunk)]
@@ -302,9 +339,13 @@ class Executor:
                     tensors.append(outputs[name])
                     grads.append(g)
             if action.kind == "I":
-                params = (list(saved.version.params.values()) if saved.version is not None
-                          else self.precision.parameters(action.chunk) if self.precision is not None
-                          else list(stage.module.parameters()))
+                params = (
+                    list(saved.version.params.values())
+                    if saved.version is not None
+                    else self.precision.parameters(action.chunk)
+                    if self.precision is not None
+                    else list(stage.module.parameters())
+                )
                 input_grads, saved.weight_work = backward_input(tensors, grads, saved.inputs, params)
             else:
                 del self._saved[(unit, action.chunk)]
@@ -329,14 +370,16 @@ class Executor:
                     continue
                 grad = self._outbound.pop((name, unit))[0]
             for peer in self.spec.send_peers(producer, unit):
-                self.comm.send(grad, peer, self.spec.value_ids[name], unit, BACKWARD,
-                               f"send {action} ->r{peer}")
+                self.comm.send(
+                    grad, peer, self.spec.value_ids[name], unit, BACKWARD, f"send {action} ->r{peer}"
+                )
 
     def _weights(self, action: Action) -> None:
-        """"W": the weight gradients an earlier "I" of the same unit deferred."""
+        """ "W": the weight gradients an earlier "I" of the same unit deferred."""
         saved = self._saved.pop((self._unit(action), action.chunk))
-        with self.recorder.span("backward", str(action), action.minibatch + self.minibatch_offset,
-                                action.microbatch):
+        with self.recorder.span(
+            "backward", str(action), action.minibatch + self.minibatch_offset, action.microbatch
+        ):
             if saved.weight_work is not None:
                 backward_weight(saved.weight_work)
             if self.precision is not None:
@@ -355,8 +398,9 @@ class Executor:
                 total[name] = g if total.get(name) is None else total[name] + g  # type: ignore[operator]
         self.units[self._unit(action)].backward_version = saved.version.id
 
-    def _rematerialise(self, stage: StageModule, saved: _Saved, minibatch: int,
-                       microbatch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def _rematerialise(
+        self, stage: StageModule, saved: _Saved, minibatch: int, microbatch: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         targets = self.data.microbatch(minibatch, microbatch)[1] if self._is_loss_stage(stage) else None
         with torch.random.fork_rng(devices=_cuda_devices()):
             _set_rng_state(saved.rng)

@@ -34,8 +34,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pipeplan.errors import RuntimeFailure, first_line
 
@@ -76,8 +77,9 @@ def _brief(exc: BaseException) -> str:
 def _connect(host: str, port: int, timeout_s: float) -> TCPStore:
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def _bounded(call: Callable[[], T], seconds: float, what: str) -> T:
@@ -124,8 +126,12 @@ class Watchdog:
         self._on_failure = on_failure
         self._prefix = prefix
         what = f"rank {rank}: cannot reach the rendezvous store at {self._where}"
-        self._beat_store = _bounded(lambda: _connect(host, port, self.store_timeout_s), self.store_timeout_s, what)
-        self._main_store = _bounded(lambda: _connect(host, port, self.store_timeout_s), self.store_timeout_s, what)
+        self._beat_store = _bounded(
+            lambda: _connect(host, port, self.store_timeout_s), self.store_timeout_s, what
+        )
+        self._main_store = _bounded(
+            lambda: _connect(host, port, self.store_timeout_s), self.store_timeout_s, what
+        )
         self._main_lock = threading.Lock()  # main-thread callers only; the beat thread never takes it
         self._main_since: float | None = None  # when the main thread's store call began
         self._last_answer = time.monotonic()
@@ -136,7 +142,7 @@ class Watchdog:
     def _key(self, name: str) -> str:
         return f"{self._prefix}{name}"
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._last_answer = time.monotonic()
         for target, name in ((self._beat, "pipeplan-heartbeat"), (self._guard, "pipeplan-watchdog")):
             thread = threading.Thread(target=target, name=name, daemon=True)

@@ -12,9 +12,9 @@ CUDA is present, gloo otherwise.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
 
 from pipeplan.errors import InputError, RuntimeFailure, first_line
 from pipeplan.plan import Plan
@@ -40,9 +40,7 @@ class DistEnv:
 def _int_env(environ: Mapping[str, str], name: str) -> int:
     value = environ.get(name)
     if value is None:
-        raise InputError(
-            f"pipeplan run must be started by torchrun ({name} is not set): {_LAUNCH_HINT}"
-        )
+        raise InputError(f"pipeplan run must be started by torchrun ({name} is not set): {_LAUNCH_HINT}")
     try:
         return int(value)
     except ValueError as exc:
@@ -105,9 +103,12 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
         torch.cuda.set_device(env.local_rank)
     where = f"{env.master_addr}:{env.master_port}"
     try:
-        with deadline(timeout_s, f"rank {env.rank}: cannot join the process group at {where} within "
-                                 f"{timeout_s:.0f} s (no rendezvous store answers there, or a rank "
-                                 f"did not start; check MASTER_ADDR/MASTER_PORT)"):
+        with deadline(
+            timeout_s,
+            f"rank {env.rank}: cannot join the process group at {where} within "
+            f"{timeout_s:.0f} s (no rendezvous store answers there, or a rank "
+            f"did not start; check MASTER_ADDR/MASTER_PORT)",
+        ):
             dist.init_process_group(
                 env.backend,
                 rank=env.rank,

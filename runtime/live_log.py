@@ -23,8 +23,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, Callable
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # types only: ``pipeplan.runtime.curves`` reads LOG_NAME without importing torch
     from torch.utils.tensorboard import SummaryWriter
@@ -40,15 +41,31 @@ __all__ = ["LiveLog", "step_record", "open_live_log", "publish_step"]
 LOG_NAME = "metrics.jsonl"
 
 
-def step_record(stage: int, replica: int, end_ms: float, compute_ms: float | None,
-                loss_sum: float | None, lr: float | None, grad_square: float | None) -> str:
+def step_record(
+    stage: int,
+    replica: int,
+    end_ms: float,
+    compute_ms: float | None,
+    loss_sum: float | None,
+    lr: float | None,
+    grad_square: float | None,
+) -> str:
     """What one rank publishes for one step (JSON; non-finite values as null).
 
     ``grad_square``: the squared gradient sum this rank counts (``pipeplan.runtime.clip``):
     summed over the ranks it is the squared global norm; 1F1B-RR: the stage's own.
     """
-    return json.dumps({"stage": stage, "replica": replica, "end_ms": end_ms, "compute_ms": compute_ms,
-                       "loss_sum": _finite(loss_sum), "lr": lr, "grad_square": _finite(grad_square)})
+    return json.dumps(
+        {
+            "stage": stage,
+            "replica": replica,
+            "end_ms": end_ms,
+            "compute_ms": compute_ms,
+            "loss_sum": _finite(loss_sum),
+            "lr": lr,
+            "grad_square": _finite(grad_square),
+        }
+    )
 
 
 def _finite(value: float | None) -> float | None:
@@ -72,7 +89,7 @@ class LiveLog:
     _writer: SummaryWriter | None = None
     _lines: IO[str] | None = None
 
-    def open(self, first_step: int) -> "LiveLog":
+    def open(self, first_step: int) -> LiveLog:
         from torch.utils.tensorboard import SummaryWriter  # tensorboard's import is slow: only with --log-dir
 
         os.makedirs(self.directory, exist_ok=True)
@@ -152,20 +169,36 @@ class LiveLog:
         self._writer.flush()
 
 
-def open_live_log(config: RunConfig, rank: int, spec: PipelineSpec, samples_per_step: int, period: int,
-                  across: bool, watchdog: Watchdog, done_steps: int) -> LiveLog | None:
+def open_live_log(
+    config: RunConfig,
+    rank: int,
+    spec: PipelineSpec,
+    samples_per_step: int,
+    period: int,
+    across: bool,
+    watchdog: Watchdog,
+    done_steps: int,
+) -> LiveLog | None:
     """Rank 0's ``--log-dir`` writer (None elsewhere or without the option)."""
     log_dir = config.outputs.log_dir
     if rank != 0 or log_dir is None or done_steps >= config.steps:
         return None
     ranks = tuple(sorted({r for stage_ranks in spec.ranks for r in stage_ranks}))
-    return LiveLog(log_dir, ranks, spec.stages, samples_per_step, period, across,
-                   watchdog.peek).open(done_steps)
+    return LiveLog(log_dir, ranks, spec.stages, samples_per_step, period, across, watchdog.peek).open(
+        done_steps
+    )
 
 
-def publish_step(watchdog: Watchdog, executor: Executor, recorder: Recorder, spec: PipelineSpec, rank: int,
-                 step: int,
-                 period: int, published: dict[str, float]) -> None:
+def publish_step(
+    watchdog: Watchdog,
+    executor: Executor,
+    recorder: Recorder,
+    spec: PipelineSpec,
+    rank: int,
+    step: int,
+    period: int,
+    published: dict[str, float],
+) -> None:
     """This rank's share of step ``step`` (0-based) for rank 0's live log."""
     minibatches = range(step * period, (step + 1) * period)
     losses = [executor.losses[k] for k in minibatches if k in executor.losses]
@@ -174,7 +207,8 @@ def publish_step(watchdog: Watchdog, executor: Executor, recorder: Recorder, spe
     compute = recorder.live_compute_ms - published["compute_ms"]
     published["compute_ms"] = recorder.live_compute_ms
     record = step_record(
-        spec.stage_index, spec.replica,
+        spec.stage_index,
+        spec.replica,
         end_ms=executor.done_ms[last] if last is not None else 0.0,
         compute_ms=None if recorder.cuda else compute,
         loss_sum=sum(losses) if losses else None,

@@ -25,8 +25,9 @@ master's gradient, whose placements ``settle_gradients`` fixes once per step, in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ class MixedPrecision:
     def _hook_for(master: torch.Tensor) -> Any:
         def move(copy: torch.Tensor) -> None:
             _add_grad(master, copy)
+
         return move
 
     def forward(self, chunk: nn.Module, inputs: Sequence[Any]) -> Any:

@@ -21,8 +21,15 @@ __all__ = ["ProgressLine"]
 class ProgressLine:
     """Rank 0's live progress line: step, newest loss, samples/s."""
 
-    def __init__(self, rank: int, config: RunConfig, samples_per_step: int, watchdog: Watchdog,
-                 first_step: int, first_minibatch: int) -> None:
+    def __init__(
+        self,
+        rank: int,
+        config: RunConfig,
+        samples_per_step: int,
+        watchdog: Watchdog,
+        first_step: int,
+        first_minibatch: int,
+    ) -> None:
         self.enabled = rank == 0 and config.outputs.progress
         self.samples_per_step = samples_per_step
         self.watchdog = watchdog
@@ -48,12 +55,17 @@ class ProgressLine:
         )
 
         self._bar = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
-            TimeElapsedColumn(), console=Console(stderr=True),
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[rate]} samples/s"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
         )
-        self._task = self._bar.add_task("train", total=self.total, completed=self.first_step,
-                                        loss="-", rate="-")
+        self._task = self._bar.add_task(
+            "train", total=self.total, completed=self.first_step, loss="-", rate="-"
+        )
         self._bar.start()
         self._start = time.perf_counter()
 

@@ -44,8 +44,6 @@ __all__ = [
 ]
 
 
-
-
 @dataclass
 class RankReport:
     rank: int
@@ -71,8 +69,15 @@ def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> 
     return min(fill, max(total - 1, 0))
 
 
-def rank_report(rank: int, spec: PipelineSpec, executor: Executor, recorder: Recorder, wall_ms: float,
-                stash: WeightStash | None, memory: MemoryReading | None = None) -> RankReport:
+def rank_report(
+    rank: int,
+    spec: PipelineSpec,
+    executor: Executor,
+    recorder: Recorder,
+    wall_ms: float,
+    stash: WeightStash | None,
+    memory: MemoryReading | None = None,
+) -> RankReport:
     counted_from = recorder.count_from - executor.minibatch_offset
     handled = {a.minibatch for a in executor.actions if a.kind == "F" and a.minibatch >= counted_from}
     done = dict(executor.done_ms)
@@ -129,8 +134,9 @@ def prediction_for_run(plan: Plan, schedule: str, microbatches: int) -> Plan:
         return plan
 
 
-def write_outputs(config: RunConfig, spec: PipelineSpec, reports: list[RankReport], period: int,
-                  offset: int) -> dict[str, Any]:
+def write_outputs(
+    config: RunConfig, spec: PipelineSpec, reports: list[RankReport], period: int, offset: int
+) -> dict[str, Any]:
     """Build the metrics summary (and write --metrics / --trace files); returns it."""
     plan = config.plan
     # With a replicated loss stage and micro-batches, each replica holds the loss of its
@@ -152,7 +158,9 @@ def write_outputs(config: RunConfig, spec: PipelineSpec, reports: list[RankRepor
             for k, t in r.done_ms.items():
                 done_by_minibatch[k] = max(done_by_minibatch.get(k, t), t)
     input_done = list(done_by_minibatch.values())
-    period_ms = steady_period_ms(input_done, warmup_minibatches(config.schedule, spec.replicas, len(input_done)))
+    period_ms = steady_period_ms(
+        input_done, warmup_minibatches(config.schedule, spec.replicas, len(input_done))
+    )
     wall_ms = max(r.wall_ms for r in reports)
     minibatches = len(losses_by_minibatch)
     predicted = prediction_for_run(plan, config.schedule, config.microbatches)
@@ -166,27 +174,29 @@ def write_outputs(config: RunConfig, spec: PipelineSpec, reports: list[RankRepor
         wait = sum(r.totals_ms.get(c, 0.0) for c in ("recv", "allreduce"))
         # a worker runs every model stage of its position (q = chunk * p + position)
         positions = len(predicted.stages) // predicted.virtual_stages
-        chunks = predicted.stages[r.stage::positions]
-        stages.append(StageMetrics(
-            stage=r.stage,
-            replica=r.replica,
-            rank=r.rank,
-            time_per_minibatch_ms=(compute + r.totals_ms.get("allreduce", 0.0)) / handled / replicas,
-            compute_ms=compute / handled,
-            wait_ms=wait / handled,
-            forward_ms=r.totals_ms.get("forward", 0.0) / handled,
-            backward_ms=r.totals_ms.get("backward", 0.0) / handled,
-            allreduce_ms=r.totals_ms.get("allreduce", 0.0) / handled,
-            minibatches=r.minibatches,
-            weight_versions_used=r.peak_versions,
-            predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
-            predicted_compute_ms=sum(s.compute_ms for s in chunks),
-            predicted_weight_versions=chunks[0].weight_versions,
-            memory_kind=r.memory.kind if r.memory is not None else None,
-            baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,
-            peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
-            predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
-        ))
+        chunks = predicted.stages[r.stage :: positions]
+        stages.append(
+            StageMetrics(
+                stage=r.stage,
+                replica=r.replica,
+                rank=r.rank,
+                time_per_minibatch_ms=(compute + r.totals_ms.get("allreduce", 0.0)) / handled / replicas,
+                compute_ms=compute / handled,
+                wait_ms=wait / handled,
+                forward_ms=r.totals_ms.get("forward", 0.0) / handled,
+                backward_ms=r.totals_ms.get("backward", 0.0) / handled,
+                allreduce_ms=r.totals_ms.get("allreduce", 0.0) / handled,
+                minibatches=r.minibatches,
+                weight_versions_used=r.peak_versions,
+                predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
+                predicted_compute_ms=sum(s.compute_ms for s in chunks),
+                predicted_weight_versions=chunks[0].weight_versions,
+                memory_kind=r.memory.kind if r.memory is not None else None,
+                baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,
+                peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
+                predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
+            )
+        )
     metrics = Metrics(
         schedule=config.schedule,
         microbatches=config.microbatches,
@@ -211,8 +221,13 @@ def write_outputs(config: RunConfig, spec: PipelineSpec, reports: list[RankRepor
         metrics.save(config.outputs.metrics_path)
     if config.outputs.trace_path:
         events = merge_events(*(r.events for r in reports))
-        names = {r.rank: f"rank {r.rank} (stage {r.stage}, replica {r.replica})" for r in reports if r.stage >= 0}
-        write_chrome_trace(config.outputs.trace_path, events,
-                           {"source": "runtime", "schedule": config.schedule,
-                            "microbatches": config.microbatches}, names)
+        names = {
+            r.rank: f"rank {r.rank} (stage {r.stage}, replica {r.replica})" for r in reports if r.stage >= 0
+        }
+        write_chrome_trace(
+            config.outputs.trace_path,
+            events,
+            {"source": "runtime", "schedule": config.schedule, "microbatches": config.microbatches},
+            names,
+        )
     return summary

@@ -10,9 +10,10 @@ within the barrier's skew). On a CUDA device compute spans are timed with CUDA e
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from pipeplan.trace import TraceEvent
 
@@ -66,8 +67,15 @@ class Recorder:
         yield
         self.add(category, name, start, now_ms(), minibatch, microbatch)
 
-    def add(self, category: str, name: str, start_ms: float, end_ms: float,
-            minibatch: int = -1, microbatch: int = 0) -> None:
+    def add(
+        self,
+        category: str,
+        name: str,
+        start_ms: float,
+        end_ms: float,
+        minibatch: int = -1,
+        microbatch: int = 0,
+    ) -> None:
         """Record a span given in absolute ``now_ms`` times."""
         duration = max(0.0, end_ms - start_ms)
         if category in _COMPUTE:
@@ -76,8 +84,17 @@ class Recorder:
             self.totals_ms[category] = self.totals_ms.get(category, 0.0) + duration
         if self.trace:
             self.events.append(
-                TraceEvent(name, category, start_ms - self.t0_ms, duration, self.rank,
-                           minibatch, microbatch, self.stage, self.replica)
+                TraceEvent(
+                    name,
+                    category,
+                    start_ms - self.t0_ms,
+                    duration,
+                    self.rank,
+                    minibatch,
+                    microbatch,
+                    self.stage,
+                    self.replica,
+                )
             )
 
     def finish(self) -> None:

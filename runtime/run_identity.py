@@ -29,8 +29,7 @@ _MATCHING = ("model", "optimizer", "lr_schedule", "clip_grad_norm", "seed")  # f
 def plan_fingerprint(plan: Plan, schedule: str, microbatches: int) -> str:
     """16 hex digits over what decides the checkpoint layout and the training math."""
     stages = [[sorted(stage.layers), list(stage.ranks)] for stage in plan.stages]
-    basis = [stages, schedule, microbatches, plan.batch_size, plan.dtype,
-             plan.virtual_stages]
+    basis = [stages, schedule, microbatches, plan.batch_size, plan.dtype, plan.virtual_stages]
     return hashlib.sha256(json.dumps(basis).encode()).hexdigest()[:16]
 
 
@@ -54,8 +53,11 @@ class RunIdentity:
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
         """``["optimizer adam != sgd", ...]``: this run's values vs a saved identity."""
-        return [f"{name} {saved.get(name)!r} (saved) != {getattr(self, name)!r} (this run)"
-                for name in _MATCHING if saved.get(name) != getattr(self, name)]
+        return [
+            f"{name} {saved.get(name)!r} (saved) != {getattr(self, name)!r} (this run)"
+            for name in _MATCHING
+            if saved.get(name) != getattr(self, name)
+        ]
 
 
 def check_checkpoint_dir(directory: str, identity: RunIdentity, resume: bool) -> None:

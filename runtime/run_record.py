@@ -30,9 +30,16 @@ def digests(module: nn.Module) -> dict[str, float]:
     return {name: float(full(p.detach()).double().sum()) for name, p in module.named_parameters()}
 
 
-def write_record(folder: str, rank: int, spec: PipelineSpec, module: nn.Module, executor: Executor,
-                 step_digests: list[dict[str, float]], stash: WeightStash | None,
-                 mixed: MixedPrecision | None) -> None:
+def write_record(
+    folder: str,
+    rank: int,
+    spec: PipelineSpec,
+    module: nn.Module,
+    executor: Executor,
+    step_digests: list[dict[str, float]],
+    stash: WeightStash | None,
+    mixed: MixedPrecision | None,
+) -> None:
     """This rank's ``rank<r>.pt`` in ``folder`` (``step_digests``: ``digests`` after each step)."""
     names = spec.qualified_names
     params = {names[n]: full(p.detach()).cpu().clone() for n, p in module.named_parameters()}
@@ -42,15 +49,19 @@ def write_record(folder: str, rank: int, spec: PipelineSpec, module: nn.Module, 
         "replica": spec.replica,
         "params": params,
         "digests": [{names[n]: v for n, v in d.items()} for d in step_digests],
-        "units": {u: (r.minibatch, r.microbatch, r.forward_version, r.backward_version)
-                  for u, r in executor.units.items()},
+        "units": {
+            u: (r.minibatch, r.microbatch, r.forward_version, r.backward_version)
+            for u, r in executor.units.items()
+        },
         "peak_versions": stash.peak_versions if stash is not None else 1,
         "peak_kept_versions": stash.peak_kept if stash is not None else 1,
         "losses": dict(executor.losses),
         # (dtype, placements) of each master and of the tensor the layers ran on (its compute copy)
         "masters": {names[n]: _layout(p) for n, p in module.named_parameters()},
-        "compute": {names[n]: _layout(mixed.copy_of(p) if mixed is not None else p)
-                    for n, p in module.named_parameters()},
+        "compute": {
+            names[n]: _layout(mixed.copy_of(p) if mixed is not None else p)
+            for n, p in module.named_parameters()
+        },
     }
     buffer = io.BytesIO()
     torch.save(obj, buffer)

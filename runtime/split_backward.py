@@ -18,8 +18,9 @@ Cost: one walk of the stage's autograd graph, O(nodes + edges), per ``backward_i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -68,7 +69,9 @@ def _consumers(roots: list[Node]) -> dict[Node, list[Node]]:
     return consumers
 
 
-def _above(starts: list[Node], consumers: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+def _above(
+    starts: list[Node], consumers: dict[Node, list[Node]], stop: set[Node]
+) -> tuple[set[Node], set[Node]]:
     """Nodes reached from ``starts`` along reverse edges, not passing ``stop``; and the ``stop`` nodes hit."""
     reached = set(starts)
     hit: set[Node] = set()
@@ -84,7 +87,9 @@ def _above(starts: list[Node], consumers: dict[Node, list[Node]], stop: set[Node
     return reached, hit
 
 
-def _groups(inputs: list[Node], params: list[torch.Tensor], consumers: dict[Node, list[Node]]) -> list[_Group]:
+def _groups(
+    inputs: list[Node], params: list[torch.Tensor], consumers: dict[Node, list[Node]]
+) -> list[_Group]:
     """Parameters grouped by the boundary nodes they reach (union of overlapping sets)."""
     on_input_paths, _ = _above(inputs, consumers, set()) if inputs else (set(), set())
     groups: list[_Group] = []
@@ -107,8 +112,10 @@ def _groups(inputs: list[Node], params: list[torch.Tensor], consumers: dict[Node
 
 
 def backward_input(
-    outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor],
-    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor | None], WeightGradients]:
     """Gradients of ``inputs`` (None where an input needs none), and the deferred weight work.
 
@@ -125,14 +132,19 @@ def backward_input(
     for group in groups:
         group.grads = [None] * len(group.nodes)
         for i, node in enumerate(group.nodes):
-            def record(grad_outputs: tuple[torch.Tensor | None, ...], group: _Group = group, i: int = i) -> None:
+
+            def record(
+                grad_outputs: tuple[torch.Tensor | None, ...], group: _Group = group, i: int = i
+            ) -> None:
                 group.grads[i] = tuple(grad_outputs)
+
             handles.append(node.register_prehook(record))
     found: Sequence[torch.Tensor | None] = ()
     try:
         if input_nodes:
-            found = torch.autograd.grad(list(outputs), wanted, list(output_grads),
-                                        retain_graph=True, allow_unused=True)
+            found = torch.autograd.grad(
+                list(outputs), wanted, list(output_grads), retain_graph=True, allow_unused=True
+            )
     finally:
         for handle in handles:
             handle.remove()
@@ -144,8 +156,9 @@ def backward_weight(work: WeightGradients) -> None:
     """Accumulate the deferred weight gradients into ``.grad`` of the parameters; drops the graph."""
     for group in work.groups:
         if not group.nodes:
-            found = torch.autograd.grad(work.outputs, group.params, work.output_grads,
-                                        retain_graph=True, allow_unused=True)
+            found = torch.autograd.grad(
+                work.outputs, group.params, work.output_grads, retain_graph=True, allow_unused=True
+            )
             _accumulate(group.params, found)
             continue
         edges, seeds = [], []

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipeplan.errors import InputError
 from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
 from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
+from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
 
@@ -116,8 +116,11 @@ class PipelineSpec:
             return {}
         if self.virtual_stages == 1:
             return dict(self.stage.parameter_names)
-        return {f"{c}.{local}": qualified for c, chunk in enumerate(self.chunks)
-                for local, qualified in chunk.parameter_names.items()}
+        return {
+            f"{c}.{local}": qualified
+            for c, chunk in enumerate(self.chunks)
+            for local, qualified in chunk.parameter_names.items()
+        }
 
 
 def stage_of_layers(plan: Plan, layers: int) -> list[int]:
@@ -136,9 +139,17 @@ def stage_of_layers(plan: Plan, layers: int) -> list[int]:
     return owner
 
 
-def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, sample_batch_size: int,
-                   build: str = "auto", dtype: torch.dtype | None = None,
-                   loaded_after: bool = False, device: str = "cpu") -> PipelineSpec:
+def build_pipeline(
+    model_file: ModelFile,
+    plan: Plan,
+    rank: int,
+    seed: int,
+    sample_batch_size: int,
+    build: str = "auto",
+    dtype: torch.dtype | None = None,
+    loaded_after: bool = False,
+    device: str = "cpu",
+) -> PipelineSpec:
     """Build this rank's stage (module on CPU; the caller moves it to its device).
 
     ``sample_batch_size`` must be the micro-batch size the stages will run: a
@@ -155,7 +166,9 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     sample_inputs, _ = model_file.batch(sample_batch_size, seed=seed)
     leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
     opaque = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
-    stand_ins = dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters())
+    stand_ins = dtype is not None and any(
+        p.is_floating_point() and p.dtype != dtype for p in model.parameters()
+    )
     if stand_ins:
         assert dtype is not None
         sample_inputs = sample_inputs.map(lambda t: t.to(dtype) if t.is_floating_point() else t)
@@ -203,8 +216,9 @@ def build_pipeline(model_file: ModelFile, plan: Plan, rank: int, seed: int, samp
     )
 
 
-def _tensor_parallel_splits(model_file: ModelFile, model: nn.Module, plan: Plan,
-                            modules: list[StageModule]) -> list[dict[str, dict[str, int]]]:
+def _tensor_parallel_splits(
+    model_file: ModelFile, model: nn.Module, plan: Plan, modules: list[StageModule]
+) -> list[dict[str, dict[str, int]]]:
     """Each stage's split parameters (empty where t = 1); ``InputError`` on a refusal."""
     from pipeplan.tensor_parallel.plans import resolve_splits, stage_splits
 
@@ -225,8 +239,9 @@ def _tensor_parallel_splits(model_file: ModelFile, model: nn.Module, plan: Plan,
     return out
 
 
-def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...],
-                tensor_parallel: tuple[int, ...]) -> dict[tuple[int, ...], tuple[str, ...]]:
+def _tie_groups(
+    modules: list[StageModule], ranks: tuple[tuple[int, ...], ...], tensor_parallel: tuple[int, ...]
+) -> dict[tuple[int, ...], tuple[str, ...]]:
     holders: dict[str, set[int]] = {}
     for module in modules:
         for qualified in set(module.parameter_names.values()):
@@ -249,9 +264,7 @@ def _tie_groups(modules: list[StageModule], ranks: tuple[tuple[int, ...], ...],
 def local_names_of(stage: StageModule, qualified: tuple[str, ...]) -> list[str]:
     """Deduplicated local parameter names of ``stage``, in the order of ``qualified``."""
     deduplicated = {name for name, _ in stage.module.named_parameters()}
-    local_of = {
-        q: local for local, q in stage.parameter_names.items() if local in deduplicated
-    }
+    local_of = {q: local for local, q in stage.parameter_names.items() if local in deduplicated}
     return [local_of[q] for q in qualified]
 
 

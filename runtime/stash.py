@@ -120,8 +120,9 @@ class WeightStash:
         """A copy of the live parameters as separate leaves (in ``compute_dtype`` when set)."""
         dtype = self.compute_dtype
         return {
-            name: (p.detach().to(dtype, copy=True) if dtype is not None else p.detach().clone()).requires_grad_(
-                p.requires_grad)
+            name: (
+                p.detach().to(dtype, copy=True) if dtype is not None else p.detach().clone()
+            ).requires_grad_(p.requires_grad)
             for name, p in self.module.named_parameters()
         }
 

@@ -48,7 +48,8 @@ class GradSync:
     replica_ranks: tuple[int, ...] = ()
     # (group or None when all copies are on this rank, ranks, per tied parameter its local copies)
     tie_groups: list[tuple[dist.ProcessGroup | None, tuple[int, ...], list[list[str]]]] = field(
-        default_factory=list)
+        default_factory=list
+    )
 
     def reduce(self) -> None:
         """All-reduce this stage's gradients (replicas), then the tied ones (stages)."""
@@ -61,13 +62,21 @@ class GradSync:
         settle_gradients(self.module)
         if self.replica_group is not None:
             names = list(params)
-            self._all_reduce([params[n] for n in names], self.replica_group, self.replica_ranks,
-                             scale=1.0 / len(self.replica_ranks) if self.average_replicas else 1.0,
-                             what="replica gradients")
+            self._all_reduce(
+                [params[n] for n in names],
+                self.replica_group,
+                self.replica_ranks,
+                scale=1.0 / len(self.replica_ranks) if self.average_replicas else 1.0,
+                what="replica gradients",
+            )
         for group, ranks, copies in self.tie_groups:
             grads = {name: local(_grad(params[name])) for names in copies for name in names}
-            local_sums = [sum(grads[name] for name in names[1:]) + grads[names[0]] if len(names) > 1
-                          else grads[names[0]] for names in copies]
+            local_sums = [
+                sum(grads[name] for name in names[1:]) + grads[names[0]]
+                if len(names) > 1
+                else grads[names[0]]
+                for names in copies
+            ]
             if group is not None:
                 self._all_reduce_grads(local_sums, group, ranks, 1.0, "tied-parameter gradients")
             for names, total in zip(copies, local_sums):
@@ -75,12 +84,24 @@ class GradSync:
                     if grads[name] is not total:
                         grads[name].copy_(total)
 
-    def _all_reduce(self, params: list[torch.Tensor], group: dist.ProcessGroup, ranks: tuple[int, ...],
-                    scale: float, what: str) -> None:
+    def _all_reduce(
+        self,
+        params: list[torch.Tensor],
+        group: dist.ProcessGroup,
+        ranks: tuple[int, ...],
+        scale: float,
+        what: str,
+    ) -> None:
         self._all_reduce_grads([local(p.grad) for p in params], group, ranks, scale, what)  # type: ignore[arg-type]
 
-    def _all_reduce_grads(self, grads: list[torch.Tensor], group: dist.ProcessGroup, ranks: tuple[int, ...],
-                          scale: float, what: str) -> None:
+    def _all_reduce_grads(
+        self,
+        grads: list[torch.Tensor],
+        group: dist.ProcessGroup,
+        ranks: tuple[int, ...],
+        scale: float,
+        what: str,
+    ) -> None:
         if not grads:  # a stage without parameters (pooling, activations): nothing to sum
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
@@ -106,8 +127,13 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
-def make_grad_sync(spec: PipelineSpec, rank: int, average_replicas: bool, timeout_s: float,
-                   meshes: list[DeviceMesh | None] | None = None) -> GradSync:
+def make_grad_sync(
+    spec: PipelineSpec,
+    rank: int,
+    average_replicas: bool,
+    timeout_s: float,
+    meshes: list[DeviceMesh | None] | None = None,
+) -> GradSync:
     """Create every replica and tie group (collective: all ranks, same order).
 
     ``meshes``: each pipeline position's (data, tensor) mesh in a tensor-parallel run

@@ -47,13 +47,15 @@ one; 1F1B-Flush and GPipe resume exactly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -71,6 +73,7 @@ from pipeplan.runtime.clip import GradNorm, make_grad_norm
 from pipeplan.runtime.comm import P2P, PeerFailure
 from pipeplan.runtime.config import RunConfig, check_options
 from pipeplan.runtime.data import BatchSource
+from pipeplan.runtime.device_mesh import stage_meshes
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.failure import HEARTBEAT_TIMEOUT_S, Watchdog, deadline
 from pipeplan.runtime.launch import DistEnv, check_world_size, init_distributed, read_env
@@ -78,14 +81,13 @@ from pipeplan.runtime.live_log import LiveLog, open_live_log, publish_step
 from pipeplan.runtime.memory_usage import MemoryMeter
 from pipeplan.runtime.mixed_precision import MixedPrecision, cast_buffers
 from pipeplan.runtime.progress import ProgressLine
-from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.rank_metrics import gather_reports, rank_report, warmup_minibatches, write_outputs
+from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
 from pipeplan.runtime.run_record import digests, write_record
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.runtime.sync import GradSync, make_grad_sync
-from pipeplan.runtime.device_mesh import stage_meshes
 from pipeplan.schedules import (
     Schedule,
     ScheduleKind,
@@ -142,7 +144,9 @@ class BuiltStage:
     compute_dtype: torch.dtype  # the weights the layers run on, activations
     master_dtype: torch.dtype | None  # mixed precision: the float32 masters (None: no masters)
     sync: GradSync
-    tp_context: Callable[[], ContextManager[None]] | None  # where a tensor-parallel stage computes
+    tp_context: (
+        Callable[[], contextlib.AbstractContextManager[None]] | None
+    )  # where a tensor-parallel stage computes
     tensor_mesh: DeviceMesh | None  # this rank's tensor-parallel group (checkpoints gather over it)
     optimizer: Optimizer | None
     scheduler: LRScheduler | None
@@ -179,8 +183,10 @@ def _prepare(config: RunConfig) -> Prepared:
         check_options(config)
         _check_tensor_parallel(config)
         if env.rank == 0 and config.precision.dtype != config.plan.dtype:
-            sys.stderr.write(f"note: the plan's times and memory are {config.plan.dtype}'s (its profile's "
-                             f"dtype); this run computes in {config.precision.dtype}\n")
+            sys.stderr.write(
+                f"note: the plan's times and memory are {config.plan.dtype}'s (its profile's "
+                f"dtype); this run computes in {config.precision.dtype}\n"
+            )
         if config.plan.batch_size % config.microbatches:
             raise InputError(
                 f"batch size {config.plan.batch_size} is not divisible into "
@@ -188,20 +194,38 @@ def _prepare(config: RunConfig) -> Prepared:
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
         meter = MemoryMeter(env.device)  # the baseline: imports done, nothing of the model built
-        with memory_step(f"rank {env.rank} built its stage (--build {config.build.mode})",
-                         "with --build meta each rank materialises only its own layers; or plan more stages"):
-            spec = build_pipeline(model_file, config.plan, env.rank, config.build.seed,
-                                  config.plan.batch_size // config.microbatches, config.build.mode,
-                                  getattr(torch, config.precision.dtype),
-                                  loaded_after=bool(config.checkpoints.weights), device=env.device)
+        with memory_step(
+            f"rank {env.rank} built its stage (--build {config.build.mode})",
+            "with --build meta each rank materialises only its own layers; or plan more stages",
+        ):
+            spec = build_pipeline(
+                model_file,
+                config.plan,
+                env.rank,
+                config.build.seed,
+                config.plan.batch_size // config.microbatches,
+                config.build.mode,
+                getattr(torch, config.precision.dtype),
+                loaded_after=bool(config.checkpoints.weights),
+                device=env.device,
+            )
         period = steps_period(config.schedule, spec.replicas)
-        schedule = build_schedule(config.schedule, spec.replicas, config.steps * period, config.microbatches,
-                                  config.plan.virtual_stages)
-        identity = RunIdentity(plan=plan_fingerprint(config.plan, config.schedule, config.microbatches),
-                               model=spec.fingerprint, optimizer=_optimizer_identity(config, model_file),
-                               lr=config.optim.lr, seed=config.build.seed,
-                               lr_schedule=_schedule_identity(config, model_file),
-                               clip_grad_norm=config.optim.clip_grad_norm)
+        schedule = build_schedule(
+            config.schedule,
+            spec.replicas,
+            config.steps * period,
+            config.microbatches,
+            config.plan.virtual_stages,
+        )
+        identity = RunIdentity(
+            plan=plan_fingerprint(config.plan, config.schedule, config.microbatches),
+            model=spec.fingerprint,
+            optimizer=_optimizer_identity(config, model_file),
+            lr=config.optim.lr,
+            seed=config.build.seed,
+            lr_schedule=_schedule_identity(config, model_file),
+            clip_grad_norm=config.optim.clip_grad_norm,
+        )
         if config.checkpoints.directory:
             check_checkpoint_dir(config.checkpoints.directory, identity, config.checkpoints.resume)
         if config.checkpoints.weights:
@@ -253,14 +277,23 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
     init_distributed(env, config.timeout_s)
     prefix = f"run{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     silent_s = min(HEARTBEAT_TIMEOUT_S, config.timeout_s)  # a rank or store silent this long is dead
-    watchdog = Watchdog(env.rank, env.world_size, env.master_addr, env.master_port, prefix=prefix,
-                        interval_s=min(1.0, silent_s / 4), heartbeat_timeout_s=silent_s).start()
+    watchdog = Watchdog(
+        env.rank,
+        env.world_size,
+        env.master_addr,
+        env.master_port,
+        prefix=prefix,
+        interval_s=min(1.0, silent_s / 4),
+        heartbeat_timeout_s=silent_s,
+    ).start()
     try:
         spec = prepared.spec
         stage = f"stage {spec.stage_index}" if spec.stage is not None else "no stage"
-        with memory_step(f"rank {env.rank} ({stage}) trained",
-                         "plan more stages (partition for more devices), fewer micro-batches in flight, "
-                         "or a smaller micro-batch (--microbatches)"):
+        with memory_step(
+            f"rank {env.rank} ({stage}) trained",
+            "plan more stages (partition for more devices), fewer micro-batches in flight, "
+            "or a smaller micro-batch (--microbatches)",
+        ):
             built = _build(config, prepared)
             trained = _train_steps(config, prepared, built, watchdog)
             summary = _finish_run(config, prepared, built, trained)
@@ -275,14 +308,16 @@ def run_training(config: RunConfig) -> dict[str, Any] | None:
 def _leave_group(rank: int, timeout_s: float) -> None:
     """The final barrier and group teardown, bounded; a rank whose peer failed while writing
     its outputs gets one line, not the barrier's traceback."""
-    with deadline(timeout_s + 5.0, f"rank {rank}: the final barrier did not complete within "
-                                   f"{timeout_s:.0f} s (another rank failed after training)"):
+    with deadline(
+        timeout_s + 5.0,
+        f"rank {rank}: the final barrier did not complete within "
+        f"{timeout_s:.0f} s (another rank failed after training)",
+    ):
         try:
             dist.barrier()
         except Exception as exc:
             raise RuntimeFailure(
-                f"rank {rank}: another rank failed after training (see its error): "
-                f"{first_line(exc)[:120]}"
+                f"rank {rank}: another rank failed after training (see its error): {first_line(exc)[:120]}"
             ) from exc
         finally:
             dist.destroy_process_group()
@@ -310,15 +345,26 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     env, spec, model_file = prepared.env, prepared.spec, prepared.model_file
     kind = schedule_kind(config.schedule)
     split = any(stage.tensor_parallel > 1 for stage in config.plan.stages)
-    meshes = (stage_meshes(spec.ranks, spec.tensor_parallel, spec.stages, env.device.split(":")[0])
-              if split else None)  # collective: before any other group
-    sync = make_grad_sync(spec, env.rank, average_replicas=kind.gradients == "stashed", timeout_s=config.timeout_s,
-                          meshes=meshes)
+    meshes = (
+        stage_meshes(spec.ranks, spec.tensor_parallel, spec.stages, env.device.split(":")[0])
+        if split
+        else None
+    )  # collective: before any other group
+    sync = make_grad_sync(
+        spec,
+        env.rank,
+        average_replicas=kind.gradients == "stashed",
+        timeout_s=config.timeout_s,
+        meshes=meshes,
+    )
     precision = config.precision  # the plan's (its profile's dtype), or --dtype
     dtype = getattr(torch, precision.dtype)  # compute: weights the layers run on, activations
     master = getattr(torch, precision.master_dtype) if precision.mixed and precision.master_dtype else None
-    module = (spec.rank_module.to(device=env.device, dtype=master or dtype)
-              if spec.rank_module is not None else None)
+    module = (
+        spec.rank_module.to(device=env.device, dtype=master or dtype)
+        if spec.rank_module is not None
+        else None
+    )
     if module is not None and master is not None:
         cast_buffers(module, dtype)  # as the profile measured them; buffers have no masters
     own_mesh = meshes[spec.stage_index] if meshes is not None and spec.stage_index >= 0 else None
@@ -328,24 +374,53 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
             parallelize_stage(chunk.module, splits, own_mesh["tensor"])
         tp_context = partial(compute_context, env.device.split(":")[0])
     optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
-    tensor_mesh = (own_mesh["tensor"]  # checkpoints gather split tensors over it
-                   if own_mesh is not None and spec.tensor_parallel[spec.stage_index] > 1 else None)
+    tensor_mesh = (
+        own_mesh["tensor"]  # checkpoints gather split tensors over it
+        if own_mesh is not None and spec.tensor_parallel[spec.stage_index] > 1
+        else None
+    )
     period = steps_period(config.schedule, spec.replicas)
     across = kind.gradients != "stashed"  # 1F1B-RR: each stage's own norm
-    grad_norm = (make_grad_norm(spec, env.rank, sync, config.optim.clip_grad_norm, across, config.timeout_s,
-                                env.device)
-                 if config.optim.clip_grad_norm is not None or config.outputs.log_dir else None)
+    grad_norm = (
+        make_grad_norm(
+            spec, env.rank, sync, config.optim.clip_grad_norm, across, config.timeout_s, env.device
+        )
+        if config.optim.clip_grad_norm is not None or config.outputs.log_dir
+        else None
+    )
     layout = state.plan_layout(config, spec, prepared.identity, period)
     done_steps = 0
     if config.checkpoints.resume and config.checkpoints.directory:
-        done_steps = state.resume(config, spec, prepared.identity, env.device, env.rank, module, optimizer,
-                                  layout, scheduler, model_file)
+        done_steps = state.resume(
+            config,
+            spec,
+            prepared.identity,
+            env.device,
+            env.rank,
+            module,
+            optimizer,
+            layout,
+            scheduler,
+            model_file,
+        )
     if config.checkpoints.weights and done_steps == 0 and module is not None:
         state.load_weights(config, model_file, spec, module)
-    return BuiltStage(kind=kind, period=period, module=module, compute_dtype=dtype, master_dtype=master,
-                      sync=sync, tp_context=tp_context, tensor_mesh=tensor_mesh, optimizer=optimizer,
-                      scheduler=scheduler, grad_norm=grad_norm, across=across, layout=layout,
-                      done_steps=done_steps)
+    return BuiltStage(
+        kind=kind,
+        period=period,
+        module=module,
+        compute_dtype=dtype,
+        master_dtype=master,
+        sync=sync,
+        tp_context=tp_context,
+        tensor_mesh=tensor_mesh,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        grad_norm=grad_norm,
+        across=across,
+        layout=layout,
+        done_steps=done_steps,
+    )
 
 
 def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watchdog: Watchdog) -> TrainedRank:
@@ -354,36 +429,75 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
     remaining = config.steps - built.done_steps
     schedule = prepared.schedule
     if remaining > 0 and built.done_steps > 0:
-        schedule = build_schedule(config.schedule, spec.replicas, remaining * period, config.microbatches,
-                                  plan.virtual_stages)
+        schedule = build_schedule(
+            config.schedule, spec.replicas, remaining * period, config.microbatches, plan.virtual_stages
+        )
     actions = schedule.actions.get((spec.stage_index, spec.replica), ()) if remaining > 0 else ()
     offset = built.done_steps * period
     dtype, master, module = built.compute_dtype, built.master_dtype, built.module
     stash = mixed = None
     if built.kind.gradients != "exact" and module is not None:  # weight versions: stashed or delayed
-        stash = WeightStash(module, built.kind.weight_versions(spec.replicas, spec.stage_index),
-                            delayed=built.kind.gradients == "delayed",
-                            compute_dtype=dtype if master else None)
+        stash = WeightStash(
+            module,
+            built.kind.weight_versions(spec.replicas, spec.stage_index),
+            delayed=built.kind.gradients == "delayed",
+            compute_dtype=dtype if master else None,
+        )
     elif master is not None and module is not None:  # after --resume / --weights filled the masters
         mixed = MixedPrecision(dtype, [chunk.module for chunk in spec.chunks])
-    recorder = Recorder(env.rank, spec.stage_index, spec.replica, trace=bool(config.outputs.trace_path),
-                        cuda=env.device.startswith("cuda"))
-    recorder.count_from = offset + warmup_minibatches(config.schedule, spec.replicas, max(remaining, 0) * period)
-    comm = P2P(env.rank, len(spec.value_ids), env.device, config.timeout_s, tagged=_tagged(env.backend),
-               on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e))
-    data = BatchSource(prepared.model_file, plan.batch_size, config.microbatches, config.build.seed,
-                       loader_replicas=spec.replicas[0], device=env.device, dtype=dtype,
-                       target_dtype=master or dtype)
+    recorder = Recorder(
+        env.rank,
+        spec.stage_index,
+        spec.replica,
+        trace=bool(config.outputs.trace_path),
+        cuda=env.device.startswith("cuda"),
+    )
+    recorder.count_from = offset + warmup_minibatches(
+        config.schedule, spec.replicas, max(remaining, 0) * period
+    )
+    comm = P2P(
+        env.rank,
+        len(spec.value_ids),
+        env.device,
+        config.timeout_s,
+        tagged=_tagged(env.backend),
+        on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e),
+    )
+    data = BatchSource(
+        prepared.model_file,
+        plan.batch_size,
+        config.microbatches,
+        config.build.seed,
+        loader_replicas=spec.replicas[0],
+        device=env.device,
+        dtype=dtype,
+        target_dtype=master or dtype,
+    )
     progress = ProgressLine(env.rank, config, plan.batch_size * period, watchdog, built.done_steps, offset)
-    live = open_live_log(config, env.rank, spec, plan.batch_size * period, period, built.across, watchdog,
-                         built.done_steps)
+    live = open_live_log(
+        config, env.rank, spec, plan.batch_size * period, period, built.across, watchdog, built.done_steps
+    )
     step_end = _StepEnd(config, prepared, built, watchdog, recorder, progress, live)
     executor = Executor(
-        spec=spec, actions=actions, microbatches=config.microbatches, comm=comm, data=data,
-        loss_fn=prepared.model_file.loss_fn, optimizer=built.optimizer, sync=built.sync, recorder=recorder,
-        grad_norm=built.grad_norm, stash=stash, recompute=config.pipeline.recompute, minibatch_offset=offset,
-        lookahead=2 * (peak_in_flight(actions) + 1), on_step=step_end, schedule=config.schedule,
-        compute_context=built.tp_context, precision=mixed, loss_dtype=master,
+        spec=spec,
+        actions=actions,
+        microbatches=config.microbatches,
+        comm=comm,
+        data=data,
+        loss_fn=prepared.model_file.loss_fn,
+        optimizer=built.optimizer,
+        sync=built.sync,
+        recorder=recorder,
+        grad_norm=built.grad_norm,
+        stash=stash,
+        recompute=config.pipeline.recompute,
+        minibatch_offset=offset,
+        lookahead=2 * (peak_in_flight(actions) + 1),
+        on_step=step_end,
+        schedule=config.schedule,
+        compute_context=built.tp_context,
+        precision=mixed,
+        loss_dtype=master,
     )
     step_end.executor = executor
     if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
@@ -439,8 +553,9 @@ class _StepEnd:
         if self.built.scheduler is not None:
             self.built.scheduler.step()  # once per training step: the next step's lr
         if spec.stage is not None and config.outputs.log_dir is not None:
-            publish_step(self.watchdog, self.executor, self.recorder, spec, rank, step, period,
-                         self._published)
+            publish_step(
+                self.watchdog, self.executor, self.recorder, spec, rank, step, period, self._published
+            )
         if self.live is not None:
             self.live.poll()
         if config.outputs.record_dir and self.built.module is not None:
@@ -454,12 +569,22 @@ class _StepEnd:
         checkpoints, built = self.config.checkpoints, self.built
         every = checkpoints.every
         if checkpoints.directory and ((every and completed % every == 0) or completed == self.config.steps):
-            state.save(self.config, self.prepared.spec, built.module, built.optimizer, completed,
-                       self.prepared.identity, built.layout, built.scheduler, built.tensor_mesh)
+            state.save(
+                self.config,
+                self.prepared.spec,
+                built.module,
+                built.optimizer,
+                completed,
+                self.prepared.identity,
+                built.layout,
+                built.scheduler,
+                built.tensor_mesh,
+            )
 
 
-def _finish_run(config: RunConfig, prepared: Prepared, built: BuiltStage,
-                trained: TrainedRank) -> dict[str, Any] | None:
+def _finish_run(
+    config: RunConfig, prepared: Prepared, built: BuiltStage, trained: TrainedRank
+) -> dict[str, Any] | None:
     """Finish: prune old checkpoints, write ``--record``, gather every rank's report on rank 0,
     which writes metrics.json and the trace and returns the summary (None elsewhere)."""
     env, spec = prepared.env, prepared.spec
@@ -468,10 +593,25 @@ def _finish_run(config: RunConfig, prepared: Prepared, built: BuiltStage,
         if spec.stage_index == 0 and spec.replica == 0 and spec.tp_index == 0:
             store.prune_checkpoints(config.checkpoints.directory, prepared.identity.fingerprint, keep=2)
     if config.outputs.record_dir and built.module is not None:
-        write_record(config.outputs.record_dir, env.rank, spec, built.module, trained.executor,
-                     trained.step_digests, trained.stash, trained.mixed)
-    report = rank_report(env.rank, spec, trained.executor, trained.recorder, trained.wall_ms, trained.stash,
-                         prepared.meter.read())
+        write_record(
+            config.outputs.record_dir,
+            env.rank,
+            spec,
+            built.module,
+            trained.executor,
+            trained.step_digests,
+            trained.stash,
+            trained.mixed,
+        )
+    report = rank_report(
+        env.rank,
+        spec,
+        trained.executor,
+        trained.recorder,
+        trained.wall_ms,
+        trained.stash,
+        prepared.meter.read(),
+    )
     reports = gather_reports(report, env.rank)
     if env.rank != 0:
         return None

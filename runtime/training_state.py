@@ -10,7 +10,8 @@ continues the learning-rate curve exactly.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,14 +32,23 @@ from pipeplan.runtime.stage import PipelineSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Layout", "make_training_optimizer", "apply_lr", "plan_layout", "describe_layout", "resume",
-           "save", "load_weights"]
+__all__ = [
+    "Layout",
+    "make_training_optimizer",
+    "apply_lr",
+    "plan_layout",
+    "describe_layout",
+    "resume",
+    "save",
+    "load_weights",
+]
 
 Layout = dict[str, Any]  # a checkpoint manifest's "layout": the plan that wrote it (JSON)
 
 
-def make_training_optimizer(config: RunConfig, model_file: ModelFile, spec: PipelineSpec,
-                            module: nn.Module | None) -> tuple[Optimizer | None, LRScheduler | None]:
+def make_training_optimizer(
+    config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module | None
+) -> tuple[Optimizer | None, LRScheduler | None]:
     """(optimizer, LR scheduler) of this rank's parameters; (None, None) when it has none.
 
     The parameters go as named groups (``pipeplan.optimizers.param_groups``: qualified
@@ -53,16 +63,21 @@ def make_training_optimizer(config: RunConfig, model_file: ModelFile, spec: Pipe
         optimizer = _user_hook(model_file.make_optimizer, model_file, "make_optimizer", groups)
         for method in ("step", "zero_grad", "state_dict", "load_state_dict"):
             if not callable(getattr(optimizer, method, None)) or not hasattr(optimizer, "param_groups"):
-                raise InputError(f"{model_file.path}: make_optimizer returned {type(optimizer).__name__}, "
-                                 f"not a torch.optim.Optimizer (it has no {method}() or param_groups)")
+                raise InputError(
+                    f"{model_file.path}: make_optimizer returned {type(optimizer).__name__}, "
+                    f"not a torch.optim.Optimizer (it has no {method}() or param_groups)"
+                )
     else:
         optimizer = make_optimizer(config.optimizer, groups, config.optim.lr, config.optim.weight_decay)
     if model_file.make_lr_scheduler is not None:
         scheduler = _user_hook(model_file.make_lr_scheduler, model_file, "make_lr_scheduler", optimizer)
-        if scheduler is not None and not all(callable(getattr(scheduler, m, None))
-                                             for m in ("step", "state_dict", "load_state_dict")):
-            raise InputError(f"{model_file.path}: make_lr_scheduler returned {type(scheduler).__name__}, "
-                             "not an LR scheduler (step, state_dict, load_state_dict)")
+        if scheduler is not None and not all(
+            callable(getattr(scheduler, m, None)) for m in ("step", "state_dict", "load_state_dict")
+        ):
+            raise InputError(
+                f"{model_file.path}: make_lr_scheduler returned {type(scheduler).__name__}, "
+                "not an LR scheduler (step, state_dict, load_state_dict)"
+            )
     else:
         scheduler = make_lr_scheduler(optimizer, config.schedule_settings, config.optim.lr)
     # the model file's hooks return what the checks above verified: an optimizer, an LR scheduler
@@ -74,7 +89,9 @@ def _user_hook(hook: Callable[[Any], Any], model_file: ModelFile, name: str, arg
     try:
         return hook(argument)
     except Exception as exc:
-        raise InputError(f"{model_file.path}: {name} raised {type(exc).__name__}: {first_line(exc)[:160]}") from exc
+        raise InputError(
+            f"{model_file.path}: {name} raised {type(exc).__name__}: {first_line(exc)[:160]}"
+        ) from exc
 
 
 def apply_lr(optimizer: Optimizer, scheduler: LRScheduler | None, lr: float) -> None:
@@ -107,14 +124,25 @@ def plan_layout(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, pe
 def describe_layout(layout: Layout) -> str:
     """``2 stages (layers 0-2 | 3-5), replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks``."""
     layers = " | ".join(f"{start}-{end - 1}" for start, end in layout["layers"])
-    return (f"{len(layout['layers'])} stages (layers {layers}), replicas "
-            f"{','.join(map(str, layout['replicas']))}, {layout['schedule']}, "
-            f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks")
+    return (
+        f"{len(layout['layers'])} stages (layers {layers}), replicas "
+        f"{','.join(map(str, layout['replicas']))}, {layout['schedule']}, "
+        f"{layout['microbatches']} micro-batches, {layout['world_size']} ranks"
+    )
 
 
-def resume(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, device: str, rank: int,
-           module: nn.Module | None, optimizer: Optimizer | None, layout: Layout,
-           scheduler: LRScheduler | None = None, model_file: ModelFile | None = None) -> int:
+def resume(
+    config: RunConfig,
+    spec: PipelineSpec,
+    identity: RunIdentity,
+    device: str,
+    rank: int,
+    module: nn.Module | None,
+    optimizer: Optimizer | None,
+    layout: Layout,
+    scheduler: LRScheduler | None = None,
+    model_file: ModelFile | None = None,
+) -> int:
     """Restore the newest step complete on every rank's view of the directory; returns it (0: none).
 
     Each rank finds its newest complete step; an all-reduce of the minimum makes every
@@ -130,8 +158,10 @@ def resume(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, device:
     agreed = int(agreed_tensor.item())
     if rank == 0:
         for step, why in skipped:
-            sys.stderr.write(f"resume: skipped step {step} ({why}); resuming from "
-                             f"{f'step {agreed}' if agreed else 'the start'}\n")
+            sys.stderr.write(
+                f"resume: skipped step {step} ({why}); resuming from "
+                f"{f'step {agreed}' if agreed else 'the start'}\n"
+            )
         store.discard_steps_after(directory, agreed, identity.fingerprint)
     if agreed == 0:
         return 0
@@ -144,26 +174,39 @@ def resume(config: RunConfig, spec: PipelineSpec, identity: RunIdentity, device:
         )
     same_plan = saved["layout"].get("fingerprint") == layout["fingerprint"]
     if rank == 0 and not same_plan:
-        sys.stderr.write(f"resume: step {agreed} was saved under another plan: "
-                         f"{describe_layout(saved['layout'])}; continuing under {describe_layout(layout)}\n")
+        sys.stderr.write(
+            f"resume: step {agreed} was saved under another plan: "
+            f"{describe_layout(saved['layout'])}; continuing under {describe_layout(layout)}\n"
+        )
     if module is not None:
         try:
             index = ckstate.CheckpointIndex.of_step(directory, agreed)
             ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer, scheduler)
         except InputError as exc:
             raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
-        if optimizer is not None and (model_file is None or (model_file.make_optimizer is None
-                                                             and model_file.make_lr_scheduler is None)):
+        if optimizer is not None and (
+            model_file is None or (model_file.make_optimizer is None and model_file.make_lr_scheduler is None)
+        ):
             # the built-in ones: this run's --lr, on the saved curve
             apply_lr(optimizer, scheduler, config.optim.lr)
         if same_plan:  # dropout continues as it would have
-            ckstate.restore_rng(store.rank_folder(directory, agreed, spec.stage_index, spec.replica), spec.tp_index)
+            ckstate.restore_rng(
+                store.rank_folder(directory, agreed, spec.stage_index, spec.replica), spec.tp_index
+            )
     return agreed
 
 
-def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimizer: Optimizer | None,
-         step: int, identity: RunIdentity, layout: Layout, scheduler: LRScheduler | None = None,
-         tensor_mesh: DeviceMesh | None = None) -> None:
+def save(
+    config: RunConfig,
+    spec: PipelineSpec,
+    module: nn.Module | None,
+    optimizer: Optimizer | None,
+    step: int,
+    identity: RunIdentity,
+    layout: Layout,
+    scheduler: LRScheduler | None = None,
+    tensor_mesh: DeviceMesh | None = None,
+) -> None:
     """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
 
     ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
@@ -176,14 +219,19 @@ def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimi
     if module is None:
         return
     writer = spec.tp_index == 0
-    state = ckstate.rank_state(module, ckstate.rank_state_names(spec), optimizer, scheduler,
-                               weights=spec.replica == 0, keep=writer)
+    state = ckstate.rank_state(
+        module, ckstate.rank_state_names(spec), optimizer, scheduler, weights=spec.replica == 0, keep=writer
+    )
     rngs = group_rng_states(tensor_mesh) if tensor_mesh is not None else []
     if not writer:
         return
     state.update({ckstate.rng_key(j): rng for j, rng in enumerate(rngs) if j > 0})
-    manifest = {"run_fingerprint": identity.fingerprint, "run": identity.to_dict(),
-                "minibatches": step * layout["minibatches_per_step"], "layout": layout}
+    manifest = {
+        "run_fingerprint": identity.fingerprint,
+        "run": identity.to_dict(),
+        "minibatches": step * layout["minibatches_per_step"],
+        "layout": layout,
+    }
     store.save_rank(str(config.checkpoints.directory), step, spec.stage_index, spec.replica, state, manifest)
     if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
         # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
@@ -193,5 +241,10 @@ def save(config: RunConfig, spec: PipelineSpec, module: nn.Module | None, optimi
 def load_weights(config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module) -> None:
     """``--weights``: this rank's tensors from pretrained weights (tied ones via the model's ties)."""
     path = str(config.checkpoints.weights)
-    pretrained.load_weights(path, module, ckstate.rank_state_names(spec), pretrained.tie_aliases(model_file),
-                            pretrained.library_layout(model_file, path))
+    pretrained.load_weights(
+        path,
+        module,
+        ckstate.rank_state_names(spec),
+        pretrained.tie_aliases(model_file),
+        pretrained.library_layout(model_file, path),
+    )

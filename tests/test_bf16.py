@@ -35,8 +35,9 @@ def test_memory_rule_charges_bf16_copies_float32_masters_gradients_and_state() -
     assert stage_memory_bytes(200, 10, 1, 2, "adam") == 200 * 4 + 20  # pure: every tensor in the dtype
     assert stage_memory_bytes(400, 0, 1, 1, "sgd", Precision("float32", "float32")) == 400 * 2  # not mixed
     # 1F1B-RR stashes bf16 versions of the masters: 3 versions on the first of 3 stages
-    memory, versions, in_flight = plan_stage_memory("1f1b-rr", [1, 1, 1], 0, 200, 10, "momentum",
-                                                    precision=MIXED)
+    memory, versions, in_flight = plan_stage_memory(
+        "1f1b-rr", [1, 1, 1], 0, 200, 10, "momentum", precision=MIXED
+    )
     assert (versions, in_flight) == (3, 3)
     assert memory == 100 * (3 * 2 + 4 + 4 + 4) + 10 * 3
 
@@ -56,10 +57,20 @@ def test_plan_records_the_precision_and_old_plans_load() -> None:
 
 
 def _profile(dtype: str, master_dtype: str | None = None) -> Profile:
-    layers = tuple(LayerProfile(i, f"l{i}", "Linear", (i - 1,) if i else (), 1.0, 2.0, 64, 2_000_000, 1000)
-                   for i in range(4))
-    return Profile("m", "f", DeviceInfo("cpu", "x"), 8, dtype, layers, optimizer_ms={"adam": 1.0},
-                   master_dtype=master_dtype)
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "Linear", (i - 1,) if i else (), 1.0, 2.0, 64, 2_000_000, 1000)
+        for i in range(4)
+    )
+    return Profile(
+        "m",
+        "f",
+        DeviceInfo("cpu", "x"),
+        8,
+        dtype,
+        layers,
+        optimizer_ms={"adam": 1.0},
+        master_dtype=master_dtype,
+    )
 
 
 def test_partition_of_a_bf16_profile_plans_mixed_precision_and_its_memory() -> None:
@@ -155,8 +166,17 @@ def test_a_mixed_precision_stage_holds_what_the_rule_charges() -> None:
     import subprocess
 
     code = "import test_bf16; print(*test_bf16.held_by_a_mixed_precision_stage())"
-    held, params = map(int, subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, check=True,
-                                           capture_output=True, text=True, timeout=120).stdout.split())
+    held, params = map(
+        int,
+        subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).parent,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout.split(),
+    )
     rule = stage_memory_bytes(params * 2, 0, 1, 0, "adam", MIXED)  # the profile counts bf16 bytes
     assert rule == 18 * params
     assert rule <= held <= rule * 1.01, (held, rule)  # + Adam's step counters (4 B a tensor)
@@ -170,10 +190,9 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
     (replicas 2,1 on 3 ranks, --dtype bfloat16) to step 4. Masters and losses equal the rule in one
     process; the losses fall and stay within 1% of float32 training; export-weights writes the
     float32 masters."""
-    from safetensors.torch import load_file
-
     from plans import make_plan
     from reference import train_reference_loop, train_reference_mixed
+    from safetensors.torch import load_file
     from test_run_torchrun import records, torchrun
 
     from pipeplan.modelfile import load_model_file
@@ -187,26 +206,70 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
     profile = profile_model(model, batch_size=batch, device="cpu", dtype="bfloat16", warmup=0, repeats=1)
     assert profile.master_dtype == "float32"
     assert profile.layers[0].param_bytes == (64 * 512 + 512) * 2  # bf16 parameters
-    plan = partition(profile, preset("local-cpu"), PartitionOptions(
-        schedule="1f1b-flush", optimizer="adam", straight=True, max_stages=2, microbatches=2))
+    plan = partition(
+        profile,
+        preset("local-cpu"),
+        PartitionOptions(
+            schedule="1f1b-flush", optimizer="adam", straight=True, max_stages=2, microbatches=2
+        ),
+    )
     assert plan.precision == MIXED and len(plan.stages) == 2
     plan.save(tmp_path / "plan.json")
-    common = ["--model", model, "--lr", str(lr), "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"),
-              "--checkpoint-every", "1", "--clip-grad-norm", "1.0"]
-    first = torchrun(2, [str(tmp_path / "plan.json"), *common, "--steps", "2",
-                         "--metrics", str(tmp_path / "m1.json")], timeout=240)
+    common = [
+        "--model",
+        model,
+        "--lr",
+        str(lr),
+        "--no-progress",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "1",
+        "--clip-grad-norm",
+        "1.0",
+    ]
+    first = torchrun(
+        2,
+        [str(tmp_path / "plan.json"), *common, "--steps", "2", "--metrics", str(tmp_path / "m1.json")],
+        timeout=240,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    replicated = make_plan(model, [[0, 1, 2, 3], [4, 5, 6]], [2, 1], "1f1b-flush", batch_size=batch,
-                           microbatches=2, optimizer="adam")
+    replicated = make_plan(
+        model,
+        [[0, 1, 2, 3], [4, 5, 6]],
+        [2, 1],
+        "1f1b-flush",
+        batch_size=batch,
+        microbatches=2,
+        optimizer="adam",
+    )
     replicated.save(tmp_path / "replicated.json")
-    second = torchrun(3, [str(tmp_path / "replicated.json"), *common, "--steps", str(steps), "--resume",
-                          "--dtype", "bfloat16", "--record", str(tmp_path / "rec"),
-                          "--metrics", str(tmp_path / "m2.json")], timeout=240)
+    second = torchrun(
+        3,
+        [
+            str(tmp_path / "replicated.json"),
+            *common,
+            "--steps",
+            str(steps),
+            "--resume",
+            "--dtype",
+            "bfloat16",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m2.json"),
+        ],
+        timeout=240,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
 
-    masters, losses = train_reference_mixed(model, steps, batch, lr, microbatches=2, optimizer="adam",
-                                            clip_grad_norm=1.0)
-    run_losses = [*json.load(open(tmp_path / "m1.json"))["losses"], *json.load(open(tmp_path / "m2.json"))["losses"]]
+    masters, losses = train_reference_mixed(
+        model, steps, batch, lr, microbatches=2, optimizer="adam", clip_grad_norm=1.0
+    )
+    run_losses = [
+        *json.load(open(tmp_path / "m1.json"))["losses"],
+        *json.load(open(tmp_path / "m2.json"))["losses"],
+    ]
     assert run_losses == pytest.approx(losses, rel=1e-6)
     for rec in records(tmp_path / "rec").values():
         for name, value in rec["params"].items():
@@ -215,8 +278,9 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
     assert run_losses[-1] < 0.8 * run_losses[0]  # it learns
     # bf16 rounds each value by at most 2^-9 relative; the loss, a mean over 16 x 8 outputs after
     # 3 layers, measured within 0.1% of float32 training over these steps: 1% is the bound
-    float32 = train_reference_loop(model, steps, batch, lambda groups: torch.optim.Adam(groups, lr=lr),
-                                   clip_grad_norm=1.0)
+    float32 = train_reference_loop(
+        model, steps, batch, lambda groups: torch.optim.Adam(groups, lr=lr), clip_grad_norm=1.0
+    )
     assert run_losses == pytest.approx(float32["losses"], rel=1e-2)
 
     # each rank's memory figures (metrics/2): the plan's figure is the bf16 rule's; what a rank
@@ -227,24 +291,51 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
         saved = sum(profile.layers[i].saved_bytes for i in planned.layers)
         largest = max(profile.layers[i].largest_param_bytes for i in planned.layers)
         assert largest == 512 * 512 * 2  # the W x W weight in bf16: its gradient temporary
-        rule, _, _ = plan_stage_memory("1f1b-flush", [1, 1], stage["stage"], params, saved, "adam", 2,
-                                       precision=MIXED, largest_param_bytes=largest)
+        rule, _, _ = plan_stage_memory(
+            "1f1b-flush",
+            [1, 1],
+            stage["stage"],
+            params,
+            saved,
+            "adam",
+            2,
+            precision=MIXED,
+            largest_param_bytes=largest,
+        )
         assert stage["predicted_memory_bytes"] == planned.memory_bytes == rule
         assert stage["memory_kind"] == "rss" and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
 
     # --weights fills the masters before the bf16 copies are made: the first loss of a run from
     # the step-4 checkpoint (another seed) is the rule's loss of those masters on minibatch 0
-    third = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--no-progress", "--steps", "1",
-                         "--seed", "0", "--weights", str(tmp_path / "ckpt"), "--build", "meta",
-                         "--metrics", str(tmp_path / "m3.json")], timeout=240)
+    third = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--no-progress",
+            "--steps",
+            "1",
+            "--seed",
+            "0",
+            "--weights",
+            str(tmp_path / "ckpt"),
+            "--build",
+            "meta",
+            "--metrics",
+            str(tmp_path / "m3.json"),
+        ],
+        timeout=240,
+    )
     assert third.returncode == 0, third.stderr[-3000:]
     model_file = load_model_file(model)
     network = model_file.build()
     copies = {name: value.bfloat16() for name, value in masters.items()}
     inputs, targets = model_file.batch(batch, 0)
-    expected = sum(float(model_file.loss_fn(
-        torch.func.functional_call(network, copies, (x.bfloat16(),)).float(), t)) / 2
-        for x, t in zip(inputs.tensors()[0].tensor_split(2), targets.tensor_split(2)))
+    expected = sum(
+        float(model_file.loss_fn(torch.func.functional_call(network, copies, (x.bfloat16(),)).float(), t)) / 2
+        for x, t in zip(inputs.tensors()[0].tensor_split(2), targets.tensor_split(2))
+    )
     assert json.load(open(tmp_path / "m3.json"))["losses"][0] == pytest.approx(expected, rel=1e-6)
 
     export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out"))
@@ -256,7 +347,9 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", ["2bw", "1f1b-rr"])
-def test_bf16_weight_versions_are_bf16_snapshots_of_the_float32_masters(tmp_path: Path, schedule: str) -> None:
+def test_bf16_weight_versions_are_bf16_snapshots_of_the_float32_masters(
+    tmp_path: Path, schedule: str
+) -> None:
     """2BW and 1F1B-RR (weight versions: the stash path) in bf16 on 2 gloo ranks equal their rule
     in one process: each version a bf16 snapshot of the float32 masters, gradients summed (2BW's
     micro-batches) in float32, the update on the masters. The float32 rule differs by ~5e-5."""
@@ -268,8 +361,22 @@ def test_bf16_weight_versions_are_bf16_snapshots_of_the_float32_masters(tmp_path
     micro = 2 if schedule == "2bw" else 1
     plan = make_plan(model, layers, [1, 1], schedule, batch_size=8, microbatches=micro)
     replace(plan, dtype="bfloat16", master_dtype="float32").save(tmp_path / "plan.json")
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(steps), "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec")], timeout=180)
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     if schedule == "2bw":
         final, _ = emulate_2bw(model, steps, 8, LR, dtype=torch.bfloat16, microbatches=micro)
@@ -303,12 +410,30 @@ def test_bf16_gpt2_export_graph_runs_in_bf16_on_float32_masters(tmp_path: Path) 
     model = str(Path(__file__).parent.parent / "docs" / "tutorial" / "hf_gpt2.py")
     profile = profile_model(model, batch_size=8, device="cpu", dtype="bfloat16", warmup=0, repeats=1)
     assert profile.capture == "export"
-    plan = partition(profile, preset("local-cpu"), PartitionOptions(
-        schedule="1f1b-flush", optimizer="sgd", straight=True, max_stages=2, microbatches=2))
+    plan = partition(
+        profile,
+        preset("local-cpu"),
+        PartitionOptions(schedule="1f1b-flush", optimizer="sgd", straight=True, max_stages=2, microbatches=2),
+    )
     plan.save(tmp_path / "plan.json")
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", "0.05",
-                          "--no-progress", "--record", str(tmp_path / "rec"), "--metrics", str(tmp_path / "m.json")],
-                      timeout=240)
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            "0.05",
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     masters, losses = train_reference_mixed(model, 3, 8, 0.05, microbatches=2, optimizer="sgd")
     run_losses = json.load(open(tmp_path / "m.json"))["losses"]

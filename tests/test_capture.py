@@ -18,8 +18,8 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.capture import MODEL_OUTPUT, build_layer_graph  # noqa: E402
+from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.model_inputs import ModelInputs  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.profile import Profile  # noqa: E402
@@ -33,8 +33,16 @@ FIXTURES = Path(__file__).parent / "fixtures" / "models"
 
 def tiny_gpt2(layers: int = 2) -> nn.Module:
     config = transformers.GPT2Config(
-        n_layer=layers, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=layers,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
@@ -55,15 +63,26 @@ def test_gpt2_layers_are_modules_of_each_block() -> None:
     assert graph.dropped_outputs == ("past_key_values",)  # a DynamicCache: not a tensor
     names = [layer.name for layer in graph.layers]
     assert names == [
-        "transformer.wte", "transformer.wpe", "transformer.drop",
-        "transformer.h.0.ln_1", "transformer.h.0.attn", "transformer.h.0.ln_2", "transformer.h.0.mlp",
-        "transformer.h.1.ln_1", "transformer.h.1.attn", "transformer.h.1.ln_2", "transformer.h.1.mlp",
-        "transformer.ln_f", "lm_head",
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.drop",
+        "transformer.h.0.ln_1",
+        "transformer.h.0.attn",
+        "transformer.h.0.ln_2",
+        "transformer.h.0.mlp",
+        "transformer.h.1.ln_1",
+        "transformer.h.1.attn",
+        "transformer.h.1.ln_2",
+        "transformer.h.1.mlp",
+        "transformer.ln_f",
+        "lm_head",
     ]
     by_name = {layer.name: layer for layer in graph.layers}
     # the residual add after attn joins attn's layer; the MLP reads it over a skip
-    assert by_name["transformer.h.0.mlp"].inputs == (by_name["transformer.h.0.attn"].index,
-                                                     by_name["transformer.h.0.ln_2"].index)
+    assert by_name["transformer.h.0.mlp"].inputs == (
+        by_name["transformer.h.0.attn"].index,
+        by_name["transformer.h.0.ln_2"].index,
+    )
     assert by_name["transformer.h.0.attn"].type == "GPT2Attention"
 
 
@@ -94,7 +113,8 @@ def test_leaf_modules_keep_each_block_whole() -> None:
     model = tiny_gpt2()
     graph = build_layer_graph(model, (torch.randint(0, 100, (2, 8)),), leaf_modules=("GPT2Block",))
     assert [(layer.name, layer.type) for layer in graph.layers][3:5] == [
-        ("transformer.h.0", "GPT2Block"), ("transformer.h.1", "GPT2Block")
+        ("transformer.h.0", "GPT2Block"),
+        ("transformer.h.1", "GPT2Block"),
     ]
     assert len(graph) == 7
 
@@ -108,7 +128,9 @@ def test_bert_reads_the_attention_mask_in_every_attention_layer() -> None:
     readers = [layer.name for layer in graph.layers if 1 in layer.model_inputs]
     assert {"bert.encoder.layer.0.attention", "bert.encoder.layer.1.attention"} <= set(readers)
     assert [layer.name for layer in graph.layers if layer.name.startswith("bert.encoder.layer.0.")] == [
-        "bert.encoder.layer.0.attention", "bert.encoder.layer.0.intermediate", "bert.encoder.layer.0.output"
+        "bert.encoder.layer.0.attention",
+        "bert.encoder.layer.0.intermediate",
+        "bert.encoder.layer.0.output",
     ]
     # stage 1 (from layer 1 on's second block) reads the mask itself: no model input is ever sent
     cut = next(layer.index for layer in graph.layers if layer.name == "bert.encoder.layer.1.attention")
@@ -147,11 +169,16 @@ def test_cache_output_that_cannot_be_dropped_says_use_cache() -> None:
 
 def test_loss_that_reads_a_dropped_cache_says_use_cache(tmp_path: Path) -> None:
     model = tmp_path / "cache_loss.py"
-    model.write_text(GPT2_FILE.read_text() + (
-        "\n\ndef loss_fn(output, target):\n"
-        "    return output.logits.float().mean() * output.past_key_values.get_seq_length()\n"
-    ))
-    with pytest.raises(InputError, match=r"loss_fn raised .*AttributeError.*past_key_values to None.*use_cache=False"):
+    model.write_text(
+        GPT2_FILE.read_text()
+        + (
+            "\n\ndef loss_fn(output, target):\n"
+            "    return output.logits.float().mean() * output.past_key_values.get_seq_length()\n"
+        )
+    )
+    with pytest.raises(
+        InputError, match=r"loss_fn raised .*AttributeError.*past_key_values to None.*use_cache=False"
+    ):
         profile_model(model, batch_size=2, device="cpu", warmup=0, repeats=1)
 
 
@@ -230,9 +257,18 @@ def test_an_export_captured_on_the_cpu_for_another_device_records_that_device() 
     ``arange``, ``_assert_tensor_metadata``) become the stage's device; None leaves them."""
     import torch.fx as fx
 
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, use_cache=False))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            use_cache=False,
+        )
+    )
     ids = torch.randint(0, 64, (2, 8))
 
     def devices(graph: fx.GraphModule) -> set[str]:
@@ -240,7 +276,9 @@ def test_an_export_captured_on_the_cpu_for_another_device_records_that_device() 
         for module in graph.modules():
             if isinstance(module, fx.GraphModule):
                 for node in module.graph.nodes:
-                    found |= {str(v) for v in (*node.args, *node.kwargs.values()) if isinstance(v, torch.device)}
+                    found |= {
+                        str(v) for v in (*node.args, *node.kwargs.values()) if isinstance(v, torch.device)
+                    }
         return found
 
     as_captured = build_layer_graph(model, model_inputs_of(ids))

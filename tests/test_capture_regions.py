@@ -81,8 +81,12 @@ def test_autocast_region_is_carried_into_the_graph_and_every_stage() -> None:
     inputs = ModelInputs((), {"x": torch.randn(2, 5, 8), "scale": None})  # keyword inputs: export
     graph = build_layer_graph(model, inputs)
     assert graph.kind == "export"
-    bodies = [n for n in graph.graph_module.graph.nodes
-              if n.op == "get_attr" and isinstance(getattr(graph.graph_module, str(n.target), None), torch.fx.GraphModule)]
+    bodies = [
+        n
+        for n in graph.graph_module.graph.nodes
+        if n.op == "get_attr"
+        and isinstance(getattr(graph.graph_module, str(n.target), None), torch.fx.GraphModule)
+    ]
     assert bodies, "the autocast region's body is a submodule of the graph"
     assert [layer.name for layer in graph.layers] == ["rotary", "blocks.0", "blocks.1"]
     assert_same_step(model, graph, 2, inputs)  # stage 1 (blocks.1) reads the region's output
@@ -113,6 +117,7 @@ def test_in_place_op_on_a_layer_input_runs_alone_and_split() -> None:
     assert graph.kind == "export" and not in_place
     # each layer alone, on leaf inputs that require grad, as the profiler runs it
     for cut in (1, 2):
+
         class Logits(nn.Module):
             def forward(self, x):  # noqa: ANN001
                 return model(x)["logits"]
@@ -156,10 +161,28 @@ def test_export_failure_outside_every_module_is_one_line() -> None:
 @pytest.mark.multiprocess
 def test_profile_cli_names_the_opaque_module_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    result = subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "gated.py"), "-o", str(out),
-                             "--warmup", "0", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeplan",
+            "profile",
+            str(FIXTURES / "gated.py"),
+            "-o",
+            str(out),
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert [line for line in result.stderr.splitlines() if line.strip()] == [
-        line for line in result.stderr.splitlines() if line.startswith("pipeplan: torch.export cannot trace Gate")
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith("pipeplan: torch.export cannot trace Gate")
     ]
     assert "capture: export, 2 layers, opaque modules: Gate" in result.stdout

@@ -49,16 +49,24 @@ def _save_split(directory: Path, step: int, model: nn.Sequential, optimizer: tor
         sub.load_state_dict(_sub_state(optimizer, model, part))
         for replica in range(LAYOUT["replicas"][stage]):
             state = ckstate.rank_state(part, names, sub, weights=replica == 0)
-            store.save_rank(directory, step, stage, replica, state,
-                            {"run_fingerprint": RUN, "run": {"seed": 0}, "layout": LAYOUT, "minibatches": step})
+            store.save_rank(
+                directory,
+                step,
+                stage,
+                replica,
+                state,
+                {"run_fingerprint": RUN, "run": {"seed": 0}, "layout": LAYOUT, "minibatches": step},
+            )
 
 
 def _sub_state(optimizer: torch.optim.Optimizer, model: nn.Module, part: nn.Module) -> dict:
     whole = list(model.parameters())
     state = optimizer.state_dict()
     positions = [next(i for i, p in enumerate(whole) if p is q) for q in part.parameters()]
-    return {"state": {j: state["state"][i] for j, i in enumerate(positions)},
-            "param_groups": [{**state["param_groups"][0], "params": list(range(len(positions)))}]}
+    return {
+        "state": {j: state["state"][i] for j, i in enumerate(positions)},
+        "param_groups": [{**state["param_groups"][0], "params": list(range(len(positions)))}],
+    }
 
 
 def _flip(path: Path, count: int = 64) -> None:
@@ -94,18 +102,27 @@ def test_a_flipped_file_skips_its_step_naming_the_file(tmp_path: Path) -> None:
     _flip(store.rank_folder(tmp_path, 2, 1, 0) / "__0_0.distcp")
     step, skipped = store.latest_complete_step(tmp_path, RUN)
     assert step == 1
-    assert skipped == [(2, "stage-01-replica-0/__0_0.distcp fails its sha256 (the file changed after it was written)")]
+    assert skipped == [
+        (2, "stage-01-replica-0/__0_0.distcp fails its sha256 (the file changed after it was written)")
+    ]
     # a truncated file, a missing replica manifest, an old-format file: each named
     (store.rank_folder(tmp_path, 1, 0, 0) / ".metadata").write_bytes(b"x")
     assert "stage-00-replica-0/.metadata is 1 bytes" in store.step_problem(tmp_path, 1, RUN)
     store.rank_folder(tmp_path, 1, 1, 1).with_suffix(".json").unlink()
-    assert store.step_problem(tmp_path, 1, RUN) == "stage 1 replica 1 has no manifest (its save did not finish)"
-    assert store.latest_complete_step(tmp_path, RUN) == (None, [(2, skipped[0][1]), (1, store.step_problem(tmp_path, 1, RUN))])
+    assert (
+        store.step_problem(tmp_path, 1, RUN) == "stage 1 replica 1 has no manifest (its save did not finish)"
+    )
+    assert store.latest_complete_step(tmp_path, RUN) == (
+        None,
+        [(2, skipped[0][1]), (1, store.step_problem(tmp_path, 1, RUN))],
+    )
     (store.step_folder(tmp_path, 2) / "stage-00-replica-0.pt").write_bytes(b"old")
     assert "pipeplan.checkpoint/1" in store.step_problem(tmp_path, 2, RUN)
 
 
-def test_another_runs_step_is_refused_and_pruning_keeps_two_complete_steps_of_this_run(tmp_path: Path) -> None:
+def test_another_runs_step_is_refused_and_pruning_keeps_two_complete_steps_of_this_run(
+    tmp_path: Path,
+) -> None:
     model, optimizer = _trained(1)
     for step in (1, 2, 3):
         _save_split(tmp_path, step, model, optimizer)
@@ -123,7 +140,9 @@ def test_a_missing_or_misshapen_weight_is_one_line(tmp_path: Path) -> None:
     _save_split(tmp_path, 1, model, optimizer)
     index = ckstate.CheckpointIndex.of_step(str(tmp_path), 1)
     wide = nn.Sequential(nn.Linear(4, 7))
-    with pytest.raises(InputError, match=r"checkpoint weight 0.weight has shape \[6, 4\], the model's is \[7, 4\]"):
+    with pytest.raises(
+        InputError, match=r"checkpoint weight 0.weight has shape \[6, 4\], the model's is \[7, 4\]"
+    ):
         ckstate.load_model_tensors(index, wide, {k: k for k in wide.state_dict()})
     with pytest.raises(InputError, match="the checkpoint has no weight 9.weight"):
         ckstate.load_model_tensors(index, wide, {"0.weight": "9.weight"})
@@ -140,7 +159,9 @@ class _Tied(nn.Module):
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_weights_load_a_tied_tensor_saved_once_into_each_stage_holding_it(tmp_path: Path, sharded: bool) -> None:
+def test_weights_load_a_tied_tensor_saved_once_into_each_stage_holding_it(
+    tmp_path: Path, sharded: bool
+) -> None:
     from safetensors.torch import save_file
 
     torch.manual_seed(3)
@@ -148,7 +169,8 @@ def test_weights_load_a_tied_tensor_saved_once_into_each_stage_holding_it(tmp_pa
     if sharded:  # the HF layout: an index naming each tensor's shard
         save_file({"head.weight": source.embed.weight.detach()}, str(tmp_path / "a.safetensors"))
         (tmp_path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": {"head.weight": "a.safetensors"}}))
+            json.dumps({"metadata": {}, "weight_map": {"head.weight": "a.safetensors"}})
+        )
     else:  # the library kept the tied tensor under its other name than the model's first
         save_file({"head.weight": source.embed.weight.detach()}, str(tmp_path / "model.safetensors"))
     aliases = {"embed.weight": ("embed.weight", "head.weight")}
@@ -158,7 +180,9 @@ def test_weights_load_a_tied_tensor_saved_once_into_each_stage_holding_it(tmp_pa
     torch.testing.assert_close(head.weight, source.embed.weight, rtol=0, atol=0)
     with pytest.raises(InputError, match=r"has no tensor embed.weight \(1 of this stage's parameters"):
         load_weights(str(tmp_path), nn.Linear(4, 10, bias=False), {"weight": "embed.weight"}, {})
-    with pytest.raises(InputError, match=r"head.weight has shape \[10, 4\], the model's embed.weight is \[3, 4\]"):
+    with pytest.raises(
+        InputError, match=r"head.weight has shape \[10, 4\], the model's embed.weight is \[3, 4\]"
+    ):
         load_weights(str(tmp_path), nn.Linear(4, 3, bias=False), {"weight": "embed.weight"}, aliases)
     (tmp_path / "nothing").mkdir()
     with pytest.raises(InputError, match="holds neither model.safetensors"):
@@ -175,8 +199,14 @@ def test_export_weights_of_a_plain_model_is_a_safetensors_file_load_model_reads(
     torch.manual_seed(5)
     trained = model_file.build()
     state = ckstate.rank_state(trained, {name: name for name, _ in trained.named_parameters()}, None)
-    store.save_rank(tmp_path / "ckpt", 1, 0, 0, state,
-                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 1})
+    store.save_rank(
+        tmp_path / "ckpt",
+        1,
+        0,
+        0,
+        state,
+        {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 1},
+    )
     assert export_weights(str(tmp_path / "ckpt"), model_file, str(tmp_path / "out")) == "safetensors"
     torch.manual_seed(6)
     fresh = model_file.build()
@@ -200,13 +230,16 @@ def test_weights_from_a_pipeplan_checkpoint_take_its_newest_complete_step(tmp_pa
     load_weights(str(tmp_path / "step-000001"), last_stage, names, {})  # one step folder, named
     torch.testing.assert_close(last_stage[0].weight, model[2].weight, rtol=0, atol=0)
     _flip(store.rank_folder(tmp_path, 2, 1, 0) / "__0_0.distcp")
-    with pytest.raises(InputError, match="step-000002 is not a complete checkpoint step: stage-01-replica-0/"):
+    with pytest.raises(
+        InputError, match="step-000002 is not a complete checkpoint step: stage-01-replica-0/"
+    ):
         load_weights(str(tmp_path / "step-000002"), last_stage, names, {})
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
 def test_an_hf_moe_checkpoint_saved_per_expert_loads_as_from_pretrained_merges_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
     """transformers 5 saves MoE experts one tensor per expert (``experts.0.gate_proj.weight``) and
     merges them when it loads (``experts.gate_up_proj``): ``--weights`` makes each merged parameter
     as transformers does, equal to ``from_pretrained``'s. Without the conversions (an older
@@ -235,9 +268,13 @@ def test_an_hf_moe_checkpoint_saved_per_expert_loads_as_from_pretrained_merges_i
         torch.testing.assert_close(fresh.state_dict()[name], value, rtol=0, atol=0, msg=name)
 
     merged = next(name for name in layout if name.endswith("experts.gate_up_proj"))
-    expected = (rf"stores {merged.replace('.', '[.]')} as one tensor per module \(.*experts[.]0[.].*"
-                r"save_model\(model, FILE\)" if family != "mixtral" else  # Mixtral's experts are renamed too
-                r"has no tensor model[.]layers[.]0[.]mlp[.]gate[.]weight")
+    expected = (
+        rf"stores {merged.replace('.', '[.]')} as one tensor per module \(.*experts[.]0[.].*"
+        r"save_model\(model, FILE\)"
+        if family != "mixtral"
+        # Mixtral's experts are renamed too
+        else r"has no tensor model[.]layers[.]0[.]mlp[.]gate[.]weight"
+    )
     with pytest.raises(InputError, match=expected):
         load_weights(str(tmp_path / "hf"), model_file.build(), names, {})
     save_model(type(model).from_pretrained(tmp_path / "hf"), str(tmp_path / "model.safetensors"))
@@ -250,11 +287,17 @@ def test_export_weights_cli_errors_are_one_line(tmp_path: Path) -> None:
     from pipeplan.cli import cli
 
     model = str(Path(__file__).parent / "fixtures" / "runtime" / "mlp.py")
-    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "none"), "--model", model, "-o", str(tmp_path / "o")])
-    assert result.exit_code == 2 and result.output == f"error: checkpoint {tmp_path / 'none'} does not exist\n"
+    result = CliRunner().invoke(
+        cli, ["export-weights", str(tmp_path / "none"), "--model", model, "-o", str(tmp_path / "o")]
+    )
+    assert (
+        result.exit_code == 2 and result.output == f"error: checkpoint {tmp_path / 'none'} does not exist\n"
+    )
     assert not (tmp_path / "o").exists()
     (tmp_path / "empty").mkdir()
-    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "empty"), "--model", model, "-o", str(tmp_path / "o")])
+    result = CliRunner().invoke(
+        cli, ["export-weights", str(tmp_path / "empty"), "--model", model, "-o", str(tmp_path / "o")]
+    )
     assert result.exit_code == 2 and "holds no step-N folders of a pipeplan checkpoint" in result.output
     assert len(result.output.splitlines()) == 1 and not (tmp_path / "o").exists()
 
@@ -266,12 +309,20 @@ def test_lr_scheduler_state_rides_along_and_comes_back_under_another_split(tmp_p
         optimizer.step()
         scheduler.step()
     names = _names(model)
-    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(model, names, optimizer, scheduler),
-                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3})
+    store.save_rank(
+        tmp_path,
+        3,
+        0,
+        0,
+        ckstate.rank_state(model, names, optimizer, scheduler),
+        {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3},
+    )
     part = model[2:3]  # another plan: a stage holding the last layer only
     part_opt = torch.optim.Adam(part.parameters(), lr=0.01)
     part_scheduler = torch.optim.lr_scheduler.StepLR(part_opt, step_size=2, gamma=0.5)
-    ckstate.restore_rank(ckstate.CheckpointIndex.of_step(str(tmp_path), 3), part, _names(part), part_opt, part_scheduler)
+    ckstate.restore_rank(
+        ckstate.CheckpointIndex.of_step(str(tmp_path), 3), part, _names(part), part_opt, part_scheduler
+    )
     assert part_scheduler.state_dict() == scheduler.state_dict()
     assert part_scheduler.last_epoch == 3
 
@@ -292,14 +343,25 @@ def test_lr_scheduler_state_fits_a_stage_with_another_number_of_param_groups(tmp
 
     optimizer, scheduler = training(model)
     assert len(optimizer.param_groups) == 2
-    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(model, _names(model), optimizer, scheduler),
-                    {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3})
+    store.save_rank(
+        tmp_path,
+        3,
+        0,
+        0,
+        ckstate.rank_state(model, _names(model), optimizer, scheduler),
+        {"run_fingerprint": RUN, "layout": {"replicas": [1]}, "minibatches": 3},
+    )
     # another plan: a stage holding only a weight matrix has one group (empty ones are left out)
     weight_only = nn.Sequential(nn.Linear(4, 6, bias=False))
     part_opt = make_optimizer("adamw", param_groups(weight_only.named_parameters()), 0.01, 0.1)
     part_scheduler = make_lr_scheduler(part_opt, schedule, 0.01)
-    ckstate.restore_rank(ckstate.CheckpointIndex.of_step(str(tmp_path), 3), weight_only,
-                         {"0.weight": "0.weight"}, part_opt, part_scheduler)
+    ckstate.restore_rank(
+        ckstate.CheckpointIndex.of_step(str(tmp_path), 3),
+        weight_only,
+        {"0.weight": "0.weight"},
+        part_opt,
+        part_scheduler,
+    )
     assert part_scheduler.last_epoch == 3 and len(part_scheduler.base_lrs) == 1
     part_opt.step()
     part_scheduler.step()
@@ -318,12 +380,18 @@ def _split_round_trip(rank: int, port: int) -> None:
 
     from pipeplan.runtime.checkpoint.split import copy_whole, group_rng_states, shard_like, whole
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         mesh = init_device_mesh("cpu", (2,))
-        for shape, placement in (((5, 3), Shard(0)), ((3, 5), Shard(1)), ((7,), Shard(0)), ((4, 2), Shard(0)),
-                                 ((2, 2), Replicate())):
+        for shape, placement in (
+            ((5, 3), Shard(0)),
+            ((3, 5), Shard(1)),
+            ((7,), Shard(0)),
+            ((4, 2), Shard(0)),
+            ((2, 2), Replicate()),
+        ):
             full = torch.arange(float(torch.Size(shape).numel())).view(shape)
             param = distribute_tensor(torch.zeros(shape), mesh, [placement])
             copy_whole(param, full)  # each rank keeps its chunk, as torch.chunk cuts it (5 rows: 3 | 2)

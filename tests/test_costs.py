@@ -19,8 +19,15 @@ def profile(optimizer_ms: dict[str, float], loss_ms: float = 0.0, data_ms: float
         for i, p in enumerate(params)
     )
     return Profile(
-        "chain", "fp", DeviceInfo("cpu", "test"), 8, "float32", layers,
-        optimizer_ms=optimizer_ms, loss_ms=loss_ms, data_ms=data_ms,
+        "chain",
+        "fp",
+        DeviceInfo("cpu", "test"),
+        8,
+        "float32",
+        layers,
+        optimizer_ms=optimizer_ms,
+        loss_ms=loss_ms,
+        data_ms=data_ms,
     )
 
 
@@ -42,7 +49,9 @@ def test_compute_prefix_includes_the_charged_optimizer() -> None:
 
 
 @pytest.mark.parametrize("cost_model, expected_ms", [("pipeplan", 12.0 + 6.0), ("pipedream", 12.0)])
-def test_single_device_prediction_and_simulation_include_the_step(cost_model: str, expected_ms: float) -> None:
+def test_single_device_prediction_and_simulation_include_the_step(
+    cost_model: str, expected_ms: float
+) -> None:
     measured = profile({"sgd": 1.0, "adam": 6.0})
     options = PartitionOptions(optimizer="adam", cost_model=cost_model)
     plan = partition(measured, one_device(), options)
@@ -63,12 +72,23 @@ def test_loss_and_minibatch_draws_are_charged_to_the_end_layers() -> None:
 
 # --- the replicas' gradient all-reduce under mixed precision: float32 gradients of bf16 weights
 
+
 def bf16_profile(master_dtype: str | None, dtype: str = "bfloat16") -> Profile:
     """4 layers of 1 + 2 ms, 2 MB of parameters each (1 M bf16 weights), Adam timed at 1 ms."""
-    layers = tuple(LayerProfile(i, f"l{i}", "Linear", () if i == 0 else (i - 1,), 1.0, 2.0, 1000, 2_000_000, 1000)
-                   for i in range(4))
-    return Profile("chain", "fp", DeviceInfo("cpu", "test"), 8, dtype, layers, optimizer_ms={"adam": 1.0},
-                   master_dtype=master_dtype)
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "Linear", () if i == 0 else (i - 1,), 1.0, 2.0, 1000, 2_000_000, 1000)
+        for i in range(4)
+    )
+    return Profile(
+        "chain",
+        "fp",
+        DeviceInfo("cpu", "test"),
+        8,
+        dtype,
+        layers,
+        optimizer_ms={"adam": 1.0},
+        master_dtype=master_dtype,
+    )
 
 
 def two_replicas() -> Topology:  # ring all-reduce among 2: P / B, no latency
@@ -79,13 +99,16 @@ def two_replicas() -> Topology:  # ring all-reduce among 2: P / B, no latency
 SYNC_CASES = [
     pytest.param(bf16_profile("float32"), 16e6, 16.0, id="bf16-float32-masters"),  # 4 M float32 gradients
     pytest.param(bf16_profile(None), 8e6, 8.0, id="bf16-only"),  # every tensor bf16 (older profiles)
-    pytest.param(bf16_profile(None, "float32"), 8e6, 8.0, id="float32"),  # the same bytes in float32: unchanged
+    pytest.param(
+        bf16_profile(None, "float32"), 8e6, 8.0, id="float32"
+    ),  # the same bytes in float32: unchanged
 ]
 
 
 @pytest.mark.parametrize("measured, grad_bytes, allreduce_ms", SYNC_CASES)
-def test_replicas_all_reduce_gradients_in_the_master_dtype(measured: Profile, grad_bytes: float,
-                                                           allreduce_ms: float) -> None:
+def test_replicas_all_reduce_gradients_in_the_master_dtype(
+    measured: Profile, grad_bytes: float, allreduce_ms: float
+) -> None:
     """Every place the planner prices the data-parallel all-reduce (the DP, its bounds, the
     stage figures, the baseline, the flush bound, the simulation, PipeDream's model) prices
     it on the master dtype's bytes under mixed precision: exactly twice the bf16 figure."""
@@ -108,7 +131,9 @@ def test_replicas_all_reduce_gradients_in_the_master_dtype(measured: Profile, gr
     # PipeDream's: (compute + 4 (n-1) P / (B n)) / n, its compute without the step
     pipedream = cost_model("pipedream").data_parallel_ms(layer_arrays(measured), top)
     assert pipedream == pytest.approx((12.0 + 4 * grad_bytes / 2e9 * 1e3) / 2, rel=1e-12)
-    settings = DPSettings("1f1b-flush", "adam", max_stages=1, precision=Precision(measured.dtype, measured.master_dtype))
+    settings = DPSettings(
+        "1f1b-flush", "adam", max_stages=1, precision=Precision(measured.dtype, measured.master_dtype)
+    )
     assert data_parallel_bound_ms(arrays, top, settings) == max(compute / 2, allreduce_ms)
     for prune in (True, False):
         assert solve(arrays, top, settings, prune=prune).time_ms == max(compute / 2, allreduce_ms)
@@ -119,9 +144,12 @@ def test_replicas_all_reduce_gradients_in_the_master_dtype(measured: Profile, gr
     assert plan.predicted.data_parallel_ms == max(compute / 2, allreduce_ms)
     assert durations(plan, stage_costs(plan, measured), 2).allreduce_ms == (allreduce_ms,)
     # each replica: one micro-batch's forward + backward (6 ms), then the all-reduce and the step
-    assert simulate_plan(plan, measured).time_per_minibatch_ms == pytest.approx(6.0 + allreduce_ms + 1.0, rel=1e-12)
-    bound = flush_period_bound_ms(measured, CutFamily("prefix", 4), [FlatStage(0, 4, (0, 1), ())], top,
-                                  "1f1b-flush", 2, "adam")
+    assert simulate_plan(plan, measured).time_per_minibatch_ms == pytest.approx(
+        6.0 + allreduce_ms + 1.0, rel=1e-12
+    )
+    bound = flush_period_bound_ms(
+        measured, CutFamily("prefix", 4), [FlatStage(0, 4, (0, 1), ())], top, "1f1b-flush", 2, "adam"
+    )
     assert bound == pytest.approx(6.0 + allreduce_ms + 1.0, rel=1e-12)
 
 
@@ -138,13 +166,21 @@ def test_tensor_parallel_all_reduces_stay_bf16_and_the_replicas_sync_float32() -
     mixed = estimate_gpt(GPTShape(2, 256, 4, seq_len=128, vocab=1024), DEVICE_RATES["a100-80gb"], 8)
     assert mixed.master_dtype == "float32"
     pure = replace(mixed, master_dtype=None)
-    top = Topology("node", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.0), Level("c", 1, 200e9, 0.0)))
-    assert [(layer.forward_ms, layer.backward_ms) for layer in split_profile(mixed, top, 2).layers] \
-        == [(layer.forward_ms, layer.backward_ms) for layer in split_profile(pure, top, 2).layers]
+    top = Topology(
+        "node", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.0), Level("c", 1, 200e9, 0.0))
+    )
+    assert [(layer.forward_ms, layer.backward_ms) for layer in split_profile(mixed, top, 2).layers] == [
+        (layer.forward_ms, layer.backward_ms) for layer in split_profile(pure, top, 2).layers
+    ]
     options = PartitionOptions(schedule="1f1b-flush", microbatches=8, optimizer="adam")
-    got = {name: plan_uniform(profile, top, options, 2, 1) for name, profile in (("mixed", mixed), ("pure", pure))}
+    got = {
+        name: plan_uniform(profile, top, options, 2, 1)
+        for name, profile in (("mixed", mixed), ("pure", pure))
+    }
     assert [(s.tensor_parallel, s.replicas) for s in got["mixed"].stages] == [(2, 4)]
-    assert got["mixed"].stages[0].allreduce_ms == pytest.approx(2 * got["pure"].stages[0].allreduce_ms, rel=1e-12)
+    assert got["mixed"].stages[0].allreduce_ms == pytest.approx(
+        2 * got["pure"].stages[0].allreduce_ms, rel=1e-12
+    )
     assert got["pure"].stages[0].allreduce_ms > 0
 
 
@@ -165,7 +201,9 @@ def test_largest_range_is_each_stages_largest_parameter(dag: bool) -> None:
     inputs = [(i - 2,) if dag and i >= 2 else (max(i - 1, 0),) for i in range(n)]
     inputs[-1] = (n - 3, n - 2) if dag else (n - 2,)
     layers = tuple(
-        LayerProfile(i, f"l{i}", "x", () if i == 0 else inputs[i], 1.0, 2.0, 4, 3 * s, 0, largest_param_bytes=s)
+        LayerProfile(
+            i, f"l{i}", "x", () if i == 0 else inputs[i], 1.0, 2.0, 4, 3 * s, 0, largest_param_bytes=s
+        )
         for i, s in enumerate(sizes)
     )
     profile = Profile("m", "f", DeviceInfo("cpu", "x"), 8, "float32", layers)

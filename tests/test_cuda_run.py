@@ -15,13 +15,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")]
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1"),
+]
 pytest.importorskip("transformers")
+
+from test_run_torchrun import torchrun  # noqa: E402
 
 from pipeplan.cli import cli  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
-from test_run_torchrun import torchrun  # noqa: E402
 
 MODEL = str(Path(__file__).parent / "fixtures" / "models" / "hf_family.py")
 ONE_GPU = str(Path(__file__).parent.parent / "bench" / "one-h100.yaml")
@@ -29,8 +33,9 @@ BATCH = 4
 
 
 @pytest.mark.parametrize("build", ["eager", "meta"])
-def test_a_bf16_llama_trains_on_one_gpu_from_its_weights(tmp_path: Path, build: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bf16_llama_trains_on_one_gpu_from_its_weights(
+    tmp_path: Path, build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PIPEPLAN_HF_FAMILY", "llama")
     model_file = load_model_file(MODEL)
     torch.manual_seed(123)
@@ -42,18 +47,70 @@ def test_a_bf16_llama_trains_on_one_gpu_from_its_weights(tmp_path: Path, build: 
         reference = float(model_file.loss_fn(output, targets.cuda()))
 
     runner = CliRunner()
-    result = runner.invoke(cli, ["profile", MODEL, "--device", "cuda", "--dtype", "bfloat16", "-b", str(BATCH),
-                                 "--build", build, "--warmup", "1", "--repeats", "2", "-o", str(tmp_path / "p.json")])
+    result = runner.invoke(
+        cli,
+        [
+            "profile",
+            MODEL,
+            "--device",
+            "cuda",
+            "--dtype",
+            "bfloat16",
+            "-b",
+            str(BATCH),
+            "--build",
+            build,
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["partition", str(tmp_path / "p.json"), "--topology", ONE_GPU,
-                                 "--schedule", "1f1b-flush", "--microbatches", "2", "-o", str(tmp_path / "plan.json")])
+    result = runner.invoke(
+        cli,
+        [
+            "partition",
+            str(tmp_path / "p.json"),
+            "--topology",
+            ONE_GPU,
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            "2",
+            "-o",
+            str(tmp_path / "plan.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
-    ran = torchrun(1, [str(tmp_path / "plan.json"), "--model", MODEL, "--steps", "3", "--lr", "1e-3",
-                       "--weights", str(tmp_path / "hf"), "--build", build, "--no-progress",
-                       "--metrics", str(tmp_path / "m.json")], timeout=300)
+    ran = torchrun(
+        1,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            MODEL,
+            "--steps",
+            "3",
+            "--lr",
+            "1e-3",
+            "--weights",
+            str(tmp_path / "hf"),
+            "--build",
+            build,
+            "--no-progress",
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+        timeout=300,
+    )
     assert ran.returncode == 0, ran.stderr[-3000:]
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert metrics["losses"][0] == pytest.approx(reference, rel=2e-2)  # bf16 rounding of two orders of ops
     assert metrics["losses"][-1] < metrics["losses"][0]
     stage = metrics["stages"][0]
-    assert stage["memory_kind"] == "cuda_allocated" and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
+    assert (
+        stage["memory_kind"] == "cuda_allocated"
+        and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
+    )

@@ -3,27 +3,25 @@ and pipeplan's ``--cost-model pipedream`` against PipeDream's own antichain opti
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.capture import build_layer_graph
+from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.modelfile import load_model_file
-from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.topology import DeviceSpec, Level, Topology, preset
 from pipeplan.planner.costs import layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, partition
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.profiler.pipedream_graph import load_pipedream_graph
+from pipeplan.topology import DeviceSpec, Level, Topology, preset
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES / "pipedream"))
@@ -37,7 +35,9 @@ def dag(inputs: list[tuple[int, ...]], compute=None, params=None, outputs=None) 
     params = params or [1000] * n
     outputs = outputs or [100] * n
     layers = tuple(
-        LayerProfile(i, f"l{i}", "x", inputs[i], compute[i] / 2, compute[i] / 2, outputs[i], params[i], outputs[i])
+        LayerProfile(
+            i, f"l{i}", "x", inputs[i], compute[i] / 2, compute[i] / 2, outputs[i], params[i], outputs[i]
+        )
         for i in range(n)
     )
     return Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
@@ -107,7 +107,9 @@ def test_pipeplan_counts_a_crossing_tensor_once_pipedream_augments():
         if node.node_desc.startswith("Input"):
             gr.remove_node(node)
     antichain = ["node40", "node41"]  # the frontier of layers 0..39
-    assert {n.node_id for n in gr.all_predecessors(antichain)} == {layer.name for layer in profile.layers[:40]}
+    assert {n.node_id for n in gr.all_predecessors(antichain)} == {
+        layer.name for layer in profile.layers[:40]
+    }
     augmented = gr.augment_antichain(antichain)
     assert sorted(augmented) == ["node35", "node40", "node41"]
     assert sum(gr.nodes[node].activation_size for node in augmented) == 205_520_896
@@ -121,11 +123,22 @@ def dag_cases(draw):
     n = draw(st.integers(2, 5))
     layers = []
     for i in range(n):
-        inputs = tuple(sorted(set(draw(st.lists(st.integers(0, i - 1), min_size=1, max_size=2))))) if i else ()
-        layers.append(LayerProfile(
-            i, f"l{i}", "x", inputs, draw(st.floats(0.1, 5)), draw(st.floats(0.1, 5)),
-            draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
-        ))
+        inputs = (
+            tuple(sorted(set(draw(st.lists(st.integers(0, i - 1), min_size=1, max_size=2))))) if i else ()
+        )
+        layers.append(
+            LayerProfile(
+                i,
+                f"l{i}",
+                "x",
+                inputs,
+                draw(st.floats(0.1, 5)),
+                draw(st.floats(0.1, 5)),
+                draw(st.integers(0, 4000)),
+                draw(st.integers(0, 8000)),
+                draw(st.integers(0, 3000)),
+            )
+        )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
@@ -170,8 +183,12 @@ def test_a_non_prefix_cut_beats_every_prefix():
     Prefixes of 0, 1, 2, 3: {0} or {0, 1, 2} give a 12 ms stage; {0, 1} sends layer 0's
     10 kB and layer 1's 1 MB: 2 * 1.01 MB / 100 MB/s = 20.2 ms. The downset {0, 2} sends
     10 kB + 1 kB: 0.22 ms, so 8 ms per minibatch with stages {0, 2} | {1, 3}."""
-    profile = dag([(), (0,), (0,), (1, 2)], compute=[4.0, 4.0, 4.0, 4.0], params=[0, 0, 0, 0],
-                  outputs=[10_000, 1_000_000, 1_000, 10])
+    profile = dag(
+        [(), (0,), (0,), (1, 2)],
+        compute=[4.0, 4.0, 4.0, 4.0],
+        params=[0, 0, 0, 0],
+        outputs=[10_000, 1_000_000, 1_000, 10],
+    )
     topology = Topology("2", DeviceSpec("d", 10**12), (Level("host", 2, 1e8),))
     plan = partition(profile, topology, PartitionOptions(straight=True))
     assert [s.layers for s in plan.stages] == [(0, 2), (1, 3)]
@@ -210,9 +227,15 @@ def test_pipedream_mode_is_never_worse_than_pipedream(model: str, shape: str):
     topology = TOPOLOGIES[shape]
     for ratio in (None, 1.0):
         want, states = pipedream_optimum_ms(
-            path.read_text(), [lv.count for lv in topology.levels], [lv.bandwidth_bytes_per_s for lv in topology.levels],
-            topology.device.memory_bytes, activation_compression_ratio=ratio)
-        plan = partition(profile, topology, PartitionOptions(cost_model="pipedream", activation_compression_ratio=ratio))
+            path.read_text(),
+            [lv.count for lv in topology.levels],
+            [lv.bandwidth_bytes_per_s for lv in topology.levels],
+            topology.device.memory_bytes,
+            activation_compression_ratio=ratio,
+        )
+        plan = partition(
+            profile, topology, PartitionOptions(cost_model="pipedream", activation_compression_ratio=ratio)
+        )
         assert plan.cut_family == "all-downsets" and plan.cut_candidates == states + 1  # + the empty set
         assert math.isfinite(want)
         assert plan.predicted.stage_bound_ms <= want * (1 + 1e-12)
@@ -228,7 +251,9 @@ def test_pruning_over_downsets_changes_nothing(case, extra):
     profile, topology, options = case
     layers = list(profile.layers)
     for i in range(len(layers), len(layers) + extra):  # widen: extra layers off random earlier ones
-        layers.append(LayerProfile(i, f"l{i}", "x", (i * 7 % i, i - 2), 1.0 + i % 3, 0.5, 500 * (i % 4), 100 * i, 300))
+        layers.append(
+            LayerProfile(i, f"l{i}", "x", (i * 7 % i, i - 2), 1.0 + i % 3, 0.5, 500 * (i % 4), 100 * i, 300)
+        )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
     arrays = layer_arrays(profile, None, cut_family(profile))
     dp_settings = DPSettings(options.schedule, options.optimizer, options.straight, options.max_stages)

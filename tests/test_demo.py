@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pipeplan.plan import Plan
-from pipeplan.schedules import SCHEDULE_NAMES
 from pipeplan.profile import Profile
+from pipeplan.schedules import SCHEDULE_NAMES
 
 pytestmark = pytest.mark.multiprocess
 
@@ -21,7 +21,10 @@ def run_demo(tmp_path: Path, *args: str, timeout_s: float = 300) -> subprocess.C
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "120"}
     return subprocess.run(
         [sys.executable, "-m", "pipeplan", "demo", "--out-dir", str(tmp_path / "demo"), *args],
-        capture_output=True, text=True, timeout=timeout_s, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
     )
 
 
@@ -46,7 +49,13 @@ def test_demo_runs_the_whole_flow_end_to_end(tmp_path: Path) -> None:
         assert f" {name} " in done.stdout
     assert "schedule auto: candidates" in done.stdout and f"* chosen: {plan.schedule}" in done.stdout
     # every step's command is echoed, and the run ends with predicted vs measured
-    for step in ("pipeplan profile", "pipeplan partition", "pipeplan simulate", "torchrun", "pipeplan report"):
+    for step in (
+        "pipeplan profile",
+        "pipeplan partition",
+        "pipeplan simulate",
+        "torchrun",
+        "pipeplan report",
+    ):
         assert f"$ {step}" in done.stdout
     assert "measured / predicted" in done.stdout and "measured throughput:" in done.stdout
 

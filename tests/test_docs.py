@@ -224,14 +224,18 @@ def test_every_link_anchor_resolves(page: str, target: str) -> None:
 # Module names: `pipeplan.x.y` is a module, or a name defined in one (read statically, so that
 # this stays fast and imports no torch).
 
-PACKAGE_DIRS = {"pipeplan.planner": "planner", "pipeplan.profiler": "profiler",
-                "pipeplan.runtime": "runtime", "pipeplan.configs": "configs"}
+PACKAGE_DIRS = {
+    "pipeplan.planner": "planner",
+    "pipeplan.profiler": "profiler",
+    "pipeplan.runtime": "runtime",
+    "pipeplan.configs": "configs",
+}
 
 
 def _module_file(name: str) -> Path | None:
     for package, folder in PACKAGE_DIRS.items():
         if name == package or name.startswith(package + "."):
-            relative = folder + name[len(package):].replace(".", "/")
+            relative = folder + name[len(package) :].replace(".", "/")
             break
     else:
         relative = name.replace(".", "/")
@@ -243,8 +247,14 @@ def _module_file(name: str) -> Path | None:
 
 def _defines(source: str, attribute: str) -> bool:
     name = re.escape(attribute)
-    return bool(re.search(rf"^\s*(?:def|class) {name}\b|^{name}\s*[:=]|^\s*from \S+ import .*\b{name}\b"
-                          rf"|^\s+{name},?$|^\s*import .*\b{name}\b", source, re.MULTILINE))
+    return bool(
+        re.search(
+            rf"^\s*(?:def|class) {name}\b|^{name}\s*[:=]|^\s*from \S+ import .*\b{name}\b"
+            rf"|^\s+{name},?$|^\s*import .*\b{name}\b",
+            source,
+            re.MULTILINE,
+        )
+    )
 
 
 def _cited_modules() -> list[tuple[str, str]]:
@@ -312,7 +322,7 @@ def _invocations() -> list[tuple[str, str, tuple[str, ...]]]:
             tokens = _split(line)
             if "pipeplan" not in tokens:
                 continue
-            rest = tokens[tokens.index("pipeplan") + 1:]
+            rest = tokens[tokens.index("pipeplan") + 1 :]
             if not rest or not re.fullmatch(r"[a-z][a-z-]*", rest[0]):
                 continue
             options = []
@@ -349,10 +359,12 @@ def test_the_pages_show_commands() -> None:
     assert {"profile", "partition", "run", "simulate", "report", "export", "estimate"} <= shown
 
 
-@pytest.mark.parametrize("page, command, options", _invocations(),
-                         ids=[f"{p}:{c}:{' '.join(o)}" for p, c, o in _invocations()])
-def test_every_command_shown_exists_with_its_options(page: str, command: str,
-                                                     options: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "page, command, options", _invocations(), ids=[f"{p}:{c}:{' '.join(o)}" for p, c, o in _invocations()]
+)
+def test_every_command_shown_exists_with_its_options(
+    page: str, command: str, options: tuple[str, ...]
+) -> None:
     commands = _commands()
     assert command in commands, (
         f"{page} shows `pipeplan {command}`, which is no command ({', '.join(commands)})"
@@ -482,8 +494,15 @@ def test_design_lists_every_command() -> None:
 
 def _pipeplan(*args: str, cwd: Path) -> str:
     command = [sys.executable, "-m", "pipeplan", *args]
-    result = subprocess.run(command, check=False, cwd=cwd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    result = subprocess.run(
+        command,
+        check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
     assert result.returncode == 0, f"{' '.join(args)}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
@@ -491,18 +510,62 @@ def _pipeplan(*args: str, cwd: Path) -> str:
 @pytest.mark.slow
 def test_the_tutorial_commands_run_on_its_files(tmp_path: Path) -> None:
     tutorial = REPO / "docs" / "tutorial"
-    out = _pipeplan("profile", str(tutorial / "my_model.py"), "--device", "cpu", "--batch-size", "64",
-                    "--threads", "1", "--warmup", "1", "--repeats", "2", "-o", "profile.json", cwd=tmp_path)
+    out = _pipeplan(
+        "profile",
+        str(tutorial / "my_model.py"),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "64",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "2",
+        "-o",
+        "profile.json",
+        cwd=tmp_path,
+    )
     assert "capture: fx, 14 layers" in out and "wrote profile.json" in out
-    out = _pipeplan("partition", "profile.json", "--topology", str(tutorial / "cluster.yaml"),
-                    "-o", "plan.json", cwd=tmp_path)
+    out = _pipeplan(
+        "partition",
+        "profile.json",
+        "--topology",
+        str(tutorial / "cluster.yaml"),
+        "-o",
+        "plan.json",
+        cwd=tmp_path,
+    )
     assert "cut states searched: all-downsets (15 states)" in out and "wrote plan.json" in out
-    out = _pipeplan("simulate", "plan.json", "--profile", "profile.json", "--timeline", "timeline.json",
-                    cwd=tmp_path)
+    out = _pipeplan(
+        "simulate", "plan.json", "--profile", "profile.json", "--timeline", "timeline.json", cwd=tmp_path
+    )
     assert "1f1b-rr" in out and (tmp_path / "timeline.json").exists()
-    _pipeplan("partition", "profile.json", "--topology", "local-cpu", "--straight",
-              "--schedule", "1f1b-flush", "--microbatches", "4", "-o", "flush.json", cwd=tmp_path)
-    out = _pipeplan("export", "flush.json", "--to", "pipelining", "--model", str(tutorial / "my_model.py"),
-                    "-o", "split.py", cwd=tmp_path)
+    _pipeplan(
+        "partition",
+        "profile.json",
+        "--topology",
+        "local-cpu",
+        "--straight",
+        "--schedule",
+        "1f1b-flush",
+        "--microbatches",
+        "4",
+        "-o",
+        "flush.json",
+        cwd=tmp_path,
+    )
+    out = _pipeplan(
+        "export",
+        "flush.json",
+        "--to",
+        "pipelining",
+        "--model",
+        str(tutorial / "my_model.py"),
+        "-o",
+        "split.py",
+        cwd=tmp_path,
+    )
     assert "Schedule1F1B, 4 micro-batches" in out
     compile((tmp_path / "split.py").read_text(), "split.py", "exec")

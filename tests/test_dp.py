@@ -9,13 +9,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError
-from pipeplan.precision import Precision
-from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.topology import DeviceSpec, Level, Topology
-from pipeplan.planner.costs import ring_allreduce_ms
+from pipeplan.planner.costs import layer_arrays, ring_allreduce_ms
+from pipeplan.planner.dp import DPSettings, reconstruct, solve, tables
+from pipeplan.planner.dp.bounds import band_bound, data_parallel_bound_ms, lower_bound_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, partition
+from pipeplan.precision import Precision
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.topology import DeviceSpec, Level, Topology
 
 
 def chain(compute_ms, params, outputs, saved):
@@ -28,7 +30,8 @@ def chain(compute_ms, params, outputs, saved):
 
 def two_by_two(memory_bytes=10**12):
     return Topology(
-        "2x2", DeviceSpec("d", memory_bytes),
+        "2x2",
+        DeviceSpec("d", memory_bytes),
         (Level("server", 2, 1e9), Level("cluster", 2, 1e8)),
     )
 
@@ -69,7 +72,11 @@ def test_hand_checked_memory_changes_the_plan():
     period stays max(4, 2e5/1e9 s = 0.2, 4, 2, 4) = 4 ms."""
     plan = partition(HAND, two_by_two(6 * 10**6), PartitionOptions())
     assert plan.predicted.stage_bound_ms == pytest.approx(4.0)
-    assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == [(0, 1, 1), (1, 2, 1), (2, 4, 2)]
+    assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == [
+        (0, 1, 1),
+        (1, 2, 1),
+        (2, 4, 2),
+    ]
     assert [s.memory_bytes for s in plan.stages] == [5_400_000, 4_300_000, 4_200_000]
     assert all(s.memory_bytes <= 6 * 10**6 for s in plan.stages)
 
@@ -100,11 +107,22 @@ def cases(draw):
     for i in range(n):
         extra = draw(st.lists(st.integers(0, max(i - 1, 0)), max_size=1)) if i > 1 else []
         inputs = tuple(sorted({i - 1, *extra})) if i else ()
-        layers.append(LayerProfile(
-            i, f"l{i}", "x", inputs, draw(st.floats(0.1, 5)), draw(st.floats(0.1, 5)),
-            draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
-        ))
-    profile = _precision(draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers)))
+        layers.append(
+            LayerProfile(
+                i,
+                f"l{i}",
+                "x",
+                inputs,
+                draw(st.floats(0.1, 5)),
+                draw(st.floats(0.1, 5)),
+                draw(st.integers(0, 4000)),
+                draw(st.integers(0, 8000)),
+                draw(st.integers(0, 3000)),
+            )
+        )
+    profile = _precision(
+        draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    )
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
     memory = draw(st.sampled_from([10**9, 40_000, 25_000, 15_000]))
@@ -141,22 +159,24 @@ def test_dp_equals_exhaustive(case):
     assert max(s.time_per_minibatch_ms for s in plan.stages) <= period * (1 + 1e-9)
     replicas = [s.replicas for s in plan.stages]
     for q, stage in enumerate(plan.stages):  # never a memory-infeasible plan
-        memory, _, _ = plan_stage_memory(options.schedule, replicas, q, sum(l.param_bytes for l in profile.layers[stage.layer_start:stage.layer_end]),
-                                         sum(l.saved_bytes for l in profile.layers[stage.layer_start:stage.layer_end]), options.optimizer,
-                                         precision=plan.precision, largest_param_bytes=max(
-                                             l.largest_tensor_bytes for l in profile.layers[stage.layer_start:stage.layer_end]))
+        memory, _, _ = plan_stage_memory(
+            options.schedule,
+            replicas,
+            q,
+            sum(l.param_bytes for l in profile.layers[stage.layer_start : stage.layer_end]),
+            sum(l.saved_bytes for l in profile.layers[stage.layer_start : stage.layer_end]),
+            options.optimizer,
+            precision=plan.precision,
+            largest_param_bytes=max(
+                l.largest_tensor_bytes for l in profile.layers[stage.layer_start : stage.layer_end]
+            ),
+        )
         assert memory == stage.memory_bytes
         if options.memory_check:
             assert memory <= topology.device.memory_bytes
 
 
 # --- pruning (planner.dp prunes entries above a limit; results must not change) ---
-
-import numpy as np
-
-from pipeplan.planner.costs import layer_arrays
-from pipeplan.planner.dp import DPSettings, reconstruct, solve, tables
-from pipeplan.planner.dp.bounds import band_bound, data_parallel_bound_ms, lower_bound_ms
 
 
 @st.composite
@@ -167,14 +187,27 @@ def large_world_cases(draw):
     layers = []
     for i in range(n):
         extra = draw(st.lists(st.integers(0, max(i - 1, 0)), max_size=1)) if i > 1 else []
-        layers.append(LayerProfile(
-            i, f"l{i}", "x", tuple(sorted({i - 1, *extra})) if i else (), draw(st.floats(0.0, 5)),
-            draw(st.floats(0.0, 5)), draw(st.integers(0, 4000)), draw(st.integers(0, 8000)), draw(st.integers(0, 3000)),
-        ))
-    profile = _precision(draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers)))
+        layers.append(
+            LayerProfile(
+                i,
+                f"l{i}",
+                "x",
+                tuple(sorted({i - 1, *extra})) if i else (),
+                draw(st.floats(0.0, 5)),
+                draw(st.floats(0.0, 5)),
+                draw(st.integers(0, 4000)),
+                draw(st.integers(0, 8000)),
+                draw(st.integers(0, 3000)),
+            )
+        )
+    profile = _precision(
+        draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
+    )
     counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
-    levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7])), draw(st.sampled_from([0.0, 0.001])))
-                   for k, c in enumerate(counts))
+    levels = tuple(
+        Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7])), draw(st.sampled_from([0.0, 0.001])))
+        for k, c in enumerate(counts)
+    )
     memory = draw(st.sampled_from([10**9, 10**6, 200_000, 60_000, 25_000]))
     settings = DPSettings(
         schedule=draw(st.sampled_from(["1f1b-rr", "1f1b-rr", "gpipe"])),
@@ -212,8 +245,11 @@ def test_sparse_and_blocked_combines_equal_unpruned(case, block):
     profile, topology, dp_settings = case
     arrays = layer_arrays(profile)
     full = solve(arrays, topology, dp_settings, prune=False)
-    with mock.patch.object(tables, "SPARSE_SPEEDUP", 0), mock.patch.object(tables, "COLUMN_BLOCK", block), \
-            mock.patch.object(tables, "SHORT_RANGES", 0):
+    with (
+        mock.patch.object(tables, "SPARSE_SPEEDUP", 0),
+        mock.patch.object(tables, "COLUMN_BLOCK", block),
+        mock.patch.object(tables, "SHORT_RANGES", 0),
+    ):
         pruned = solve(arrays, topology, dp_settings)
     assert pruned.time_ms == full.time_ms
     if math.isfinite(full.time_ms):
@@ -227,8 +263,15 @@ def test_top_combine_one_unit_count_at_a_time_equals_unpruned(case, schedule):
     per numpy step (``TOP_BLOCK_ELEMENTS`` 1), with pruned passes (windows of live starts):
     the unpruned optimum and plan, flush schedules (no tau) included."""
     profile, topology, dp_settings = case
-    dp_settings = DPSettings(schedule, dp_settings.optimizer, dp_settings.straight, dp_settings.max_stages,
-                             dp_settings.use_fewer_devices, dp_settings.memory_check, precision=dp_settings.precision)
+    dp_settings = DPSettings(
+        schedule,
+        dp_settings.optimizer,
+        dp_settings.straight,
+        dp_settings.max_stages,
+        dp_settings.use_fewer_devices,
+        dp_settings.memory_check,
+        precision=dp_settings.precision,
+    )
     arrays = layer_arrays(profile)
     full = solve(arrays, topology, dp_settings, prune=False)
     with mock.patch.object(tables, "TOP_BLOCK_ELEMENTS", 1):
@@ -246,8 +289,13 @@ def test_data_parallel_bound_is_the_whole_model_on_every_device():
     topology = two_by_two()
     top, inner = topology.levels[-1], topology.levels[0]
     params = 8 * 10**5
-    inner_ms = max(4.0 / inner.count, ring_allreduce_ms(params, inner.count, inner.bandwidth_bytes_per_s, inner.latency_ms))
-    want = max(inner_ms / top.count, ring_allreduce_ms(params, top.count, top.bandwidth_bytes_per_s, top.latency_ms))
+    inner_ms = max(
+        4.0 / inner.count,
+        ring_allreduce_ms(params, inner.count, inner.bandwidth_bytes_per_s, inner.latency_ms),
+    )
+    want = max(
+        inner_ms / top.count, ring_allreduce_ms(params, top.count, top.bandwidth_bytes_per_s, top.latency_ms)
+    )
     assert data_parallel_bound_ms(arrays, topology, DPSettings()) == pytest.approx(want, rel=1e-12)
     assert data_parallel_bound_ms(arrays, topology, DPSettings(straight=True)) == math.inf
     tiny = Topology("t", DeviceSpec("d", 10**6), topology.levels)
@@ -256,8 +304,12 @@ def test_data_parallel_bound_is_the_whole_model_on_every_device():
 
 def test_band_bound_matches_a_scan():
     """The binary search finds the longest range a linear scan finds."""
-    profile = chain([0.5, 3.0, 0.1, 0.1, 2.0, 0.7, 0.2, 4.0], [10**6, 0, 5 * 10**6, 0, 10**5, 10**6, 0, 0],
-                    [10**5] * 8, [10**5] * 8)
+    profile = chain(
+        [0.5, 3.0, 0.1, 0.1, 2.0, 0.7, 0.2, 4.0],
+        [10**6, 0, 5 * 10**6, 0, 10**5, 10**6, 0, 0],
+        [10**5] * 8,
+        [10**5] * 8,
+    )
     arrays = layer_arrays(profile)
     topology = two_by_two()
     lv = topology.levels[-1]
@@ -266,8 +318,10 @@ def test_band_bound_matches_a_scan():
         for i in range(8):
             for j in range(i + 1, 9):
                 compute, params = arrays.compute(i, j), arrays.params(i, j)
-                low = min(max(compute / (m * 2), 2 * (m - 1) / m * params / lv.bandwidth_bytes_per_s * 1e3)
-                          for m in (1, 2))
+                low = min(
+                    max(compute / (m * 2), 2 * (m - 1) / m * params / lv.bandwidth_bytes_per_s * 1e3)
+                    for m in (1, 2)
+                )
                 if low <= bound_ms * (1 + 1e-12):
                     best = max(best, j - i)
         assert band_bound(arrays, topology, bound_ms) == max(best, 1)
@@ -279,12 +333,17 @@ def test_large_world_plan_reconstructs():
     once failed with 'no choice reproduces'). Every top-level cut moves 8 MiB over
     25 GB/s: 2 * 8 MiB / 25e9 B/s = 0.67108864 ms bounds the period."""
     layers = tuple(
-        LayerProfile(i, f"l{i}", "Block", () if i == 0 else (i - 1,), 0.4, 0.8, 8 * 2**20, 64 * 2**20, 2 * 2**20)
+        LayerProfile(
+            i, f"l{i}", "Block", () if i == 0 else (i - 1,), 0.4, 0.8, 8 * 2**20, 64 * 2**20, 2 * 2**20
+        )
         for i in range(800)
     )
     profile = Profile("m", "fp", DeviceInfo("cuda", "x"), 32, "bfloat16", layers)
-    topology = Topology("8x8x64", DeviceSpec("H100", 80 * 2**30),
-                        (Level("node", 8, 450e9), Level("rack", 8, 100e9), Level("pod", 64, 25e9)))
+    topology = Topology(
+        "8x8x64",
+        DeviceSpec("H100", 80 * 2**30),
+        (Level("node", 8, 450e9), Level("rack", 8, 100e9), Level("pod", 64, 25e9)),
+    )
     plan = partition(profile, topology, PartitionOptions())
     assert plan.predicted.stage_bound_ms == pytest.approx(2 * 8 * 2**20 / 25e9 * 1e3, rel=1e-12)
     assert not plan.predicted.simulated  # too large to simulate: the cost model's figure
@@ -303,7 +362,9 @@ def test_refuses_in_one_line_before_allocating_tables_over_the_limit(monkeypatch
     # q = 1, band 4, rows 4 + 4 + 1 = 9; per row 2 (2 + 1) + 2 (2 + 2) + 8 = 22 tables' rows
     assert need == 8 * 5 * 9 * 22
     monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need - 1))
-    with pytest.raises(InfeasibleError, match=r"^planning 4 cut states on 4 devices .* over the planner's limit"):
+    with pytest.raises(
+        InfeasibleError, match=r"^planning 4 cut states on 4 devices .* over the planner's limit"
+    ):
         partition(HAND, two_by_two(), PartitionOptions())
     monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need))
     assert partition(HAND, two_by_two(), PartitionOptions()).predicted.stage_bound_ms == pytest.approx(4.0)

@@ -10,16 +10,17 @@ from __future__ import annotations
 import doctest
 import random
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
-import pipeplan.schedules.engine as engine_module
 import pipeplan.planner.simulate as simulate_module
-from pipeplan.schedules.engine import Durations, LinkTime, Timeline, run_schedule
-from pipeplan.planner.simulate import StageCosts, _held_at_peak, _inside_ms
+import pipeplan.schedules.engine as engine_module
 from pipeplan.errors import InputError
+from pipeplan.planner.simulate import StageCosts, _held_at_peak, _inside_ms
 from pipeplan.schedules import SCHEDULE_KINDS, SCHEDULE_NAMES, Action, Schedule, build_schedule
+from pipeplan.schedules.engine import Durations, LinkTime, Timeline, run_schedule
 
 # (replicas per position, micro-batches, virtual stages, minibatches) per schedule
 SHAPES: dict[str, list[tuple[tuple[int, ...], int, int, int]]] = {
@@ -50,7 +51,11 @@ def shapes(name: str) -> list[tuple[tuple[int, ...], int, int, int]]:
 
 
 def reference_run_schedule(
-    schedule: Schedule, durations: Durations, ranks: Sequence[Sequence[int]], link: LinkTime, record: bool = False,
+    schedule: Schedule,
+    durations: Durations,
+    ranks: Sequence[Sequence[int]],
+    link: LinkTime,
+    record: bool = False,
 ) -> Timeline:
     """The engine's rules, written plainly: a worklist over tuple-keyed dicts."""
     positions, stages, micro = schedule.stages, schedule.model_stages, schedule.microbatches
@@ -89,13 +94,30 @@ def reference_run_schedule(
             tasks.append((src, "send", f"send {label} ->r{dst}", start, occupy + latency, k, m, q, r))
         return start + occupy + latency
 
-    def deliver(kind: str, targets: Sequence[tuple[int, float]], needed: Sequence[int], rank: int, end: float,
-                action: Action, q: int, r: int) -> None:
+    def deliver(
+        kind: str,
+        targets: Sequence[tuple[int, float]],
+        needed: Sequence[int],
+        rank: int,
+        end: float,
+        action: Action,
+        q: int,
+        r: int,
+    ) -> None:
         unit = action.minibatch * micro + action.microbatch
         for t, size in targets:
             i = t % positions
-            at = send(rank, ranks[i][unit % replicas[i]], size, end, str(action), action.minibatch,
-                      action.microbatch, q, r)
+            at = send(
+                rank,
+                ranks[i][unit % replicas[i]],
+                size,
+                end,
+                str(action),
+                action.minibatch,
+                action.microbatch,
+                q,
+                r,
+            )
             key = (kind, t, unit)
             arrive[key] = max(arrive.get(key, 0.0), at)
             count[key] += 1
@@ -133,11 +155,33 @@ def reference_run_schedule(
                         if share > 0:
                             busy[(q, peer[1])].append((at, at + share))
                         if record and reduce_ms > 0:
-                            tasks.append((ranks[i][peer[1]], "allreduce", f"allreduce S{own}", at, reduce_ms, own, 0,
-                                          q, peer[1]))
+                            tasks.append(
+                                (
+                                    ranks[i][peer[1]],
+                                    "allreduce",
+                                    f"allreduce S{own}",
+                                    at,
+                                    reduce_ms,
+                                    own,
+                                    0,
+                                    q,
+                                    peer[1],
+                                )
+                            )
                         if record and step_ms > 0:
-                            tasks.append((ranks[i][peer[1]], "step", f"S{own}", at + reduce_ms, step_ms, own, 0,
-                                          q, peer[1]))
+                            tasks.append(
+                                (
+                                    ranks[i][peer[1]],
+                                    "step",
+                                    f"S{own}",
+                                    at + reduce_ms,
+                                    step_ms,
+                                    own,
+                                    0,
+                                    q,
+                                    peer[1],
+                                )
+                            )
                         at += share
                     if peer != worker:
                         ready.append(peer)
@@ -152,7 +196,11 @@ def reference_run_schedule(
                     waiting.setdefault(key, []).append(worker)
                     break
                 start = max(free[worker], arrive.get(key, 0.0))
-                took = {"F": durations.forward_ms, "B": durations.backward_ms, "I": durations.backward_input_ms}
+                took = {
+                    "F": durations.forward_ms,
+                    "B": durations.backward_ms,
+                    "I": durations.backward_input_ms,
+                }
                 end = start + took[action.kind][q]
                 if action.kind == "F":
                     deliver("F", durations.sends[q], n_in, ranks[i][r], end, action, q, r)
@@ -166,12 +214,30 @@ def reference_run_schedule(
                 busy[(q, r)].append((start, end))
             if record:
                 category = "forward" if action.kind == "F" else "backward"
-                tasks.append((ranks[i][r], category, str(action), start, end - start, action.minibatch,
-                              action.microbatch, q, r))
+                tasks.append(
+                    (
+                        ranks[i][r],
+                        category,
+                        str(action),
+                        start,
+                        end - start,
+                        action.minibatch,
+                        action.microbatch,
+                        q,
+                        r,
+                    )
+                )
     assert all(position[w] == len(schedule.actions[w]) for w in schedule.actions), "deadlock"
     makespan = max([e[-1] for e in ends.values() if e] + completion + list(link_free.values()) + [0.0])
-    return Timeline(starts, ends, completion, dict(busy), dict(link_busy), makespan,
-                    sorted(tasks, key=lambda t: (t[3], t[0])))
+    return Timeline(
+        starts,
+        ends,
+        completion,
+        dict(busy),
+        dict(link_busy),
+        makespan,
+        sorted(tasks, key=lambda t: (t[3], t[0])),
+    )
 
 
 def random_case(stages: int, seed: int) -> tuple[Durations, LinkTime]:
@@ -226,11 +292,13 @@ def test_window_figures_match_plain_loops() -> None:
         schedule = build_schedule(name, replicas, 3, micro, virtual_stages=virtual)
         for (i, _), actions in schedule.actions.items():
             assert _held_at_peak(schedule, i, actions, costs[: 2 * virtual]) == plain_held_at_peak(
-                schedule, i, actions, costs[: 2 * virtual])
+                schedule, i, actions, costs[: 2 * virtual]
+            )
 
 
-def plain_held_at_peak(schedule: Schedule, position: int, actions: Sequence[Action],
-                       costs: Sequence[StageCosts]) -> list[int]:
+def plain_held_at_peak(
+    schedule: Schedule, position: int, actions: Sequence[Action], costs: Sequence[StageCosts]
+) -> list[int]:
     count = [0] * (len(costs) // schedule.stages)
     best, held, most = list(count), 0.0, 0.0
     for action in actions:

@@ -11,11 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from pipeplan.cli import cli
@@ -59,7 +59,7 @@ def refusal(result) -> str:
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0][len("error: "):]
+    return lines[0][len("error: ") :]
 
 
 # --------------------------------------------------------------------------- a planned MLP
@@ -70,12 +70,40 @@ def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The bundled MLP, profiled and partitioned straight, 1F1B-flush with 4 micro-batches."""
     folder = tmp_path_factory.mktemp("mlp")
     runner = CliRunner()
-    profiled = runner.invoke(cli, ["profile", "mlp", "-o", str(folder / "profile.json"), "--batch-size", "32",
-                                   "--warmup", "1", "--repeats", "3", "--threads", "1"])
+    profiled = runner.invoke(
+        cli,
+        [
+            "profile",
+            "mlp",
+            "-o",
+            str(folder / "profile.json"),
+            "--batch-size",
+            "32",
+            "--warmup",
+            "1",
+            "--repeats",
+            "3",
+            "--threads",
+            "1",
+        ],
+    )
     assert profiled.exit_code == 0, profiled.output
-    planned = runner.invoke(cli, ["partition", str(folder / "profile.json"), "--topology", "local-cpu",
-                                  "--straight", "--schedule", "1f1b-flush", "--microbatches", "4",
-                                  "-o", str(folder / "plan.json")])
+    planned = runner.invoke(
+        cli,
+        [
+            "partition",
+            str(folder / "profile.json"),
+            "--topology",
+            "local-cpu",
+            "--straight",
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            "4",
+            "-o",
+            str(folder / "plan.json"),
+        ],
+    )
     assert planned.exit_code == 0, planned.output
     assert len(Plan.load(folder / "plan.json").stages) == 2, planned.output
     return folder
@@ -89,11 +117,26 @@ def free_port() -> int:
 
 def torchrun(args: list[str], cwd: Path, timeout_s: float = 180.0) -> str:
     """Two gloo ranks under torchrun in their own process group, killed after ``timeout_s`` seconds."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -108,8 +151,15 @@ def torchrun(args: list[str], cwd: Path, timeout_s: float = 180.0) -> str:
 def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path) -> None:
     plan = Plan.load(mlp_plan / "plan.json")
     first = plan.stages[1].layer_start
-    exported = invoke(str(mlp_plan / "plan.json"), "--to", "pipelining", "--model", "mlp",
-                      "-o", str(mlp_plan / "split.json"))
+    exported = invoke(
+        str(mlp_plan / "plan.json"),
+        "--to",
+        "pipelining",
+        "--model",
+        "mlp",
+        "-o",
+        str(mlp_plan / "split.json"),
+    )
     assert exported.exit_code == 0, exported.output
     meta = json.loads((mlp_plan / "split.json").read_text())
     # the bundled MLP is an nn.Sequential: stage 1 begins at child `first`
@@ -119,11 +169,37 @@ def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path)
     (mlp_plan / "split.py").write_text(meta["python"])
     (mlp_plan / "schedule.csv").write_text(meta["csv"])
 
-    torchrun(["-m", "pipeplan", "run", "plan.json", "--model", "mlp", "--steps", str(STEPS), "--lr", str(LR),
-              "--metrics", "metrics.json", "--no-progress"], cwd=mlp_plan)
+    torchrun(
+        [
+            "-m",
+            "pipeplan",
+            "run",
+            "plan.json",
+            "--model",
+            "mlp",
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--metrics",
+            "metrics.json",
+            "--no-progress",
+        ],
+        cwd=mlp_plan,
+    )
     ours = json.loads((mlp_plan / "metrics.json").read_text())["losses"]
-    common = [str(TRAIN_SCRIPT), "split.py", "--model", "mlp", "--batch-size", str(plan.batch_size),
-              "--steps", str(STEPS), "--lr", str(LR)]
+    common = [
+        str(TRAIN_SCRIPT),
+        "split.py",
+        "--model",
+        "mlp",
+        "--batch-size",
+        str(plan.batch_size),
+        "--steps",
+        str(STEPS),
+        "--lr",
+        str(LR),
+    ]
     torchrun([*common, "--losses", "by_class.json"], cwd=mlp_plan)
     torchrun([*common, "--csv", "schedule.csv", "--losses", "by_csv.json"], cwd=mlp_plan)
     by_class = json.loads((mlp_plan / "by_class.json").read_text())["losses"]
@@ -133,8 +209,10 @@ def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path)
     assert by_csv == pytest.approx(ours, rel=1e-5, abs=1e-6)
     assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-4  # training moved the weights
     # the engine ran the plan's stages and micro-batches, not merely the same maths
-    held = [[f"{i}.{kind}" for i in stage.layers if i % 2 == 0 for kind in ("bias", "weight")]
-            for stage in plan.stages]  # the MLP's Linear children are the even ones
+    held = [
+        [f"{i}.{kind}" for i in stage.layers if i % 2 == 0 for kind in ("bias", "weight")]
+        for stage in plan.stages
+    ]  # the MLP's Linear children are the even ones
     for run in ("by_class.json", "by_csv.json"):
         record = json.loads((mlp_plan / run).read_text())
         assert record["microbatches"] == [4] * STEPS
@@ -162,33 +240,47 @@ def test_torchtitan_fragment_lists_every_unit_once_in_stage_order(tmp_path: Path
     from pipeplan.modelfile import load_model_file
 
     # layers: 0 embed | 1-3 layers.0 | 4-6 layers.1 | 7-9 layers.2 | 10 head
-    plan = make_plan(BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3)
+    plan = make_plan(
+        BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3
+    )
     out = tmp_path / "pp.toml"
     result = invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out))
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines() == ["2 stages on 2 ranks, GPipe, micro-batch size 4 samples", f"wrote {out}"]
+    assert result.output.splitlines() == [
+        "2 stages on 2 ranks, GPipe, micro-batch size 4 samples",
+        f"wrote {out}",
+    ]
     section = tomllib.loads(out.read_text())["parallelism"]
     parts = section["module_fqns_per_model_part"]
     assert parts == [["embed", "layers.0"], ["layers.1", "layers.2", "head"]]
     model = load_model_file(BLOCKS).build()
-    units = [f"{name}.{key}" if isinstance(child, torch.nn.ModuleList) else name
-             for name, child in model.named_children()
-             for key in (range(len(child)) if isinstance(child, torch.nn.ModuleList) else [None])]
+    units = [
+        f"{name}.{key}" if isinstance(child, torch.nn.ModuleList) else name
+        for name, child in model.named_children()
+        for key in (range(len(child)) if isinstance(child, torch.nn.ModuleList) else [None])
+    ]
     flat = [unit for part in parts for unit in part]
     assert flat == units  # every unit once, in the model's order = stage order here
     structure = model_structure(BLOCKS, plan)
     for stage, part in zip(plan.stages, parts):  # each stage's layers live in its own units
-        assert {structure.layer_names[i].rsplit(".", 1)[0] if "." in structure.layer_names[i]
-                else structure.layer_names[i] for i in stage.layers} == set(part)
+        assert {
+            structure.layer_names[i].rsplit(".", 1)[0]
+            if "." in structure.layer_names[i]
+            else structure.layer_names[i]
+            for i in stage.layers
+        } == set(part)
     assert section["pipeline_parallel_schedule"] == "GPipe"
     assert section["pipeline_parallel_microbatch_size"] == 4
 
 
 def test_unit_without_layers_joins_the_stage_before_it() -> None:
     structure = ModelStructure(
-        layer_names=("a", "b"), layer_parameters=(frozenset({"a.weight"}), frozenset({"b.weight"})),
-        modules={"": "M", "a": "Linear", "unused": "Linear", "b": "Linear"}, containers=frozenset(),
-        calls={"": 1, "a": 1, "unused": 0, "b": 1})
+        layer_names=("a", "b"),
+        layer_parameters=(frozenset({"a.weight"}), frozenset({"b.weight"})),
+        modules={"": "M", "a": "Linear", "unused": "Linear", "b": "Linear"},
+        containers=frozenset(),
+        calls={"": 1, "a": 1, "unused": 0, "b": 1},
+    )
     assert torchtitan_parts(structure, [0, 1], 2) == (("a", "unused"), ("b",))
 
 
@@ -197,14 +289,16 @@ def test_unit_without_layers_joins_the_stage_before_it() -> None:
 
 def test_pipelining_cuts_inside_a_block_torchtitan_refuses(tmp_path: Path) -> None:
     # stage 1 begins at layers.1.up: inside the ModuleList entry layers.1
-    plan = make_plan(BLOCKS, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10]], [1, 1], "1f1b-flush", batch_size=8,
-                     microbatches=2)
+    plan = make_plan(
+        BLOCKS, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9, 10]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2
+    )
     path = saved(plan, tmp_path)
     assert refusal(invoke(path, "--to", "torchtitan", "--model", BLOCKS, "-o", str(tmp_path / "x.toml"))) == (
         "cut between layer 4 (layers.1.norm, stage 0) and layer 5 (layers.1.up, stage 1) falls inside "
         "layers.1 (Block), which torchtitan keeps or deletes whole (its units: the model's children and "
         "the entries of a ModuleList/ModuleDict child); `--to pipelining` can cut there; "
-        "`pipeplan partition PROFILE --for torchtitan` plans only such cuts")
+        "`pipeplan partition PROFILE --for torchtitan` plans only such cuts"
+    )
     assert not (tmp_path / "x.toml").exists()
     result = invoke(path, "--to", "pipelining", "--model", BLOCKS, "--format", "json")
     assert result.exit_code == 0, result.output
@@ -212,8 +306,9 @@ def test_pipelining_cuts_inside_a_block_torchtitan_refuses(tmp_path: Path) -> No
 
 
 def test_split_point_is_the_outermost_module_beginning_there(tmp_path: Path) -> None:
-    plan = make_plan(BLOCKS, [[0], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], [1, 1, 1], "gpipe", batch_size=6,
-                     microbatches=3)
+    plan = make_plan(
+        BLOCKS, [[0], [1, 2, 3, 4, 5, 6], [7, 8, 9, 10]], [1, 1, 1], "gpipe", batch_size=6, microbatches=3
+    )
     result = invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", BLOCKS, "--format", "json")
     assert result.exit_code == 0, result.output
     # stage 1 begins at layers.0.norm, whose block layers.0 begins there too; not `layers` (embed is before)
@@ -222,8 +317,13 @@ def test_split_point_is_the_outermost_module_beginning_there(tmp_path: Path) -> 
 
 def structure_of(names: tuple[str, ...], modules: tuple[str, ...]) -> ModelStructure:
     """Leaf modules ``modules`` under a root; a module is called once per layer naming it."""
-    return ModelStructure(names, (frozenset(),) * len(names), {"": "M", **{m: "L" for m in modules}},
-                          frozenset(), {"": 1, **{m: names.count(m) for m in modules}})
+    return ModelStructure(
+        names,
+        (frozenset(),) * len(names),
+        {"": "M", **dict.fromkeys(modules, "L")},
+        frozenset(),
+        {"": 1, **{m: names.count(m) for m in modules}},
+    )
 
 
 def test_pipelining_refuses_a_stage_beginning_at_a_functional_op() -> None:
@@ -232,7 +332,8 @@ def test_pipelining_refuses_a_stage_beginning_at_a_functional_op() -> None:
         split_points(structure, [0, 1, 1])
     assert str(error.value) == (
         "stage 1 begins at layer 1 (add_1), a functional op, not a module: torch.distributed.pipelining "
-        "splits before module calls; a plan that cuts before a module layer carries over")
+        "splits before module calls; a plan that cuts before a module layer carries over"
+    )
     assert split_points(structure, [0, 0, 1]) == ("b",)
 
 
@@ -243,14 +344,17 @@ def test_pipelining_refuses_a_stage_beginning_at_a_module_called_twice() -> None
     assert str(error.value) == (
         "stage 1 begins at layer 1 (shared), a module called 2 times per forward pass (layers 1, 3): "
         "SplitPoint.BEGINNING would split before every call; a plan whose stages begin at modules called "
-        "once carries over")
+        "once carries over"
+    )
 
 
 def test_torchtitan_refuses_a_functional_op_of_the_root() -> None:
     with pytest.raises(InputError) as error:
         torchtitan_parts(structure_of(("a", "add_1", "b"), ("a", "b")), [0, 0, 1], 2)
-    assert str(error.value) == ("layer 1 (add_1) is a functional op of the root module: torchtitan places "
-                                "modules, not ops; `--to pipelining` carries it over")
+    assert str(error.value) == (
+        "layer 1 (add_1) is a functional op of the root module: torchtitan places "
+        "modules, not ops; `--to pipelining` carries it over"
+    )
 
 
 # --------------------------------------------------------------------------- refusals of the plan
@@ -262,7 +366,8 @@ def test_refuses_1f1b_rr(tmp_path: Path, target: str) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", MLP)) == (
         "plan schedule 1F1B-RR (PipeDream weight stashing, no flush) does not carry over: "
         "torch.distributed.pipelining and torchtitan run flush schedules only (1f1b-flush, gpipe, "
-        "interleaved-1f1b, zb-h1); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`")
+        "interleaved-1f1b, zb-h1); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+    )
 
 
 def test_refuses_2bw() -> None:
@@ -271,8 +376,11 @@ def test_refuses_2bw() -> None:
     with pytest.raises(InputError) as error:
         check_plan(plan)
     assert str(error.value).startswith(
-        "plan schedule 2BW (PipeDream-2BW double-buffered weights, no flush) does not carry over: ")
-    assert str(error.value).endswith("re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`")
+        "plan schedule 2BW (PipeDream-2BW double-buffered weights, no flush) does not carry over: "
+    )
+    assert str(error.value).endswith(
+        "re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+    )
 
 
 @pytest.mark.parametrize("target", ["pipelining", "torchtitan"])
@@ -281,7 +389,8 @@ def test_refuses_uneven_replication(tmp_path: Path, target: str) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", MLP)) == (
         "plan replicates stages unevenly (replicas per stage 2, 1): torch.distributed.pipelining and "
         "torchtitan run one device per stage; re-plan with "
-        "`pipeplan partition PROFILE --straight --schedule 1f1b-flush`")
+        "`pipeplan partition PROFILE --straight --schedule 1f1b-flush`"
+    )
 
 
 def test_refuses_even_replication(tmp_path: Path) -> None:
@@ -289,28 +398,35 @@ def test_refuses_even_replication(tmp_path: Path) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", MLP)) == (
         "plan replicates every stage 2 times: torch.distributed.pipelining and torchtitan run one device "
         "per stage (data parallelism over whole pipelines is their separate mesh dimension); re-plan with "
-        "`pipeplan partition PROFILE --straight --schedule gpipe`")
+        "`pipeplan partition PROFILE --straight --schedule gpipe`"
+    )
 
 
 def test_refuses_a_stage_that_is_not_a_contiguous_range() -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", microbatches=2)
     first, second = plan.stages
-    plan = dataclasses.replace(plan, stages=(
-        dataclasses.replace(first, layers=(0, 2), layer_start=0, layer_end=3),
-        dataclasses.replace(second, layers=(1, 3, 4, 5), layer_start=1, layer_end=6)))
+    plan = dataclasses.replace(
+        plan,
+        stages=(
+            dataclasses.replace(first, layers=(0, 2), layer_start=0, layer_end=3),
+            dataclasses.replace(second, layers=(1, 3, 4, 5), layer_start=1, layer_end=6),
+        ),
+    )
     with pytest.raises(InputError) as error:
         check_plan(plan)
     assert str(error.value) == (
         "plan stage 0 holds layers 0..2 but not 1: torch.distributed.pipelining and torchtitan cut the "
         "execution order, so every stage must be a contiguous range of layers; a plan cut along the layer "
-        "order carries over")
+        "order carries over"
+    )
 
 
 def test_refuses_fewer_microbatches_than_stages_for_1f1b(tmp_path: Path) -> None:
     plan = make_plan(MLP, [[0, 1], [2, 3], [4, 5]], [1, 1, 1], "1f1b-flush", batch_size=8, microbatches=2)
     assert refusal(invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", MLP)) == (
         "plan runs 2 micro-batch(es) per minibatch on 3 stages: Schedule1F1B needs at least one per stage; "
-        "re-plan with `--microbatches 3` (or more)")
+        "re-plan with `--microbatches 3` (or more)"
+    )
 
 
 @pytest.mark.parametrize("target", ["pipelining", "torchtitan"])
@@ -321,18 +437,22 @@ def test_refuses_a_parameter_shared_by_two_stages(tmp_path: Path, target: str) -
         "parameter wte.weight is shared by layer 0 (wte) in stage 0, layer 4 (head) in stage 1: "
         "torch.distributed.pipelining copies it into each stage and trains the copies apart, torchtitan "
         "keeps it on one stage; a plan that puts every layer using it in one stage carries over; "
-        f"`pipeplan partition PROFILE --for {target}` plans only such cuts")
+        f"`pipeplan partition PROFILE --for {target}` plans only such cuts"
+    )
 
 
 def test_refuses_another_model_and_a_wrong_format(tmp_path: Path) -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", microbatches=2)
     path = saved(plan, tmp_path)
     assert refusal(invoke(path, "--to", "pipelining", "--model", BLOCKS)).startswith(
-        f"{BLOCKS} does not match the plan: model fingerprint sha256:")
+        f"{BLOCKS} does not match the plan: model fingerprint sha256:"
+    )
     assert refusal(invoke(path, "--to", "torchtitan", "--model", MLP, "--format", "python")) == (
-        "--to torchtitan writes toml, csv, not python")
+        "--to torchtitan writes toml, csv, not python"
+    )
     assert refusal(invoke(path, "--to", "torchtitan", "--model", MLP, "-o", str(tmp_path / "x.json"))) == (
-        f"--to torchtitan writes toml, csv, not json (from the suffix of {tmp_path / 'x.json'}; pass --format)")
+        f"--to torchtitan writes toml, csv, not json (from the suffix of {tmp_path / 'x.json'}; pass --format)"
+    )
 
 
 # --------------------------------------------------------------------------- the action table
@@ -340,7 +460,9 @@ def test_refuses_another_model_and_a_wrong_format(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
 @pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 4), (3, 3), (3, 6)])
-def test_action_table_loads_and_runs_in_torchs_simulator(schedule: str, stages: int, microbatches: int) -> None:
+def test_action_table_loads_and_runs_in_torchs_simulator(
+    schedule: str, stages: int, microbatches: int
+) -> None:
     """torch validates the table, lowers it to sends/receives and dry-runs it without deadlock."""
     from torch.distributed.pipelining.schedules import (
         _Action,
@@ -349,7 +471,7 @@ def test_action_table_loads_and_runs_in_torchs_simulator(schedule: str, stages: 
         _validate_schedule,
     )
 
-    groups = [[0, 1], [2, 3], [4, 5]][:stages - 1] + [list(range(2 * (stages - 1), 6))]
+    groups = [[0, 1], [2, 3], [4, 5]][: stages - 1] + [list(range(2 * (stages - 1), 6))]
     plan = make_plan(MLP, groups, [1] * stages, schedule, batch_size=12, microbatches=microbatches)
     rows = list(csv.reader(io.StringIO(action_table_csv(plan))))
     assert len(rows) == stages
@@ -357,18 +479,25 @@ def test_action_table_loads_and_runs_in_torchs_simulator(schedule: str, stages: 
     assert _validate_schedule(actions, stages, stages, microbatches) == {s: s for s in range(stages)}
     compute = {rank: [a for a in row if a is not None] for rank, row in actions.items()}
     for rank, row in compute.items():  # every micro-batch once forward, once backward, on its own stage
-        assert sorted(str(a) for a in row) == sorted(f"{rank}{kind}{m}" for kind in "FB" for m in range(microbatches))
-    lowered = _add_send_recv({r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s,
-                             num_stages=stages)
+        assert sorted(str(a) for a in row) == sorted(
+            f"{rank}{kind}{m}" for kind in "FB" for m in range(microbatches)
+        )
+    lowered = _add_send_recv(
+        {r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s, num_stages=stages
+    )
     simulated = _simulate_comms_compute(lowered, lambda s: s, stages)
-    assert {rank: [a for a in row if a is not None and a.is_compute_op] for rank, row in simulated.items()} == compute
+    assert {
+        rank: [a for a in row if a is not None and a.is_compute_op] for rank, row in simulated.items()
+    } == compute
 
 
-@pytest.mark.parametrize("schedule, virtual, ranks, microbatches",
-                         [("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 2, 2, 2), ("zb-h1", 1, 2, 4),
-                          ("zb-h1", 1, 3, 6)])
-def test_action_table_of_chunked_and_split_backward_schedules(schedule: str, virtual: int, ranks: int,
-                                                               microbatches: int) -> None:
+@pytest.mark.parametrize(
+    "schedule, virtual, ranks, microbatches",
+    [("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 2, 2, 2), ("zb-h1", 1, 2, 4), ("zb-h1", 1, 3, 6)],
+)
+def test_action_table_of_chunked_and_split_backward_schedules(
+    schedule: str, virtual: int, ranks: int, microbatches: int
+) -> None:
     """Chunk c on rank r is torch stage c * ranks + r; I and W keep their letters; torch dry-runs it."""
     from torch.distributed.pipelining.schedules import (
         _Action,
@@ -378,23 +507,24 @@ def test_action_table_of_chunked_and_split_backward_schedules(schedule: str, vir
     )
 
     stages = virtual * ranks
-    plan = SimpleNamespace(schedule=schedule, virtual_stages=virtual, stages=[None] * stages,
-                           microbatches=microbatches)
+    plan = SimpleNamespace(
+        schedule=schedule, virtual_stages=virtual, stages=[None] * stages, microbatches=microbatches
+    )
     rows = list(csv.reader(io.StringIO(action_table_csv(plan))))  # type: ignore[arg-type]
     actions = {rank: [_Action.from_str(cell) for cell in row] for rank, row in enumerate(rows)}
     assert _validate_schedule(actions, ranks, stages, microbatches) == {s: s % ranks for s in range(stages)}
     compute = {rank: [a for a in row if a is not None] for rank, row in actions.items()}
     kinds = {a.computation_type.value for row in compute.values() for a in row}
     assert kinds == ({"F", "I", "W"} if schedule == "zb-h1" else {"F", "B"})
-    lowered = _add_send_recv({r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s % ranks,
-                             num_stages=stages)
+    lowered = _add_send_recv(
+        {r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s % ranks, num_stages=stages
+    )
     _simulate_comms_compute(lowered, lambda s: s % ranks, stages)
 
 
 def test_action_table_lines_up_by_unit_step() -> None:
     plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=4)
-    assert action_table_csv(plan) == ("0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n"
-                                      ",1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n")
+    assert action_table_csv(plan) == ("0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n")
 
 
 def test_doctests() -> None:
@@ -411,23 +541,38 @@ def test_doctests() -> None:
 
 def tensor_parallel(plan: Plan, t: int) -> Plan:
     """``plan`` with every stage split ``t`` ways: replica-major groups of t ranks, on t x the devices."""
-    topology = dataclasses.replace(plan.topology, levels=(dataclasses.replace(plan.topology.levels[0],
-                                                                              count=plan.world_size * t),))
-    stages = tuple(dataclasses.replace(s, tensor_parallel=t, ranks=tuple(r * t + j for r in s.ranks for j in range(t)))
-                   for s in plan.stages)
+    topology = dataclasses.replace(
+        plan.topology, levels=(dataclasses.replace(plan.topology.levels[0], count=plan.world_size * t),)
+    )
+    stages = tuple(
+        dataclasses.replace(s, tensor_parallel=t, ranks=tuple(r * t + j for r in s.ranks for j in range(t)))
+        for s in plan.stages
+    )
     return dataclasses.replace(plan, topology=topology, world_size=topology.world_size, stages=stages)
 
 
 def test_torchtitan_fragment_carries_the_tensor_parallel_degree(tmp_path: Path) -> None:
-    plan = tensor_parallel(make_plan(BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe",
-                                     batch_size=12, microbatches=3), 2)
+    plan = tensor_parallel(
+        make_plan(
+            BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3
+        ),
+        2,
+    )
     out = tmp_path / "pp.toml"
-    assert invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out)).exit_code == 0
+    assert (
+        invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out)).exit_code == 0
+    )
     section = tomllib.loads(out.read_text())["parallelism"]
     assert (section["tensor_parallel_degree"], section["pipeline_parallel_degree"]) == (2, 2)
-    plain = make_plan(BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3)
-    assert invoke(saved(plain, tmp_path, "plain.json"), "--to", "torchtitan", "--model", BLOCKS,
-                  "-o", str(out)).exit_code == 0
+    plain = make_plan(
+        BLOCKS, [[0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], [1, 1], "gpipe", batch_size=12, microbatches=3
+    )
+    assert (
+        invoke(
+            saved(plain, tmp_path, "plain.json"), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out)
+        ).exit_code
+        == 0
+    )
     assert tomllib.loads(out.read_text())["parallelism"]["tensor_parallel_degree"] == 1
 
 
@@ -436,4 +581,5 @@ def test_pipelining_refuses_tensor_parallel_plans(tmp_path: Path) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", MLP)) == (
         "plan splits every stage 2 ways (tensor_parallel 2): torch.distributed.pipelining runs one device per "
         "stage, without tensor parallelism; export --to torchtitan (tensor_parallel_degree) or re-plan with "
-        "--tensor-parallel 1")
+        "--tensor-parallel 1"
+    )

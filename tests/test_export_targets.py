@@ -21,11 +21,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -65,8 +65,18 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def plan_for(profile: Path, target: str, out: Path) -> Plan:
-    output = run_cli("partition", str(profile), "--topology", "local-cpu", "--for", target,
-                     "--microbatches", str(MICROBATCHES), "-o", str(out))
+    output = run_cli(
+        "partition",
+        str(profile),
+        "--topology",
+        "local-cpu",
+        "--for",
+        target,
+        "--microbatches",
+        str(MICROBATCHES),
+        "-o",
+        str(out),
+    )
     assert f"--for {target}: " in output and " ms/minibatch predicted" in output
     plan = Plan.load(out)
     assert plan.export_target == target and len(plan.stages) == 2 and plan.schedule == "1f1b-flush"
@@ -74,7 +84,9 @@ def plan_for(profile: Path, target: str, out: Path) -> Plan:
 
 
 def stage_parameters(profile: Profile, plan: Plan) -> list[list[str]]:
-    return [sorted({name for i in stage.layers for name in profile.layers[i].parameters}) for stage in plan.stages]
+    return [
+        sorted({name for i in stage.layers for name in profile.layers[i].parameters}) for stage in plan.stages
+    ]
 
 
 def free_port() -> int:
@@ -87,11 +99,31 @@ def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0, world: int
     """``world`` ranks of ``compare_engines.py`` (RANK, WORLD_SIZE set as torchrun would), killed after
     ``timeout_s`` s."""
     (folder / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, str(FIXTURES / "export" / "compare_engines.py"), str(folder / "cases.json"), str(folder)]
-    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(world)]
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    command = [
+        sys.executable,
+        str(FIXTURES / "export" / "compare_engines.py"),
+        str(folder / "cases.json"),
+        str(folder),
+    ]
+    ranks = [
+        subprocess.Popen(
+            command,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for r in range(world)
+    ]
     outputs = []
     try:
         for process in ranks:
@@ -100,17 +132,36 @@ def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0, world: int
         for process in ranks:
             os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"the engines ran past {timeout_s} s")
-    failed = [f"rank {r}: {output[-2000:]}" for r, (process, output) in enumerate(zip(ranks, outputs))
-              if process.returncode != 0]
+    failed = [
+        f"rank {r}: {output[-2000:]}"
+        for r, (process, output) in enumerate(zip(ranks, outputs))
+        if process.returncode != 0
+    ]
     assert not failed, "\n".join(failed)
 
 
 def export_case(name: str, plan_path: Path, folder: Path, ranks: int) -> dict:
     """``export --to pipelining`` the plan to a snippet; the launch case that trains it both ways."""
-    run_cli("export", str(plan_path), "--to", "pipelining", "--model", MODELS[name],
-            "-o", str(folder / f"{name}.split.py"))
-    return {"name": name, "model": MODELS[name], "plan": str(plan_path), "snippet": str(folder / f"{name}.split.py"),
-            "steps": STEPS, "lr": LR, "ports": [free_port(), free_port()], "ranks": ranks}
+    run_cli(
+        "export",
+        str(plan_path),
+        "--to",
+        "pipelining",
+        "--model",
+        MODELS[name],
+        "-o",
+        str(folder / f"{name}.split.py"),
+    )
+    return {
+        "name": name,
+        "model": MODELS[name],
+        "plan": str(plan_path),
+        "snippet": str(folder / f"{name}.split.py"),
+        "steps": STEPS,
+        "lr": LR,
+        "ports": [free_port(), free_port()],
+        "ranks": ranks,
+    }
 
 
 def check_engines_agree(folder: Path, expected: dict[str, list[list[str]]], microbatches: int) -> None:
@@ -125,8 +176,9 @@ def check_engines_agree(folder: Path, expected: dict[str, list[list[str]]], micr
 
 
 @pytest.mark.multiprocess
-def test_planned_for_pipelining_exports_and_runs_with_pipeplans_losses(profiles: dict[str, Path],
-                                                                       tmp_path: Path) -> None:
+def test_planned_for_pipelining_exports_and_runs_with_pipeplans_losses(
+    profiles: dict[str, Path], tmp_path: Path
+) -> None:
     cases, expected = [], {}
     for name in MODELS:
         plan = plan_for(profiles[name], "pipelining", tmp_path / f"{name}.plan.json")
@@ -139,8 +191,10 @@ def test_planned_for_pipelining_exports_and_runs_with_pipeplans_losses(profiles:
 def cpu_topology(devices: int, folder: Path) -> Path:
     """local-cpu with ``devices`` CPU processes."""
     path = folder / f"cpu{devices}.yaml"
-    path.write_text(f"name: cpu{devices}\ndevice: {{name: cpu, memory: 4 GiB, kind: cpu}}\n"
-                    f"levels:\n  - {{name: host, count: {devices}, bandwidth: 5 GB/s, latency: 20 us}}\n")
+    path.write_text(
+        f"name: cpu{devices}\ndevice: {{name: cpu, memory: 4 GiB, kind: cpu}}\n"
+        f"levels:\n  - {{name: host, count: {devices}, bandwidth: 5 GB/s, latency: 20 us}}\n"
+    )
     return path
 
 
@@ -156,8 +210,18 @@ def test_multi_stage_plans_for_pipelining_run_under_torch(profiles: dict[str, Pa
     for name, stages in MULTI_STAGE.items():
         profile = Profile.load(profiles[name])
         plan_path = tmp_path / f"{name}.plan.json"
-        run_cli("partition", str(profiles[name]), "--topology", str(cpu_topology(stages, tmp_path)), "--for",
-                "pipelining", "--microbatches", "4", "-o", str(plan_path))
+        run_cli(
+            "partition",
+            str(profiles[name]),
+            "--topology",
+            str(cpu_topology(stages, tmp_path)),
+            "--for",
+            "pipelining",
+            "--microbatches",
+            "4",
+            "-o",
+            str(plan_path),
+        )
         plan = Plan.load(plan_path)
         assert len(plan.stages) == stages and len(profile.pipelining_reach) == len(profile.layers), name
         for stage in plan.stages[:-1]:  # nothing from before a stage is read after it, in torch's own split
@@ -177,18 +241,45 @@ def test_torchs_own_split_is_profiled_and_export_checks_it(tmp_path: Path) -> No
     assert profile.is_chain and [layer.name for layer in profile.layers] == ["embed", "a", "b", "head"]
     assert profile.pipelining_reach == (0, 2, 2, 3)  # a value from before a is read by b (layer 2)
     assert not any(profile.pipelining_blocked)
-    four = ["--topology", str(cpu_topology(4, tmp_path)), "--microbatches", "4", "-o", str(tmp_path / "p.json")]
-    refused = CliRunner().invoke(cli, ["partition", str(tmp_path / "mask.json"), "--for", "pipelining", *four])
+    four = [
+        "--topology",
+        str(cpu_topology(4, tmp_path)),
+        "--microbatches",
+        "4",
+        "-o",
+        str(tmp_path / "p.json"),
+    ]
+    refused = CliRunner().invoke(
+        cli, ["partition", str(tmp_path / "mask.json"), "--for", "pipelining", *four]
+    )
     assert refused.exit_code == 2 and refused.output.count("\n") == 1
-    assert "torch.distributed.pipelining can run" in refused.output and "at most 3 stage(s), not 4" in refused.output
+    assert (
+        "torch.distributed.pipelining can run" in refused.output
+        and "at most 3 stage(s), not 4" in refused.output
+    )
     run_cli("partition", str(tmp_path / "mask.json"), "--for", "pipelining", "--use-fewer-devices", *four)
-    assert [(s.layer_start, s.layer_end) for s in Plan.load(tmp_path / "p.json").stages] == [(0, 1), (1, 3), (3, 4)]
+    assert [(s.layer_start, s.layer_end) for s in Plan.load(tmp_path / "p.json").stages] == [
+        (0, 1),
+        (1, 3),
+        (3, 4),
+    ]
     run_cli("export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model)
     # without --for the DP takes a stage of its own for a: export refuses what torch would crash on
     run_cli("partition", str(tmp_path / "mask.json"), "--straight", "--schedule", "1f1b-flush", *four)
     assert len(Plan.load(tmp_path / "p.json").stages) == 4
-    result = CliRunner().invoke(cli, ["export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model,
-                                      "-o", str(tmp_path / "split.py")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "export",
+            str(tmp_path / "p.json"),
+            "--to",
+            "pipelining",
+            "--model",
+            model,
+            "-o",
+            str(tmp_path / "split.py"),
+        ],
+    )
     assert result.exit_code == 2 and result.output.count("\n") == 1 and not (tmp_path / "split.py").exists()
     assert result.output.startswith("error: torch.distributed.pipelining's own split of ")
     assert "at a, b, head: a value stage 0 computes" in result.output
@@ -201,7 +292,8 @@ def test_export_rebuilds_the_plans_leaf_and_opaque_layers(kind: str, tmp_path: P
     graph is rebuilt with the plan's classes, so the fingerprints agree)."""
     model = str(FIXTURES / "export" / "blocks.py")
     profile_model(model, batch_size=BATCH, warmup=0, repeats=1, threads=1, **{kind: ("Block",)}).save(
-        tmp_path / "blocks.json")
+        tmp_path / "blocks.json"
+    )
     names = [layer.name for layer in Profile.load(tmp_path / "blocks.json").layers]
     assert names == ["embed", "layers.0", "layers.1", "layers.2", "head"]
     plan = plan_for(tmp_path / "blocks.json", "pipelining", tmp_path / "p.json")
@@ -216,7 +308,9 @@ def test_planned_for_torchtitan_exports_the_stages_units(profiles: dict[str, Pat
     for name, model in MODELS.items():
         profile = Profile.load(profiles[name])
         plan = plan_for(profiles[name], "torchtitan", tmp_path / f"{name}.plan.json")
-        output = run_cli("export", str(tmp_path / f"{name}.plan.json"), "--to", "torchtitan", "--model", model)
+        output = run_cli(
+            "export", str(tmp_path / f"{name}.plan.json"), "--to", "torchtitan", "--model", model
+        )
         parts = tomllib.loads(output)["parallelism"]["module_fqns_per_model_part"]
         containers = {m.name for m in profile.modules if m.container}
         for stage, part in zip(plan.stages, parts):  # the units of a stage's layers are its part's
@@ -226,21 +320,48 @@ def test_planned_for_torchtitan_exports_the_stages_units(profiles: dict[str, Pat
                 units.add(".".join(head[:2]) if head[0] in containers and len(head) > 1 else head[0])
             assert units <= set(part), (name, units, part)
         assert sorted(unit for part in parts for unit in part) == sorted(
-            {unit for part in parts for unit in part}), name  # every unit once
+            {unit for part in parts for unit in part}
+        ), name  # every unit once
 
 
 def test_tied_gpt_has_no_cut_and_says_why(tmp_path: Path) -> None:
     profile_model("gpt", batch_size=4, warmup=0, repeats=1, threads=1).save(tmp_path / "gpt.json")
     for target in ("pipelining", "torchtitan"):
-        result = CliRunner().invoke(cli, ["partition", str(tmp_path / "gpt.json"), "--topology", "local-cpu",
-                                          "--for", target, "--microbatches", "2", "-o", str(tmp_path / "p.json")])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "partition",
+                str(tmp_path / "gpt.json"),
+                "--topology",
+                "local-cpu",
+                "--for",
+                target,
+                "--microbatches",
+                "2",
+                "-o",
+                str(tmp_path / "p.json"),
+            ],
+        )
         assert result.exit_code == 2
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "can cut gpt at no layer boundary, too few for 2 stages" in lines[0]
         assert "parameter wte.weight (used by layers 0 (wte) and 15 (ln_f))" in lines[0]
-        one = CliRunner().invoke(cli, ["partition", str(tmp_path / "gpt.json"), "--topology", "local-cpu", "--for",
-                                       target, "--microbatches", "2", "--use-fewer-devices", "-o",
-                                       str(tmp_path / "p.json")])
+        one = CliRunner().invoke(
+            cli,
+            [
+                "partition",
+                str(tmp_path / "gpt.json"),
+                "--topology",
+                "local-cpu",
+                "--for",
+                target,
+                "--microbatches",
+                "2",
+                "--use-fewer-devices",
+                "-o",
+                str(tmp_path / "p.json"),
+            ],
+        )
         assert one.exit_code == 0 and len(Plan.load(tmp_path / "p.json").stages) == 1
 
 
@@ -257,27 +378,49 @@ def test_export_agrees_with_the_planners_rules_at_every_boundary(profiles: dict[
         points = split_points(structure, stage_of)
         if traced:
             cut = stage_of.index(1)
-            two = [replace(plan.stages[0], layers=tuple(range(cut)), layer_start=0, layer_end=cut),
-                   replace(plan.stages[1], layers=tuple(range(cut, len(stage_of))), layer_start=cut,
-                           layer_end=len(stage_of))]
+            two = [
+                replace(plan.stages[0], layers=tuple(range(cut)), layer_start=0, layer_end=cut),
+                replace(
+                    plan.stages[1],
+                    layers=tuple(range(cut, len(stage_of))),
+                    layer_start=cut,
+                    layer_end=len(stage_of),
+                ),
+            ]
             check_torch_split(replace(plan, stages=tuple(two)), structure, points)
 
     for name in ("resnet", "vit"):
         profile = Profile.load(profiles[name])
         cuts_pp, cuts_tt = target_cuts(profile, "pipelining"), target_cuts(profile, "torchtitan")
-        made = run_cli("partition", str(profiles[name]), "--topology", "local-cpu", "--straight", "--schedule",
-                       "gpipe", "--microbatches", "2", "-o", str(profiles[name].parent / f"{name}.any.json"))
+        made = run_cli(
+            "partition",
+            str(profiles[name]),
+            "--topology",
+            "local-cpu",
+            "--straight",
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "2",
+            "-o",
+            str(profiles[name].parent / f"{name}.any.json"),
+        )
         assert "wrote" in made
         plan = Plan.load(profiles[name].parent / f"{name}.any.json")
         structure = model_structure(MODELS[name], plan)
         n = len(profile.layers)
         for c in range(1, n):
             stage_of = [0] * c + [1] * (n - c)
-            for cuts, check in ((cuts_pp, lambda: pipelining(structure, plan, stage_of, name == "vit")),
-                                (cuts_tt, lambda: torchtitan_parts(structure, stage_of, 2))):
+            for cuts, check in (
+                (cuts_pp, lambda: pipelining(structure, plan, stage_of, name == "vit")),
+                (cuts_tt, lambda: torchtitan_parts(structure, stage_of, 2)),
+            ):
                 if c in cuts.allowed:
                     check()
-                elif "parameter" not in cuts.blocked.get(c, "parameter") and "model input" not in cuts.blocked[c]:
+                elif (
+                    "parameter" not in cuts.blocked.get(c, "parameter")
+                    and "model input" not in cuts.blocked[c]
+                ):
                     with pytest.raises(InputError):
                         check()
 
@@ -301,7 +444,9 @@ def test_vit_three_stage_splits_the_planner_allows_are_those_torch_runs(profiles
     for i, a in enumerate(cuts.allowed, 1):  # state i of the family is the prefix of a layers
         for j, b in enumerate(cuts.allowed[i:], i + 1):
             allowed = bool(family.stage_ok[0, i] and family.stage_ok[i, j] and family.stage_ok[j, -1])
-            faults = split_faults(structure.trace(split_points(structure, [0] * a + [1] * (b - a) + [2] * (n - b))))
+            faults = split_faults(
+                structure.trace(split_points(structure, [0] * a + [1] * (b - a) + [2] * (n - b)))
+            )
             assert allowed == (not faults), (a, b, faults)
             runs.append(allowed)
     assert 0 < sum(runs) < len(runs)  # both kinds occur

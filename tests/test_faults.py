@@ -17,9 +17,9 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +60,7 @@ def leftovers(folder: Path) -> list[str]:
 
 # --------------------------------------------------------------------- profiles
 
+
 def vgg_profile() -> dict[str, Any]:
     return load_pipedream_graph(VGG).to_dict()
 
@@ -70,19 +71,29 @@ def _set(path: list[Any], value: Any):
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return change
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (_set(["data_ms"], -100), "profile data_ms = -100 is outside [0, 1e+09]"),
-    (_set(["optimizer_ms"], {"sgd": -1.5}), "profile optimizer_ms['sgd'] = -1.5 is outside"),
-    (_set(["optimizer_ms"], "fast"), "field 'optimizer_ms' must be an object of a finite number, got 'fast'"),
-    (_set(["layers", 1, "inputs"], [0.5]), "layers[1]: field 'inputs' must be a list of an integer, got [0.5]"),
-    (_set(["layers", 0, "forward_ms"], 1e308), "forward_ms = 1e+308 is outside [0, 1e+09]"),
-    (_set(["layers", 0, "backward_ms"], -3.0), "backward_ms = -3.0 is outside"),
-    (_set(["batch_size"], "32"), "field 'batch_size' must be an integer, got '32'"),
-    (_set(["layers", 2, "colour"], "red"), "layers[2]: unknown field 'colour'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_set(["data_ms"], -100), "profile data_ms = -100 is outside [0, 1e+09]"),
+        (_set(["optimizer_ms"], {"sgd": -1.5}), "profile optimizer_ms['sgd'] = -1.5 is outside"),
+        (
+            _set(["optimizer_ms"], "fast"),
+            "field 'optimizer_ms' must be an object of a finite number, got 'fast'",
+        ),
+        (
+            _set(["layers", 1, "inputs"], [0.5]),
+            "layers[1]: field 'inputs' must be a list of an integer, got [0.5]",
+        ),
+        (_set(["layers", 0, "forward_ms"], 1e308), "forward_ms = 1e+308 is outside [0, 1e+09]"),
+        (_set(["layers", 0, "backward_ms"], -3.0), "backward_ms = -3.0 is outside"),
+        (_set(["batch_size"], "32"), "field 'batch_size' must be an integer, got '32'"),
+        (_set(["layers", 2, "colour"], "red"), "layers[2]: unknown field 'colour'"),
+    ],
+)
 def test_bad_profile_values_are_one_line(tmp_path: Path, change: Any, message: str) -> None:
     raw = vgg_profile()
     change(raw)
@@ -94,11 +105,15 @@ def test_bad_profile_values_are_one_line(tmp_path: Path, change: Any, message: s
     assert not (tmp_path / "plan.json").exists()
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('{"loss_ms": Infinity}', "Infinity is not a JSON number"),
-    ('{"a": 1, "a": 2}', "duplicate key 'a'"),
-    ("[" * 100_000 + "]" * 100_000, "is nested deeper than 64 levels"),
-], ids=["infinity", "duplicate-key", "deep-nesting"])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"loss_ms": Infinity}', "Infinity is not a JSON number"),
+        ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+        ("[" * 100_000 + "]" * 100_000, "is nested deeper than 64 levels"),
+    ],
+    ids=["infinity", "duplicate-key", "deep-nesting"],
+)
 def test_json_that_python_accepts_but_a_contract_must_not(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "profile.json"
     path.write_text(text)
@@ -122,15 +137,20 @@ def test_non_utf8_inputs_are_one_line(tmp_path: Path) -> None:
     assert_one_error_line(result.output, "is not UTF-8 text")
 
 
-@pytest.mark.parametrize(("size", "message"), [
-    ("inf", "size 'inf' must be a finite number >= 0"),
-    ("nan", "size 'nan' must be a finite number >= 0"),
-    ("-4.0", "size '-4.0' must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        ("inf", "size 'inf' must be a finite number >= 0"),
+        ("nan", "size 'nan' must be a finite number >= 0"),
+        ("-4.0", "size '-4.0' must be a finite number >= 0"),
+    ],
+)
 def test_pipedream_graph_sizes_must_be_finite(tmp_path: Path, size: str, message: str) -> None:
     lines = VGG.read_text().splitlines()
-    lines[0] = lines[0].replace("activation_size=", f"activation_size={size}, was=").split(", was=")[0] + \
-        ", parameter_size=0.000"
+    lines[0] = (
+        lines[0].replace("activation_size=", f"activation_size={size}, was=").split(", was=")[0]
+        + ", parameter_size=0.000"
+    )
     graph = tmp_path / "graph.txt"
     graph.write_text("\n".join(lines) + "\n")
     result = invoke(["partition", str(graph), "--topology", "cluster-a"])
@@ -140,12 +160,20 @@ def test_pipedream_graph_sizes_must_be_finite(tmp_path: Path, size: str, message
 
 # ------------------------------------------------------------------ topologies
 
-@pytest.mark.parametrize(("level", "message"), [
-    ("  - {name: s, count: 2, bandwidth: 5 GB/s, latncy: 5 us}",
-     "t.yaml:4: unknown key 'latncy' in 'levels[0]' (allowed: name, count, bandwidth, latency)"),
-    ("  - name: s\n    count: 2\n    bandwidth: 5 GB/s\n    count: 8",
-     "t.yaml:7: duplicate key 'count' in 'levels[0]' (first on line 5)"),
-])
+
+@pytest.mark.parametrize(
+    ("level", "message"),
+    [
+        (
+            "  - {name: s, count: 2, bandwidth: 5 GB/s, latncy: 5 us}",
+            "t.yaml:4: unknown key 'latncy' in 'levels[0]' (allowed: name, count, bandwidth, latency)",
+        ),
+        (
+            "  - name: s\n    count: 2\n    bandwidth: 5 GB/s\n    count: 8",
+            "t.yaml:7: duplicate key 'count' in 'levels[0]' (first on line 5)",
+        ),
+    ],
+)
 def test_topology_unknown_and_duplicate_keys(tmp_path: Path, level: str, message: str) -> None:
     topo = tmp_path / "t.yaml"
     topo.write_text(f"name: x\ndevice: {{name: a, memory: 16 GiB}}\nlevels:\n{level}\n")
@@ -156,6 +184,7 @@ def test_topology_unknown_and_duplicate_keys(tmp_path: Path, level: str, message
 
 # ------------------------------------------------------------------------ plans
 
+
 def mlp_plan_dict() -> dict[str, Any]:
     return make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [1, 1]).to_dict()
 
@@ -163,21 +192,25 @@ def mlp_plan_dict() -> dict[str, Any]:
 def _stage(index: int, **values: Any):
     def change(raw: dict[str, Any]) -> None:
         raw["stages"][index].update(values)
+
     return change
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (_stage(1, layers=[2, 3, 4, 5], layer_start=2), "plan stages 0 and 1 both hold layer 2"),
-    (_stage(1, layers=[4, 5], layer_start=4), "plan assigns no stage to layers [3] of 0..5"),
-    (_stage(0, layers=["a"]), "stages[0]: field 'layers' must be a list of an integer, got ['a']"),
-    (_stage(0, layer_end=2), "layer_start/layer_end [0, 2) do not match its layers (min 0, max 2)"),
-    (_stage(0, shedule="1f1b"), "stages[0]: unknown field 'shedule'"),
-    (_set(["batch_size"], 0), "plan batch_size must be >= 1 (got 0)"),
-    (_set(["microbatches"], 3), "plan batch_size 8 is not divisible into 3 micro-batches"),
-    (_set(["schedule"], "pipedream"), "plan schedule 'pipedream' is not one of"),
-    (_set(["colour"], "red"), "plan.json: unknown field 'colour'"),
-    (_set(["topology", "levels", 0, "count"], 0), "topology levels[0]: count 0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_stage(1, layers=[2, 3, 4, 5], layer_start=2), "plan stages 0 and 1 both hold layer 2"),
+        (_stage(1, layers=[4, 5], layer_start=4), "plan assigns no stage to layers [3] of 0..5"),
+        (_stage(0, layers=["a"]), "stages[0]: field 'layers' must be a list of an integer, got ['a']"),
+        (_stage(0, layer_end=2), "layer_start/layer_end [0, 2) do not match its layers (min 0, max 2)"),
+        (_stage(0, shedule="1f1b"), "stages[0]: unknown field 'shedule'"),
+        (_set(["batch_size"], 0), "plan batch_size must be >= 1 (got 0)"),
+        (_set(["microbatches"], 3), "plan batch_size 8 is not divisible into 3 micro-batches"),
+        (_set(["schedule"], "pipedream"), "plan schedule 'pipedream' is not one of"),
+        (_set(["colour"], "red"), "plan.json: unknown field 'colour'"),
+        (_set(["topology", "levels", 0, "count"], 0), "topology levels[0]: count 0 must be >= 1"),
+    ],
+)
 def test_bad_plans_are_one_line(tmp_path: Path, change: Any, message: str) -> None:
     raw = mlp_plan_dict()
     change(raw)
@@ -202,6 +235,7 @@ def test_non_contiguous_layer_sets_are_a_valid_plan(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- write errors
+
 
 def test_output_under_a_file_is_one_line_and_no_file(tmp_path: Path) -> None:
     blocker = tmp_path / "blocker"
@@ -252,6 +286,7 @@ def test_non_finite_values_are_written_as_null() -> None:
 
 # ------------------------------------------------------------------ NaN losses
 
+
 def test_profile_of_a_nan_loss_is_refused_unless_allowed(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     args = ["profile", NAN_MLP, "-b", "4", "--warmup", "0", "--repeats", "1", "-o", str(out)]
@@ -263,6 +298,7 @@ def test_profile_of_a_nan_loss_is_refused_unless_allowed(tmp_path: Path) -> None
 
 
 # ---------------------------------------------------------------- message tags
+
 
 def test_message_tags_wrap_and_stay_unique_across_the_wrap() -> None:
     values = 64  # the audit's case: 64 values x 16 micro-batches overflowed at 524,288 steps
@@ -278,6 +314,7 @@ def test_message_tags_wrap_and_stay_unique_across_the_wrap() -> None:
 
 # ---------------------------------------------------------------- checkpoints
 
+
 def test_restore_keeps_this_runs_lr_and_refuses_state_that_does_not_fit(tmp_path: Path) -> None:
     from pipeplan.runtime.checkpoint import state as ckstate
     from pipeplan.runtime.checkpoint import store
@@ -287,16 +324,28 @@ def test_restore_keeps_this_runs_lr_and_refuses_state_that_does_not_fit(tmp_path
     module(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     names = {"weight": "fc.weight", "bias": "fc.bias"}
-    store.save_rank(tmp_path, 3, 0, 0, ckstate.rank_state(module, names, optimizer),
-                    {"run_fingerprint": "run-x", "layout": {"replicas": [1]}, "minibatches": 3})
+    store.save_rank(
+        tmp_path,
+        3,
+        0,
+        0,
+        ckstate.rank_state(module, names, optimizer),
+        {"run_fingerprint": "run-x", "layout": {"replicas": [1]}, "minibatches": 3},
+    )
     index = ckstate.CheckpointIndex.of_step(str(tmp_path), 3)
     fresh = torch.optim.SGD(module.parameters(), lr=0.2, momentum=0.9)
     ckstate.restore_rank(index, module, names, fresh)
     assert [g["lr"] for g in fresh.param_groups] == [0.2]
-    torch.testing.assert_close(fresh.state_dict()["state"][0]["momentum_buffer"],
-                               optimizer.state_dict()["state"][0]["momentum_buffer"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        fresh.state_dict()["state"][0]["momentum_buffer"],
+        optimizer.state_dict()["state"][0]["momentum_buffer"],
+        rtol=0,
+        atol=0,
+    )
     other = torch.nn.Linear(3, 2)
-    with pytest.raises(InputError, match=r"checkpoint weight fc.weight has shape \[2, 2\], the model's is \[2, 3\]"):
+    with pytest.raises(
+        InputError, match=r"checkpoint weight fc.weight has shape \[2, 2\], the model's is \[2, 3\]"
+    ):
         ckstate.restore_rank(index, other, names, torch.optim.SGD(other.parameters(), lr=0.2))
 
 
@@ -304,8 +353,14 @@ def test_pruning_touches_only_this_runs_folders(tmp_path: Path) -> None:
     from pipeplan.runtime.checkpoint import store
 
     def save(step: int, run: str) -> None:
-        store.save_rank(tmp_path, step, 0, 0, {"x": torch.tensor(step)},
-                        {"run_fingerprint": run, "layout": {"replicas": [1]}, "minibatches": step})
+        store.save_rank(
+            tmp_path,
+            step,
+            0,
+            0,
+            {"x": torch.tensor(step)},
+            {"run_fingerprint": run, "layout": {"replicas": [1]}, "minibatches": step},
+        )
 
     for step in (1, 2):
         save(step, "run-other")
@@ -316,6 +371,7 @@ def test_pruning_touches_only_this_runs_folders(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------- multi-process harness
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -362,14 +418,29 @@ class Launch:
         self.pids.append(proc.pid)
         return proc
 
-    def plain(self, nproc: int, args: list[str], extra: dict[str, str] | None = None,
-              port: int | None = None, ranks: list[int] | None = None) -> list[subprocess.Popen[str]]:
+    def plain(
+        self,
+        nproc: int,
+        args: list[str],
+        extra: dict[str, str] | None = None,
+        port: int | None = None,
+        ranks: list[int] | None = None,
+    ) -> list[subprocess.Popen[str]]:
         """Ranks started as torchrun would (its variables), without the agent: rank 0 hosts the store."""
         port = port or free_port()
         return [
-            self.start([sys.executable, "-m", "pipeplan", "run", *args],
-                       {**base_env(), **(extra or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            self.start(
+                [sys.executable, "-m", "pipeplan", "run", *args],
+                {
+                    **base_env(),
+                    **(extra or {}),
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(nproc),
+                    "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                },
+            )
             for rank in (ranks if ranks is not None else range(nproc))
         ]
 
@@ -417,29 +488,57 @@ def finish(proc: subprocess.Popen[str], limit_s: float = 60.0) -> tuple[int, str
     return proc.returncode, err
 
 
-def rr_plan(tmp_path: Path, model: str = MLP, layers: list[list[int]] | None = None,
-            optimizer: str = "sgd", name: str = "plan.json") -> str:
+def rr_plan(
+    tmp_path: Path,
+    model: str = MLP,
+    layers: list[list[int]] | None = None,
+    optimizer: str = "sgd",
+    name: str = "plan.json",
+) -> str:
     path = tmp_path / name
-    make_plan(model, layers or [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8,
-              optimizer=optimizer).save(path)
+    make_plan(
+        model, layers or [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, optimizer=optimizer
+    ).save(path)
     return str(path)
 
 
 def long_run(tmp_path: Path, plan: str) -> list[str]:
     """Runs long enough to be stopped; step folders appear once training is under way."""
-    return [plan, "--model", MLP, "--steps", "100000", "--no-progress", "--timeout", TIMEOUT_S,
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    return [
+        plan,
+        "--model",
+        MLP,
+        "--steps",
+        "100000",
+        "--no-progress",
+        "--timeout",
+        TIMEOUT_S,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "1",
+    ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("stopped", "messages"), [
-    (0, ("rank 1: the rendezvous store at 127.0.0.1:",)),  # rank 0 hosts the store (no agent)
-    # whichever bound fires first names rank 1: the heartbeat, or the wait for its message
-    (1, ("rank 0 stops because rank 1 died or stopped (no heartbeat for",
-         "from rank 1 failed: no answer within 4 s; rank 1 failed or died")),
-], ids=["store-host", "other-rank"])
-def test_sigstop_of_a_rank_ends_the_other_rank(tmp_path: Path, launch: Launch, stopped: int,
-                                               messages: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("stopped", "messages"),
+    [
+        (0, ("rank 1: the rendezvous store at 127.0.0.1:",)),  # rank 0 hosts the store (no agent)
+        # whichever bound fires first names rank 1: the heartbeat, or the wait for its message
+        (
+            1,
+            (
+                "rank 0 stops because rank 1 died or stopped (no heartbeat for",
+                "from rank 1 failed: no answer within 4 s; rank 1 failed or died",
+            ),
+        ),
+    ],
+    ids=["store-host", "other-rank"],
+)
+def test_sigstop_of_a_rank_ends_the_other_rank(
+    tmp_path: Path, launch: Launch, stopped: int, messages: tuple[str, ...]
+) -> None:
     """A SIGSTOPped rank (the store host, or not): the other exits 2 naming it within the bound."""
     procs = launch.plain(2, long_run(tmp_path, rr_plan(tmp_path)))
     wait_for_training(tmp_path / "ckpt", procs)
@@ -458,9 +557,22 @@ def test_sigstop_of_a_rank_ends_the_other_rank(tmp_path: Path, launch: Launch, s
 @pytest.mark.multiprocess
 def test_sigstop_of_the_torchrun_agent_ends_every_rank(tmp_path: Path, launch: Launch) -> None:
     """The agent hosts the store and is SIGSTOPped: both workers exit 2 naming the store."""
-    agent = launch.start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "pipeplan", "run",
-                          *long_run(tmp_path, rr_plan(tmp_path))], base_env())
+    agent = launch.start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "pipeplan",
+            "run",
+            *long_run(tmp_path, rr_plan(tmp_path)),
+        ],
+        base_env(),
+    )
     wait_for_training(tmp_path / "ckpt", [agent])
     workers = children(agent.pid)
     assert len(workers) == 2, workers
@@ -475,7 +587,10 @@ def test_sigstop_of_the_torchrun_agent_ends_every_rank(tmp_path: Path, launch: L
     os.kill(agent.pid, signal.SIGCONT)  # the agent now reaps its failed workers and exits
     code, err = finish(agent)
     assert code != 0
-    assert sum("has not answered for" in line for line in err.splitlines() if line.startswith("error: rank ")) == 2
+    assert (
+        sum("has not answered for" in line for line in err.splitlines() if line.startswith("error: rank "))
+        == 2
+    )
     print(f"agent SIGSTOPped: both workers exited after {detected_s:.1f} s")
 
 
@@ -486,8 +601,9 @@ def test_master_port_held_by_a_non_store_listener_is_bounded(tmp_path: Path, lau
         listener.listen(8)
         port = listener.getsockname()[1]
         started = time.monotonic()
-        (proc,) = launch.plain(2, [rr_plan(tmp_path), "--model", MLP, "--no-progress", "--timeout", "3"],
-                               port=port, ranks=[1])
+        (proc,) = launch.plain(
+            2, [rr_plan(tmp_path), "--model", MLP, "--no-progress", "--timeout", "3"], port=port, ranks=[1]
+        )
         code, err = finish(proc, 60)
         elapsed = time.monotonic() - started
     assert code == 2
@@ -523,16 +639,18 @@ def test_two_runs_cannot_clobber_each_others_checkpoints_and_the_last_step_is_ke
     # another split resumes (checkpoints are keyed by qualified names), another optimizer is
     # refused in one line, not a state_dict error or KeyError
     split = rr_plan(tmp_path, layers=[[0, 1], [2, 3, 4, 5]], optimizer="momentum", name="split.json")
-    (resplit,) = launch.plain(2, [split, *common[1:], "--steps", "6", "--resume", "--optimizer", "momentum"],
-                              ranks=[0])
+    (resplit,) = launch.plain(
+        2, [split, *common[1:], "--steps", "6", "--resume", "--optimizer", "momentum"], ranks=[0]
+    )
     code, err = finish(resplit)
     assert code == 2
     assert_one_error_line(err, "holds another run (optimizer 'sgd' (saved) != 'momentum' (this run))")
     assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before  # nothing clobbered
 
     # the same run resumes from step 5 (the final step of the first run), with a new lr
-    resumed = launch.plain(2, [*common, "--steps", "7", "--lr", "0.05", "--resume",
-                               "--metrics", str(tmp_path / "m.json")])
+    resumed = launch.plain(
+        2, [*common, "--steps", "7", "--lr", "0.05", "--resume", "--metrics", str(tmp_path / "m.json")]
+    )
     outs = [finish(p) for p in resumed]
     assert [code for code, _ in outs] == [0, 0], outs
     metrics = json.loads((tmp_path / "m.json").read_text())
@@ -545,17 +663,46 @@ def test_two_runs_cannot_clobber_each_others_checkpoints_and_the_last_step_is_ke
 def test_nan_loss_stops_the_run_naming_step_and_stage(tmp_path: Path, launch: Launch) -> None:
     plan = str(tmp_path / "plan.json")
     make_plan(NAN_MLP, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8).save(plan)
-    procs = launch.plain(2, [plan, "--model", NAN_MLP, "--steps", "5", "--no-progress", "--timeout", TIMEOUT_S,
-                             "--metrics", str(tmp_path / "m.json")])
+    procs = launch.plain(
+        2,
+        [
+            plan,
+            "--model",
+            NAN_MLP,
+            "--steps",
+            "5",
+            "--no-progress",
+            "--timeout",
+            TIMEOUT_S,
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+    )
     outs = [finish(p) for p in procs]
     assert [code for code, _ in outs] == [2, 2]
-    assert_one_error_line(outs[1][1], "rank 1: the loss is nan at step 1 (minibatch 0) on stage 1; "
-                                      "pass --allow-nonfinite to train on")
+    assert_one_error_line(
+        outs[1][1],
+        "rank 1: the loss is nan at step 1 (minibatch 0) on stage 1; pass --allow-nonfinite to train on",
+    )
     # rank 0 learns it from the watchdog or from the closed connection, first come
     assert_one_error_line(outs[0][1], "rank 1")
     assert not (tmp_path / "m.json").exists()
-    procs = launch.plain(2, [plan, "--model", NAN_MLP, "--steps", "2", "--no-progress", "--timeout", "30",
-                             "--metrics", str(tmp_path / "m.json"), "--allow-nonfinite"])
+    procs = launch.plain(
+        2,
+        [
+            plan,
+            "--model",
+            NAN_MLP,
+            "--steps",
+            "2",
+            "--no-progress",
+            "--timeout",
+            "30",
+            "--metrics",
+            str(tmp_path / "m.json"),
+            "--allow-nonfinite",
+        ],
+    )
     assert [finish(p)[0] for p in procs] == [0, 0]
     metrics = read_json_object(tmp_path / "m.json")  # strict: no bare NaN
     assert metrics["losses"] == [None, None]
@@ -565,8 +712,21 @@ def test_nan_loss_stops_the_run_naming_step_and_stage(tmp_path: Path, launch: La
 def test_metrics_write_failure_is_one_line_on_every_rank(tmp_path: Path, launch: Launch) -> None:
     blocker = tmp_path / "blocker"
     blocker.write_text("a file")
-    procs = launch.plain(2, [rr_plan(tmp_path), "--model", MLP, "--steps", "2", "--no-progress",
-                             "--timeout", TIMEOUT_S, "--metrics", str(blocker / "m.json")])
+    procs = launch.plain(
+        2,
+        [
+            rr_plan(tmp_path),
+            "--model",
+            MLP,
+            "--steps",
+            "2",
+            "--no-progress",
+            "--timeout",
+            TIMEOUT_S,
+            "--metrics",
+            str(blocker / "m.json"),
+        ],
+    )
     outs = [finish(p) for p in procs]
     assert [code for code, _ in outs] == [2, 2]
     assert_one_error_line(outs[0][1], f"cannot write {blocker / 'm.json'}: {blocker} is a file")
@@ -584,7 +744,9 @@ def test_a_failed_store_call_of_the_main_thread_is_bounded() -> None:
     from pipeplan.runtime.failure import Watchdog
 
     port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    master = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
     seen: list[str] = []
     done = threading.Event()
 
@@ -603,7 +765,9 @@ def test_a_failed_store_call_of_the_main_thread_is_bounded() -> None:
     started = time.monotonic()
     dog.publish("loss/0", "1.0")
     assert done.is_set() and time.monotonic() - started < 3.0
-    assert seen[0].startswith("rank 0: the rendezvous store at 127.0.0.1:") and "has not answered for" in seen[0]
+    assert (
+        seen[0].startswith("rank 0: the rendezvous store at 127.0.0.1:") and "has not answered for" in seen[0]
+    )
     dog.stop()
     del master
     with pytest.raises(RuntimeFailure, match="cannot reach the rendezvous store"):

@@ -6,23 +6,24 @@ import sys
 from unittest import mock
 
 import pytest
-
-from pipeplan.errors import InfeasibleError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeplan.errors import InfeasibleError
 from pipeplan.plan import Plan
-from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
-from pipeplan.topology import DeviceSpec, Level, Topology
 from pipeplan.planner.cuts import CutFamily
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.simulate import simulate_plan
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
 from pipeplan.schedules import names_where
+from pipeplan.topology import DeviceSpec, Level, Topology
 
-partition_module = sys.modules["pipeplan.planner.partition"]  # the package re-exports the function under that name
+partition_module = sys.modules[
+    "pipeplan.planner.partition"
+]  # the package re-exports the function under that name
 
 
 def flat_of(plan: Plan) -> list[FlatStage]:
@@ -32,16 +33,34 @@ def flat_of(plan: Plan) -> list[FlatStage]:
 @st.composite
 def plans(draw):
     n = draw(st.integers(2, 7))
-    layers = tuple(LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), draw(st.floats(0.1, 5)),
-                                draw(st.floats(0.1, 5)), draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), 1000)
-                   for i in range(n))
+    layers = tuple(
+        LayerProfile(
+            i,
+            f"l{i}",
+            "x",
+            (i - 1,) if i else (),
+            draw(st.floats(0.1, 5)),
+            draw(st.floats(0.1, 5)),
+            draw(st.integers(0, 10**6)),
+            draw(st.integers(0, 10**6)),
+            1000,
+        )
+        for i in range(n)
+    )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 24, "float32", layers, optimizer_ms={"adam": 0.7})
     counts = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
-    topology = Topology("t", DeviceSpec("d", 10**12), (Level("a", counts[0], draw(st.sampled_from([1e8, 1e9])), 0.01),
-                                                       Level("b", counts[1], 1e7, 0.05)))
+    topology = Topology(
+        "t",
+        DeviceSpec("d", 10**12),
+        (Level("a", counts[0], draw(st.sampled_from([1e8, 1e9])), 0.01), Level("b", counts[1], 1e7, 0.05)),
+    )
     bounded = names_where(lambda kind: kind.flush_period_bounded)  # 1f1b-flush, gpipe
-    options = PartitionOptions(schedule=draw(st.sampled_from(bounded)), optimizer="adam",
-                               microbatches=draw(st.sampled_from([1, 2, 3, 6, 12, 24])), uniform=draw(st.booleans()))
+    options = PartitionOptions(
+        schedule=draw(st.sampled_from(bounded)),
+        optimizer="adam",
+        microbatches=draw(st.sampled_from([1, 2, 3, 6, 12, 24])),
+        uniform=draw(st.booleans()),
+    )
     return profile, topology, options
 
 
@@ -52,8 +71,15 @@ def test_bound_never_exceeds_the_simulated_period(case):
     plan = partition(profile, topology, options)
     for steady in (1, 8):
         period = simulate_plan(plan, profile, steady=steady).time_per_minibatch_ms
-        bound = flush_period_bound_ms(profile, CutFamily("prefix", len(profile.layers)), flat_of(plan), topology,
-                                      options.schedule, options.microbatches, "adam")
+        bound = flush_period_bound_ms(
+            profile,
+            CutFamily("prefix", len(profile.layers)),
+            flat_of(plan),
+            topology,
+            options.schedule,
+            options.microbatches,
+            "adam",
+        )
         assert 0 < bound <= period * (1 + 1e-12)
 
 
@@ -61,7 +87,9 @@ def test_uniform_pipeline_bound_is_megatrons_bubble():
     """p equal stages on d devices each, M micro-batches: W (1 + (p - 1) / (M / d)) + S_0,
     W = (F + B) / d, S_0 the first stage's ring all-reduce (no optimizer charged)."""
     p, d, micro = 4, 2, 16
-    layers = tuple(LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 10**6, 8) for i in range(p))
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 10**6, 8) for i in range(p)
+    )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), micro, "float32", layers)
     topology = Topology("t", DeviceSpec("d", 10**12), (Level("node", d, 1e9, 0.0), Level("c", p, 1e8, 0.0)))
     flat = [FlatStage(s, s + 1, tuple(range(s * d, s * d + d)), ()) for s in range(p)]
@@ -77,7 +105,9 @@ def test_pruning_by_the_bound_keeps_the_plan(schedule, micro):
     """A what-if GPT on 4 nodes x 8: the plan chosen with the bound pruning candidates
     equals the one chosen when every candidate is simulated (bound 0)."""
     profile = estimate_gpt(GPTShape(16, 2048, 16), DEVICE_RATES["a100-80gb"], 256)
-    topology = Topology("t", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005)))
+    topology = Topology(
+        "t", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005))
+    )
     options = PartitionOptions(schedule=schedule, microbatches=micro, optimizer="adam")
     pruned = partition(profile, topology, options)
     with mock.patch.object(partition_module, "flush_period_bound_ms", lambda *args: 0.0):
@@ -87,8 +117,17 @@ def test_pruning_by_the_bound_keeps_the_plan(schedule, micro):
 
 
 def chain_profile(layers: int, saved_bytes: int) -> Profile:
-    return Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(
-        LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, saved_bytes) for i in range(layers)))
+    return Profile(
+        "m",
+        "fp",
+        DeviceInfo("cpu", "x"),
+        8,
+        "float32",
+        tuple(
+            LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, saved_bytes)
+            for i in range(layers)
+        ),
+    )
 
 
 def test_fewest_stages_prove_infeasibility_without_passes():
@@ -104,9 +143,14 @@ def test_fewest_stages_prove_infeasibility_without_passes():
         settings = DPSettings(schedule="gpipe")
         assert fewest_stages(arrays, topology, settings) == 4
         assert math.isfinite(solve(arrays, topology, settings).time_ms) == feasible
-        assert solve(arrays, topology, settings).time_ms == solve(arrays, topology, settings, prune=False).time_ms
+        assert (
+            solve(arrays, topology, settings).time_ms
+            == solve(arrays, topology, settings, prune=False).time_ms
+        )
     small = Topology("t", DeviceSpec("d", int(0.5e6)), (Level("n", 16, 1e9),))
-    assert fewest_stages(arrays, small, DPSettings(schedule="gpipe")) == math.inf  # one layer alone is too big
+    assert (
+        fewest_stages(arrays, small, DPSettings(schedule="gpipe")) == math.inf
+    )  # one layer alone is too big
 
 
 def test_uniform_plans_when_the_dp_charge_finds_nothing():
@@ -115,8 +159,10 @@ def test_uniform_plans_when_the_dp_charge_finds_nothing():
     = the stages it might plan), so the first layer fits nowhere; a uniform pipeline of p
     stages holds min(M, p - s) / M: one stage on all 16 devices holds 1/8 of 8 MB, and
     is planned (before, the DP's failure hid it)."""
-    layers = tuple(LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, 8 * 10**6 if i == 0 else 1000)
-                   for i in range(8))
+    layers = tuple(
+        LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, 8 * 10**6 if i == 0 else 1000)
+        for i in range(8)
+    )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
     topology = Topology("t", DeviceSpec("d", 3 * 10**6), (Level("n", 2, 1e9), Level("c", 8, 1e8)))
     plan = partition(profile, topology, PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=True))

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeplan.errors import InputError
 from pipeplan.capture import MODEL_OUTPUT, build_layer_graph
+from pipeplan.errors import InputError
 
 
 class Residual(nn.Module):
@@ -79,10 +79,13 @@ def test_residual_has_skip_edge_and_folds_functional_ops():
     assert graph.layers[3].inputs == (2,)
 
 
-@pytest.mark.parametrize("model_cls,inputs", [
-    (Residual, (torch.randn(3, 8),)),
-    (TiedLM, (torch.randint(0, 50, (2, 7)),)),
-])
+@pytest.mark.parametrize(
+    "model_cls,inputs",
+    [
+        (Residual, (torch.randn(3, 8),)),
+        (TiedLM, (torch.randint(0, 50, (2, 7)),)),
+    ],
+)
 def test_every_split_computes_the_model(model_cls, inputs):
     torch.manual_seed(0)
     model = model_cls()
@@ -136,7 +139,9 @@ def test_untraceable_model_names_why_and_suggests_sequential():
             return x
 
     # neither fx nor torch.export can take it: one line with the file:line of the branch
-    with pytest.raises(InputError, match=r"cannot capture Branchy at .*test_graph.py:\d+ .*nn.Sequential") as info:
+    with pytest.raises(
+        InputError, match=r"cannot capture Branchy at .*test_graph.py:\d+ .*nn.Sequential"
+    ) as info:
         build_layer_graph(Branchy(), (torch.randn(2, 4),))
     assert "\n" not in str(info.value)
 

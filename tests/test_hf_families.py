@@ -21,10 +21,11 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
+from test_run_torchrun import LR, assert_params_match, env, free_port, records  # noqa: E402
+
 from pipeplan.cli import cli  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
 from pipeplan.profiler.profile_model import profile_model  # noqa: E402
-from test_run_torchrun import LR, assert_params_match, env, free_port, records  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES / "runtime"))
@@ -34,9 +35,27 @@ MODEL = str(FIXTURES / "models" / "hf_family.py")
 RUN = ["resnet", "llama", "mistral", "qwen2", "gemma3", "mixtral", "t5", "bart", "whisper", "vit"]
 PLAN_ONLY = ["qwen3", "phi3", "olmo", "gpt_neox", "qwen2_moe", "deepseek_v3", "modernbert", "gpt2", "bert"]
 # family -> layers (module calls, pipeplan's granularity); every capture is torch.export
-LAYERS = {"llama": 12, "mistral": 12, "qwen2": 12, "qwen3": 12, "gemma3": 16, "phi3": 16, "olmo": 12,
-          "gpt_neox": 17, "mixtral": 12, "qwen2_moe": 12, "deepseek_v3": 12, "modernbert": 17, "gpt2": 13,
-          "bert": 15, "t5": 19, "bart": 35, "whisper": 36, "vit": 16, "resnet": 27}
+LAYERS = {
+    "llama": 12,
+    "mistral": 12,
+    "qwen2": 12,
+    "qwen3": 12,
+    "gemma3": 16,
+    "phi3": 16,
+    "olmo": 12,
+    "gpt_neox": 17,
+    "mixtral": 12,
+    "qwen2_moe": 12,
+    "deepseek_v3": 12,
+    "modernbert": 17,
+    "gpt2": 13,
+    "bert": 15,
+    "t5": 19,
+    "bart": 35,
+    "whisper": 36,
+    "vit": 16,
+    "resnet": 27,
+}
 BATCH, MICROBATCHES, STEPS = 4, 2, 2
 # BatchNorm normalises over a micro-batch: ResNet equals whole-batch training with one
 ONE_MICROBATCH = {"resnet"}
@@ -49,9 +68,25 @@ def plan_family(family: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> P
     assert (profile.capture, len(profile.layers)) == ("export", LAYERS[family])
     profile.save(folder / f"{family}.profile.json")
     out = folder / f"{family}.plan.json"
-    result = CliRunner().invoke(cli, ["partition", str(folder / f"{family}.profile.json"), "--topology",
-                                      "local-cpu", "--straight", "--tensor-parallel", "1", "--schedule", "1f1b-flush", "--microbatches",
-                                      str(1 if family in ONE_MICROBATCH else MICROBATCHES), "-o", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "partition",
+            str(folder / f"{family}.profile.json"),
+            "--topology",
+            "local-cpu",
+            "--straight",
+            "--tensor-parallel",
+            "1",
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            str(1 if family in ONE_MICROBATCH else MICROBATCHES),
+            "-o",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert len(plan.stages) == 2
@@ -67,19 +102,37 @@ def test_family_profiles_and_partitions(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.multiprocess
-def test_families_train_on_two_ranks_as_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_families_train_on_two_ranks_as_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     jobs = []
     for family in RUN:  # profiles and plans: 10 captures in this process
         plan = plan_family(family, tmp_path, monkeypatch)
         if family == "qwen2":  # the tied embedding (stage 0) and head (stage 1) straddle the cut
             assert plan.stages[0].layer_start == 0 and plan.stages[1].layer_end == LAYERS[family]
-        jobs.append({"family": family, "model": MODEL, "plan": str(tmp_path / f"{family}.plan.json"),
-                     "record": str(tmp_path / family), "port": free_port(), "steps": STEPS, "lr": LR})
+        jobs.append(
+            {
+                "family": family,
+                "model": MODEL,
+                "plan": str(tmp_path / f"{family}.plan.json"),
+                "record": str(tmp_path / family),
+                "port": free_port(),
+                "steps": STEPS,
+                "lr": LR,
+            }
+        )
     script = str(FIXTURES / "runtime" / "run_families.py")
     master = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, script, json.dumps(jobs)], env={**env(), **master,
-                              "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, json.dumps(jobs)],
+            env={**env(), **master, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = [proc.communicate(timeout=600) for proc in procs]
     for proc, (_, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stderr[-3000:]

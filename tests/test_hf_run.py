@@ -19,12 +19,13 @@ from click.testing import CliRunner
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("transformers")
 
+from reference import train_reference  # noqa: E402  (tests/fixtures/runtime, on sys.path)
+from test_run_torchrun import LR, assert_params_match, records, torchrun  # noqa: E402
+
 from pipeplan.cli import cli  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
 from pipeplan.profile import Profile  # noqa: E402
 from pipeplan.profiler.profile_model import profile_model  # noqa: E402
-from test_run_torchrun import LR, assert_params_match, records, torchrun  # noqa: E402
-from reference import train_reference  # noqa: E402  (tests/fixtures/runtime, on sys.path)
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -49,9 +50,25 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def partition(profile: Path, schedule: str, microbatches: int, out: Path) -> Plan:
-    result = CliRunner().invoke(cli, ["partition", str(profile), "--topology", "local-cpu", "--straight",
-                                      "--tensor-parallel", "1", "--schedule", schedule, "--microbatches", str(microbatches),
-                                      "-o", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "partition",
+            str(profile),
+            "--topology",
+            "local-cpu",
+            "--straight",
+            "--tensor-parallel",
+            "1",
+            "--schedule",
+            schedule,
+            "--microbatches",
+            str(microbatches),
+            "-o",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert len(plan.stages) == 2
@@ -59,16 +76,35 @@ def partition(profile: Path, schedule: str, microbatches: int, out: Path) -> Pla
 
 
 def run(tmp_path: Path, model: str, plan: Path, steps: int, *extra: str) -> dict[int, dict]:
-    result = torchrun(2, [str(plan), "--model", model, "--steps", str(steps), "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec"), *extra], timeout=60.0)
+    result = torchrun(
+        2,
+        [
+            str(plan),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            *extra,
+        ],
+        timeout=60.0,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return records(tmp_path / "rec")
 
 
 @pytest.mark.parametrize(
     "name,schedule,extra",
-    [("gpt2", "1f1b-flush", ()), ("gpt2", "gpipe", ("--recompute",)),
-     ("bert", "1f1b-flush", ()), ("bert", "gpipe", ())],
+    [
+        ("gpt2", "1f1b-flush", ()),
+        ("gpt2", "gpipe", ("--recompute",)),
+        ("bert", "1f1b-flush", ()),
+        ("bert", "gpipe", ()),
+    ],
 )
 def test_flush_schedules_match_single_process_training(
     tmp_path: Path, profiles: dict[str, Path], name: str, schedule: str, extra: tuple[str, ...]
@@ -83,7 +119,9 @@ def test_flush_schedules_match_single_process_training(
         assert all("transformer.wte.weight" in rec["params"] for rec in recs.values())
 
 
-def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(tmp_path: Path, profiles: dict[str, Path]) -> None:
+def test_1f1b_rr_trains_gpt2_and_keeps_the_tied_copies_identical(
+    tmp_path: Path, profiles: dict[str, Path]
+) -> None:
     partition(profiles["gpt2"], "1f1b-rr", 1, tmp_path / "plan.json")
     recs = run(tmp_path, MODELS["gpt2"], tmp_path / "plan.json", 4)
     tied = [rec["params"]["transformer.wte.weight"] for rec in recs.values()]
@@ -116,14 +154,28 @@ def assert_weights_round_trip(tmp_path: Path, model: str, profile: Path, *build:
     assert abs(first_loss - seeded_loss) > 1e-3  # the check below can tell the two apart
 
     partition(profile, "1f1b-flush", 2, tmp_path / "plan.json")
-    recs = run(tmp_path, model, tmp_path / "plan.json", 2, "--weights", str(tmp_path / "hf"), *build,
-               "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "m.json"))
+    recs = run(
+        tmp_path,
+        model,
+        tmp_path / "plan.json",
+        2,
+        "--weights",
+        str(tmp_path / "hf"),
+        *build,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "m.json"),
+    )
     losses = json.loads((tmp_path / "m.json").read_text())["losses"]
     assert losses[0] == pytest.approx(first_loss, rel=1e-5)
 
     out = tmp_path / "exported"
-    result = CliRunner().invoke(cli, ["export-weights", str(tmp_path / "ckpt"), "--model", model,
-                                      "-o", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        ["export-weights", str(tmp_path / "ckpt"), "--model", model, "-o", str(out)],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     assert "save_pretrained" in result.output
     loaded = type(pretrained).from_pretrained(out)
@@ -134,7 +186,9 @@ def assert_weights_round_trip(tmp_path: Path, model: str, profile: Path, *build:
     trained.load_state_dict(params, strict=False)  # a tied head is the embedding's tensor
     with torch.no_grad():
         torch.testing.assert_close(inputs.call(loaded).logits, inputs.call(trained).logits, rtol=0, atol=0)
-    embedding = next(name for name, p in trained.named_parameters() if p is trained.get_input_embeddings().weight)
+    embedding = next(
+        name for name, p in trained.named_parameters() if p is trained.get_input_embeddings().weight
+    )
     assert not torch.equal(params[embedding], pretrained.get_input_embeddings().weight)  # it trained
 
 
@@ -144,8 +198,9 @@ def test_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, profiles
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "mixtral"])
-def test_llama_pretrained_weights_in_and_exported_weights_out(tmp_path: Path, family: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llama_pretrained_weights_in_and_exported_weights_out(
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Test (c) on a tiny LlamaForCausalLM (rotary, RMSNorm, grouped KV heads), untied and tied, each rank
     building only its stage on meta (rotary ``inv_freq``, a computed buffer, initialised; the rest loaded);
     and on Mixtral, whose checkpoint stores each expert apart under ``block_sparse_moe`` (merged and renamed

@@ -45,7 +45,9 @@ def test_large_blocks_go_back_to_the_kernel_and_small_ones_stay_for_reuse() -> N
     fresh interpreter, whose heap no earlier test has shaped."""
     import subprocess
 
-    result = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
     held, returned, kept = (int(x) for x in result.stdout.split())
     mib = 1 << 20
     assert held >= 15 * mib  # the 16 MiB tensor was resident

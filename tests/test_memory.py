@@ -3,8 +3,8 @@ import math
 import pytest
 
 from pipeplan.errors import InputError
-from pipeplan.schedules import weight_versions
 from pipeplan.planner.memory import in_flight_after, plan_stage_memory, stage_memory_bytes
+from pipeplan.schedules import weight_versions
 
 
 def test_in_flight_matches_schedule():
@@ -38,9 +38,15 @@ def test_a_stage_that_accumulates_holds_its_largest_gradient_temporary():
     assert gradient_temporary_bytes(64, microbatches=1, precision=mixed) == 64
     flush = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=4, largest_param_bytes=60)
     assert flush == (200 + 10 * 2 / 4 + 60, 1, 0.5)  # 2 of 4 micro-batches in flight: half a minibatch
-    single = plan_stage_memory("1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=1, largest_param_bytes=60)
+    single = plan_stage_memory(
+        "1f1b-flush", [1, 1], 0, 100, 10, "sgd", microbatches=1, largest_param_bytes=60
+    )
     assert single == (200 + 10, 1, 1.0)
     # an interleaved device's temporary is charged once, to its first chunk
-    first = plan_stage_memory("interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=0, largest_param_bytes=60)
-    second = plan_stage_memory("interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=1, largest_param_bytes=60)
+    first = plan_stage_memory(
+        "interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=0, largest_param_bytes=60
+    )
+    second = plan_stage_memory(
+        "interleaved-1f1b", [1, 1], 0, 100, 10, "sgd", 4, 2, chunk=1, largest_param_bytes=60
+    )
     assert (first[0], second[0]) == (math.ceil(200 + 10 * first[2] + 60), math.ceil(200 + 10 * second[2]))

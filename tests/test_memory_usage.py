@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeplan.runtime.memory_usage import MemoryMeter, peak_rss_bytes
+from pipeplan.runtime.memory_usage import peak_rss_bytes
 
 MiB = 1 << 20
 
@@ -19,10 +19,13 @@ MiB = 1 << 20
 def test_meter_counts_what_was_touched_after_its_baseline() -> None:
     # In a fresh interpreter: inside the suite's process the block may land on heap pages an
     # earlier test left resident (glibc keeps freed blocks), which no RSS figure can see.
-    code = ("import torch; from pipeplan.runtime.memory_usage import MemoryMeter; meter = MemoryMeter('cpu'); "
-            f"block = torch.ones({64 * MiB // 4}); del block; r = meter.read(); print(r.kind, r.held_bytes)")
-    kind, held = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                timeout=120).stdout.split()
+    code = (
+        "import torch; from pipeplan.runtime.memory_usage import MemoryMeter; meter = MemoryMeter('cpu'); "
+        f"block = torch.ones({64 * MiB // 4}); del block; r = meter.read(); print(r.kind, r.held_bytes)"
+    )
+    kind, held = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
     assert kind == "rss"
     # held: the 64 MiB block (every page written) and little else: the meter's reset put the peak at the baseline
     assert 63 * MiB <= int(held) < 80 * MiB
@@ -33,19 +36,28 @@ def test_meter_counts_what_was_touched_after_its_baseline() -> None:
 def test_peak_is_the_process_own_not_its_parents() -> None:
     """getrusage's ru_maxrss of a child includes its parent's RSS at the fork; VmHWM does not."""
     held = torch.ones(256 * MiB // 4)  # the parent holds 256 MiB while the child starts
-    code = ("import resource; from pipeplan.runtime.memory_usage import peak_rss_bytes; "
-            "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
-    own, inherited = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                             check=True, timeout=60).stdout.split())
+    code = (
+        "import resource; from pipeplan.runtime.memory_usage import peak_rss_bytes; "
+        "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
+    )
+    own, inherited = map(
+        int,
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split(),
+    )
     assert inherited >= 256 * MiB > 3 * own  # a bare interpreter and pipeplan.metrics: tens of MiB
     assert peak_rss_bytes() >= held.numel() * 4  # the parent's own peak does hold it
 
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS figures from /proc")
-@pytest.mark.parametrize("dtype, optimizer, planned_mib", [("float32", "sgd", 272.4), ("bfloat16", "adam", 584.5)])
-def test_two_ranks_hold_what_the_plan_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str,
-                                           optimizer: str, planned_mib: float) -> None:
+@pytest.mark.parametrize(
+    "dtype, optimizer, planned_mib", [("float32", "sgd", 272.4), ("bfloat16", "adam", 584.5)]
+)
+def test_two_ranks_hold_what_the_plan_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, optimizer: str, planned_mib: float
+) -> None:
     """Issue 23 item 9 on 2 gloo ranks (bench/bench_memory.py's check, 2 micro-batches, 2 steps):
     each rank's peak - baseline, less the runtime's own cost (a launch of the same shape
     holding a few KiB), is the planner's per-device figure for its stage within 15%. The
@@ -61,8 +73,19 @@ def test_two_ranks_hold_what_the_plan_says(tmp_path: Path, monkeypatch: pytest.M
     finally:
         sys.path.pop(0)
 
-    result = check_ranks(blocks=16, width=2048, ranks=2, batch_size=8, microbatches=2, threads=1, steps=2,
-                         folder=tmp_path, timeout_s=300.0, dtype=dtype, optimizer=optimizer)
+    result = check_ranks(
+        blocks=16,
+        width=2048,
+        ranks=2,
+        batch_size=8,
+        microbatches=2,
+        threads=1,
+        steps=2,
+        folder=tmp_path,
+        timeout_s=300.0,
+        dtype=dtype,
+        optimizer=optimizer,
+    )
     for rank in result["per_rank"]:
         assert abs(rank["planned_bytes"] / MiB - planned_mib) < 1.0
         assert 40 * MiB < rank["runtime_bytes"] < 200 * MiB  # torch's lazily imported modules, gloo, threads

@@ -26,7 +26,6 @@ sys.path.insert(0, str(FIXTURES / "runtime"))
 from plans import make_plan  # noqa: E402
 from reference import train_reference  # noqa: E402
 
-
 pytestmark = pytest.mark.slow  # whole models: Hugging Face families, meta builds
 
 
@@ -70,8 +69,11 @@ def test_modules_the_weights_overwrite_are_not_initialised(monkeypatch: pytest.M
     calls: list[str] = []
     for cls in (nn.Linear, nn.BatchNorm1d):
         original = cls.reset_parameters
-        monkeypatch.setattr(cls, "reset_parameters",
-                            lambda self, original=original: (calls.append(type(self).__name__), original(self))[1])
+        monkeypatch.setattr(
+            cls,
+            "reset_parameters",
+            lambda self, original=original: (calls.append(type(self).__name__), original(self))[1],
+        )
     held = [*model[0].parameters(), *model[1].parameters(), *model[1].buffers()]  # a stage of the first two
     materialise(model, held, "cpu", seed=0, loaded_after=True)
     assert calls == ["BatchNorm1d"]
@@ -103,7 +105,11 @@ def test_layer_by_layer_profile_counts_the_bytes_of_the_whole_model() -> None:
     assert meta.fingerprint == eager.fingerprint
     for mine, theirs in zip(meta.layers, eager.layers):
         assert (mine.param_bytes, mine.largest_param_bytes, mine.output_bytes, mine.parameters) == (
-            theirs.param_bytes, theirs.largest_param_bytes, theirs.output_bytes, theirs.parameters), mine.name
+            theirs.param_bytes,
+            theirs.largest_param_bytes,
+            theirs.output_bytes,
+            theirs.parameters,
+        ), mine.name
     assert meta.modules == eager.modules and meta.modules
     assert sum(l.saved_bytes for l in meta.layers) == sum(l.saved_bytes for l in eager.layers)
     assert meta.step_ms > 0 and meta.step_not_measured == ""  # small: measured whole too
@@ -115,17 +121,24 @@ def test_identical_layers_are_timed_once_unless_asked() -> None:
 
     path = str(FIXTURES / "runtime" / "mlp.py")
     once = profile_model(path, batch_size=4, device="cpu", warmup=0, repeats=1, build="meta")
-    every = profile_model(path, batch_size=4, device="cpu", warmup=0, repeats=1, build="meta",
-                          time_every_layer=True)
+    every = profile_model(
+        path, batch_size=4, device="cpu", warmup=0, repeats=1, build="meta", time_every_layer=True
+    )
     assert all(layer.reused_from == -1 for layer in every.layers)
     reused = [layer for layer in once.layers if layer.reused_from >= 0]
     assert reused, [layer.type for layer in once.layers]
     for layer in reused:
         source = once.layers[layer.reused_from]
-        assert (layer.type, layer.forward_ms, layer.backward_ms) == (source.type, source.forward_ms, source.backward_ms)
+        assert (layer.type, layer.forward_ms, layer.backward_ms) == (
+            source.type,
+            source.forward_ms,
+            source.backward_ms,
+        )
 
 
-def test_constants_the_model_makes_outlive_the_layer_by_layer_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_constants_the_model_makes_outlive_the_layer_by_layer_profile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Falcon's attention indexes its fused qkv with tensors it makes in forward; the exported graph
     keeps them as constants, shared by every layer split from it. The profile releases each layer's
     tensors once measured: the model's, never those constants (emptied, the whole step measured
@@ -139,10 +152,23 @@ def test_constants_the_model_makes_outlive_the_layer_by_layer_profile(monkeypatc
     network, lazy, _ = build_model(model_file.build, "meta", 0)
     inputs, targets = model_file.batch(2, seed=0)
     graph = build_layer_graph(network, inputs, model_file.leaf_modules)
-    constants = {name: t.clone() for name, t in graph.graph_module.named_buffers() if "_pipeplan_constant" in name}
+    constants = {
+        name: t.clone() for name, t in graph.graph_module.named_buffers() if "_pipeplan_constant" in name
+    }
     assert lazy and constants and all(t.dtype == torch.int64 for t in constants.values())
-    result = measure_layerwise(graph, network, inputs.tensors(), targets, model_file.loss_fn, make_timer("cpu"),
-                               0, 1, "cpu", torch.float32, seed=0)
+    result = measure_layerwise(
+        graph,
+        network,
+        inputs.tensors(),
+        targets,
+        model_file.loss_fn,
+        make_timer("cpu"),
+        0,
+        1,
+        "cpu",
+        torch.float32,
+        seed=0,
+    )
     assert len(result.layers) == len(graph.layers)
     assert all(p.is_meta for p in network.parameters())  # every layer's storage handed back
     after = dict(graph.graph_module.named_buffers())
@@ -154,10 +180,15 @@ def test_constants_the_model_makes_outlive_the_layer_by_layer_profile(monkeypatc
 def test_out_of_memory_is_one_line_naming_the_allocation() -> None:
     from pipeplan.memory_errors import OutOfMemory, memory_step
 
-    with pytest.raises(OutOfMemory, match=r"^out of memory while layer 3 ran \(an allocation of 2.00 GiB failed\); "
-                                          r"lower --batch-size$"):
+    with pytest.raises(
+        OutOfMemory,
+        match=r"^out of memory while layer 3 ran \(an allocation of 2.00 GiB failed\); "
+        r"lower --batch-size$",
+    ):
         with memory_step("layer 3 ran", "lower --batch-size"):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)"
+            )
     with pytest.raises(ValueError):  # anything else passes through
         with memory_step("layer 3 ran", "lower --batch-size"):
             raise ValueError("not memory")
@@ -198,20 +229,59 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
     limited = {**env(), "MALLOC_ARENA_MAX": "2", "PYTHONHASHSEED": "0"}
 
     def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(script), str(HEADROOM), *args], capture_output=True,
-                              text=True, timeout=timeout, env=limited)
+        return subprocess.run(
+            [sys.executable, str(script), str(HEADROOM), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=limited,
+        )
 
     whole = run(["build", model])  # build_model() and one step, in one process: refused
     assert whole.returncode != 0 and "can't allocate memory" in whole.stderr, whole.stderr[-2000:]
 
-    eager = run(["profile", model, "--build", "eager", "--device", "cpu", "-b", "8", "--warmup", "0",
-                 "--repeats", "1", "-o", str(tmp_path / "eager.json")])
+    eager = run(
+        [
+            "profile",
+            model,
+            "--build",
+            "eager",
+            "--device",
+            "cpu",
+            "-b",
+            "8",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "-o",
+            str(tmp_path / "eager.json"),
+        ]
+    )
     assert eager.returncode == 2 and not (tmp_path / "eager.json").exists()
-    assert eager.stderr.startswith("error: out of memory while ") and eager.stderr.count("\n") == 1, eager.stderr
+    assert eager.stderr.startswith("error: out of memory while ") and eager.stderr.count("\n") == 1, (
+        eager.stderr
+    )
     assert "allocation of 64.0 MiB failed" in eager.stderr and "--build meta" in eager.stderr
 
-    profiled = run(["profile", model, "--build", "meta", "--device", "cpu", "-b", "8", "--warmup", "0",
-                    "--repeats", "1", "-o", str(tmp_path / "profile.json")])
+    profiled = run(
+        [
+            "profile",
+            model,
+            "--build",
+            "meta",
+            "--device",
+            "cpu",
+            "-b",
+            "8",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "-o",
+            str(tmp_path / "profile.json"),
+        ]
+    )
     assert profiled.returncode == 0, profiled.stderr[-2000:]
     profile = json.loads((tmp_path / "profile.json").read_text())
     assert profile["build"] == "meta" and profile["step_ms"] == 0
@@ -220,13 +290,34 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
     # the blocks after the first are timed once (the first reads the model input, which needs no gradient)
     assert [layer["reused_from"] for layer in profile["layers"]] == [-1, -1, -1, 1] + [2, 1] * 6 + [-1]
 
-    plan = make_plan(model, [list(range(8)), list(range(8, 17))], [1, 1], "1f1b-flush", batch_size=8,
-                     microbatches=2)
+    plan = make_plan(
+        model, [list(range(8)), list(range(8, 17))], [1, 1], "1f1b-flush", batch_size=8, microbatches=2
+    )
     plan.save(tmp_path / "plan.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(script), str(HEADROOM), "run", str(tmp_path / "plan.json"), "--model", model,
-           "--steps", "3", "--lr", "0.05", "--build", "meta", "--no-progress",
-           "--metrics", str(tmp_path / "m.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        str(HEADROOM),
+        "run",
+        str(tmp_path / "plan.json"),
+        "--model",
+        model,
+        "--steps",
+        "3",
+        "--lr",
+        "0.05",
+        "--build",
+        "meta",
+        "--no-progress",
+        "--metrics",
+        str(tmp_path / "m.json"),
+    ]
     trained = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=limited)
     assert trained.returncode == 0, trained.stderr[-3000:]
     # the same losses as the whole model trained in one process from the same (meta-seeded) weights
@@ -236,8 +327,29 @@ def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) 
 
 
 # every family of tests/fixtures/models/hf_family.py (test_the_family_list_is_the_fixtures)
-HF_FAMILIES = ["llama", "llama_tied", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "olmo", "gpt_neox", "mixtral",
-               "qwen2_moe", "deepseek_v3", "falcon", "modernbert", "gpt2", "bert", "t5", "bart", "whisper", "vit", "resnet"]
+HF_FAMILIES = [
+    "llama",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "olmo",
+    "gpt_neox",
+    "mixtral",
+    "qwen2_moe",
+    "deepseek_v3",
+    "falcon",
+    "modernbert",
+    "gpt2",
+    "bert",
+    "t5",
+    "bart",
+    "whisper",
+    "vit",
+    "resnet",
+]
 HF_MODEL = str(FIXTURES / "models" / "hf_family.py")
 
 
@@ -254,8 +366,9 @@ def test_the_family_list_is_the_fixtures() -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", HF_FAMILIES)
-def test_a_profile_on_meta_captures_the_eager_profiles_layers(family: str, dtype: str,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_profile_on_meta_captures_the_eager_profiles_layers(
+    family: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every Hugging Face family profiles layer by layer from a meta build, in float32 and bfloat16, with
     the eager build's layers: tied embeddings and heads (llama_tied, qwen2, gemma3; one tensor, which
     each layer reading it materialises and releases in turn) and MoE experts (mixtral, qwen2_moe,
@@ -267,12 +380,17 @@ def test_a_profile_on_meta_captures_the_eager_profiles_layers(family: str, dtype
     from pipeplan.profiler.profile_model import profile_model
 
     monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
-    profiles = {build: profile_model(HF_MODEL, batch_size=1, device="cpu", dtype=dtype, warmup=0, repeats=1,
-                                     build=build) for build in ("meta", "eager")}
+    profiles = {
+        build: profile_model(
+            HF_MODEL, batch_size=1, device="cpu", dtype=dtype, warmup=0, repeats=1, build=build
+        )
+        for build in ("meta", "eager")
+    }
     assert profiles["meta"].build == "meta" and profiles["meta"].capture == "export"
     assert profiles["meta"].fingerprint == profiles["eager"].fingerprint
-    assert [(layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["meta"].layers] == [
-        (layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["eager"].layers]
+    assert [
+        (layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["meta"].layers
+    ] == [(layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["eager"].layers]
     assert profiles["meta"].modules == profiles["eager"].modules
     assert profiles["meta"].step_ms > 0  # small: the whole step too, every parameter materialised at once
 
@@ -297,7 +415,8 @@ def test_fake_runs_of_a_meta_model_see_the_device_the_graph_will_run_on() -> Non
 
 @pytest.mark.multiprocess
 def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`profile --build meta` -> partition -> `run --build meta` on 2 gloo ranks (one launch) of Qwen2 (its
     embedding on stage 0 tied to the head on stage 1), Qwen2-MoE and Falcon (constants made in forward,
     whole step measured after the layers): each rank materialises only its stage,
@@ -318,23 +437,55 @@ def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
         profile = profile_model(HF_MODEL, batch_size=batch, device="cpu", warmup=0, repeats=1, build="meta")
         profile.save(tmp_path / f"{family}.profile.json")
         plan_path = tmp_path / f"{family}.plan.json"
-        result = CliRunner().invoke(cli, ["partition", str(tmp_path / f"{family}.profile.json"), "--topology",
-                                          "local-cpu", "--straight", "--tensor-parallel", "1", "--schedule",
-                                          "1f1b-flush", "--microbatches", "2", "-o", str(plan_path)],
-                                    catch_exceptions=False)
+        result = CliRunner().invoke(
+            cli,
+            [
+                "partition",
+                str(tmp_path / f"{family}.profile.json"),
+                "--topology",
+                "local-cpu",
+                "--straight",
+                "--tensor-parallel",
+                "1",
+                "--schedule",
+                "1f1b-flush",
+                "--microbatches",
+                "2",
+                "-o",
+                str(plan_path),
+            ],
+            catch_exceptions=False,
+        )
         assert result.exit_code == 0, result.output
         plan = Plan.load(plan_path)
         assert len(plan.stages) == 2
         if family == "qwen2":  # the tied embedding (stage 0) and head (stage 1) straddle the cut
             assert plan.stages[0].layer_start == 0 and plan.stages[1].layer_end == len(profile.layers)
-        jobs.append({"family": family, "model": HF_MODEL, "plan": str(plan_path), "record": str(tmp_path / family),
-                     "port": free_port(), "steps": steps, "lr": LR, "build": "meta",
-                     "metrics": str(tmp_path / f"{family}.metrics.json")})
+        jobs.append(
+            {
+                "family": family,
+                "model": HF_MODEL,
+                "plan": str(plan_path),
+                "record": str(tmp_path / family),
+                "port": free_port(),
+                "steps": steps,
+                "lr": LR,
+                "build": "meta",
+                "metrics": str(tmp_path / f"{family}.metrics.json"),
+            }
+        )
     script = str(FIXTURES / "runtime" / "run_families.py")
     master = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, script, json.dumps(jobs)], env={**env(), **master, "RANK": str(rank),
-                              "LOCAL_RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, json.dumps(jobs)],
+            env={**env(), **master, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     outputs = [proc.communicate(timeout=300) for proc in procs]
     for proc, (_, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stderr[-3000:]
@@ -363,13 +514,16 @@ def test_the_whole_step_counts_float32_masters_under_mixed_precision() -> None:
     fits, why = whole_step_fits(4 * gib, 2 * gib, 60 * gib, Precision("bfloat16", "float32"))  # 42 GiB
     assert fits
     fits, why = whole_step_fits(5 * gib, 2 * gib, 60 * gib, Precision("bfloat16", "float32"))  # 52 GiB
-    assert not fits and why == ("the whole model needs about 52.0 GiB (parameters, gradients, Adam state, "
-                                "float32 masters, activations), more than 70% of the 60.0 GiB available")
+    assert not fits and why == (
+        "the whole model needs about 52.0 GiB (parameters, gradients, Adam state, "
+        "float32 masters, activations), more than 70% of the 60.0 GiB available"
+    )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "t5", "whisper", "modernbert", "llama"])
 def test_meta_built_weights_follow_the_librarys_scheme_whatever_is_materialised(
-        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Hugging Face model initialises children first, then each parent's ``_init_weights``, which
     sets its children's tensors by their place: GPT-2's and ModernBERT's output projections scaled
     by depth, T5's projections by its dimensions (0.06 here, not 1), Whisper's sinusoidal positions.

@@ -6,15 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from pipeplan.capture import build_layer_graph
 from pipeplan.errors import InputError
-from pipeplan.model_inputs import ModelInputs, model_inputs
+from pipeplan.model_inputs import model_inputs
 from pipeplan.modelfile import load_model_file
 from pipeplan.runtime.data import BatchSource
 
-KEYWORD_MODEL = '''
+KEYWORD_MODEL = """
 import torch
 from torch import nn
 
@@ -47,7 +46,7 @@ def data_loader(batch_size, replica, replicas):
     torch.manual_seed(100 + replica)
     while True:
         yield sample_batch(batch_size)
-'''
+"""
 
 
 def test_flat_tensors_names_and_calls() -> None:

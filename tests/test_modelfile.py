@@ -49,8 +49,11 @@ def test_build_and_batch_errors_are_one_line() -> None:
 
 
 def test_inputs_must_be_tensors(tmp_path: Path) -> None:
-    path = write(tmp_path, "import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n"
-                           "def sample_batch(n):\n    return (torch.zeros(n, 2), [1, 2]), torch.zeros(n)\n")
+    path = write(
+        tmp_path,
+        "import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n"
+        "def sample_batch(n):\n    return (torch.zeros(n, 2), [1, 2]), torch.zeros(n)\n",
+    )
     with pytest.raises(InputError, match="sample_batch input 1 is list, expected a Tensor"):
         load_model_file(path).batch(2, seed=0)
 

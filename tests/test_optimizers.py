@@ -46,8 +46,11 @@ def test_fused_step_matches_torchs_default_update(name: str) -> None:
 def _bytes_allocated_by_one_step(optimizer: torch.optim.Optimizer) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         optimizer.step()
-    return sum(event.cpu_memory_usage for event in recorded.events()
-               if event.name != "[memory]" and event.cpu_memory_usage > 0)
+    return sum(
+        event.cpu_memory_usage
+        for event in recorded.events()
+        if event.name != "[memory]" and event.cpu_memory_usage > 0
+    )
 
 
 def test_fused_adam_step_allocates_no_parameter_sized_temporaries() -> None:
@@ -65,4 +68,3 @@ def test_fused_adam_step_allocates_no_parameter_sized_temporaries() -> None:
     fused = _bytes_allocated_by_one_step(stepped(lambda p: make_optimizer("adam", p, lr=0.1)))
     default = _bytes_allocated_by_one_step(stepped(lambda p: torch.optim.Adam(p, lr=0.1)))
     assert fused < 1024 and default >= 2 * weights
-

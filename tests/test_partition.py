@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import pytest
 
+from pipeplan.planner.options import PartitionOptions
+from pipeplan.planner.partition import partition
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.schedules import build_schedule, validate
 from pipeplan.topology import DeviceSpec, Level, Topology
-from pipeplan.planner.options import PartitionOptions
-from pipeplan.planner.partition import partition
 
 
 def heavy_middle() -> tuple[Profile, Topology]:
     """Three chained layers, forward 1, 3, 1 ms (backward twice that), the outer two with
     10 MB of weights, on 5 devices at 1 GB/s: the fastest plan gives the middle layer 3 replicas."""
     layers = tuple(
-        LayerProfile(i, str(i), "Linear", (i - 1,) if i else (), forward, 2 * forward, 1000,
-                     10_000_000 if forward < 2 else 1000, 0)
+        LayerProfile(
+            i,
+            str(i),
+            "Linear",
+            (i - 1,) if i else (),
+            forward,
+            2 * forward,
+            1000,
+            10_000_000 if forward < 2 else 1000,
+            0,
+        )
         for i, forward in enumerate((1.0, 3.0, 1.0))
     )
     profile = Profile("heavy-middle", "heavy_middle.py", DeviceInfo("cpu", "test"), 8, "float32", layers)

@@ -11,7 +11,9 @@ VGG = str(Path(__file__).parent / "fixtures" / "pipedream" / "vgg16" / "graph.tx
 
 def test_partition_pipedream_graph(tmp_path):
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(cli, ["partition", VGG, "--topology", "cluster-a", "--cost-model", "pipedream", "-o", str(out)])
+    result = CliRunner().invoke(
+        cli, ["partition", VGG, "--topology", "cluster-a", "--cost-model", "pipedream", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     assert json.loads(out.read_text())["schema"] == "pipeplan.plan/2"
@@ -31,7 +33,9 @@ def test_partition_default_model_fits_memory(tmp_path):
 
 def test_bad_topology_exits_2(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\ndevice: {name: a, memory: 16 GiB}\nlevels:\n  - {name: s, count: 2, bandwidth: 5 parsecs}\n")
+    bad.write_text(
+        "name: x\ndevice: {name: a, memory: 16 GiB}\nlevels:\n  - {name: s, count: 2, bandwidth: 5 parsecs}\n"
+    )
     result = CliRunner().invoke(cli, ["partition", VGG, "--topology", str(bad)])
     assert result.exit_code == 2
     assert "bad.yaml:4: 'levels[0].bandwidth'" in result.output
@@ -40,8 +44,12 @@ def test_bad_topology_exits_2(tmp_path):
 
 def test_infeasible_memory_exits_2(tmp_path):
     tiny = tmp_path / "tiny.yaml"
-    tiny.write_text("name: t\ndevice: {name: a, memory: 100 MB}\nlevels:\n  - {name: s, count: 2, bandwidth: 5 GB/s}\n")
-    result = CliRunner().invoke(cli, ["partition", VGG, "--topology", str(tiny), "-o", str(tmp_path / "p.json")])
+    tiny.write_text(
+        "name: t\ndevice: {name: a, memory: 100 MB}\nlevels:\n  - {name: s, count: 2, bandwidth: 5 GB/s}\n"
+    )
+    result = CliRunner().invoke(
+        cli, ["partition", VGG, "--topology", str(tiny), "-o", str(tmp_path / "p.json")]
+    )
     assert result.exit_code == 2
     assert "error: no plan fits in 95.4 MiB per device" in result.output
     assert not (tmp_path / "p.json").exists()

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from pipeplan.errors import InputError
-from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.topology import DeviceSpec, Level, Topology, preset
-from pipeplan.profiler.pipedream_graph import is_pipedream_graph, load_pipedream_graph, parse_pipedream_graph
 from pipeplan.planner.partition import PartitionOptions, partition
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.profiler.pipedream_graph import is_pipedream_graph, load_pipedream_graph, parse_pipedream_graph
+from pipeplan.topology import DeviceSpec, Level, Topology, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pipedream"
 
@@ -29,8 +29,11 @@ def test_import_alexnet_drops_input_and_orders_topologically():
 def test_import_errors_name_line():
     assert is_pipedream_graph((FIXTURES / "vgg16" / "graph.txt").read_text())
     with pytest.raises(InputError, match=r"g:2: not a PipeDream node line"):
-        parse_pipedream_graph("node1 -- Input -- forward_compute_time=1.0, backward_compute_time=0.0, "
-                              "activation_size=4.0, parameter_size=0.000\nbogus\n", source="g")
+        parse_pipedream_graph(
+            "node1 -- Input -- forward_compute_time=1.0, backward_compute_time=0.0, "
+            "activation_size=4.0, parameter_size=0.000\nbogus\n",
+            source="g",
+        )
 
 
 def small():
@@ -53,7 +56,9 @@ def test_pipedream_hand_derived():
     """
     topo = Topology("one", DeviceSpec("V100", 16 * 2**30), (Level("server", 2, 1e9),))
     for ratio in (None, 1.0):
-        plan = partition(small(), topo, PartitionOptions(cost_model="pipedream", activation_compression_ratio=ratio))
+        plan = partition(
+            small(), topo, PartitionOptions(cost_model="pipedream", activation_compression_ratio=ratio)
+        )
         assert plan.predicted.time_per_minibatch_ms == pytest.approx(20.0)
         assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == [(0, 2, 1), (2, 3, 1)]
         assert plan.predicted.data_parallel_ms == pytest.approx(23.0)
@@ -67,7 +72,11 @@ def test_pipedream_hand_derived():
 EXPECTED = {
     ("vgg16", "cluster-a"): (44.12107431111115, [(0, 16, 12), (16, 25, 3), (25, 40, 1)], 135.4247797),
     ("vgg16", "cluster-b"): (46.38155099999999, [(0, 8, 8), (8, 25, 7), (25, 40, 1)], 68.20607290666666),
-    ("alexnet", "cluster-a"): (6.0111784, [(0, 6, 8), (6, 9, 4), (9, 13, 2), (13, 17, 1), (17, 22, 1)], 46.5756295),
+    ("alexnet", "cluster-a"): (
+        6.0111784,
+        [(0, 6, 8), (6, 9, 4), (9, 13, 2), (13, 17, 1), (17, 22, 1)],
+        46.5756295,
+    ),
     ("alexnet", "cluster-b"): (5.506, [(0, 6, 8), (6, 12, 6), (12, 17, 1), (17, 22, 1)], 16.890804733333333),
 }
 
@@ -77,7 +86,9 @@ def test_pipedream_profiles_reproduce_optimizer(model, cluster):
     profile = load_pipedream_graph(FIXTURES / model / "graph.txt", batch_size=64)
     expected_ms, expected_stages, expected_dp = EXPECTED[(model, cluster)]
     for memory_check in (False, True):
-        plan = partition(profile, preset(cluster), PartitionOptions(cost_model="pipedream", memory_check=memory_check))
+        plan = partition(
+            profile, preset(cluster), PartitionOptions(cost_model="pipedream", memory_check=memory_check)
+        )
         assert plan.predicted.time_per_minibatch_ms == pytest.approx(expected_ms, rel=1e-12)
         assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == expected_stages
         assert plan.predicted.data_parallel_ms == pytest.approx(expected_dp, rel=1e-12)
@@ -96,15 +107,18 @@ def test_pipedream_mode_warns_when_pipeplan_memory_exceeds_the_device(tmp_path):
 
     graph = str(FIXTURES / "vgg16" / "graph.txt")
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(cli, ["partition", graph, "--topology", "cluster-a", "--cost-model", "pipedream",
-                                      "-o", str(out)])
+    result = CliRunner().invoke(
+        cli, ["partition", graph, "--topology", "cluster-a", "--cost-model", "pipedream", "-o", str(out)]
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(out)
     over = [s for s in plan.stages if s.memory_bytes > 16 * 2**30]
     assert [s.index for s in over] == [0]
     warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1
-    assert "1 stage(s) exceed 16.0 GiB per device by pipeplan's memory model (stage 0: 24.1 GiB)" in warnings[0]
+    assert (
+        "1 stage(s) exceed 16.0 GiB per device by pipeplan's memory model (stage 0: 24.1 GiB)" in warnings[0]
+    )
     assert "cut states searched: all-downsets (41 states)" in result.output
     fitting = CliRunner().invoke(cli, ["partition", graph, "--topology", "cluster-a", "-o", str(out)])
     assert fitting.exit_code == 0 and "warning:" not in fitting.output

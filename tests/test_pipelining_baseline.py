@@ -46,7 +46,7 @@ def tiny_model(tmp_path: Path) -> str:
 
 @pytest.mark.multiprocess
 def test_pipelined_losses_match_single_process(baseline, tiny_model: str) -> None:
-    kwargs = dict(batch_size=8, steps=4, lr=0.5)
+    kwargs = {"batch_size": 8, "steps": 4, "lr": 0.5}
     piped = baseline.run_pipelining_baseline(tiny_model, [2], microbatches=2, timeout_s=60, **kwargs)
     single = baseline.run_single_process_baseline(tiny_model, **kwargs)
     assert piped["ranks"] == 2 and piped["microbatches"] == 2
@@ -61,13 +61,18 @@ def test_pipelined_losses_match_single_process(baseline, tiny_model: str) -> Non
 
 
 def test_bad_arguments_fail_before_launching(baseline, tiny_model: str, tmp_path: Path) -> None:
-    with pytest.raises(InputError, match=r"Schedule1F1B needs microbatches >= ranks \(microbatches: 1, ranks: 2\)"):
+    with pytest.raises(
+        InputError, match=r"Schedule1F1B needs microbatches >= ranks \(microbatches: 1, ranks: 2\)"
+    ):
         baseline.run_pipelining_baseline(tiny_model, [2], 8, 1, 2, 0.1)
     with pytest.raises(InputError, match="schedule 'GPipe' is not one of Schedule1F1B, "):
         baseline.run_pipelining_baseline(tiny_model, [2], 8, 2, 2, 0.1, schedule="GPipe")
-    with pytest.raises(InputError, match="ScheduleInterleaved1F1B with 2 stages per rank does not fit 3 stages"):
-        baseline.run_pipelining_baseline(tiny_model, [1, 2], 8, 2, 2, 0.1,
-                                         schedule="ScheduleInterleaved1F1B", virtual_stages=2)
+    with pytest.raises(
+        InputError, match="ScheduleInterleaved1F1B with 2 stages per rank does not fit 3 stages"
+    ):
+        baseline.run_pipelining_baseline(
+            tiny_model, [1, 2], 8, 2, 2, 0.1, schedule="ScheduleInterleaved1F1B", virtual_stages=2
+        )
     with pytest.raises(InputError, match="batch size 9 does not split into 2 equal micro-batches"):
         baseline.run_pipelining_baseline(tiny_model, [2], 9, 2, 2, 0.1)
     with pytest.raises(InputError, match=r"boundaries \[5\] must increase strictly within 1..4"):

@@ -1,6 +1,6 @@
-from pipeplan.topology import preset
 from pipeplan.planner.dp import StageNode
 from pipeplan.planner.placement import flatten
+from pipeplan.topology import preset
 
 
 def test_hierarchical_placement_keeps_replicas_inside_servers():

@@ -5,10 +5,10 @@ schedule; ``partition --schedule auto``; the engine's unit clock is the grid's."
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
+from test_simulate import make_profile, make_topology
 
 from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError
@@ -17,8 +17,7 @@ from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import simulate_plan, stage_costs_from_plan
 from pipeplan.schedules import SCHEDULE_KINDS, SCHEDULE_NAMES
-from pipeplan.topology import DeviceSpec, Level, Topology
-from test_simulate import make_profile, make_topology
+from pipeplan.topology import Topology
 
 # 16 equal layers (1 ms forward, 2 ms backward), nothing sent, no parameters: free
 # communication and equal stages, so the period is the ideal time plus the bubble
@@ -43,7 +42,9 @@ def test_interleaved_bubble_is_p_minus_1_over_v_m(virtual: int, micro: int) -> N
 
 @pytest.mark.parametrize("micro", [2, 4, 8])
 def test_flush_bubble_is_p_minus_1_over_m(micro: int) -> None:
-    plan = partition(EQUAL, straight4(), PartitionOptions(schedule="1f1b-flush", straight=True, microbatches=micro))
+    plan = partition(
+        EQUAL, straight4(), PartitionOptions(schedule="1f1b-flush", straight=True, microbatches=micro)
+    )
     assert plan.predicted.time_per_minibatch_ms == pytest.approx(IDEAL_MS * (1 + 3 / micro), rel=1e-9)
     assert plan.predicted.stage_bound_ms == pytest.approx(IDEAL_MS)  # the DP's bound has no bubble
 
@@ -59,8 +60,12 @@ def _shape(name: str) -> dict:
 def test_plan_predicts_its_own_simulation(name: str) -> None:
     """Uneven layers, activations sent over a slow link between two servers, parameters
     all-reduced by replicas: the plan's figures are the simulator's (within 1 %)."""
-    profile = make_profile([1.0, 3.0, 2.0, 0.5, 2.5, 1.5, 1.0, 2.0], output_bytes=2_000_000,
-                           param_bytes=500_000, saved_bytes=100_000)
+    profile = make_profile(
+        [1.0, 3.0, 2.0, 0.5, 2.5, 1.5, 1.0, 2.0],
+        output_bytes=2_000_000,
+        param_bytes=500_000,
+        saved_bytes=100_000,
+    )
     topology = make_topology(per_server=2, servers=2, inside_bytes_per_s=10e9, between_bytes_per_s=1e9)
     plan = partition(profile, topology, PartitionOptions(schedule=name, **_shape(name)))
     assert plan.schedule == name and plan.predicted.simulated
@@ -82,12 +87,15 @@ def test_flush_plan_no_longer_predicts_the_1f1b_rr_figure() -> None:
     profile = make_profile([1.0] * 4)
     topology = make_topology(per_server=2, servers=1)
     rr = partition(profile, topology, PartitionOptions(straight=True))
-    flush = partition(profile, topology, PartitionOptions(schedule="1f1b-flush", straight=True, microbatches=2))
+    flush = partition(
+        profile, topology, PartitionOptions(schedule="1f1b-flush", straight=True, microbatches=2)
+    )
     assert rr.predicted.time_per_minibatch_ms == pytest.approx(6.0)
     # per micro-batch F 1 ms, B 2 ms per stage: F F | B F B | B ... = 9 ms per minibatch
     assert flush.predicted.time_per_minibatch_ms == pytest.approx(9.0)
     assert flush.predicted.time_per_minibatch_ms == pytest.approx(
-        simulate_plan(flush, profile).time_per_minibatch_ms, rel=1e-9)
+        simulate_plan(flush, profile).time_per_minibatch_ms, rel=1e-9
+    )
 
 
 def test_repredict_for_another_schedule_from_the_plan_alone() -> None:
@@ -103,13 +111,16 @@ def test_repredict_for_another_schedule_from_the_plan_alone() -> None:
 
 def test_auto_chooses_the_fastest_that_fits() -> None:
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
-    found = search(heavy, make_topology(per_server=2, servers=1, memory_bytes=5 << 30),
-                   PartitionOptions(straight=True))
+    found = search(
+        heavy, make_topology(per_server=2, servers=1, memory_bytes=5 << 30), PartitionOptions(straight=True)
+    )
     names = {c.schedule for c in found.candidates}
     assert names == set(SCHEDULE_NAMES)
     assert {c.virtual_stages for c in found.candidates if c.schedule == "interleaved-1f1b"} == {2, 3, 4}
     fitting = [c for c in found.candidates if c.fits]
-    assert found.best.fits and found.best.time_per_minibatch_ms == min(c.time_per_minibatch_ms for c in fitting)
+    assert found.best.fits and found.best.time_per_minibatch_ms == min(
+        c.time_per_minibatch_ms for c in fitting
+    )
     rr = next(c for c in found.candidates if c.schedule == "1f1b-rr")
     assert not rr.fits and rr.peak_memory_bytes == 8 << 30  # 2 minibatches x 4 GiB on stage 0
     assert found.plan.schedule == found.best.schedule
@@ -120,8 +131,11 @@ def test_auto_infeasible_names_the_smallest_memory_that_fits() -> None:
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     with pytest.raises(InfeasibleError) as caught:
         # 8 micro-batches (with the batch of 32 split further, 1f1b-flush would fit: 2/32 of 4 GiB)
-        search(heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 29),
-               PartitionOptions(straight=True, microbatches=8))
+        search(
+            heavy,
+            make_topology(per_server=2, servers=1, memory_bytes=1 << 29),
+            PartitionOptions(straight=True, microbatches=8),
+        )
     message = str(caught.value)
     assert "\n" not in message and "the smallest that would fit is" in message
     # 1f1b-flush / zb-h1 with 8 micro-batches keep min(8, 2)/8 of 4 GiB = 1 GiB on stage 0
@@ -132,11 +146,27 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     profile_path = tmp_path / "profile.json"
     make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000).save(profile_path)
     topology = tmp_path / "t.yaml"
-    topology.write_text("name: t\ndevice: {name: a, memory: 16 GiB}\nlevels:\n  - {name: s, count: 4, bandwidth: 100 GB/s}\n")
+    topology.write_text(
+        "name: t\ndevice: {name: a, memory: 16 GiB}\nlevels:\n  - {name: s, count: 4, bandwidth: 100 GB/s}\n"
+    )
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(cli, ["partition", str(profile_path), "--topology", str(topology), "--straight",
-                                      "--microbatches", "4", "--schedule", "auto", "-o", str(out)],
-                                env={"COLUMNS": "200"})
+    result = CliRunner().invoke(
+        cli,
+        [
+            "partition",
+            str(profile_path),
+            "--topology",
+            str(topology),
+            "--straight",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "auto",
+            "-o",
+            str(out),
+        ],
+        env={"COLUMNS": "200"},
+    )
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if "│" in line and ("ms" not in line)]
     marked = [line for line in rows if line.split("│")[1].strip() == "*"]
@@ -158,7 +188,9 @@ def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -
     do not fit listed without a figure; micro-batch counts reach the batch (32 here,
     above the old cap of 4 per device) and win when they cut the bubble."""
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
-    topology = make_topology(per_server=2, servers=1, memory_bytes=3 << 30)  # gpipe's 4 GiB per stage does not fit
+    topology = make_topology(
+        per_server=2, servers=1, memory_bytes=3 << 30
+    )  # gpipe's 4 GiB per stage does not fit
     options = PartitionOptions(straight=True)
     full = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"))
     quick = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"), misfit_memory=False)
@@ -168,7 +200,10 @@ def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -
     assert any(not c.fits and c.peak_memory_bytes for c in full.candidates)
     for a, b in zip(quick.candidates, full.candidates):
         assert a.fits == b.fits
-        assert (a.peak_memory_bytes, a.time_per_minibatch_ms) == ((b.peak_memory_bytes, b.time_per_minibatch_ms)
-                                                                  if b.fits else (0, math.inf))
+        assert (a.peak_memory_bytes, a.time_per_minibatch_ms) == (
+            (b.peak_memory_bytes, b.time_per_minibatch_ms) if b.fits else (0, math.inf)
+        )
     with pytest.raises(InfeasibleError, match="the smallest that would fit is"):
-        search(heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 26), options, misfit_memory=False)
+        search(
+            heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 26), options, misfit_memory=False
+        )

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,16 +16,38 @@ from pipeplan.profile import PROFILE_SCHEMA, DeviceInfo, LayerProfile, Profile
 
 def make_profile(**overrides) -> Profile:
     layers = (
-        LayerProfile(0, "embed", "Embedding", (), 0.5, 1.0, 4096, 1024, 64,
-                     forward_ms_spread=0.01, backward_ms_spread=0.02, model_inputs=(0,)),
+        LayerProfile(
+            0,
+            "embed",
+            "Embedding",
+            (),
+            0.5,
+            1.0,
+            4096,
+            1024,
+            64,
+            forward_ms_spread=0.01,
+            backward_ms_spread=0.02,
+            model_inputs=(0,),
+        ),
         LayerProfile(1, "fc", "Linear", (0,), 1.5, 3.0, 512, 2048, 4096),
         LayerProfile(2, "head", "Linear", (0, 1), 0.25, 0.5, 40, 1024, 512),
     )
-    fields = dict(
-        model="model.py", fingerprint="sha256:abc", device=DeviceInfo("cpu", "Test CPU"), batch_size=32,
-        dtype="float32", layers=layers, step_ms=7.5, step_ms_spread=0.1, input_bytes=256, warmup=3,
-        repeats=10, step_saved_bytes=4000, loss_ms=0.2,
-    )
+    fields = {
+        "model": "model.py",
+        "fingerprint": "sha256:abc",
+        "device": DeviceInfo("cpu", "Test CPU"),
+        "batch_size": 32,
+        "dtype": "float32",
+        "layers": layers,
+        "step_ms": 7.5,
+        "step_ms_spread": 0.1,
+        "input_bytes": 256,
+        "warmup": 3,
+        "repeats": 10,
+        "step_saved_bytes": 4000,
+        "loss_ms": 0.2,
+    }
     fields.update(overrides)
     return Profile(**fields)
 
@@ -73,7 +95,10 @@ def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
         (lambda raw: raw["layers"][1].update(index=5), "layer at position 1 has index 5"),
         (lambda raw: raw["layers"][1].update(inputs=[1]), "has input 1, which is not an earlier layer"),
         (lambda raw: raw["layers"][0].update(saved_bytes=-1), "saved_bytes = -1"),
-        (lambda raw: raw["layers"][1].update(largest_param_bytes=4096), "largest_param_bytes = 4096 is outside [0, 2048]"),
+        (
+            lambda raw: raw["layers"][1].update(largest_param_bytes=4096),
+            "largest_param_bytes = 4096 is outside [0, 2048]",
+        ),
         (lambda raw: raw["layers"][0].update(forward_ms=float("nan")), "NaN is not a JSON number"),
         (lambda raw: raw.update(batch_size=0), "batch_size must be positive (got 0)"),
         (lambda raw: raw.update(layers=[]), "profile has no layers"),

@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from pipeplan.errors import InputError
 from pipeplan.capture import build_layer_graph
+from pipeplan.errors import InputError
 from pipeplan.profiler.measure import disable_inplace, measure_layers, measure_stages
 from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
 from pipeplan.profiler.profile_model import profile_model, resolve_model_path
-from pipeplan.reporting.profile_table import format_bytes, summary_lines
 from pipeplan.profiler.timing import CpuTimer, robust_stats
+from pipeplan.reporting.profile_table import format_bytes, summary_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "models"
 LINEAR_OUT = 32 * 4096 * 4  # (32, 4096) float32
@@ -49,7 +49,10 @@ def test_linear_1024_4096_bytes_are_exact() -> None:
     assert (relu.output_bytes, relu.param_bytes, relu.saved_bytes) == (LINEAR_OUT, 0, LINEAR_OUT)
     # the largest parameter, the planner's gradient temporary: the weight, not the bias
     assert (first.largest_param_bytes, linear.largest_param_bytes, relu.largest_param_bytes) == (
-        1024 * 1024 * 4, 1024 * 4096 * 4, 0)
+        1024 * 1024 * 4,
+        1024 * 4096 * 4,
+        0,
+    )
     for layer in layers:
         assert layer.forward_ms > 0 and layer.backward_ms > 0
     assert measured.loss.median > 0 and measured.step.median > 0

@@ -23,8 +23,21 @@ def invoke(*args: str):
 
 def test_profile_bundled_mlp_writes_json_and_prints_table_and_ratio(tmp_path: Path) -> None:
     out = tmp_path / "nested" / "profile.json"
-    result = invoke("mlp", "-o", str(out), "--device", "cpu", "--batch-size", "8",
-                    "--warmup", "1", "--repeats", "3", "--threads", "1")
+    result = invoke(
+        "mlp",
+        "-o",
+        str(out),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "8",
+        "--warmup",
+        "1",
+        "--repeats",
+        "3",
+        "--threads",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     profile = Profile.load(out)
     assert profile.schema == PROFILE_SCHEMA and profile.batch_size == 8 and profile.repeats == 3
@@ -93,9 +106,23 @@ def test_device_cuda_without_cuda_is_one_line() -> None:
 )
 def test_subprocess_exit_2_and_one_stderr_line(model: str, message: str, tmp_path: Path) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / model), "--device", "cpu",
-         "--batch-size", "2", "-o", str(tmp_path / "profile.json")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "pipeplan",
+            "profile",
+            str(FIXTURES / model),
+            "--device",
+            "cpu",
+            "--batch-size",
+            "2",
+            "-o",
+            str(tmp_path / "profile.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     assert completed.returncode == 2, completed.stderr
     lines = completed.stderr.splitlines()
@@ -107,8 +134,12 @@ def test_subprocess_exit_2_and_one_stderr_line(model: str, message: str, tmp_pat
 def test_capture_failure_is_one_line_and_leaf_modules_gets_around_it(tmp_path: Path) -> None:
     model = str(FIXTURES / "gated_top.py")  # a branch on a tensor's value in the model's own forward
     out = tmp_path / "profile.json"
-    result = subprocess.run([sys.executable, "-m", "pipeplan", "profile", model, "-o", str(out)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeplan", "profile", model, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # no traceback, no partial graph dump
@@ -125,7 +156,8 @@ def test_capture_failure_is_one_line_and_leaf_modules_gets_around_it(tmp_path: P
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("hash_seed", [None, "random"])
 def test_commands_run_under_one_hash_seed_so_set_ordered_models_capture_one_graph(
-        tmp_path: Path, hash_seed: str | None) -> None:
+    tmp_path: Path, hash_seed: str | None
+) -> None:
     """A forward that iterates a set of strings (ModernBERT's and Gemma 3's rotary tables) is captured
     in the set's order, which follows the process's string hashes: pipeplan re-runs itself under
     PYTHONHASHSEED=0, so a profile, the plan's fingerprint and every rank see one layer order."""
@@ -136,15 +168,62 @@ def test_commands_run_under_one_hash_seed_so_set_ordered_models_capture_one_grap
         env["PYTHONHASHSEED"] = hash_seed
     env["SET_ORDER_SEEN"] = str(tmp_path / "seen")
     out = tmp_path / "profile.json"
-    result = subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "set_order.py"), "--device",
-                             "cpu", "-b", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeplan",
+            "profile",
+            str(FIXTURES / "set_order.py"),
+            "--device",
+            "cpu",
+            "-b",
+            "2",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "seen").read_text() == "0"
-    assert [layer.name for layer in Profile.load(out).layers] == ["alpha", "beta", "head"]  # {"alpha", "beta"} at seed 0
+    assert [layer.name for layer in Profile.load(out).layers] == [
+        "alpha",
+        "beta",
+        "head",
+    ]  # {"alpha", "beta"} at seed 0
     pinned = {**env, "PYTHONHASHSEED": "1"}  # a user's own seed is kept: at 1 the set iterates the other way
-    assert subprocess.run([sys.executable, "-m", "pipeplan", "profile", str(FIXTURES / "set_order.py"), "--device",
-                           "cpu", "-b", "2", "--warmup", "0", "--repeats", "1", "-o", str(out)],
-                          capture_output=True, text=True, timeout=120, env=pinned).returncode == 0
+    assert (
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeplan",
+                "profile",
+                str(FIXTURES / "set_order.py"),
+                "--device",
+                "cpu",
+                "-b",
+                "2",
+                "--warmup",
+                "0",
+                "--repeats",
+                "1",
+                "-o",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=pinned,
+        ).returncode
+        == 0
+    )
     assert (tmp_path / "seen").read_text() == "1"
     assert [layer.name for layer in Profile.load(out).layers] == ["beta", "alpha", "head"]

@@ -27,12 +27,33 @@ METRICS = {
     "time_per_minibatch_ms": 11.0,
     "predicted_time_per_minibatch_ms": 10.0,
     "stages": [
-        {"stage": 1, "replica": 0, "rank": 2, "time_per_minibatch_ms": 13.0, "compute_ms": 12.5,
-         "wait_ms": 0.5, "predicted_time_per_minibatch_ms": 10.0, "predicted_compute_ms": 10.0},
-        {"stage": 0, "replica": 1, "rank": 1, "time_per_minibatch_ms": 9.5, "compute_ms": 17.0,
-         "wait_ms": 1.0},
-        {"stage": 0, "replica": 0, "rank": 0, "time_per_minibatch_ms": 9.2, "compute_ms": 17.5,
-         "wait_ms": 1.0, "extra_key": "ignored"},
+        {
+            "stage": 1,
+            "replica": 0,
+            "rank": 2,
+            "time_per_minibatch_ms": 13.0,
+            "compute_ms": 12.5,
+            "wait_ms": 0.5,
+            "predicted_time_per_minibatch_ms": 10.0,
+            "predicted_compute_ms": 10.0,
+        },
+        {
+            "stage": 0,
+            "replica": 1,
+            "rank": 1,
+            "time_per_minibatch_ms": 9.5,
+            "compute_ms": 17.0,
+            "wait_ms": 1.0,
+        },
+        {
+            "stage": 0,
+            "replica": 0,
+            "rank": 0,
+            "time_per_minibatch_ms": 9.2,
+            "compute_ms": 17.5,
+            "wait_ms": 1.0,
+            "extra_key": "ignored",
+        },
     ],
 }
 
@@ -88,10 +109,17 @@ def test_report_cli(tmp_path) -> None:
 
 
 def test_report_cli_prints_each_rank_memory_against_the_plan(tmp_path) -> None:
-    memory = {"memory_kind": "rss", "baseline_memory_bytes": 300 << 20, "peak_memory_bytes": 450 << 20,
-              "predicted_memory_bytes": 128 << 20}
-    metrics = {**METRICS, "schema": "pipeplan.metrics/2",
-               "stages": [{**stage, **memory} for stage in METRICS["stages"]]}
+    memory = {
+        "memory_kind": "rss",
+        "baseline_memory_bytes": 300 << 20,
+        "peak_memory_bytes": 450 << 20,
+        "predicted_memory_bytes": 128 << 20,
+    }
+    metrics = {
+        **METRICS,
+        "schema": "pipeplan.metrics/2",
+        "stages": [{**stage, **memory} for stage in METRICS["stages"]],
+    }
     path = tmp_path / "metrics.json"
     path.write_text(json.dumps(metrics))
     out = CliRunner(env={"COLUMNS": "160"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
@@ -120,13 +148,31 @@ def test_metrics_contract_round_trips(tmp_path) -> None:
     from pipeplan.metrics import Metrics, StageMetrics
 
     metrics = Metrics(
-        schedule="1f1b-flush", microbatches=2, plan={"schedule": "1f1b-rr"}, steps=3, losses=(2.5, 2.0, 1.5),
-        samples_per_s=812.5, time_per_minibatch_ms=float("nan"), predicted_time_per_minibatch_ms=9.0,
-        predicted_schedule="1f1b-flush", predicted_microbatches=2,
-        stages=(StageMetrics(stage=0, rank=0, time_per_minibatch_ms=8.5, compute_ms=8.0, minibatches=4,
-                             weight_versions_used=1, predicted_time_per_minibatch_ms=9.0, memory_kind="rss",
-                             baseline_memory_bytes=300 << 20, peak_memory_bytes=450 << 20,
-                             predicted_memory_bytes=128 << 20),),
+        schedule="1f1b-flush",
+        microbatches=2,
+        plan={"schedule": "1f1b-rr"},
+        steps=3,
+        losses=(2.5, 2.0, 1.5),
+        samples_per_s=812.5,
+        time_per_minibatch_ms=float("nan"),
+        predicted_time_per_minibatch_ms=9.0,
+        predicted_schedule="1f1b-flush",
+        predicted_microbatches=2,
+        stages=(
+            StageMetrics(
+                stage=0,
+                rank=0,
+                time_per_minibatch_ms=8.5,
+                compute_ms=8.0,
+                minibatches=4,
+                weight_versions_used=1,
+                predicted_time_per_minibatch_ms=9.0,
+                memory_kind="rss",
+                baseline_memory_bytes=300 << 20,
+                peak_memory_bytes=450 << 20,
+                predicted_memory_bytes=128 << 20,
+            ),
+        ),
     )
     path = tmp_path / "metrics.json"
     metrics.save(path)
@@ -143,12 +189,15 @@ def test_metrics_contract_round_trips(tmp_path) -> None:
 
 
 def test_a_run_of_another_schedule_is_reported_against_its_own_prediction() -> None:
+    from test_simulate import make_profile, make_topology
+
     from pipeplan.planner.partition import PartitionOptions, partition
     from pipeplan.planner.simulate import simulate_plan
     from pipeplan.runtime.rank_metrics import prediction_for_run
-    from test_simulate import make_profile, make_topology
 
-    plan = partition(make_profile([1.0] * 4), make_topology(per_server=2, servers=1), PartitionOptions(straight=True))
+    plan = partition(
+        make_profile([1.0] * 4), make_topology(per_server=2, servers=1), PartitionOptions(straight=True)
+    )
     assert prediction_for_run(plan, "1f1b-rr", 1) is plan
     flush = prediction_for_run(plan, "1f1b-flush", 2)
     assert (flush.schedule, flush.microbatches) == ("1f1b-flush", 2)
@@ -166,7 +215,9 @@ def test_metrics_version_1_loads_without_memory_and_memory_values_are_checked(tm
     stage = Metrics.load(path).stages[0]
     assert stage.peak_memory_bytes is None and stage.memory_kind is None and stage.held_memory_bytes is None
     good = {"stage": 0, "memory_kind": "rss", "peak_memory_bytes": 10, "baseline_memory_bytes": 4}
-    with pytest.raises(InputError, match=r"stages\[0\]: memory_kind 'vram' is not one of rss, cuda_allocated"):
+    with pytest.raises(
+        InputError, match=r"stages\[0\]: memory_kind 'vram' is not one of rss, cuda_allocated"
+    ):
         Metrics.from_dict({"stages": [{**good, "memory_kind": "vram"}]})
     with pytest.raises(InputError, match=r"stages\[0\]: peak_memory_bytes = -1 is negative"):
         Metrics.from_dict({"stages": [{**good, "peak_memory_bytes": -1}]})

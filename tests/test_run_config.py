@@ -67,14 +67,32 @@ def test_the_options_keep_their_flags_types_and_choices() -> None:
     options = _options_by_flag()
     kinds = {flag: option.type.name for flag, option in options.items()}
     assert kinds == {
-        "--model": "file", "--steps": "integer", "--schedule": "choice", "--microbatches": "integer",
-        "--recompute": "boolean", "--optimizer": "choice", "--lr": "float", "--weight-decay": "float",
-        "--lr-schedule": "choice", "--warmup-steps": "integer", "--min-lr": "float",
+        "--model": "file",
+        "--steps": "integer",
+        "--schedule": "choice",
+        "--microbatches": "integer",
+        "--recompute": "boolean",
+        "--optimizer": "choice",
+        "--lr": "float",
+        "--weight-decay": "float",
+        "--lr-schedule": "choice",
+        "--warmup-steps": "integer",
+        "--min-lr": "float",
         "--clip-grad-norm": "float",
-        "--build": "choice", "--dtype": "choice", "--seed": "integer", "--checkpoint-dir": "directory",
-        "--checkpoint-every": "integer", "--resume": "boolean", "--weights": "path", "--metrics": "file",
-        "--trace": "file", "--log-dir": "directory", "--no-progress": "boolean", "--record": "directory",
-        "--timeout": "float", "--allow-nonfinite": "boolean",
+        "--build": "choice",
+        "--dtype": "choice",
+        "--seed": "integer",
+        "--checkpoint-dir": "directory",
+        "--checkpoint-every": "integer",
+        "--resume": "boolean",
+        "--weights": "path",
+        "--metrics": "file",
+        "--trace": "file",
+        "--log-dir": "directory",
+        "--no-progress": "boolean",
+        "--record": "directory",
+        "--timeout": "float",
+        "--allow-nonfinite": "boolean",
     }
     assert list(options["--schedule"].type.choices) == list(SCHEDULE_NAMES)  # type: ignore[attr-defined]
     assert list(options["--optimizer"].type.choices) == list(OPTIMIZERS)  # type: ignore[attr-defined]
@@ -96,8 +114,9 @@ def test_every_group_field_is_an_option() -> None:
 
 def _parse(tmp_path: Path, *args: str) -> RunConfig:
     """The ``RunConfig`` that ``pipeplan run PLAN args`` builds (without running it)."""
-    plan = make_plan(str(FIXTURES / "mlp.py"), [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8,
-                     microbatches=2)
+    plan = make_plan(
+        str(FIXTURES / "mlp.py"), [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2
+    )
     built: list[RunConfig] = []
 
     @click.command()
@@ -111,24 +130,78 @@ def _parse(tmp_path: Path, *args: str) -> RunConfig:
 
 
 def test_a_command_line_builds_the_nested_config(tmp_path: Path) -> None:
-    config = _parse(tmp_path, "--model", "m.py", "--steps", "7", "--schedule", "gpipe", "--microbatches", "4",
-                    "--recompute", "--optimizer", "adamw", "--lr", "0.5", "--weight-decay", "0.1",
-                    "--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "0.01",
-                    "--clip-grad-norm", "1",
-                    "--build", "meta", "--dtype", "bfloat16", "--seed", "3", "--checkpoint-dir", "ck",
-                    "--checkpoint-every", "2", "--resume", "--weights", "w", "--metrics", "m.json",
-                    "--trace", "t.json", "--log-dir", "logs", "--no-progress", "--record", "rec",
-                    "--timeout", "9", "--allow-nonfinite")
+    config = _parse(
+        tmp_path,
+        "--model",
+        "m.py",
+        "--steps",
+        "7",
+        "--schedule",
+        "gpipe",
+        "--microbatches",
+        "4",
+        "--recompute",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.5",
+        "--weight-decay",
+        "0.1",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--min-lr",
+        "0.01",
+        "--clip-grad-norm",
+        "1",
+        "--build",
+        "meta",
+        "--dtype",
+        "bfloat16",
+        "--seed",
+        "3",
+        "--checkpoint-dir",
+        "ck",
+        "--checkpoint-every",
+        "2",
+        "--resume",
+        "--weights",
+        "w",
+        "--metrics",
+        "m.json",
+        "--trace",
+        "t.json",
+        "--log-dir",
+        "logs",
+        "--no-progress",
+        "--record",
+        "rec",
+        "--timeout",
+        "9",
+        "--allow-nonfinite",
+    )
     assert config == RunConfig(
-        plan=config.plan, model_path="m.py", steps=7,
+        plan=config.plan,
+        model_path="m.py",
+        steps=7,
         pipeline=ScheduleConfig(schedule="gpipe", microbatches=4, recompute=True),
-        optim=OptimizerConfig(optimizer="adamw", lr=0.5, weight_decay=0.1, lr_schedule="cosine",
-                              warmup_steps=2, min_lr=0.01, clip_grad_norm=1.0),
+        optim=OptimizerConfig(
+            optimizer="adamw",
+            lr=0.5,
+            weight_decay=0.1,
+            lr_schedule="cosine",
+            warmup_steps=2,
+            min_lr=0.01,
+            clip_grad_norm=1.0,
+        ),
         build=BuildConfig(mode="meta", dtype="bfloat16", seed=3),
         checkpoints=CheckpointConfig(directory="ck", every=2, resume=True, weights="w"),
-        outputs=OutputConfig(metrics_path="m.json", trace_path="t.json", log_dir="logs", progress=False,
-                             record_dir="rec"),
-        timeout_s=9.0, allow_nonfinite=True,
+        outputs=OutputConfig(
+            metrics_path="m.json", trace_path="t.json", log_dir="logs", progress=False, record_dir="rec"
+        ),
+        timeout_s=9.0,
+        allow_nonfinite=True,
     )
     assert (config.schedule, config.microbatches, config.optimizer) == ("gpipe", 4, "adamw")
     assert config.precision.dtype == "bfloat16" and config.precision.mixed

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun
 
 sys.path.insert(0, str(FIXTURES))
@@ -27,8 +26,15 @@ CASES = {
     # ranks, v = 2 chunks): the value crosses once per unit and the two chunks' gradients
     # go back summed; a residual inside stage 1. Messages are matched in posting order, as
     # NCCL matches them (no tags).
-    "interleaved-dag": ("dag.py", [[0], [1, 2], [3], [4, 5]], 2, "interleaved-1f1b", 4, 2,
-                        {"PIPEPLAN_TEST_UNTAGGED": "1"}),
+    "interleaved-dag": (
+        "dag.py",
+        [[0], [1, 2], [3], [4, 5]],
+        2,
+        "interleaved-1f1b",
+        4,
+        2,
+        {"PIPEPLAN_TEST_UNTAGGED": "1"},
+    ),
     # tied embedding (stage 0, rank 0) and head (stage 3, rank 1)
     "interleaved-tied": ("tied.py", [[0], [1], [2], [3, 4]], 2, "interleaved-1f1b", 2, 2, {}),
     # one rank, both chunks on it: every message goes to the rank itself
@@ -42,12 +48,33 @@ CASES = {
 def test_flush_schedules_match_single_process(tmp_path: Path, case: str) -> None:
     model_name, layers, ranks, schedule, micro, virtual, extra_env = CASES[case]
     model = str(FIXTURES / model_name)
-    plan = make_plan(model, layers, [1] * len(layers), schedule, batch_size=8, microbatches=micro,
-                     optimizer="momentum", virtual_stages=virtual)
+    plan = make_plan(
+        model,
+        layers,
+        [1] * len(layers),
+        schedule,
+        batch_size=8,
+        microbatches=micro,
+        optimizer="momentum",
+        virtual_stages=virtual,
+    )
     plan.save(tmp_path / "plan.json")
-    result = torchrun(ranks, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3",
-                              "--lr", str(LR), "--no-progress", "--record", str(tmp_path / "rec")],
-                      extra_env=extra_env)
+    result = torchrun(
+        ranks,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+        extra_env=extra_env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, _ = train_reference(model, 3, 8, LR, optimizer="momentum")
     assert_params_match(records(tmp_path / "rec"), reference)
@@ -59,8 +86,21 @@ def test_2bw_delayed_updates_with_two_versions(tmp_path: Path) -> None:
     plan = make_plan(model, layers, replicas, "2bw", batch_size=8, microbatches=4)
     plan.save(tmp_path / "plan.json")
     steps = 5
-    result = torchrun(3, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(steps),
-                          "--lr", str(LR), "--no-progress", "--record", str(tmp_path / "rec")])
+    result = torchrun(
+        3,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     recs = records(tmp_path / "rec")
     for rec in recs.values():
@@ -84,12 +124,33 @@ def test_1f1b_flush_on_uneven_replicas_matches_single_process(tmp_path: Path) ->
     deadlocked (s1r0 forwarded micro-batch 3 before the backward of 0, which s0r0 needed
     first). The executor runs the fixed orders to the end and trains as one process does."""
     model = str(FIXTURES / "mlp.py")
-    plan = make_plan(model, [[0, 1], [2, 3], [4, 5]], [1, 3, 1], "1f1b-flush", batch_size=8, microbatches=4,
-                     optimizer="momentum")
+    plan = make_plan(
+        model,
+        [[0, 1], [2, 3], [4, 5]],
+        [1, 3, 1],
+        "1f1b-flush",
+        batch_size=8,
+        microbatches=4,
+        optimizer="momentum",
+    )
     plan.save(tmp_path / "plan.json")
-    result = torchrun(5, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec"),
-                          "--metrics", str(tmp_path / "m.json")])
+    result = torchrun(
+        5,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, ref_losses = train_reference(model, 3, 8, LR, optimizer="momentum")
     recs = records(tmp_path / "rec")

@@ -37,10 +37,25 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 120.0, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "pipeplan", "run", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**env(), **(extra_env or {})})
+def torchrun(
+    nproc: int, args: list[str], timeout: float = 120.0, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "pipeplan",
+        "run",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**env(), **(extra_env or {})}
+    )
 
 
 def launch_plain(nproc: int, args: list[str], extra_env: dict[str, str]) -> list[subprocess.Popen[str]]:
@@ -48,10 +63,24 @@ def launch_plain(nproc: int, args: list[str], extra_env: dict[str, str]) -> list
     port = str(free_port())
     procs = []
     for rank in range(nproc):
-        rank_env = {**env(), **extra_env, "RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "pipeplan", "run", *args], env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        rank_env = {
+            **env(),
+            **extra_env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "pipeplan", "run", *args],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -73,9 +102,25 @@ def test_1f1b_flush_under_torchrun_matches_single_process(tmp_path: Path) -> Non
     plan = make_plan(model, [[0, 1, 2], [3, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2)
     plan.save(tmp_path / "plan.json")
     steps = 3
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(steps),
-                          "--lr", str(LR), "--no-progress", "--record", str(tmp_path / "rec"),
-                          "--metrics", str(tmp_path / "m.json"), "--trace", str(tmp_path / "t.json")])
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+            "--trace",
+            str(tmp_path / "t.json"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, ref_losses = train_reference(model, steps, 8, LR)
     assert_params_match(records(tmp_path / "rec"), reference)
@@ -107,8 +152,22 @@ def test_gpipe_recompute_dag_with_skip_over_two_stages(tmp_path: Path) -> None:
     # layer 0 (stage 0) feeds layer 4 (stage 3): the skip jumps stages 1 and 2
     plan = make_plan(model, [[0], [1, 2], [3], [4, 5]], [1, 1, 1, 1], "gpipe", batch_size=8, microbatches=2)
     plan.save(tmp_path / "plan.json")
-    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--recompute", "--no-progress", "--record", str(tmp_path / "rec")])
+    result = torchrun(
+        4,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--recompute",
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, _ = train_reference(model, 3, 8, LR)
     assert_params_match(records(tmp_path / "rec"), reference)
@@ -118,12 +177,31 @@ def test_gpipe_recompute_dag_with_skip_over_two_stages(tmp_path: Path) -> None:
 def test_untagged_messages_keep_their_order_across_a_cut(tmp_path: Path, schedule: str) -> None:
     """As on NCCL (no tags): two same-shaped values cross one cut, read in the other order."""
     model = str(FIXTURES / "crossed.py")
-    plan = make_plan(model, [[0, 1], [2, 3]], [1, 1], schedule, batch_size=8,
-                     microbatches=2 if schedule == "1f1b-flush" else 1)
+    plan = make_plan(
+        model,
+        [[0, 1], [2, 3]],
+        [1, 1],
+        schedule,
+        batch_size=8,
+        microbatches=2 if schedule == "1f1b-flush" else 1,
+    )
     plan.save(tmp_path / "plan.json")
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec")],
-                      extra_env={"PIPEPLAN_TEST_UNTAGGED": "1"})
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+        extra_env={"PIPEPLAN_TEST_UNTAGGED": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     if schedule == "1f1b-flush":
         reference, _ = train_reference(model, 3, 8, LR)
@@ -136,8 +214,23 @@ def test_flush_with_a_replicated_loss_stage_reports_whole_minibatch_losses(tmp_p
     model = str(FIXTURES / "mlp.py")
     plan = make_plan(model, [[0, 1, 2], [3, 4, 5]], [1, 2], "1f1b-flush", batch_size=8, microbatches=2)
     plan.save(tmp_path / "plan.json")
-    result = torchrun(3, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec"), "--metrics", str(tmp_path / "m.json")])
+    result = torchrun(
+        3,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, ref_losses = train_reference(model, 3, 8, LR)
     assert_params_match(records(tmp_path / "rec"), reference)
@@ -148,11 +241,25 @@ def test_flush_with_a_replicated_loss_stage_reports_whole_minibatch_losses(tmp_p
 
 def test_tied_weights_across_stages_stay_identical(tmp_path: Path) -> None:
     model = str(FIXTURES / "tied.py")
-    plan = make_plan(model, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2,
-                     optimizer="momentum")
+    plan = make_plan(
+        model, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2, optimizer="momentum"
+    )
     plan.save(tmp_path / "plan.json")
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec")])
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     recs = records(tmp_path / "rec")
     reference, _ = train_reference(model, 3, 8, LR, optimizer="momentum")
@@ -160,7 +267,9 @@ def test_tied_weights_across_stages_stay_identical(tmp_path: Path) -> None:
     both = [rec["digests"] for rec in recs.values()]
     assert len(both[0]) == 3
     assert [d["wte.weight"] for d in both[0]] == [d["wte.weight"] for d in both[1]]
-    torch.testing.assert_close(recs[0]["params"]["wte.weight"], recs[1]["params"]["wte.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        recs[0]["params"]["wte.weight"], recs[1]["params"]["wte.weight"], rtol=0, atol=0
+    )
 
 
 def test_1f1b_rr_stashing_and_replicated_stage(tmp_path: Path) -> None:
@@ -169,15 +278,30 @@ def test_1f1b_rr_stashing_and_replicated_stage(tmp_path: Path) -> None:
     plan = make_plan(model, layers, replicas, "1f1b-rr", batch_size=8)
     plan.save(tmp_path / "plan.json")
     steps = 4  # 2 minibatches per step (lcm of replicas)
-    procs = launch_plain(3, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(steps),
-                             "--lr", str(LR), "--no-progress", "--record", str(tmp_path / "rec"),
-                             "--metrics", str(tmp_path / "m.json")], {})
+    procs = launch_plain(
+        3,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "m.json"),
+        ],
+        {},
+    )
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[1][-2000:] for o in outs]
     recs = records(tmp_path / "rec")
     # every backward used the version of its own forward; stage 0 really ran stale versions
     for rec in recs.values():
-        for minibatch, _, forward_version, backward_version in rec["units"].values():
+        for _minibatch, _, forward_version, backward_version in rec["units"].values():
             assert forward_version == backward_version >= 0
     stage0_versions = sorted(v[2] for r in (0, 1) for v in recs[r]["units"].values())
     assert stage0_versions == [0, 0, 0, 0, 1, 1, 2, 2]
@@ -200,14 +324,21 @@ def test_resume_under_another_plan_equals_uninterrupted_run(tmp_path: Path) -> N
     import shutil
 
     model = str(FIXTURES / "mlp.py")
-    plans = {"two": ([[0, 1, 2], [3, 4, 5]], [1, 1]), "three": ([[0, 1], [2, 3], [4, 5]], [1, 1, 1]),
-             "replicated": ([[0, 1, 2], [3, 4, 5]], [1, 2])}
+    plans = {
+        "two": ([[0, 1, 2], [3, 4, 5]], [1, 1]),
+        "three": ([[0, 1], [2, 3], [4, 5]], [1, 1, 1]),
+        "replicated": ([[0, 1, 2], [3, 4, 5]], [1, 2]),
+    }
     for name, (layers, replicas) in plans.items():
-        make_plan(model, layers, replicas, "1f1b-flush", batch_size=8, microbatches=2,
-                  optimizer="adam").save(tmp_path / f"{name}.json")
+        make_plan(model, layers, replicas, "1f1b-flush", batch_size=8, microbatches=2, optimizer="adam").save(
+            tmp_path / f"{name}.json"
+        )
     common = ["--model", model, "--lr", "0.01", "--no-progress", "--checkpoint-every", "1"]
-    first = launch_plain(2, [str(tmp_path / "two.json"), *common, "--steps", "2",
-                             "--checkpoint-dir", str(tmp_path / "ckpt")], {})
+    first = launch_plain(
+        2,
+        [str(tmp_path / "two.json"), *common, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        {},
+    )
     assert [p.communicate(timeout=120) and p.returncode for p in first] == [0, 0]
     shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt-replicated")
     flipped = tmp_path / "ckpt" / "step-000002" / "stage-01-replica-0" / "__0_0.distcp"
@@ -217,17 +348,35 @@ def test_resume_under_another_plan_equals_uninterrupted_run(tmp_path: Path) -> N
     reference, ref_losses = train_reference(model, 4, 8, 0.01, optimizer="adam")
     for plan, folder, first_step in (("three", "ckpt", 1), ("replicated", "ckpt-replicated", 2)):
         ranks = sum(plans[plan][1])
-        second = launch_plain(ranks, [str(tmp_path / f"{plan}.json"), *common, "--steps", "4", "--resume",
-                                      "--checkpoint-dir", str(tmp_path / folder), "--record",
-                                      str(tmp_path / f"rec-{plan}"), "--metrics", str(tmp_path / "m.json")], {})
+        second = launch_plain(
+            ranks,
+            [
+                str(tmp_path / f"{plan}.json"),
+                *common,
+                "--steps",
+                "4",
+                "--resume",
+                "--checkpoint-dir",
+                str(tmp_path / folder),
+                "--record",
+                str(tmp_path / f"rec-{plan}"),
+                "--metrics",
+                str(tmp_path / "m.json"),
+            ],
+            {},
+        )
         outs = [p.communicate(timeout=120) for p in second]
         assert [p.returncode for p in second] == [0] * ranks, [o[1][-2000:] for o in outs]
         lines = outs[0][1].splitlines()
         if plan == "three":
-            assert lines[0] == ("resume: skipped step 2 (stage-01-replica-0/__0_0.distcp fails its sha256 "
-                                "(the file changed after it was written)); resuming from step 1")
-        assert (f"resume: step {first_step} was saved under another plan: 2 stages (layers 0-2 | 3-5), "
-                "replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks; continuing under ") in outs[0][1]
+            assert lines[0] == (
+                "resume: skipped step 2 (stage-01-replica-0/__0_0.distcp fails its sha256 "
+                "(the file changed after it was written)); resuming from step 1"
+            )
+        assert (
+            f"resume: step {first_step} was saved under another plan: 2 stages (layers 0-2 | 3-5), "
+            "replicas 1,1, 1f1b-flush, 2 micro-batches, 2 ranks; continuing under "
+        ) in outs[0][1]
         assert_params_match(records(tmp_path / f"rec-{plan}"), reference)
         metrics = json.loads((tmp_path / "m.json").read_text())
         assert metrics["first_step"] == first_step
@@ -244,8 +393,11 @@ def test_failed_rank_stops_every_rank(tmp_path: Path, how: str, ranks: int, fail
     layers = [[0, 1], [2, 3], [4, 5]] if ranks == 3 else [[0, 1, 2], [3, 4, 5]]
     make_plan(model, layers, [1] * ranks, "1f1b-rr", batch_size=8).save(tmp_path / "plan.json")
     start = time.monotonic()
-    procs = launch_plain(ranks, [str(tmp_path / "plan.json"), "--model", model, "--steps", "100000",
-                                 "--no-progress"], {"PIPEPLAN_TEST_FAULT": f"{failing}:3:{how}"})
+    procs = launch_plain(
+        ranks,
+        [str(tmp_path / "plan.json"), "--model", model, "--steps", "100000", "--no-progress"],
+        {"PIPEPLAN_TEST_FAULT": f"{failing}:3:{how}"},
+    )
     outs = [p.communicate(timeout=90) for p in procs]
     elapsed = time.monotonic() - start
     codes = [p.returncode for p in procs]
@@ -279,8 +431,21 @@ def test_non_contiguous_downset_plan_trains(tmp_path: Path) -> None:
     plan = make_plan(model, [[0, 1, 3], [2, 4, 5]], [1, 1], "1f1b-flush", batch_size=8, microbatches=2)
     assert [(s.layer_start, s.layer_end) for s in plan.stages] == [(0, 4), (2, 6)]
     plan.save(tmp_path / "plan.json")
-    result = torchrun(2, [str(tmp_path / "plan.json"), "--model", model, "--steps", "3", "--lr", str(LR),
-                          "--no-progress", "--record", str(tmp_path / "rec")])
+    result = torchrun(
+        2,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            "3",
+            "--lr",
+            str(LR),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, _ = train_reference(model, 3, 8, LR)
     assert_params_match(records(tmp_path / "rec"), reference)

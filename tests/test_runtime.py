@@ -15,11 +15,11 @@ from torch import nn
 from pipeplan.errors import InputError, RuntimeFailure
 from pipeplan.modelfile import load_model_file
 from pipeplan.runtime.comm import BACKWARD, FORWARD, TensorSpec, message_tag, short_reason
+from pipeplan.runtime.config import OptimizerConfig, OutputConfig, RunConfig, ScheduleConfig
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.launch import check_world_size, choose_backend, read_env
 from pipeplan.runtime.stage import build_pipeline, stage_of_layers
 from pipeplan.runtime.stash import WeightStash
-from pipeplan.runtime.config import OptimizerConfig, OutputConfig, RunConfig, ScheduleConfig
 from pipeplan.runtime.train import run_training, steps_period
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runtime"
@@ -32,7 +32,9 @@ from reference import train_reference  # noqa: E402
 def test_message_tags_are_unique_per_value_unit_direction_and_header() -> None:
     tags = {
         message_tag(value, 5, unit, direction, header)
-        for value in range(5) for unit in range(40) for direction in (FORWARD, BACKWARD)
+        for value in range(5)
+        for unit in range(40)
+        for direction in (FORWARD, BACKWARD)
         for header in (False, True)
     }
     assert len(tags) == 5 * 40 * 2 * 2
@@ -43,9 +45,16 @@ def test_message_tags_are_unique_per_value_unit_direction_and_header() -> None:
 
 
 def test_tensor_header_round_trip() -> None:
-    for spec in (TensorSpec((4, 3, 2), torch.float32), TensorSpec((7,), torch.int64), TensorSpec((), torch.bfloat16)):
+    for spec in (
+        TensorSpec((4, 3, 2), torch.float32),
+        TensorSpec((7,), torch.int64),
+        TensorSpec((), torch.bfloat16),
+    ):
         assert TensorSpec.decode(spec.encode("cpu")) == spec
-    assert short_reason(RuntimeError("[a/b.cc:1] Timed out waiting 1000ms. This is typically x")) == "Timed out waiting 1000ms"
+    assert (
+        short_reason(RuntimeError("[a/b.cc:1] Timed out waiting 1000ms. This is typically x"))
+        == "Timed out waiting 1000ms"
+    )
 
 
 def test_weight_stash_keeps_the_forward_version_for_backward() -> None:
@@ -158,17 +167,27 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
-def test_one_rank_run_in_process_equals_plain_training(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                       schedule: str) -> None:
+def test_one_rank_run_in_process_equals_plain_training(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str
+) -> None:
     model = str(FIXTURES / "mlp.py")
     plan = make_plan(model, [[0, 1, 2, 3, 4, 5]], [1], schedule, batch_size=8, microbatches=2)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
-    config = RunConfig(plan=plan, model_path=model, steps=3, optim=OptimizerConfig(optimizer="sgd", lr=0.05),
-                       pipeline=ScheduleConfig(schedule=schedule, microbatches=2,
-                                               recompute=schedule == "gpipe"),
-                       outputs=OutputConfig(record_dir=str(tmp_path), progress=False))
+    config = RunConfig(
+        plan=plan,
+        model_path=model,
+        steps=3,
+        optim=OptimizerConfig(optimizer="sgd", lr=0.05),
+        pipeline=ScheduleConfig(schedule=schedule, microbatches=2, recompute=schedule == "gpipe"),
+        outputs=OutputConfig(record_dir=str(tmp_path), progress=False),
+    )
     summary = run_training(config)
     assert summary is not None and summary["steps"] == 3
     reference, losses = train_reference(model, 3, 8, 0.05)
@@ -202,7 +221,9 @@ def test_watchdog_notices_a_silent_rank_and_a_reported_failure() -> None:
     from pipeplan.runtime.failure import Watchdog
 
     port = _free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    master = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
+    )
     seen: dict[int, str] = {}
     done = threading.Event()
 
@@ -210,21 +231,46 @@ def test_watchdog_notices_a_silent_rank_and_a_reported_failure() -> None:
         def on_failure(message: str) -> None:
             seen[rank] = message
             done.set()
+
         return on_failure
 
-    dogs = [Watchdog(r, 2, "127.0.0.1", port, prefix="a/", interval_s=0.05, heartbeat_timeout_s=0.5,
-                     on_failure=catcher(r)) for r in range(2)]
+    dogs = [
+        Watchdog(
+            r,
+            2,
+            "127.0.0.1",
+            port,
+            prefix="a/",
+            interval_s=0.05,
+            heartbeat_timeout_s=0.5,
+            on_failure=catcher(r),
+        )
+        for r in range(2)
+    ]
     for dog in dogs:
         dog.start()
     dogs[1].stop()  # rank 1 goes silent (as if SIGKILLed)
     assert done.wait(5.0)
-    assert seen == {0: seen[0]} and seen[0].startswith("rank 0 stops because rank 1 died or stopped (no heartbeat for")
+    assert seen == {0: seen[0]} and seen[0].startswith(
+        "rank 0 stops because rank 1 died or stopped (no heartbeat for"
+    )
     dogs[0].stop()
 
     seen.clear()
     done.clear()
-    dogs = [Watchdog(r, 2, "127.0.0.1", port, prefix="b/", interval_s=0.05, heartbeat_timeout_s=30.0,
-                     on_failure=catcher(r)) for r in range(2)]
+    dogs = [
+        Watchdog(
+            r,
+            2,
+            "127.0.0.1",
+            port,
+            prefix="b/",
+            interval_s=0.05,
+            heartbeat_timeout_s=30.0,
+            on_failure=catcher(r),
+        )
+        for r in range(2)
+    ]
     for dog in dogs:
         dog.start()
     dogs[1].report("rank 1: boom")

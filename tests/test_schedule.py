@@ -9,7 +9,6 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pipeplan.schedules import actions as actions_module, checks, engine, kinds, orders as orders_module
 from pipeplan.errors import InputError
 from pipeplan.schedules import (
     DEFAULT_SCHEDULE,
@@ -21,8 +20,11 @@ from pipeplan.schedules import (
     Schedule,
     activations_in_flight,
     build_schedule,
+    checks,
+    engine,
     grid,
     interleaved_warmup,
+    kinds,
     names_where,
     peak_in_flight,
     schedule_kind,
@@ -31,6 +33,8 @@ from pipeplan.schedules import (
     warmup_forwards,
     weight_versions,
 )
+from pipeplan.schedules import actions as actions_module
+from pipeplan.schedules import orders as orders_module
 
 
 def orders(schedule: Schedule) -> list[str]:
@@ -83,9 +87,7 @@ step  s0r0  s1r0  s2r0  s3r0
 def test_straight_1f1b_rr_timetable() -> None:
     schedule = build_schedule("1f1b-rr", (1, 1, 1, 1), 8)
     assert grid(schedule) == STRAIGHT_4
-    assert orders(schedule)[0] == (
-        "F0 F1 F2 F3 B0 S0 F4 B1 S1 F5 B2 S2 F6 B3 S3 F7 B4 S4 B5 S5 B6 S6 B7 S7"
-    )
+    assert orders(schedule)[0] == ("F0 F1 F2 F3 B0 S0 F4 B1 S1 F5 B2 S2 F6 B3 S3 F7 B4 S4 B5 S5 B6 S6 B7 S7")
     assert orders(schedule)[3].startswith("F0 B0 S0 F1 B1 S1 F2")
 
 
@@ -374,9 +376,11 @@ def test_every_input_runs_to_completion(
     schedule = build_schedule(name, replicas, k, m, v)
     validate(schedule)
     ranks = [[sum(replicas[:i]) + r for r in range(n)] for i, n in enumerate(replicas)]
-    timeline = engine.run_schedule(schedule, _skip_connections(schedule), ranks, lambda a, b, size: (0.0, 1.0))
+    timeline = engine.run_schedule(
+        schedule, _skip_connections(schedule), ranks, lambda a, b, size: (0.0, 1.0)
+    )
     assert all(len(timeline.ends[w]) == len(schedule.actions[w]) for w in schedule.workers)
-    for (s, r), actions in schedule.actions.items():
+    for (s, _r), actions in schedule.actions.items():
         peak = peak_in_flight(actions)
         if name == "1f1b-flush":  # 1F1B: S - s micro-batches on every replica, the memory model's figure
             assert peak <= min(m, len(replicas) - s)
@@ -403,7 +407,6 @@ def _fitting_args(name: str, replicas: tuple[int, ...], minibatches: int) -> tup
 def test_every_built_schedule_validates(name: str) -> None:
     micro, virtual = _fitting_args(name, (2, 2, 1), 4)
     validate(build_schedule(name, (2, 2, 1), 4, micro, virtual))
-
 
 
 # --------------------------------------------------------------------------- registry
@@ -435,8 +438,11 @@ def test_registry_names_and_facts() -> None:
 def test_registry_engine_runtime_and_default_facts() -> None:
     """What export, the runtime and partition read: torch classes, torchtitan names,
     tensor parallelism, recompute, the flush-period bound and the defaults."""
-    engines = {name: (k.engine.torch_class, k.engine.torchtitan_name) for name, k in SCHEDULE_KINDS.items()
-               if k.engine and name in KNOWN_FACTS}
+    engines = {
+        name: (k.engine.torch_class, k.engine.torchtitan_name)
+        for name, k in SCHEDULE_KINDS.items()
+        if k.engine and name in KNOWN_FACTS
+    }
     assert engines == {
         "1f1b-flush": ("Schedule1F1B", "1F1B"),
         "gpipe": ("ScheduleGPipe", "GPipe"),
@@ -460,7 +466,13 @@ def test_registry_engine_runtime_and_default_facts() -> None:
 @pytest.mark.parametrize(
     "name, replicas, micro, virtual, match",
     [
-        ("interleaved-1f1b", (1, 1), 3, 2, r"micro-batches \(3\) to be a multiple of the 2 pipeline positions"),
+        (
+            "interleaved-1f1b",
+            (1, 1),
+            3,
+            2,
+            r"micro-batches \(3\) to be a multiple of the 2 pipeline positions",
+        ),
         ("interleaved-1f1b", (1, 1), 4, 1, r"virtual stages >= 2 \(got 1\)"),
         ("zb-h1", (1, 1), 4, 2, r"one model chunk per device \(got virtual stages 2\)"),
         ("2bw", (1, 1, 1), 2, 1, r"micro-batches \(2\) >= 3"),
@@ -619,14 +631,16 @@ def test_2bw_timetable_and_versions() -> None:
 def test_2bw_keeps_two_versions(replicas: tuple[int, ...], micro: int) -> None:
     schedule = build_schedule("2bw", replicas, 6, micro)
     validate(schedule)  # includes: versions in use <= 2, each exists when needed
-    for worker, actions in schedule.actions.items():
+    for _worker, actions in schedule.actions.items():
         assert [a.minibatch for a in actions if a.kind == "S"] == list(range(6))
 
 
 def test_validate_catches_a_third_weight_version() -> None:
     # one stage stepping twice before any backward: F0, F1 on version 0, F2 on 1, F3 on 2
     order = tuple(Action.parse(t) for t in "F0 S0 F1 S1 F2 S2 F3 B0 B1 B2 B3 S3".split())
-    with pytest.raises(InputError, match="s0r0: F3 makes 3 weight versions in use, more than the 2 2bw keeps"):
+    with pytest.raises(
+        InputError, match="s0r0: F3 makes 3 weight versions in use, more than the 2 2bw keeps"
+    ):
         validate(Schedule("2bw", (1,), 4, 1, {(0, 0): order}))
     early = tuple(Action.parse(t) for t in "F0 F1 F2 S0 B0 B1 B2 S1 S2".split())
     with pytest.raises(InputError, match="s0r0: F2 needs weight version 1 but only 0 steps ran"):
@@ -656,8 +670,9 @@ def test_plan_virtual_stages_share_the_positions_ranks() -> None:
     from plans import make_plan
 
     model = str(Path(__file__).parent / "fixtures" / "runtime" / "dag.py")
-    plan = make_plan(model, [[0], [1, 2], [3], [4, 5]], [1] * 4, "interleaved-1f1b",
-                     microbatches=2, virtual_stages=2)
+    plan = make_plan(
+        model, [[0], [1, 2], [3], [4, 5]], [1] * 4, "interleaved-1f1b", microbatches=2, virtual_stages=2
+    )
     assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)] and plan.world_size == 2
     assert plan.to_dict()["virtual_stages"] == 2
     moved = dataclasses.replace(plan.stages[2], ranks=(1,))

@@ -87,15 +87,24 @@ def make_plan(
         compute = sum(layer.compute_ms for layer in profile.layers[start:end])
         stage_ranks = ranks[s] if ranks else tuple(range(next_rank, next_rank + n))
         next_rank += n
-        stages.append(
-            StagePlan(s, start, end, n, stage_ranks, compute, 0.0, 0.0, compute / n, 0, 1, 1)
-        )
+        stages.append(StagePlan(s, start, end, n, stage_ranks, compute, 0.0, 0.0, compute / n, 0, 1, 1))
     period = max(stage.time_per_minibatch_ms for stage in stages)
     predicted = Predicted(period, profile.batch_size * 1e3 / period, 1.0, 1.0, period, period)
     return Plan(
-        profile.fingerprint, profile.model, profile.batch_size, profile.dtype, topology,
-        schedule, "pipeplan", optimizer, topology.world_size, noam(replicas), tuple(stages),
-        predicted, 0, microbatches,
+        profile.fingerprint,
+        profile.model,
+        profile.batch_size,
+        profile.dtype,
+        topology,
+        schedule,
+        "pipeplan",
+        optimizer,
+        topology.world_size,
+        noam(replicas),
+        tuple(stages),
+        predicted,
+        0,
+        microbatches,
     )
 
 
@@ -218,7 +227,14 @@ def test_stage_costs_send_skip_connections_once_per_consumer_stage() -> None:
     assert [c.param_bytes for c in costs] == [10, 10, 20]
     result = simulate_plan(plan, profile, record=True)
     names = sorted(e.name for e in result.events() if e.category == "send" and e.minibatch == 0)
-    assert names == ["send B0 ->r0", "send B0 ->r0", "send B0 ->r1", "send F0 ->r1", "send F0 ->r2", "send F0 ->r2"]
+    assert names == [
+        "send B0 ->r0",
+        "send B0 ->r0",
+        "send B0 ->r1",
+        "send F0 ->r1",
+        "send F0 ->r2",
+        "send F0 ->r2",
+    ]
 
 
 def test_memory_counts_versions_optimizer_and_activations() -> None:
@@ -291,8 +307,9 @@ partition_module = pytest.importorskip("pipeplan.planner.partition")
 
 
 def test_simulation_agrees_with_planner_on_straight_pipeline() -> None:
-    profile = make_profile([1.0, 2.0, 1.5, 0.5, 1.0, 3.0, 0.7, 1.2], output_bytes=100_000,
-                           param_bytes=1000, saved_bytes=1000)
+    profile = make_profile(
+        [1.0, 2.0, 1.5, 0.5, 1.0, 3.0, 0.7, 1.2], output_bytes=100_000, param_bytes=1000, saved_bytes=1000
+    )
     options = partition_module.PartitionOptions(straight=True)
     plan = partition_module.partition(profile, make_topology(per_server=4, servers=1), options)
     assert [s.replicas for s in plan.stages] == [1, 1, 1, 1]
@@ -304,8 +321,9 @@ def test_simulation_agrees_with_planner_on_replicated_pipeline() -> None:
     # compute-heavy layers with few parameters, then two light layers with many:
     # the planner replicates the first stage ("7-1"), like PipeDream's VGG plans.
     profile = make_profile([2.0] * 6 + [0.2] * 2, output_bytes=1_000_000)
-    layers = tuple(replace(layer, param_bytes=10_000 if layer.index < 6 else 400_000_000)
-                   for layer in profile.layers)
+    layers = tuple(
+        replace(layer, param_bytes=10_000 if layer.index < 6 else 400_000_000) for layer in profile.layers
+    )
     profile = replace(profile, layers=layers)
     topology = make_topology(per_server=8, servers=1, inside_bytes_per_s=10 * GB)
     plan = partition_module.partition(profile, topology, partition_module.PartitionOptions())
@@ -325,8 +343,13 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
     # ZB-H1 7.5
     assert (name, microbatches) == ("1f1b-rr", 1)
     assert reason.startswith("1f1b-rr (M=1, v=1) simulates 6.000 ms/minibatch")
-    for text in ("1f1b-flush M=4 10.500 ms", "gpipe M=4 10.500 ms", "interleaved-1f1b M=4 8.250 ms",
-                 "2bw M=4 6.000 ms", "zb-h1 M=4 7.500 ms"):
+    for text in (
+        "1f1b-flush M=4 10.500 ms",
+        "gpipe M=4 10.500 ms",
+        "interleaved-1f1b M=4 8.250 ms",
+        "2bw M=4 6.000 ms",
+        "zb-h1 M=4 7.500 ms",
+    ):
         assert text in reason
     # activations dominate (1 GiB per layer): 1F1B-RR keeps 4 minibatches on stage 0,
     # the others at most one; with 3 GiB per device no 1F1B-RR plan fits, 2BW does

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ def _dag_middle(m: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         h2 = torch.tanh(m.b(h1)) + h1
         h4 = torch.tanh(m.d(torch.tanh(m.c(h2))))
         return m.out(h4 + h0) + 0.1 * m.out.weight.sum()  # a weight path that skips the input
+
     return run
 
 
@@ -31,6 +32,7 @@ def _tied_middle(m: torch.nn.Module, tokens: torch.Tensor) -> Callable[[torch.Te
         y = torch.tanh(m.h1(x))
         y = torch.tanh(m.h2(y)) + y + m.wte(tokens)
         return m.head(m.ln(y))
+
     return run
 
 

@@ -16,31 +16,47 @@ from hypothesis import strategies as st
 from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
-from pipeplan.profile import DeviceInfo, LayerProfile, ModuleRecord, Profile
-from pipeplan.topology import DeviceSpec, Level, Topology
 from pipeplan.planner.costs import layer_arrays
 from pipeplan.planner.cuts import prefix_family
 from pipeplan.planner.exhaustive import evaluate, pipelines
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, partition
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.targets import most_stages, target_cuts, target_family
+from pipeplan.profile import DeviceInfo, LayerProfile, ModuleRecord, Profile
+from pipeplan.topology import DeviceSpec, Level, Topology
 
 
-def profile_of(names: list[str], calls: dict[str, int], parameters: list[tuple[str, ...]] | None = None,
-               inputs: list[tuple[int, ...]] | None = None, containers: tuple[str, ...] = (),
-               compute: list[float] | None = None, model_inputs: list[tuple[int, ...]] | None = None) -> Profile:
+def profile_of(
+    names: list[str],
+    calls: dict[str, int],
+    parameters: list[tuple[str, ...]] | None = None,
+    inputs: list[tuple[int, ...]] | None = None,
+    containers: tuple[str, ...] = (),
+    compute: list[float] | None = None,
+    model_inputs: list[tuple[int, ...]] | None = None,
+) -> Profile:
     """A profile whose layer i runs module ``names[i]``; ``calls`` holds every module but the root."""
     n = len(names)
     layers = tuple(
-        LayerProfile(i, names[i], "L", (inputs[i] if inputs else ((i - 1,) if i else ())),
-                     (compute[i] if compute else 1.0) / 2, (compute[i] if compute else 1.0) / 2, 100, 1000, 100,
-                     parameters=parameters[i] if parameters else (), model_inputs=model_inputs[i] if model_inputs
-                     else ((0,) if i == 0 else ()))
+        LayerProfile(
+            i,
+            names[i],
+            "L",
+            (inputs[i] if inputs else ((i - 1,) if i else ())),
+            (compute[i] if compute else 1.0) / 2,
+            (compute[i] if compute else 1.0) / 2,
+            100,
+            1000,
+            100,
+            parameters=parameters[i] if parameters else (),
+            model_inputs=model_inputs[i] if model_inputs else ((0,) if i == 0 else ()),
+        )
         for i in range(n)
     )
     modules = (ModuleRecord("", "M", 1),) + tuple(
         ModuleRecord(name, "ModuleList" if name in containers else "L", count, name in containers)
-        for name, count in calls.items())
+        for name, count in calls.items()
+    )
     return Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers, modules=modules)
 
 
@@ -52,13 +68,19 @@ def test_pipelining_cuts_before_modules_called_once() -> None:
     profile = profile_of(["a", "b", "drop", "add_1", "drop", "c"], {"a": 1, "b": 1, "drop": 2, "c": 1})
     cuts = target_cuts(profile, "pipelining")
     assert cuts.allowed == (1, 5)
-    assert cuts.blocked == {2: "drop (called 2 times per forward pass)", 3: "add_1 (a functional op, not a module)",
-                            4: "drop (called 2 times per forward pass)"}
+    assert cuts.blocked == {
+        2: "drop (called 2 times per forward pass)",
+        3: "add_1 (a functional op, not a module)",
+        4: "drop (called 2 times per forward pass)",
+    }
 
 
 def test_a_shared_parameter_blocks_every_boundary_between_its_users() -> None:
-    profile = profile_of(["wte", "b", "c", "head"], {"wte": 1, "b": 1, "c": 1, "head": 1},
-                         parameters=[("wte.weight",), ("b.weight",), ("c.weight",), ("wte.weight",)])
+    profile = profile_of(
+        ["wte", "b", "c", "head"],
+        {"wte": 1, "b": 1, "c": 1, "head": 1},
+        parameters=[("wte.weight",), ("b.weight",), ("c.weight",), ("wte.weight",)],
+    )
     cuts = target_cuts(profile, "pipelining")
     assert cuts.allowed == ()
     assert set(cuts.blocked) == {1, 2, 3}
@@ -68,12 +90,27 @@ def test_a_shared_parameter_blocks_every_boundary_between_its_users() -> None:
 def test_torchtitan_cuts_between_units_only() -> None:
     # units: embed | layers.0 (2 layers) | layers.1 (2 layers) | head; "layers" is a ModuleList
     names = ["embed", "layers.0.x", "layers.0.y", "layers.1.x", "layers.1.y", "head"]
-    calls = {"embed": 1, "layers": 0, "layers.0": 1, "layers.0.x": 1, "layers.0.y": 1, "layers.1": 1,
-             "layers.1.x": 1, "layers.1.y": 1, "head": 1}
+    calls = {
+        "embed": 1,
+        "layers": 0,
+        "layers.0": 1,
+        "layers.0.x": 1,
+        "layers.0.y": 1,
+        "layers.1": 1,
+        "layers.1.x": 1,
+        "layers.1.y": 1,
+        "head": 1,
+    }
     cuts = target_cuts(profile_of(names, calls, containers=("layers",)), "torchtitan")
     assert cuts.allowed == (1, 3, 5)
     assert cuts.blocked[2] == "layers.0 (L, a unit torchtitan keeps whole)"
-    assert target_cuts(profile_of(names, calls, containers=("layers",)), "pipelining").allowed == (1, 2, 3, 4, 5)
+    assert target_cuts(profile_of(names, calls, containers=("layers",)), "pipelining").allowed == (
+        1,
+        2,
+        3,
+        4,
+        5,
+    )
 
 
 def test_torchtitan_refuses_a_functional_op_of_the_root() -> None:
@@ -83,8 +120,9 @@ def test_torchtitan_refuses_a_functional_op_of_the_root() -> None:
 
 def test_several_model_inputs_stay_in_the_first_stage() -> None:
     # input 1 (a mask) is read by layers 2 and 3: the first stage must hold both
-    profile = profile_of(["a", "b", "c", "d", "e"], {k: 1 for k in "abcde"},
-                         model_inputs=[(0,), (), (1,), (1,), ()])
+    profile = profile_of(
+        ["a", "b", "c", "d", "e"], dict.fromkeys("abcde", 1), model_inputs=[(0,), (), (1,), (1,), ()]
+    )
     assert target_cuts(profile, "pipelining").allowed == (4,)
 
 
@@ -93,8 +131,10 @@ def test_a_profile_without_the_module_tree_refuses_in_one_line() -> None:
     old = Profile.from_dict({**profile.to_dict(), "modules": []})
     with pytest.raises(InputError) as error:
         target_cuts(old, "pipelining")
-    assert str(error.value) == ("the profile of m has no module tree (made before pipeplan recorded it, or not "
-                                "measured by `pipeplan profile`): re-profile the model to plan --for pipelining")
+    assert str(error.value) == (
+        "the profile of m has no module tree (made before pipeplan recorded it, or not "
+        "measured by `pipeplan profile`): re-profile the model to plan --for pipelining"
+    )
 
 
 def test_family_holds_the_prefixes_at_allowed_boundaries() -> None:
@@ -106,25 +146,35 @@ def test_family_holds_the_prefixes_at_allowed_boundaries() -> None:
 
 def test_no_output_jumps_over_a_stage() -> None:
     # layer 0 feeds layer 3 (a skip): the middle stage of a cut at 1 and at 2 would be jumped over
-    profile = profile_of(["a", "b", "c", "d"], {k: 1 for k in "abcd"}, inputs=[(), (0,), (1,), (0, 2)])
+    profile = profile_of(["a", "b", "c", "d"], dict.fromkeys("abcd", 1), inputs=[(), (0,), (1,), (0, 2)])
     family = target_family(target_cuts(profile, "pipelining"), profile)
     assert family.states == 5  # {}, 1, 2, 3 layers, all
     ok = family.nested(4, 5)  # ok[length, start]
     middle = [(start, start + length) for length in range(1, 4) for start in range(1, 4 - length)]
     assert middle == [(1, 2), (2, 3), (1, 3)] and not any(ok[j - i, i] for i, j in middle)
     assert all(ok[j - i, i] for i, j in [(0, 1), (0, 2), (0, 3), (1, 4), (2, 4), (3, 4), (0, 4)])
-    plan = partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 3, 1e9),)),
-                     PartitionOptions(schedule="gpipe", straight=True, microbatches=8, use_fewer_devices=True,
-                                      export_target="pipelining"))
+    plan = partition(
+        profile,
+        Topology("t", DeviceSpec("d", 10**9), (Level("l", 3, 1e9),)),
+        PartitionOptions(
+            schedule="gpipe",
+            straight=True,
+            microbatches=8,
+            use_fewer_devices=True,
+            export_target="pipelining",
+        ),
+    )
     assert len(plan.stages) == 2  # three stages would need a middle one
-
 
 
 def test_torchs_own_split_rules_out_stages_and_cuts() -> None:
     # pipeplan's layers are a chain; torch's pieces pass a value from before layer 1 to layer 2
     # (a mask built before the blocks) and cannot cut before layer 3 (a view would cross)
-    profile = replace(profile_of(["a", "b", "c", "d", "e"], {k: 1 for k in "abcde"}),
-                      pipelining_reach=(0, 2, 2, 3, 4), pipelining_blocked=("", "", "", "a view", ""))
+    profile = replace(
+        profile_of(["a", "b", "c", "d", "e"], dict.fromkeys("abcde", 1)),
+        pipelining_reach=(0, 2, 2, 3, 4),
+        pipelining_blocked=("", "", "", "a view", ""),
+    )
     cuts = target_cuts(profile, "pipelining")
     assert cuts.allowed == (1, 2, 4) and cuts.blocked == {3: "d (torch's own cut there: a view)"}
     assert target_cuts(profile, "torchtitan").allowed == (1, 2, 3, 4)  # torch's split is pipelining's alone
@@ -133,18 +183,32 @@ def test_torchs_own_split_rules_out_stages_and_cuts() -> None:
     assert not ok[1, 1]  # the stage [1, 2): layer 2 reads a value from before layer 1
     assert ok[2, 1] and ok[1, 0] and ok[1, 2] and ok[1, 3]  # [1, 4), [0, 1), [2, 4), [4, 5)
     assert most_stages(family) == 3
-    plan = partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
-                     PartitionOptions(schedule="gpipe", straight=True, microbatches=8, use_fewer_devices=True,
-                                      export_target="pipelining"))
+    plan = partition(
+        profile,
+        Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
+        PartitionOptions(
+            schedule="gpipe",
+            straight=True,
+            microbatches=8,
+            use_fewer_devices=True,
+            export_target="pipelining",
+        ),
+    )
     assert [stage.layer_start for stage in plan.stages] == [0, 2, 4]  # equal layers: the 2|2|1 split
     with pytest.raises(InputError, match=r"can run m on at most 3 stage\(s\), not 4: .* --max-stages 3$"):
-        partition(profile, Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
-                  PartitionOptions(schedule="gpipe", straight=True, microbatches=8, export_target="pipelining"))
+        partition(
+            profile,
+            Topology("t", DeviceSpec("d", 10**9), (Level("l", 4, 1e9),)),
+            PartitionOptions(schedule="gpipe", straight=True, microbatches=8, export_target="pipelining"),
+        )
 
 
 def test_torchs_split_round_trips_and_is_validated(tmp_path: Path) -> None:
-    profile = replace(profile_of(["a", "b", "c"], {k: 1 for k in "abc"}), pipelining_reach=(0, 2, -1),
-                      pipelining_blocked=("", "", "no op follows the cut"))
+    profile = replace(
+        profile_of(["a", "b", "c"], dict.fromkeys("abc", 1)),
+        pipelining_reach=(0, 2, -1),
+        pipelining_blocked=("", "", "no op follows the cut"),
+    )
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
     with pytest.raises(InputError, match="pipelining_reach must hold 3 layer indices"):
@@ -171,8 +235,10 @@ def restricted_cases(draw):
             calls[name] = 2 if kind == "twice" else 1
     tied = draw(st.one_of(st.none(), st.tuples(st.integers(0, n - 1), st.integers(0, n - 1))))
     parameters = [(f"p{i}",) + (("tied",) if tied and i in tied else ()) for i in range(n)]
-    inputs = [tuple(sorted({i - 1, *draw(st.lists(st.integers(0, max(i - 2, 0)), max_size=1))})) if i else ()
-              for i in range(n)]
+    inputs = [
+        tuple(sorted({i - 1, *draw(st.lists(st.integers(0, max(i - 2, 0)), max_size=1))})) if i else ()
+        for i in range(n)
+    ]
     compute = [draw(st.floats(0.1, 5)) for _ in range(n)]
     profile = profile_of(names, calls, parameters, inputs, compute=compute)
     if draw(st.booleans()):  # torch's own split: how far back values reach, and cuts it cannot make
@@ -183,7 +249,10 @@ def restricted_cases(draw):
     levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
     topology = Topology("t", DeviceSpec("d", draw(st.sampled_from([10**9, 40_000, 20_000]))), levels)
     options = PartitionOptions(
-        schedule="gpipe", straight=True, microbatches=8, use_fewer_devices=draw(st.booleans()),
+        schedule="gpipe",
+        straight=True,
+        microbatches=8,
+        use_fewer_devices=draw(st.booleans()),
         cost_model=draw(st.sampled_from(["pipeplan", "pipedream"])),
         export_target=draw(st.sampled_from(["pipelining", "torchtitan"])),
     )
@@ -195,14 +264,23 @@ def brute_force(profile: Profile, topology: Topology, options: PartitionOptions,
     layers and whose every layer output reaches at most the next stage."""
     arrays = layer_arrays(profile, charged_optimizer(options), prefix_family(len(profile.layers)))
     best = math.inf
-    for tree in pipelines(len(topology.levels), 0, arrays.layers, topology.levels[-1].count, topology, options):
+    for tree in pipelines(
+        len(topology.levels), 0, arrays.layers, topology.levels[-1].count, topology, options
+    ):
         flat = flatten(tree, topology)
         stage_of = [q for q, stage in enumerate(flat) for _ in range(stage.start, stage.end)]
         torch_reach = profile.pipelining_reach if options.export_target == "pipelining" else ()
-        if all(stage.start == 0 or stage.start in allowed for stage in flat) and all(
-                stage_of[layer.index] - stage_of[p] <= 1 for layer in profile.layers for p in layer.inputs) and all(
-                q == len(flat) - 1 or stage.end > torch_reach[stage.start] for q, stage in enumerate(flat)
-                if torch_reach):
+        if (
+            all(stage.start == 0 or stage.start in allowed for stage in flat)
+            and all(
+                stage_of[layer.index] - stage_of[p] <= 1 for layer in profile.layers for p in layer.inputs
+            )
+            and all(
+                q == len(flat) - 1 or stage.end > torch_reach[stage.start]
+                for q, stage in enumerate(flat)
+                if torch_reach
+            )
+        ):
             best = min(best, evaluate(tree, arrays, topology, options))
     return best
 
@@ -239,15 +317,37 @@ def cli_partition(*args: str):
 
 def test_cli_prints_the_price_and_records_the_target(tmp_path: Path) -> None:
     # the unrestricted optimum cuts before layer 2 (a module called twice): --for pays for it
-    profile = profile_of(["a", "b", "drop", "c", "drop"], {"a": 1, "b": 1, "drop": 2, "c": 1},
-                         compute=[2.0, 2.0, 1.0, 1.0, 2.0])
+    profile = profile_of(
+        ["a", "b", "drop", "c", "drop"],
+        {"a": 1, "b": 1, "drop": 2, "c": 1},
+        compute=[2.0, 2.0, 1.0, 1.0, 2.0],
+    )
     profile.save(tmp_path / "profile.json")
     topology = "local-cpu"  # 2 devices
-    free = cli_partition(str(tmp_path / "profile.json"), "--topology", topology, "--straight",
-                         "--schedule", "1f1b-flush", "--microbatches", "8", "-o", str(tmp_path / "free.json"))
+    free = cli_partition(
+        str(tmp_path / "profile.json"),
+        "--topology",
+        topology,
+        "--straight",
+        "--schedule",
+        "1f1b-flush",
+        "--microbatches",
+        "8",
+        "-o",
+        str(tmp_path / "free.json"),
+    )
     assert free.exit_code == 0, free.output
-    restricted = cli_partition(str(tmp_path / "profile.json"), "--topology", topology, "--for", "pipelining",
-                               "--microbatches", "8", "-o", str(tmp_path / "plan.json"))
+    restricted = cli_partition(
+        str(tmp_path / "profile.json"),
+        "--topology",
+        topology,
+        "--for",
+        "pipelining",
+        "--microbatches",
+        "8",
+        "-o",
+        str(tmp_path / "plan.json"),
+    )
     assert restricted.exit_code == 0, restricted.output
     plan, best = Plan.load(tmp_path / "plan.json"), Plan.load(tmp_path / "free.json")
     assert plan.export_target == "pipelining" and plan.schedule == "1f1b-flush"
@@ -255,40 +355,72 @@ def test_cli_prints_the_price_and_records_the_target(tmp_path: Path) -> None:
     ours, theirs = plan.predicted.time_per_minibatch_ms, best.predicted.time_per_minibatch_ms
     assert ours > theirs
     line = [text for text in restricted.output.splitlines() if text.startswith("--for pipelining")]
-    assert line == [f"--for pipelining: {ours:.3f} ms/minibatch predicted with the cuts torch.distributed.pipelining "
-                    f"can express; the best plan with any cut (same schedule, one device per stage): {theirs:.3f} "
-                    f"ms/minibatch, {(ours / theirs - 1) * 100:+.1f}%"]
+    assert line == [
+        f"--for pipelining: {ours:.3f} ms/minibatch predicted with the cuts torch.distributed.pipelining "
+        f"can express; the best plan with any cut (same schedule, one device per stage): {theirs:.3f} "
+        f"ms/minibatch, {(ours / theirs - 1) * 100:+.1f}%"
+    ]
     assert json.loads((tmp_path / "plan.json").read_text())["export_target"] == "pipelining"
 
 
 def test_cli_names_what_blocks_when_no_cut_is_left(tmp_path: Path) -> None:
-    profile = profile_of(["wte", "drop", "drop", "head"], {"wte": 1, "drop": 2, "head": 1},
-                         parameters=[("wte.weight",), (), (), ("wte.weight",)])
+    profile = profile_of(
+        ["wte", "drop", "drop", "head"],
+        {"wte": 1, "drop": 2, "head": 1},
+        parameters=[("wte.weight",), (), (), ("wte.weight",)],
+    )
     profile.save(tmp_path / "profile.json")
-    result = cli_partition(str(tmp_path / "profile.json"), "--topology", "local-cpu", "--for", "pipelining",
-                           "--microbatches", "2", "-o", str(tmp_path / "plan.json"))
+    result = cli_partition(
+        str(tmp_path / "profile.json"),
+        "--topology",
+        "local-cpu",
+        "--for",
+        "pipelining",
+        "--microbatches",
+        "2",
+        "-o",
+        str(tmp_path / "plan.json"),
+    )
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "error: --for pipelining: torch.distributed.pipelining can cut m at no layer boundary, too few for 2 "
         "stages; blocked by drop (called 2 times per forward pass) at 2 boundaries, parameter wte.weight (used by "
-        "layers 0 (wte) and 3 (head)) at 1 boundary (pass --use-fewer-devices or --max-stages 1)"]
+        "layers 0 (wte) and 3 (head)) at 1 boundary (pass --use-fewer-devices or --max-stages 1)"
+    ]
     assert not (tmp_path / "plan.json").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--schedule", "1f1b-rr"], "--for pipelining plans 1f1b-flush, gpipe (got --schedule 1f1b-rr): "
-                                "torch.distributed.pipelining runs flush schedules, and pipeplan restricts the "
-                                "cuts of one chunk per device"),
-    (["--schedule", "auto"], "--for pipelining plans 1f1b-flush or gpipe: pass one with --schedule, not auto"),
-    (["--microbatches", "1"], "--for pipelining: 1f1b-flush runs as Schedule1F1B, which needs a micro-batch per "
-                              "stage: --microbatches 1 on up to 2 stages (pass --microbatches 2 or more, or "
-                              "--max-stages 1)"),
-    (["--microbatches", "3"], "--for pipelining: the batch of 8 samples does not split into 3 equal "
-                              "micro-batches, as torch.distributed.pipelining splits it"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--schedule", "1f1b-rr"],
+            "--for pipelining plans 1f1b-flush, gpipe (got --schedule 1f1b-rr): "
+            "torch.distributed.pipelining runs flush schedules, and pipeplan restricts the "
+            "cuts of one chunk per device",
+        ),
+        (
+            ["--schedule", "auto"],
+            "--for pipelining plans 1f1b-flush or gpipe: pass one with --schedule, not auto",
+        ),
+        (
+            ["--microbatches", "1"],
+            "--for pipelining: 1f1b-flush runs as Schedule1F1B, which needs a micro-batch per "
+            "stage: --microbatches 1 on up to 2 stages (pass --microbatches 2 or more, or "
+            "--max-stages 1)",
+        ),
+        (
+            ["--microbatches", "3"],
+            "--for pipelining: the batch of 8 samples does not split into 3 equal "
+            "micro-batches, as torch.distributed.pipelining splits it",
+        ),
+    ],
+)
 def test_cli_refuses_what_the_target_cannot_run(tmp_path: Path, args: list[str], message: str) -> None:
     profile_of(["a", "b", "c"], {"a": 1, "b": 1, "c": 1}).save(tmp_path / "profile.json")
-    result = cli_partition(str(tmp_path / "profile.json"), "--topology", "local-cpu", "--for", "pipelining", *args)
+    result = cli_partition(
+        str(tmp_path / "profile.json"), "--topology", "local-cpu", "--for", "pipelining", *args
+    )
     assert result.exit_code == 2 and result.output.strip().splitlines() == [f"error: {message}"]
 
 
@@ -309,8 +441,10 @@ def test_module_tree_round_trips_and_old_profiles_load(tmp_path: Path) -> None:
             layer.pop(key)
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert Profile.load(tmp_path / "old.json").modules == ()
-    bad = {**profile.to_dict(), "modules": [{"name": "", "type": "M", "calls": 1}, {"name": "a", "type": "L",
-                                                                                     "calls": -1}]}
+    bad = {
+        **profile.to_dict(),
+        "modules": [{"name": "", "type": "M", "calls": 1}, {"name": "a", "type": "L", "calls": -1}],
+    }
     with pytest.raises(InputError, match=r"profile module 'a': calls = -1 is outside"):
         Profile.from_dict(bad)
 

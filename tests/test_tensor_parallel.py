@@ -8,29 +8,49 @@ import pytest
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
-from pipeplan.profile import DeviceInfo, LayerProfile, Profile
-from pipeplan.topology import DeviceSpec, Level, Topology
 from pipeplan.planner import tp_pricing as tp
 from pipeplan.planner.costs import ring_allreduce_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.simulate import simulate_plan
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.schedules import SCHEDULE_KINDS, names_where, or_list
+from pipeplan.topology import DeviceSpec, Level, Topology
 
 
 def block(i: int, heads: int = 8, compute: float = 9.0) -> LayerProfile:
     """A transformer block: 1/9 of its time and 1/40 of its weights repeated on every rank."""
     return LayerProfile(
-        i, f"h.{i}", "Block", (i - 1,) if i else (), compute / 3, 2 * compute / 3, 1000, 4000, 2000,
-        tp_units=heads, tp_split_forward_ms=compute / 3 * 8 / 9, tp_split_backward_ms=2 * compute / 3 * 8 / 9,
-        tp_split_param_bytes=3900, tp_split_saved_bytes=1500, tp_allreduce_bytes=1000,
-        tp_forward_allreduces=2, tp_backward_allreduces=2,
+        i,
+        f"h.{i}",
+        "Block",
+        (i - 1,) if i else (),
+        compute / 3,
+        2 * compute / 3,
+        1000,
+        4000,
+        2000,
+        tp_units=heads,
+        tp_split_forward_ms=compute / 3 * 8 / 9,
+        tp_split_backward_ms=2 * compute / 3 * 8 / 9,
+        tp_split_param_bytes=3900,
+        tp_split_saved_bytes=1500,
+        tp_allreduce_bytes=1000,
+        tp_forward_allreduces=2,
+        tp_backward_allreduces=2,
     )
 
 
 def gpt(n: int = 4, heads: int = 8) -> Profile:
-    return Profile("m", "fp", DeviceInfo("cuda", "x"), 8, "float32", tuple(block(i, heads) for i in range(n)),
-                   optimizer_ms={"sgd": 1.0})
+    return Profile(
+        "m",
+        "fp",
+        DeviceInfo("cuda", "x"),
+        8,
+        "float32",
+        tuple(block(i, heads) for i in range(n)),
+        optimizer_ms={"sgd": 1.0},
+    )
 
 
 def topology(inner: int = 4, outer: int = 2, memory: int = 10**6) -> Topology:
@@ -55,13 +75,21 @@ def test_split_profile_costs_by_hand():
 def test_degrees_and_one_line_refusals():
     assert tp.degrees(gpt(heads=8), topology(inner=8), None) == [1, 2, 4, 8]
     assert tp.degrees(gpt(heads=6), topology(inner=8), None) == [1, 2]
-    plain = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32",
-                    (LayerProfile(0, "l0", "Linear", (), 1.0, 2.0, 4, 4, 4),))
+    plain = Profile(
+        "m",
+        "fp",
+        DeviceInfo("cpu", "x"),
+        8,
+        "float32",
+        (LayerProfile(0, "l0", "Linear", (), 1.0, 2.0, 4, 4, 4),),
+    )
     assert tp.degrees(plain, topology(), None) == [1]
     with pytest.raises(InputError) as e:
         partition(gpt(heads=6), topology(inner=6), PartitionOptions(tensor_parallel=4))
     assert "\n" not in str(e.value) and "innermost level" in str(e.value)
-    with pytest.raises(InputError, match=r"^tensor-parallel degree 4 does not divide layer 0 \(h.0\)'s 6 heads"):
+    with pytest.raises(
+        InputError, match=r"^tensor-parallel degree 4 does not divide layer 0 \(h.0\)'s 6 heads"
+    ):
         partition(gpt(heads=6), topology(inner=8), PartitionOptions(tensor_parallel=4))
     with pytest.raises(InputError, match="no layer of profile m splits"):
         partition(plain, topology(), PartitionOptions(tensor_parallel=2))
@@ -109,14 +137,26 @@ def test_schedules_the_runtime_cannot_split_plan_degree_one(schedule):
     options = PartitionOptions(schedule=schedule, optimizer="adam", microbatches=micro)
     assert {s.tensor_parallel for s in partition(profile, top, options).stages} == {1}
     allowed = or_list(names_where(lambda kind: kind.runs_tensor_parallel))
-    with pytest.raises(InputError, match=rf"^tensor-parallel degree 2 with schedule {schedule}: pipeplan runs "
-                                          rf"split stages with {allowed} only$"):
+    with pytest.raises(
+        InputError,
+        match=rf"^tensor-parallel degree 2 with schedule {schedule}: pipeplan runs "
+        rf"split stages with {allowed} only$",
+    ):
         partition(profile, top, replace(options, tensor_parallel=2))
 
 
 def test_plans_without_split_layers_are_unchanged():
-    plain = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(
-        LayerProfile(i, f"l{i}", "Linear", (i - 1,) if i else (), 1.0 + i, 2.0, 400, 4000, 400) for i in range(4)))
+    plain = Profile(
+        "m",
+        "fp",
+        DeviceInfo("cpu", "x"),
+        8,
+        "float32",
+        tuple(
+            LayerProfile(i, f"l{i}", "Linear", (i - 1,) if i else (), 1.0 + i, 2.0, 400, 4000, 400)
+            for i in range(4)
+        ),
+    )
     top = topology()
     plan = partition(plain, top, PartitionOptions(tensor_parallel=None))
     assert plan == partition(plain, top, PartitionOptions(tensor_parallel=1))
@@ -124,8 +164,11 @@ def test_plans_without_split_layers_are_unchanged():
 
 
 def test_plan_round_trip_and_group_view(tmp_path):
-    plan = partition(gpt(4), topology(memory=10**9), PartitionOptions(schedule="1f1b-flush", microbatches=2,
-                                                                      tensor_parallel=2))
+    plan = partition(
+        gpt(4),
+        topology(memory=10**9),
+        PartitionOptions(schedule="1f1b-flush", microbatches=2, tensor_parallel=2),
+    )
     path = tmp_path / "plan.json"
     plan.save(path)
     raw = json.loads(path.read_text())
@@ -184,18 +227,50 @@ def test_partition_cli_refuses_bad_degrees_in_one_line(tmp_path):
     gpt(4, heads=6).save(profile)
     runner = CliRunner()
     for degree, message in [
-        ("16", "error: tensor-parallel degree 16 does not fit one server of 8 devices: tensor-parallel groups stay "
-               "within the topology's innermost level (its fastest links), so t must divide 8"),
-        ("4", "error: tensor-parallel degree 4 does not divide layer 0 (h.0)'s 6 heads (or vocabulary entries)"),
+        (
+            "16",
+            "error: tensor-parallel degree 16 does not fit one server of 8 devices: tensor-parallel groups stay "
+            "within the topology's innermost level (its fastest links), so t must divide 8",
+        ),
+        (
+            "4",
+            "error: tensor-parallel degree 4 does not divide layer 0 (h.0)'s 6 heads (or vocabulary entries)",
+        ),
         ("two", "error: --tensor-parallel must be a positive integer or auto (got 'two')"),
     ]:
         out = tmp_path / f"plan-{degree}.json"
-        result = runner.invoke(cli, ["partition", str(profile), "--topology", "cluster-b", "--tensor-parallel", degree,
-                                     "-o", str(out)])
+        result = runner.invoke(
+            cli,
+            [
+                "partition",
+                str(profile),
+                "--topology",
+                "cluster-b",
+                "--tensor-parallel",
+                degree,
+                "-o",
+                str(out),
+            ],
+        )
         assert result.exit_code == 2 and result.output.strip() == message
         assert not out.exists()
-    result = runner.invoke(cli, ["partition", str(profile), "--topology", "cluster-b", "--tensor-parallel", "2",
-                                 "--schedule", "1f1b-flush", "--microbatches", "4", "-o", str(tmp_path / "p.json")])
+    result = runner.invoke(
+        cli,
+        [
+            "partition",
+            str(profile),
+            "--topology",
+            "cluster-b",
+            "--tensor-parallel",
+            "2",
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            "4",
+            "-o",
+            str(tmp_path / "p.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "tensor-parallel 2" in result.output
     assert {s.tensor_parallel for s in Plan.load(tmp_path / "p.json").stages} == {2}

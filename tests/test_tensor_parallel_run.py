@@ -26,11 +26,11 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
+from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
+
 from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
-from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
-from pipeplan.tensor_parallel.plans import resolve_splits  # noqa: E402
 from pipeplan.runtime.config import (  # noqa: E402
     BuildConfig,
     CheckpointConfig,
@@ -38,8 +38,9 @@ from pipeplan.runtime.config import (  # noqa: E402
     RunConfig,
     ScheduleConfig,
 )
+from pipeplan.runtime.stage import PipelineSpec, build_pipeline  # noqa: E402
 from pipeplan.runtime.train import _check_tensor_parallel  # noqa: E402
-from test_run_torchrun import FIXTURES, LR, assert_params_match, records, torchrun  # noqa: E402
+from pipeplan.tensor_parallel.plans import resolve_splits  # noqa: E402
 
 sys.path.insert(0, str(FIXTURES))
 from plans import make_plan  # noqa: E402
@@ -52,7 +53,9 @@ BERT = str(ROOT / "tests" / "fixtures" / "models" / "hf_bert.py")  # 2 heads, id
 USER_PLAN = str(ROOT / "tests" / "fixtures" / "models" / "tp_plan_mlp.py")  # 8 layers, TP_PLAN
 BUNDLED_GPT = str(ROOT / "configs" / "models" / "gpt.py")
 MLP = str(FIXTURES / "mlp.py")
-LLAMA = str(ROOT / "tests" / "fixtures" / "models" / "hf_family.py")  # LlamaForCausalLM: 4 heads, 2 kv heads, untied
+LLAMA = str(
+    ROOT / "tests" / "fixtures" / "models" / "hf_family.py"
+)  # LlamaForCausalLM: 4 heads, 2 kv heads, untied
 STEPS, BATCH, CLIP = 2, 8, 0.05
 pytestmark = pytest.mark.slow  # whole models (Llama, BERT, GPT-2) split over ranks
 
@@ -66,18 +69,31 @@ def _layers(model: str) -> int:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model,replicas,stages", [
-    (GPT2, 1, 2),  # t=2 x p=2
-    (BERT, 2, 1),  # t=2 x d=2
-    (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
-    (LLAMA, 2, 1),  # t=2 x d=2 (t=2 x p=2: the planner's plan, below)
-    (BUNDLED_GPT, 1, 2),  # fx capture: Megatron's collectives around nn.Linear calls
-], ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2", "llama-t2xd2", "gpt-t2xp2"])
-def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str, replicas: int, stages: int) -> None:
+@pytest.mark.parametrize(
+    "model,replicas,stages",
+    [
+        (GPT2, 1, 2),  # t=2 x p=2
+        (BERT, 2, 1),  # t=2 x d=2
+        (USER_PLAN, 1, 2),  # the model file's TP_PLAN, t=2 x p=2
+        (LLAMA, 2, 1),  # t=2 x d=2 (t=2 x p=2: the planner's plan, below)
+        (BUNDLED_GPT, 1, 2),  # fx capture: Megatron's collectives around nn.Linear calls
+    ],
+    ids=["gpt2-t2xp2", "bert-t2xd2", "tp_plan-t2xp2", "llama-t2xd2", "gpt-t2xp2"],
+)
+def test_tensor_parallel_flush_matches_single_process(
+    tmp_path: Path, model: str, replicas: int, stages: int
+) -> None:
     n = _layers(model)
     cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
-    plan = make_plan(model, cut, [replicas] * stages, "1f1b-flush", batch_size=BATCH, microbatches=2,
-                     tensor_parallel=[2] * stages)
+    plan = make_plan(
+        model,
+        cut,
+        [replicas] * stages,
+        "1f1b-flush",
+        batch_size=BATCH,
+        microbatches=2,
+        tensor_parallel=[2] * stages,
+    )
     plan.save(tmp_path / "plan.json")
     _run_matches_single_process(tmp_path, model, replicas, stages)
 
@@ -85,10 +101,28 @@ def test_tensor_parallel_flush_matches_single_process(tmp_path: Path, model: str
 def _train_on_four_ranks(tmp_path: Path, model: str, lr: float) -> dict:
     """``tmp_path/plan.json`` trained on 4 ranks for STEPS steps (clipped, recorded, logged):
     each rank's record."""
-    result = torchrun(4, [str(tmp_path / "plan.json"), "--model", model, "--steps", str(STEPS), "--lr", str(lr),
-                          "--clip-grad-norm", str(CLIP), "--no-progress", "--record", str(tmp_path / "rec"),
-                          "--metrics", str(tmp_path / "metrics.json"), "--log-dir", str(tmp_path / "log")],
-                      timeout=240.0)
+    result = torchrun(
+        4,
+        [
+            str(tmp_path / "plan.json"),
+            "--model",
+            model,
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(lr),
+            "--clip-grad-norm",
+            str(CLIP),
+            "--no-progress",
+            "--record",
+            str(tmp_path / "rec"),
+            "--metrics",
+            str(tmp_path / "metrics.json"),
+            "--log-dir",
+            str(tmp_path / "log"),
+        ],
+        timeout=240.0,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     recs = records(tmp_path / "rec")
     assert sorted(recs) == [0, 1, 2, 3]
@@ -101,7 +135,9 @@ def _run_matches_single_process(tmp_path: Path, model: str, replicas: int, stage
     recs = _train_on_four_ranks(tmp_path, model, LR)
     ref = train_reference_loop(model, STEPS, BATCH, lambda p: torch.optim.SGD(p, lr=LR), clip_grad_norm=CLIP)
     assert min(ref["norms"]) > CLIP  # every step clips: the norm over split gradients counts
-    assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(ref["norms"], rel=1e-5)
+    assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(
+        ref["norms"], rel=1e-5
+    )
     assert_params_match(recs, ref["params"])  # every rank: whole parameters equal to plain training
     losses = ref["losses"]
     for rank, rec in recs.items():  # replica-major groups: ranks 2r, 2r+1 form one replica
@@ -122,8 +158,11 @@ def test_llama_profile_partition_run_with_tensor_parallel(tmp_path: Path) -> Non
     profile = profile_model(LLAMA, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
     profile.save(tmp_path / "profile.json")
     split = {layer.name: layer for layer in profile.layers if layer.splits}
-    assert sorted(split) == ["lm_head", "model.embed_tokens", *(f"model.layers.{i}.{m}" for i in range(2)
-                                                                 for m in ("mlp", "self_attn"))]
+    assert sorted(split) == [
+        "lm_head",
+        "model.embed_tokens",
+        *(f"model.layers.{i}.{m}" for i in range(2) for m in ("mlp", "self_attn")),
+    ]
     attention, mlp = split["model.layers.0.self_attn"], split["model.layers.0.mlp"]
     assert attention.tp_units == 2  # gcd of 4 heads and 2 key/value heads
     assert attention.tp_split_param_bytes == (32 * 32 + 2 * 16 * 32 + 32 * 32) * 4  # q, k, v, o (no biases)
@@ -135,20 +174,42 @@ def test_llama_profile_partition_run_with_tensor_parallel(tmp_path: Path) -> Non
     assert (embedding.tp_forward_allreduces, embedding.tp_backward_allreduces) == (1, 0)
     assert (split["lm_head"].tp_forward_allreduces, split["lm_head"].tp_backward_allreduces) == (0, 1)
     for layer in split.values():  # measured shares: within the layer's own figures
-        assert 0 <= layer.tp_split_forward_ms <= layer.forward_ms and 0 <= layer.tp_split_saved_bytes <= layer.saved_bytes
+        assert (
+            0 <= layer.tp_split_forward_ms <= layer.forward_ms
+            and 0 <= layer.tp_split_saved_bytes <= layer.saved_bytes
+        )
     assert mlp.tp_split_saved_bytes > 0  # the MLP's wide activations split
     assert Profile.load(tmp_path / "profile.json") == profile
     from pipeplan.reporting.profile_table import summary_lines
 
-    assert any(line.startswith("tensor parallelism: 6 layers split (t must divide 2); of their forward ")
-               and "(shares measured at t=2)" in line for line in summary_lines(profile))
+    assert any(
+        line.startswith("tensor parallelism: 6 layers split (t must divide 2); of their forward ")
+        and "(shares measured at t=2)" in line
+        for line in summary_lines(profile)
+    )
     (tmp_path / "cpu4.yaml").write_text(
         "name: cpu4\ndevice: {name: cpu, memory: 4 GiB, kind: cpu}\n"
-        "levels:\n  - {name: host, count: 4, bandwidth: 5 GB/s, latency: 20 us}\n")
-    result = CliRunner().invoke(cli, ["partition", str(tmp_path / "profile.json"), "--topology",
-                                      str(tmp_path / "cpu4.yaml"), "--straight", "--schedule", "1f1b-flush",
-                                      "--microbatches", "2", "--tensor-parallel", "2", "-o",
-                                      str(tmp_path / "plan.json")], catch_exceptions=False)
+        "levels:\n  - {name: host, count: 4, bandwidth: 5 GB/s, latency: 20 us}\n"
+    )
+    result = CliRunner().invoke(
+        cli,
+        [
+            "partition",
+            str(tmp_path / "profile.json"),
+            "--topology",
+            str(tmp_path / "cpu4.yaml"),
+            "--straight",
+            "--schedule",
+            "1f1b-flush",
+            "--microbatches",
+            "2",
+            "--tensor-parallel",
+            "2",
+            "-o",
+            str(tmp_path / "plan.json"),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     plan = Plan.load(tmp_path / "plan.json")
     assert [(s.tensor_parallel, s.replicas) for s in plan.stages] == [(2, 1), (2, 1)]  # t=2 x p=2
@@ -178,8 +239,16 @@ def test_llama_bf16_with_float32_masters_matches_the_mixed_precision_rule(tmp_pa
 
     lr = 1.0
     n = _layers(LLAMA)
-    plan = make_plan(LLAMA, [list(range(n // 2)), list(range(n // 2, n))], [1, 1], "1f1b-flush", batch_size=BATCH,
-                     microbatches=2, tensor_parallel=[2, 2], dtype="bfloat16")
+    plan = make_plan(
+        LLAMA,
+        [list(range(n // 2)), list(range(n // 2, n))],
+        [1, 1],
+        "1f1b-flush",
+        batch_size=BATCH,
+        microbatches=2,
+        tensor_parallel=[2, 2],
+        dtype="bfloat16",
+    )
     assert (plan.dtype, plan.master_dtype) == ("bfloat16", "float32")
     plan.save(tmp_path / "plan.json")
     recs = _train_on_four_ranks(tmp_path, LLAMA, lr)
@@ -190,26 +259,34 @@ def test_llama_bf16_with_float32_masters_matches_the_mixed_precision_rule(tmp_pa
             assert dtype == "bfloat16" and placements == rec["masters"][name][1] and placements, name
         assert any(p.startswith("Shard") for _, placements in rec["masters"].values() for p in placements)
 
-    masters, losses = train_reference_mixed(LLAMA, STEPS, BATCH, lr, microbatches=2, optimizer="sgd",
-                                            clip_grad_norm=CLIP)
+    masters, losses = train_reference_mixed(
+        LLAMA, STEPS, BATCH, lr, microbatches=2, optimizer="sgd", clip_grad_norm=CLIP
+    )
     run_losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
     assert run_losses == pytest.approx(losses, rel=1e-4)
     final = {name: value for rec in recs.values() for name, value in rec["params"].items()}
     assert set(final) == set(masters)
     model_file = load_model_file(LLAMA)
-    initial = {name: p.detach() for name, p in build_model(model_file.build, "eager", 0)[0].named_parameters()}
+    initial = {
+        name: p.detach() for name, p in build_model(model_file.build, "eager", 0)[0].named_parameters()
+    }
     for name, value in final.items():
         assert value.dtype == torch.float32
         torch.testing.assert_close(value, masters[name], rtol=0, atol=2e-4, msg=name)
         update, expected = value - initial[name], masters[name] - initial[name]
         assert float((update - expected).norm()) <= 0.03 * float(expected.norm()), name
-    update, expected = (torch.cat([(d[name] - initial[name]).flatten() for name in sorted(masters)])
-                        for d in (final, masters))
+    update, expected = (
+        torch.cat([(d[name] - initial[name]).flatten() for name in sorted(masters)]) for d in (final, masters)
+    )
     assert float((update - expected).norm()) <= 0.02 * float(expected.norm())
-    float32 = train_reference_loop(LLAMA, STEPS, BATCH, lambda p: torch.optim.SGD(p, lr=lr), clip_grad_norm=CLIP)
+    float32 = train_reference_loop(
+        LLAMA, STEPS, BATCH, lambda p: torch.optim.SGD(p, lr=lr), clip_grad_norm=CLIP
+    )
     assert run_losses == pytest.approx(float32["losses"], rel=1e-2)
     assert min(float32["norms"]) > CLIP  # every step clips
-    assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(float32["norms"], rel=1e-2)
+    assert [line["grad_norm"] for line in log_lines(tmp_path / "log")] == pytest.approx(
+        float32["norms"], rel=1e-2
+    )
 
 
 def test_plan_with_tensor_parallel_round_trips(tmp_path: Path) -> None:
@@ -253,11 +330,21 @@ def test_builtin_plans_split_the_column_row_pairs() -> None:
     assert bert["bert.encoder.layer.1.output.dense"] == {"weight": 1}
     assert len(bert) == 2 * 6
     gpt = _dims(load_model_file(BUNDLED_GPT).build())
-    assert set(gpt) == {f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    assert set(gpt) == {
+        f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+    }
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     llama = _dims(transformers.LlamaForCausalLM(config))
-    assert llama["model.embed_tokens"] == {"weight": 0} and llama["lm_head"] == {"weight": 0}  # vocabulary-parallel
+    assert llama["model.embed_tokens"] == {"weight": 0} and llama["lm_head"] == {
+        "weight": 0
+    }  # vocabulary-parallel
     assert llama["model.layers.0.mlp.down_proj"] == {"weight": 1} and len(llama) == 9
 
 
@@ -279,7 +366,9 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
 
     with pytest.raises(InputError) as exc:
         resolve_splits(gpt2, {"transformer.h.*.attn.q_proj": ColwiseParallel()}, {2}, "m.py")
-    assert "TP_PLAN names 'transformer.h.*.attn.q_proj', which is no module of GPT2LMHeadModel" in _one_line(exc)
+    assert "TP_PLAN names 'transformer.h.*.attn.q_proj', which is no module of GPT2LMHeadModel" in _one_line(
+        exc
+    )
     with pytest.raises(InputError) as exc:
         resolve_splits(gpt2, {"transformer.h.*.attn": object()}, {2}, "m.py")
     assert "TP_PLAN['transformer.h.*.attn'] is object; pipeplan splits with ColwiseParallel" in _one_line(exc)
@@ -290,23 +379,41 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     plan = make_plan(GPT2, [[0, 1, 2], list(range(3, 13))], [1, 1], tensor_parallel=[2, 1])
     with pytest.raises(InputError) as exc:
         build_pipeline(load_model_file(GPT2), plan, 0, 0, BATCH)
-    assert "plan stage 0 has tensor_parallel 2, but the tensor-parallel plan splits none of its modules" in _one_line(exc)
+    assert (
+        "plan stage 0 has tensor_parallel 2, but the tensor-parallel plan splits none of its modules"
+        in _one_line(exc)
+    )
 
 
-@pytest.mark.parametrize("schedule,extra,expected", [
-    ("1f1b-rr", {}, "not 1f1b-rr"),
-    ("2bw", {"build": BuildConfig(dtype="bfloat16")}, "not 2bw"),
-    ("zb-h1", {"checkpoints": CheckpointConfig(directory="ckpt", weights="hf")}, "not zb-h1"),
-    ("1f1b-flush", {"checkpoints": CheckpointConfig(directory="ckpt", weights="hf"),
-                    "build": BuildConfig(dtype="bfloat16")}, None),
-    ("gpipe", {"checkpoints": CheckpointConfig(directory="ckpt", resume=True)}, None),
-])
+@pytest.mark.parametrize(
+    "schedule,extra,expected",
+    [
+        ("1f1b-rr", {}, "not 1f1b-rr"),
+        ("2bw", {"build": BuildConfig(dtype="bfloat16")}, "not 2bw"),
+        ("zb-h1", {"checkpoints": CheckpointConfig(directory="ckpt", weights="hf")}, "not zb-h1"),
+        (
+            "1f1b-flush",
+            {
+                "checkpoints": CheckpointConfig(directory="ckpt", weights="hf"),
+                "build": BuildConfig(dtype="bfloat16"),
+            },
+            None,
+        ),
+        ("gpipe", {"checkpoints": CheckpointConfig(directory="ckpt", resume=True)}, None),
+    ],
+)
 def test_what_a_split_run_does_not_do_is_refused(schedule: str, extra: dict, expected: str | None) -> None:
     """In one line, in float32 as in bf16 mixed precision; mixed precision, checkpoints and
     --weights run split (``None``: nothing refused)."""
     plan = make_plan(GPT2, [list(range(13))], [1], schedule, tensor_parallel=[2])
-    config = RunConfig(plan=plan, model_path=GPT2, steps=1, optim=OptimizerConfig(optimizer="sgd", lr=LR),
-                       pipeline=ScheduleConfig(schedule=schedule, microbatches=1), **extra)
+    config = RunConfig(
+        plan=plan,
+        model_path=GPT2,
+        steps=1,
+        optim=OptimizerConfig(optimizer="sgd", lr=LR),
+        pipeline=ScheduleConfig(schedule=schedule, microbatches=1),
+        **extra,
+    )
     if expected is None:
         _check_tensor_parallel(config)
         return
@@ -320,22 +427,32 @@ def _llama_plans(tmp_path: Path, optimizer: str, **plans: tuple[int, int]) -> No
     n = _layers(LLAMA)
     for name, (t, stages) in plans.items():
         cut = [list(range(n))] if stages == 1 else [list(range(n // 2)), list(range(n // 2, n))]
-        make_plan(LLAMA, cut, [1] * stages, "1f1b-flush", batch_size=BATCH, microbatches=2, optimizer=optimizer,
-                  tensor_parallel=[t] * stages).save(tmp_path / f"{name}.json")
+        make_plan(
+            LLAMA,
+            cut,
+            [1] * stages,
+            "1f1b-flush",
+            batch_size=BATCH,
+            microbatches=2,
+            optimizer=optimizer,
+            tensor_parallel=[t] * stages,
+        ).save(tmp_path / f"{name}.json")
 
 
 def _launch(ranks: int, tmp_path: Path, plan: str, *args: str) -> str:
     """``pipeplan run tmp_path/<plan>.json`` on ``ranks`` gloo ranks (bounded); returns its stderr."""
-    result = torchrun(ranks, [str(tmp_path / f"{plan}.json"), "--model", LLAMA, "--no-progress", *args],
-                      timeout=240.0)
+    result = torchrun(
+        ranks, [str(tmp_path / f"{plan}.json"), "--model", LLAMA, "--no-progress", *args], timeout=240.0
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("optimizer,lr,atol", [("momentum", LR, 1e-6), ("adam", 1e-3, 1e-5)])
-def test_split_checkpoints_hold_whole_tensors_and_resume_under_any_plan(tmp_path: Path, optimizer: str, lr: float,
-                                                                        atol: float) -> None:
+def test_split_checkpoints_hold_whole_tensors_and_resume_under_any_plan(
+    tmp_path: Path, optimizer: str, lr: float, atol: float
+) -> None:
     """Llama, clipped, SGD with momentum or Adam (their states are DTensors with the parameters'
     placements; Adam's ``step`` a plain scalar): 2 steps at t=2 x p=2 (4 ranks) -> resumed at
     t=1 x p=2 (2 ranks) for steps 3-4 -> resumed at t=2 x p=1 (2 ranks, one stage split whole)
@@ -347,34 +464,66 @@ def test_split_checkpoints_hold_whole_tensors_and_resume_under_any_plan(tmp_path
     from pipeplan.runtime.checkpoint.state import CheckpointIndex
 
     _llama_plans(tmp_path, optimizer, t2p2=(2, 2), t1p2=(1, 2), t2p1=(2, 1))
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1", "--clip-grad-norm", str(CLIP),
-            "--lr", str(lr)]
+    ckpt = [
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "1",
+        "--clip-grad-norm",
+        str(CLIP),
+        "--lr",
+        str(lr),
+    ]
     parts = [("t2p2", 4, 2), ("t1p2", 2, 4), ("t2p1", 2, 6)]
     for plan, ranks, steps in parts:
         resume = ["--resume"] if steps > 2 else []
-        err = _launch(ranks, tmp_path, plan, *ckpt, *resume, "--steps", str(steps), "--record",
-                      str(tmp_path / f"rec-{plan}"), "--metrics", str(tmp_path / f"{plan}.metrics.json"))
+        err = _launch(
+            ranks,
+            tmp_path,
+            plan,
+            *ckpt,
+            *resume,
+            "--steps",
+            str(steps),
+            "--record",
+            str(tmp_path / f"rec-{plan}"),
+            "--metrics",
+            str(tmp_path / f"{plan}.metrics.json"),
+        )
         if resume:
             assert f"resume: step {steps - 2} was saved under another plan" in err
         if plan == "t2p2":
             step = tmp_path / "ckpt" / "step-000002"
-            assert sorted(p.name for p in step.iterdir()) == ["stage-00-replica-0", "stage-00-replica-0.json",
-                                                            "stage-01-replica-0", "stage-01-replica-0.json"]
+            assert sorted(p.name for p in step.iterdir()) == [
+                "stage-00-replica-0",
+                "stage-00-replica-0.json",
+                "stage-01-replica-0",
+                "stage-01-replica-0.json",
+            ]
             index = CheckpointIndex.of_step(str(tmp_path / "ckpt"), 2)
             whole = {name: tuple(p.shape) for name, p in load_model_file(LLAMA).build().named_parameters()}
-            assert {k[len("model/"):]: tuple(e.size) for k, (_, e) in index.entries.items()
-                    if k.startswith("model/")} == whole
+            assert {
+                k[len("model/") :]: tuple(e.size)
+                for k, (_, e) in index.entries.items()
+                if k.startswith("model/")
+            } == whole
             state = "momentum_buffer" if optimizer == "momentum" else "exp_avg_sq"
-            assert {k[len("optim/"):].rpartition("/")[0]: tuple(e.size) for k, (_, e) in index.entries.items()
-                    if k.endswith(f"/{state}")} == whole
+            assert {
+                k[len("optim/") :].rpartition("/")[0]: tuple(e.size)
+                for k, (_, e) in index.entries.items()
+                if k.endswith(f"/{state}")
+            } == whole
             assert len(index.holders["rng"]) == len(index.holders["rng/tensor-1"]) == 2
-    make = ((lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9)) if optimizer == "momentum"
-            else (lambda p: torch.optim.Adam(p, lr=lr)))
+    make = (
+        (lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9))
+        if optimizer == "momentum"
+        else (lambda p: torch.optim.Adam(p, lr=lr))
+    )
     for plan, ranks, steps in parts:
         ref = train_reference_loop(LLAMA, steps, BATCH, make, clip_grad_norm=CLIP)
         metrics = json.loads((tmp_path / f"{plan}.metrics.json").read_text())
         assert metrics["first_step"] == steps - 2
-        assert metrics["losses"] == pytest.approx(ref["losses"][steps - 2:], rel=1e-5), plan
+        assert metrics["losses"] == pytest.approx(ref["losses"][steps - 2 :], rel=1e-5), plan
         recs = records(tmp_path / f"rec-{plan}")
         assert sorted(recs) == list(range(ranks))
         params = {name: value for rec in recs.values() for name, value in rec["params"].items()}
@@ -403,8 +552,21 @@ def test_split_stages_start_from_pretrained_weights(tmp_path: Path) -> None:
         stepped = {name: p - LR * p.grad for name, p in pretrained.named_parameters()}
     assert abs(loss - seeded_loss) > 1e-3  # the check below can tell the two apart
     _llama_plans(tmp_path, "sgd", t2p2=(2, 2))
-    _launch(4, tmp_path, "t2p2", "--lr", str(LR), "--weights", str(tmp_path / "hf"), "--steps", "1", "--record", str(tmp_path / "rec"),
-            "--metrics", str(tmp_path / "metrics.json"))
+    _launch(
+        4,
+        tmp_path,
+        "t2p2",
+        "--lr",
+        str(LR),
+        "--weights",
+        str(tmp_path / "hf"),
+        "--steps",
+        "1",
+        "--record",
+        str(tmp_path / "rec"),
+        "--metrics",
+        str(tmp_path / "metrics.json"),
+    )
     assert json.loads((tmp_path / "metrics.json").read_text())["losses"] == pytest.approx([loss], rel=1e-5)
     assert_params_match(records(tmp_path / "rec"), stepped)
 
@@ -417,8 +579,10 @@ def test_layer_layouts_count_megatrons_allreduces() -> None:
 
     def layers(model: torch.nn.Module, prefixes: list[str]) -> list[SimpleNamespace]:
         names = [name for name, _ in model.named_parameters()]
-        return [SimpleNamespace(index=i, parameters=tuple(n for n in names if n.startswith(prefix + ".")))
-                for i, prefix in enumerate(prefixes)]
+        return [
+            SimpleNamespace(index=i, parameters=tuple(n for n in names if n.startswith(prefix + ".")))
+            for i, prefix in enumerate(prefixes)
+        ]
 
     gpt2 = load_model_file(GPT2).build()
     block = layer_layouts(gpt2, None, layers(gpt2, ["transformer.wte", "transformer.h.0"]), "m.py")
@@ -427,22 +591,35 @@ def test_layer_layouts_count_megatrons_allreduces() -> None:
     w = 64  # c_attn, c_proj, c_fc, c_proj weights and the column-parallel biases (a row's bias stays whole)
     assert block[1].param_bytes == 4 * (w * 3 * w + 3 * w + w * w + w * 4 * w + 4 * w + 4 * w * w)
     gpt = load_model_file(BUNDLED_GPT).build()
-    parts = layer_layouts(gpt, None, layers(gpt, ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0"]),
-                          "gpt.py")
+    parts = layer_layouts(
+        gpt, None, layers(gpt, ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.0"]), "gpt.py"
+    )
     assert [(p.forward_allreduces, p.backward_allreduces) for p in parts.values()] == [(0, 1), (1, 0), (0, 1)]
     assert layer_layouts(load_model_file(MLP).build(), None, [], "mlp.py") == {}
 
 
-@pytest.mark.parametrize("model,forward,backward", [
-    # Megatron's count: 2 all-reduces per block each way; the vocabulary-parallel embedding one
-    # forward, the column-parallel head one backward and its output gathered where it leaves
-    (LLAMA, {"all_reduce": 5, "all_gather_into_tensor": 1}, {"all_reduce": 5}),
-    (BERT, {"all_reduce": 4}, {"all_reduce": 4}),
-    # a fused qkv (GPT-2's c_attn, the bundled GPT's qkv): splitting its sharded output into
-    # q, k, v gathers it (not Megatron's)
-    (GPT2, {"all_reduce": 4, "all_gather_into_tensor": 2}, {"all_reduce": 4, "all_gather_into_tensor": 4}),
-    (BUNDLED_GPT, {"all_reduce": 4, "all_gather_into_tensor": 2}, {"all_reduce": 4, "all_gather_into_tensor": 4}),
-], ids=["llama", "bert", "gpt2", "gpt"])
+@pytest.mark.parametrize(
+    "model,forward,backward",
+    [
+        # Megatron's count: 2 all-reduces per block each way; the vocabulary-parallel embedding one
+        # forward, the column-parallel head one backward and its output gathered where it leaves
+        (LLAMA, {"all_reduce": 5, "all_gather_into_tensor": 1}, {"all_reduce": 5}),
+        (BERT, {"all_reduce": 4}, {"all_reduce": 4}),
+        # a fused qkv (GPT-2's c_attn, the bundled GPT's qkv): splitting its sharded output into
+        # q, k, v gathers it (not Megatron's)
+        (
+            GPT2,
+            {"all_reduce": 4, "all_gather_into_tensor": 2},
+            {"all_reduce": 4, "all_gather_into_tensor": 4},
+        ),
+        (
+            BUNDLED_GPT,
+            {"all_reduce": 4, "all_gather_into_tensor": 2},
+            {"all_reduce": 4, "all_gather_into_tensor": 4},
+        ),
+    ],
+    ids=["llama", "bert", "gpt2", "gpt"],
+)
 def test_split_stage_communicates_where_megatron_does(model: str, forward: dict, backward: dict) -> None:
     """Collectives of one forward and one backward of the whole model split t=2 (one process, fake group)."""
     import torch.distributed as dist
@@ -463,7 +640,9 @@ def test_split_stage_communicates_where_megatron_does(model: str, forward: dict,
     splits = resolve_splits(network, None, {2}, model)
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     try:
-        parallelize_stage(stage.module, stage_splits(stage.parameter_names, splits), init_device_mesh("cpu", (2,)))
+        parallelize_stage(
+            stage.module, stage_splits(stage.parameter_names, splits), init_device_mesh("cpu", (2,))
+        )
         counts = []
         with compute_context("cpu"):
             with CommDebugMode() as mode:
@@ -479,9 +658,9 @@ def test_split_stage_communicates_where_megatron_does(model: str, forward: dict,
     assert named == [forward, backward]
 
 
-
 def test_bf16_copies_of_a_split_stage_keep_placements_and_sum_gradients_in_float32(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Mixed precision on the split Llama (one process, fake group of 2): each compute copy is a
     bf16 DTensor with its float32 master's placements, cast on the local shard; two micro-batches'
     bf16 gradients reach the masters as float32 DTensors, summed in float32, and leave the
@@ -509,19 +688,32 @@ def test_bf16_copies_of_a_split_stage_keep_placements_and_sum_gradients_in_float
     rebind([stage.module], network)
     seen: dict[int, list[torch.Tensor]] = {}  # id(master) -> each bf16 gradient handed to it
     add_grad = mixed_precision._add_grad
-    monkeypatch.setattr(mixed_precision, "_add_grad", lambda master, copy: (
-        seen.setdefault(id(master), []).append(copy.grad.detach().clone()), add_grad(master, copy)))
+    monkeypatch.setattr(
+        mixed_precision,
+        "_add_grad",
+        lambda master, copy: (
+            seen.setdefault(id(master), []).append(copy.grad.detach().clone()),
+            add_grad(master, copy),
+        ),
+    )
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     try:
         cast_buffers(stage.module, torch.bfloat16)
-        parallelize_stage(stage.module, stage_splits(stage.parameter_names, resolve_splits(network, None, {2}, LLAMA)),
-                          init_device_mesh("cpu", (2,)))
+        parallelize_stage(
+            stage.module,
+            stage_splits(stage.parameter_names, resolve_splits(network, None, {2}, LLAMA)),
+            init_device_mesh("cpu", (2,)),
+        )
         mixed = MixedPrecision(torch.bfloat16, [stage.module])
         masters = list(stage.module.parameters())
         for master in masters:
             copy = mixed.copy_of(master)
             assert isinstance(master, DTensor) and isinstance(copy, DTensor)
-            assert (master.dtype, copy.dtype, copy.placements) == (torch.float32, torch.bfloat16, master.placements)
+            assert (master.dtype, copy.dtype, copy.placements) == (
+                torch.float32,
+                torch.bfloat16,
+                master.placements,
+            )
             assert torch.equal(copy.to_local(), master.to_local().bfloat16())
         assert any(p.is_shard() for master in masters for p in master.placements)
         with compute_context("cpu"):
@@ -533,7 +725,11 @@ def test_bf16_copies_of_a_split_stage_keep_placements_and_sum_gradients_in_float
             first, second = seen[id(master)]
             assert first.dtype == torch.bfloat16 and first.placements == second.placements
             grad = master.grad
-            assert isinstance(grad, DTensor) and grad.dtype == torch.float32 and grad.placements == first.placements
+            assert (
+                isinstance(grad, DTensor)
+                and grad.dtype == torch.float32
+                and grad.placements == first.placements
+            )
             assert torch.equal(grad.to_local(), first.to_local().float() + second.to_local().float())
             assert mixed.copy_of(master).grad is None
         with torch.no_grad():
@@ -564,10 +760,16 @@ def test_a_split_that_cannot_be_timed_is_charged_whole(monkeypatch: pytest.Monke
     network = model_file.build()
     inputs, _ = model_file.batch(4, 0)
     graph = build_layer_graph(network, inputs)
-    layers = [SimpleNamespace(index=node.index, parameters=tuple(stage.parameter_names.values()))
-              for node, stage in zip(graph.layers, graph.layer_modules())]
+    layers = [
+        SimpleNamespace(index=node.index, parameters=tuple(stage.parameter_names.values()))
+        for node, stage in zip(graph.layers, graph.layer_modules())
+    ]
     layouts = tensor_split.layer_layouts(network, None, layers, "m.py")
     expected = r"could not be timed \(NotImplementedError: no sharding rule for aten.custom\); its split shares are 0"
     with pytest.warns(UserWarning, match=expected):
-        shares = tensor_split.measure_shares(graph, inputs.tensors(), layouts, 2, make_timer(torch.device("cpu")), 0, "cpu")
-    assert sorted(shares) == sorted(layouts) and set(shares.values()) == {tensor_split.SplitShare(0.0, 0.0, 0.0)}
+        shares = tensor_split.measure_shares(
+            graph, inputs.tensors(), layouts, 2, make_timer(torch.device("cpu")), 0, "cpu"
+        )
+    assert sorted(shares) == sorted(layouts) and set(shares.values()) == {
+        tensor_split.SplitShare(0.0, 0.0, 0.0)
+    }

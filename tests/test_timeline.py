@@ -6,13 +6,13 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from test_simulate import make_plan, make_profile, make_topology
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.reporting.timeline import draw_timeline, write_timeline
 from pipeplan.trace import TraceEvent, validate_chrome_trace
-from test_simulate import make_plan, make_profile, make_topology
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,10 @@ def test_svg_shows_ranks_and_minibatch_ids(simulated) -> None:
 
 
 def test_many_ranks_are_capped() -> None:
-    events = [TraceEvent(f"F{r}", "forward", r, 1.0, rank=r, minibatch=r, stage=r % 3, replica=r // 3) for r in range(30)]
+    events = [
+        TraceEvent(f"F{r}", "forward", r, 1.0, rank=r, minibatch=r, stage=r % 3, replica=r // 3)
+        for r in range(30)
+    ]
     svg = draw_timeline(events, "svg", max_rows=6).decode()
     assert "showing 6 ranks, 24 more not drawn" in svg
 
@@ -77,8 +80,11 @@ def test_simulate_cli_table_and_timelines(simulated, tmp_path) -> None:
     assert f"{result.time_per_minibatch_ms:.3f} ms/minibatch" in out.output
     assert "bubble" in out.output and "memory" in out.output
     validate_chrome_trace(json.loads((tmp_path / "t.json").read_text()))
-    out = runner.invoke(cli, args + ["-s", "1f1b-rr", "-s", "gpipe", "-m", "4", "--timeline",
-                                     str(tmp_path / "t.png")], catch_exceptions=False)
+    out = runner.invoke(
+        cli,
+        args + ["-s", "1f1b-rr", "-s", "gpipe", "-m", "4", "--timeline", str(tmp_path / "t.png")],
+        catch_exceptions=False,
+    )
     assert out.exit_code == 0, out.output
     assert "gpipe, 4 micro-batches" in out.output
     assert (tmp_path / "t-1f1b-rr.png").stat().st_size > 0

@@ -37,7 +37,12 @@ def test_chrome_trace_fields_and_units(tmp_path) -> None:
     for event in complete:
         assert set(event) >= {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"}
     backward = next(e for e in complete if e["cat"] == "backward")
-    assert (backward["ts"], backward["dur"], backward["pid"], backward["tid"]) == (4000.0, 3000.0, 1, COMPUTE_TID)
+    assert (backward["ts"], backward["dur"], backward["pid"], backward["tid"]) == (
+        4000.0,
+        3000.0,
+        1,
+        COMPUTE_TID,
+    )
     assert backward["args"] == {"minibatch": 0, "microbatch": 1, "stage": 1, "replica": 0}
     assert next(e for e in complete if e["cat"] == "send")["tid"] == COMM_TID
     names = {e["pid"]: e["args"]["name"] for e in obj["traceEvents"] if e["name"] == "process_name"}

@@ -3,12 +3,16 @@ import pytest
 from pipeplan.units import format_bytes, format_ms, parse_bandwidth, parse_bytes, parse_duration_ms
 
 
-@pytest.mark.parametrize("text,expected", [("16 GiB", 16 * 2**30), ("512MB", 512 * 10**6), ("100 B", 100), ("1.5 KiB", 1536)])
+@pytest.mark.parametrize(
+    "text,expected", [("16 GiB", 16 * 2**30), ("512MB", 512 * 10**6), ("100 B", 100), ("1.5 KiB", 1536)]
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text,expected", [("10 Gbit/s", 1.25e9), ("25 GB/s", 25e9), ("800 Mbit/s", 1e8), ("1 MiB/s", 2**20)])
+@pytest.mark.parametrize(
+    "text,expected", [("10 Gbit/s", 1.25e9), ("25 GB/s", 25e9), ("800 Mbit/s", 1e8), ("1 MiB/s", 2**20)]
+)
 def test_parse_bandwidth(text, expected):
     assert parse_bandwidth(text) == pytest.approx(expected)
 

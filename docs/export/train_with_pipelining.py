@@ -42,8 +42,15 @@ def load_snippet(path: str) -> ModuleType:
     return module
 
 
-def train_pipelined(split: ModuleType, model_path: str, batch_size: int, steps: int, lr: float, seed: int = 0,
-                    csv: str | None = None) -> dict:
+def train_pipelined(
+    split: ModuleType,
+    model_path: str,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    csv: str | None = None,
+) -> dict:
     """Train on this rank (the process group is up) as the snippet ``split`` says.
 
     Returns, on the last stage's rank, ``{"losses", "microbatches", "csv", "parameters_by_rank"}``
@@ -59,8 +66,9 @@ def train_pipelined(split: ModuleType, model_path: str, batch_size: int, steps: 
     if csv:
         pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
         stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world)]
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches=split.N_MICROBATCHES,
-                                            loss_fn=model_file.loss_fn)
+        schedule = _PipelineScheduleRuntime(
+            stages, n_microbatches=split.N_MICROBATCHES, loss_fn=model_file.loss_fn
+        )
         schedule._load_csv(csv)
         modules = [stage.submod for stage in stages]
     else:
@@ -88,8 +96,12 @@ def train_pipelined(split: ModuleType, model_path: str, batch_size: int, steps: 
     dist.all_gather_object(every_rank, held)
     if not last:
         return {}
-    return {"losses": losses, "microbatches": microbatches, "csv": bool(csv),
-            "parameters_by_rank": [names[0] for names in every_rank]}
+    return {
+        "losses": losses,
+        "microbatches": microbatches,
+        "csv": bool(csv),
+        "parameters_by_rank": [names[0] for names in every_rank],
+    }
 
 
 def main() -> None:
@@ -108,8 +120,9 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     try:
-        record = train_pipelined(load_snippet(args.snippet), args.model, args.batch_size, args.steps, args.lr,
-                                 args.seed, args.csv)
+        record = train_pipelined(
+            load_snippet(args.snippet), args.model, args.batch_size, args.steps, args.lr, args.seed, args.csv
+        )
         if record and args.losses:
             with open(args.losses, "w") as handle:
                 json.dump(record, handle)

@@ -29,8 +29,16 @@ LEAF_MODULES: list[str] = []
 
 def build_model() -> torch.nn.Module:
     config = GPT2Config(
-        n_layer=LAYERS, n_embd=WIDTH, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=LAYERS,
+        n_embd=WIDTH,
+        n_head=4,
+        n_positions=SEQ,
+        vocab_size=VOCAB,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config)  # lm_head.weight is transformer.wte.weight (tied)
 

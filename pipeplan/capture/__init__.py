@@ -2,7 +2,6 @@
 
 from pipeplan.capture.build import build_layer_graph
 from pipeplan.capture.exported import capture_error
-from pipeplan.capture.modules import module_records
 from pipeplan.capture.layer_graph import (
     CAPTURES,
     MODEL_OUTPUT,
@@ -11,6 +10,7 @@ from pipeplan.capture.layer_graph import (
     StageModule,
     model_input_name,
 )
+from pipeplan.capture.modules import module_records
 
 __all__ = [
     "CAPTURES",

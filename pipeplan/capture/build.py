@@ -45,7 +45,9 @@ __all__ = ["build_layer_graph"]
 
 
 def build_layer_graph(
-    model: nn.Module, sample_inputs: ModelInputs | tuple[torch.Tensor, ...], leaf_modules: Sequence[str] = (),
+    model: nn.Module,
+    sample_inputs: ModelInputs | tuple[torch.Tensor, ...],
+    leaf_modules: Sequence[str] = (),
     opaque_modules: Sequence[str] = (),
     device: torch.device | str | None = None,
 ) -> LayerGraph:
@@ -85,8 +87,17 @@ def build_layer_graph(
     layer_of_node, layers = group_into_layers(captured, tensor_valued)  # 6. group into layers
     if site is not None:
         place_graph(captured.graph_module, model, site)  # 7. place
-    return LayerGraph(model, captured.graph_module, layer_of_node, layers, captured.kind, tensor_valued,
-                      captured.result_spec, captured.dropped, captured.opaque)
+    return LayerGraph(
+        model,
+        captured.graph_module,
+        layer_of_node,
+        layers,
+        captured.kind,
+        tensor_valued,
+        captured.result_spec,
+        captured.dropped,
+        captured.opaque,
+    )
 
 
 def _as_model_inputs(sample_inputs: ModelInputs | tuple[torch.Tensor, ...]) -> ModelInputs:

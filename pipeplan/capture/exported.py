@@ -39,9 +39,10 @@ import dataclasses
 import io
 import logging
 import sys
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -89,7 +90,9 @@ class _UserCall(nn.Module):
 
 
 def export_graph(
-    model: nn.Module, sample_inputs: ModelInputs, leaf_modules: Collection[str] = (),
+    model: nn.Module,
+    sample_inputs: ModelInputs,
+    leaf_modules: Collection[str] = (),
     opaque_modules: Collection[str] = (),
 ) -> CapturedGraph:
     """Export ``model`` on ``sample_inputs`` (shapes are specialised to them) and name layers.
@@ -137,8 +140,12 @@ def _export(
     with contextlib.ExitStack() as stack:
         calls = []
         if opaque and holds_any(model, opaque):  # one eager run learns the opaque calls' outputs
-            with (recorded_calls(model, opaque) as calls, torch.no_grad(), preserved_buffers(model),
-                  fake_mode_for(model)):
+            with (
+                recorded_calls(model, opaque) as calls,
+                torch.no_grad(),
+                preserved_buffers(model),
+                fake_mode_for(model),
+            ):
                 root(*tensors)
             stack.enter_context(opaque_calls(model, opaque, calls))
         try:
@@ -232,7 +239,9 @@ def _as_graph_module(model: nn.Module, program: torch.export.ExportedProgram, pr
                 target = f"_pipeplan_constant_{len(attributes)}"
                 attributes[target] = program.constants[spec.target]
             else:
-                raise InputError(f"torch.export gave a {spec.kind.name} graph input, which pipeplan cannot run")
+                raise InputError(
+                    f"torch.export gave a {spec.kind.name} graph input, which pipeplan cannot run"
+                )
             env[node] = graph.get_attr(target)
             env[node].meta = dict(node.meta)
         elif node.op == "output":
@@ -246,7 +255,9 @@ def _as_graph_module(model: nn.Module, program: torch.export.ExportedProgram, pr
                     attributes.setdefault(buffer.target, model.get_buffer(str(buffer.target)))  # type: ignore[arg-type]
                     graph.call_function(torch.ops.aten.copy_.default, (buffer, env[value]))
                 else:
-                    raise InputError(f"torch.export gave a {spec.kind.name} output, which pipeplan cannot run")
+                    raise InputError(
+                        f"torch.export gave a {spec.kind.name} output, which pipeplan cannot run"
+                    )
             graph.output(tuple(user_outputs))
         else:
             if node.op == "get_attr":  # a higher-order op's body (an autocast or grad-mode region)
@@ -269,7 +280,12 @@ def _out_of_place(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         functional = _functional_variant(node)
         target = node.args[0] if node.args else None
-        if functional is None or not isinstance(target, fx.Node) or target.op == "get_attr" or _is_view(target):
+        if (
+            functional is None
+            or not isinstance(target, fx.Node)
+            or target.op == "get_attr"
+            or _is_view(target)
+        ):
             continue
         with graph.inserting_after(node):
             replacement = graph.call_function(functional, node.args, node.kwargs)
@@ -309,7 +325,7 @@ def _is_view(node: fx.Node) -> bool:
 
 def _strip(target: str | None, prefix: str) -> str:
     text = str(target)
-    return text[len(prefix):] if prefix and text.startswith(prefix) else text
+    return text[len(prefix) :] if prefix and text.startswith(prefix) else text
 
 
 def _layers_of(
@@ -320,9 +336,12 @@ def _layers_of(
     holds_blocks = {name for name in modules if any(b.startswith(f"{name}.") for b in blocks)}
     # a block's ModuleList / ModuleDict is iterated, never called (T5Block.layer): its
     # elements are the block's children as far as layers go
-    parts = {f"{name}.{child}" for name, module in modules.items()
-             if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name.rpartition(".")[0] in blocks
-             for child, _ in module.named_children()}
+    parts = {
+        f"{name}.{child}"
+        for name, module in modules.items()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and name.rpartition(".")[0] in blocks
+        for child, _ in module.named_children()
+    }
     layer_call: dict[str, str] = {}
     layer_modules: dict[str, LayerModule] = {}
     for node in graph_module.graph.nodes:
@@ -352,7 +371,11 @@ def _repeated_blocks(model: nn.Module) -> set[str]:
 
 
 def is_layer_module(
-    name: str, module: nn.Module, leaf_modules: set[str], blocks: set[str], holds_blocks: set[str],
+    name: str,
+    module: nn.Module,
+    leaf_modules: set[str],
+    blocks: set[str],
+    holds_blocks: set[str],
     parts: Collection[str] = (),
 ) -> bool:
     """Whether the module called ``name`` is one layer (see the module docstring); ``parts``:
@@ -371,12 +394,16 @@ def capture_error(model: nn.Module, exc: BaseException, tool: str) -> str:
         message = message[:197] + "..."
     where, module_class = _failure_site(exc, model)
     if "not a known type" in message or "pytree" in message:
-        hint = ("the model returns a value that is not a tensor; return only tensors (for a "
-                "Hugging Face model build it with use_cache=False)")
+        hint = (
+            "the model returns a value that is not a tensor; return only tensors (for a "
+            "Hugging Face model build it with use_cache=False)"
+        )
     elif module_class:
-        hint = (f"name {module_class} in --leaf-modules (or LEAF_MODULES in the model file) so "
-                f"that torch.fx keeps it whole, or another module in --opaque-modules (OPAQUE_MODULES) "
-                f"so that it runs as itself, or change the code there")
+        hint = (
+            f"name {module_class} in --leaf-modules (or LEAF_MODULES in the model file) so "
+            f"that torch.fx keeps it whole, or another module in --opaque-modules (OPAQUE_MODULES) "
+            f"so that it runs as itself, or change the code there"
+        )
     else:
         hint = "change the code there, or wrap the model as an nn.Sequential of its layers"
     at = f" at {where}" if where else ""
@@ -398,4 +425,3 @@ def _failure_site(exc: BaseException, model: nn.Module) -> tuple[str, str]:
                 module_class = type(owner).__name__
         tb = tb.tb_next
     return site, module_class
-

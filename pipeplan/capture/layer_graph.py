@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -248,13 +249,13 @@ def _identifier(value_name: str) -> str:
 def _check_stage_ids(stage_of_layer: Sequence[int], layers: Sequence[LayerNode]) -> None:
     """Stage ids 0..S-1, each used, and no edge from a later stage to an earlier one."""
     if len(stage_of_layer) != len(layers):
-        raise InputError(
-            f"stage assignment covers {len(stage_of_layer)} layers, the model has {len(layers)}"
-        )
+        raise InputError(f"stage assignment covers {len(stage_of_layer)} layers, the model has {len(layers)}")
     stages = max(stage_of_layer, default=-1) + 1
     unused = sorted(set(range(stages)) - set(stage_of_layer))
     if min(stage_of_layer, default=0) < 0 or unused:
-        raise InputError(f"stage ids must be 0..{stages - 1}, each used (stage {unused[0] if unused else -1} is not)")
+        raise InputError(
+            f"stage ids must be 0..{stages - 1}, each used (stage {unused[0] if unused else -1} is not)"
+        )
     for layer in layers:
         for producer in layer.inputs:
             if stage_of_layer[producer] > stage_of_layer[layer.index]:
@@ -282,8 +283,11 @@ def _qualified_buffer_names(module: nn.Module, model: nn.Module) -> dict[str, st
     for name, buffer in model.named_buffers():
         if name in persistent:
             canonical.setdefault(id(buffer), name)
-    return {local: canonical[id(buffer)] for local, buffer in module.named_buffers(remove_duplicate=False)
-            if id(buffer) in canonical}
+    return {
+        local: canonical[id(buffer)]
+        for local, buffer in module.named_buffers(remove_duplicate=False)
+        if id(buffer) in canonical
+    }
 
 
 def _fingerprint(model: nn.Module, layers: tuple[LayerNode, ...], kind: str) -> str:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -179,7 +180,9 @@ def fake_stand_ins(model: nn.Module, device: torch.device | str) -> Iterator[Fak
         for tensor in _own_tensors(module):
             if tensor.device.type == "meta" and id(tensor) not in stand_ins:
                 with mode:
-                    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                    fake = torch.empty_strided(
+                        tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device
+                    )
                 stand_ins[id(tensor)] = _like(tensor, fake)
                 originals[id(stand_ins[id(tensor)])] = tensor
     _replace(model, stand_ins)
@@ -211,8 +214,12 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def materialise(
-    model: nn.Module, tensors: Iterable[torch.Tensor] | None, device: torch.device | str, seed: int,
-    dtype: torch.dtype | None = None, loaded_after: bool = False,
+    model: nn.Module,
+    tensors: Iterable[torch.Tensor] | None,
+    device: torch.device | str,
+    seed: int,
+    dtype: torch.dtype | None = None,
+    loaded_after: bool = False,
 ) -> int:
     """Give storage on ``device`` to the meta tensors in ``tensors`` (None: all) and initialise
     every module that holds one (with all its own tensors); return the bytes allocated.
@@ -234,8 +241,11 @@ def materialise(
             continue
         if not any(t.device.type == "meta" for t in own):
             continue
-        overwritten = loaded_after and not any(b is not None for b in module._buffers.values()) and (
-            wanted is None or all(id(t) in wanted for t in own))
+        overwritten = (
+            loaded_after
+            and not any(b is not None for b in module._buffers.values())
+            and (wanted is None or all(id(t) in wanted for t in own))
+        )
         if not overwritten:
             chosen.append((name, module))
         for tensor in own:
@@ -255,8 +265,11 @@ def materialise(
             if untied:
                 _ancestor_schemes(model, name, untied, seed, slots_under)
     if dtype is not None:
-        cast = {id(t): _like(t, t.detach().to(dtype)) for t in replaced.values()
-                if t.is_floating_point() and t.dtype != dtype}
+        cast = {
+            id(t): _like(t, t.detach().to(dtype))
+            for t in replaced.values()
+            if t.is_floating_point() and t.dtype != dtype
+        }
         _replace(model, cast)
     return sum(t.numel() * t.element_size() for t in replaced.values())
 
@@ -427,8 +440,10 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
     if callable(reset):
         reset()
         return
-    if isinstance(module, nn.Module) and not module._parameters and all(
-        b is None for b in module._buffers.values()
+    if (
+        isinstance(module, nn.Module)
+        and not module._parameters
+        and all(b is None for b in module._buffers.values())
     ):
         return
     raise InputError(
@@ -438,8 +453,13 @@ def _initialise(model: nn.Module, name: str, module: nn.Module) -> None:
     )
 
 
-def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], seed: int,
-                      slots_under: dict[str, list[tuple[dict[str, Any], str]]]) -> None:
+def _ancestor_schemes(
+    model: nn.Module,
+    name: str,
+    tensors: list[torch.Tensor],
+    seed: int,
+    slots_under: dict[str, list[tuple[dict[str, Any], str]]],
+) -> None:
     """Replay on ``tensors`` (module ``name``'s own, untied) what its Hugging Face ancestors'
     ``_init_weights`` do.
 
@@ -463,10 +483,16 @@ def _ancestor_schemes(model: nn.Module, name: str, tensors: list[torch.Tensor], 
         if owner is None or type(ancestor) in (nn.ModuleList, nn.ModuleDict):  # containers: no scheme
             continue
         if ancestor_name not in slots_under:
-            slots_under[ancestor_name] = [(slots, key) for sub in ancestor.modules()
-                                          for slots in (sub._parameters, sub._buffers)
-                                          for key, t in slots.items() if t is not None and t.device.type != "meta"]
-        others = [(slots, key, slots[key]) for slots, key in slots_under[ancestor_name] if id(slots[key]) not in own]
+            slots_under[ancestor_name] = [
+                (slots, key)
+                for sub in ancestor.modules()
+                for slots in (sub._parameters, sub._buffers)
+                for key, t in slots.items()
+                if t is not None and t.device.type != "meta"
+            ]
+        others = [
+            (slots, key, slots[key]) for slots, key in slots_under[ancestor_name] if id(slots[key]) not in own
+        ]
         for slots, key, tensor in others:
             slots[key] = _like(tensor, torch.empty_like(tensor, device="meta"))
         try:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -24,8 +25,12 @@ def module_records(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> tup
     for name in module_calls(model, inputs):
         calls[name] += 1
     return tuple(
-        ModuleRecord(name=name, type=type(module).__name__, calls=calls[name],
-                     container=isinstance(module, (nn.ModuleList, nn.ModuleDict)))
+        ModuleRecord(
+            name=name,
+            type=type(module).__name__,
+            calls=calls[name],
+            container=isinstance(module, (nn.ModuleList, nn.ModuleDict)),
+        )
         for name, module in named
     )
 
@@ -42,6 +47,7 @@ def module_calls(model: nn.Module, inputs: ModelInputs | Sequence[Any]) -> list[
     def recorder(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def record(_module: nn.Module, _args: tuple[Any, ...]) -> None:
             order.append(name)
+
         return record
 
     hooks = [module.register_forward_pre_hook(recorder(name)) for name, module in model.named_modules()]

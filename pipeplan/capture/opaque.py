@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["MOST_OPAQUE", "OpaqueLayer", "holds_any", "opaque_calls", "opaque_fallback", "recorded_calls",
-           "run_opaque_calls"]
+__all__ = [
+    "MOST_OPAQUE",
+    "OpaqueLayer",
+    "holds_any",
+    "opaque_calls",
+    "opaque_fallback",
+    "recorded_calls",
+    "run_opaque_calls",
+]
 
 MOST_OPAQUE = 4  # module classes made opaque automatically before capture gives up
 
@@ -52,6 +60,7 @@ class _Call:
 class TENSOR:
     """Marks a tensor's place among a call's leaves (None is a value too); a class, so that
     copies of a stage (deepcopy, pickle) still hold this very object."""
+
 
 _CALLS: dict[int, _Call] = {}  # call id -> call, for the op's fake kernel during export
 _IDS = itertools.count()
@@ -101,8 +110,11 @@ def recorded_calls(model: nn.Module, classes: Collection[str]) -> Iterator[list[
     inside, eagerly (no grad), to learn each call's outputs. Yields the calls (complete at
     the exit), in the order the model makes them."""
     calls: list[_Call] = []
-    hooks = [module.register_forward_hook(_recorder(name, calls), with_kwargs=True)
-             for name, module in model.named_modules() if type(module).__name__ in classes]
+    hooks = [
+        module.register_forward_hook(_recorder(name, calls), with_kwargs=True)
+        for name, module in model.named_modules()
+        if type(module).__name__ in classes
+    ]
     try:
         yield calls
     finally:
@@ -138,8 +150,16 @@ def _recorder(name: str, calls: list[_Call]) -> _Hook:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: pytree.PyTree) -> None:
         _, in_leaves, in_spec = _split((args, kwargs))
         out_tensors, out_leaves, out_spec = _split(output)
-        call = _Call(next(_IDS), name, module, in_spec, in_leaves, out_spec, out_leaves,
-                     [(t.shape, t.dtype) for t in out_tensors])
+        call = _Call(
+            next(_IDS),
+            name,
+            module,
+            in_spec,
+            in_leaves,
+            out_spec,
+            out_leaves,
+            [(t.shape, t.dtype) for t in out_tensors],
+        )
         _CALLS[call.id] = call
         calls.append(call)
 
@@ -188,6 +208,8 @@ def opaque_fallback(failed_in: str, opaque: Sequence[str], reason: str) -> tuple
     to add: none, one already opaque, or ``MOST_OPAQUE`` classes are already."""
     if not failed_in or failed_in in opaque or len(opaque) >= MOST_OPAQUE:
         return None
-    sys.stderr.write(f"pipeplan: torch.export cannot trace {failed_in} ({reason}); running "
-                     f"{failed_in} as an opaque layer (--opaque-modules {failed_in})\n")
+    sys.stderr.write(
+        f"pipeplan: torch.export cannot trace {failed_in} ({reason}); running "
+        f"{failed_in} as an opaque layer (--opaque-modules {failed_in})\n"
+    )
     return (*opaque, failed_in)

@@ -44,7 +44,5 @@ def tensor_valued_nodes(
             Typer(graph_module).run(*inputs)
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise InputError(
-            f"the model raised on the sample batch: {type(exc).__name__}: {reason}"
-        ) from exc
+        raise InputError(f"the model raised on the sample batch: {type(exc).__name__}: {reason}") from exc
     return frozenset(tensor_valued)

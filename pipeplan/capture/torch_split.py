@@ -17,9 +17,10 @@ import operator
 import sys
 import warnings
 from bisect import bisect_right
+from collections.abc import Sequence
 from contextlib import redirect_stderr
 from dataclasses import dataclass
-from typing import Any, Sequence, cast
+from typing import Any, cast
 
 import torch.fx as fx
 from torch import nn
@@ -27,8 +28,15 @@ from torch import nn
 from pipeplan.model_inputs import ModelInputs
 from pipeplan.profile import ModuleRecord
 
-__all__ = ["TorchPiece", "TorchSplit", "outermost_split_point", "pipelining_split", "recorded_split", "split_faults",
-           "trace_torch_split"]
+__all__ = [
+    "TorchPiece",
+    "TorchSplit",
+    "outermost_split_point",
+    "pipelining_split",
+    "recorded_split",
+    "split_faults",
+    "trace_torch_split",
+]
 
 INPUT = -1  # the producer of a model input (it comes before every piece)
 
@@ -69,7 +77,9 @@ def outermost_split_point(layer_names: Sequence[str], calls: dict[str, int], fir
     point, parts = name, name.split(".")
     for depth in range(len(parts) - 1, 0, -1):
         prefix = ".".join(parts[:depth])
-        starts = [i for i, layer in enumerate(layer_names) if layer == prefix or layer.startswith(prefix + ".")]
+        starts = [
+            i for i, layer in enumerate(layer_names) if layer == prefix or layer.startswith(prefix + ".")
+        ]
         if min(starts) != first:
             break
         if calls.get(prefix, 0) == 1:
@@ -91,14 +101,25 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
 
     modules = dict(model.named_modules())
     saved = {name: modules[name].__dict__.get("forward") for name in points if name in modules}
-    if on_meta(model):  # a model built on meta traces on meta inputs (shapes alone), as pipeplan's capture does
+    if on_meta(
+        model
+    ):  # a model built on meta traces on meta inputs (shapes alone), as pipeplan's capture does
         inputs = inputs.map(lambda tensor: tensor.to("meta"))
     try:
         # torch.export prints the partial graph on stderr when it fails: the caller reports it in one line
-        with preserved_buffers(model), quiet_torch_logs(), warnings.catch_warnings(), redirect_stderr(io.StringIO()):
+        with (
+            preserved_buffers(model),
+            quiet_torch_logs(),
+            warnings.catch_warnings(),
+            redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations while it copies
-            pipe = pipeline(model, mb_args=tuple(inputs.args), mb_kwargs=dict(inputs.kwargs) or None,
-                            split_spec={name: SplitPoint.BEGINNING for name in points})
+            pipe = pipeline(
+                model,
+                mb_args=tuple(inputs.args),
+                mb_kwargs=dict(inputs.kwargs) or None,
+                split_spec=dict.fromkeys(points, SplitPoint.BEGINNING),
+            )
     finally:
         # torch's non-strict export keeps its last trace's nodes (and their fake tensors) in a
         # module-level map until the next export; nothing reads it after the trace
@@ -128,15 +149,24 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
     for node in calls:
         submodule: Any = pipe.split_gm.get_submodule(node.target)
         args = [a for a in (*node.args, *node.kwargs.values()) if hasattr(a, "op")]
-        placeholders = [p for p in submodule.graph.nodes if p.op == "placeholder"]  # 1:1 with node.args (torch's zip)
-        strided = {arg.name for arg, p in zip(node.args, placeholders)
-                   if hasattr(arg, "op") and not _contiguous(p.meta.get("val"))}
-        pieces.append(TorchPiece(
-            parameters=frozenset(name for name, _ in submodule.named_parameters()),
-            reads=tuple(producer(a) for a in args),
-            part=int(str(node.target).rsplit("_", 1)[-1]),  # torch names the piece of partition K submod_pp_K
-            strided=frozenset(strided),
-        ))
+        placeholders = [
+            p for p in submodule.graph.nodes if p.op == "placeholder"
+        ]  # 1:1 with node.args (torch's zip)
+        strided = {
+            arg.name
+            for arg, p in zip(node.args, placeholders)
+            if hasattr(arg, "op") and not _contiguous(p.meta.get("val"))
+        }
+        pieces.append(
+            TorchPiece(
+                parameters=frozenset(name for name, _ in submodule.named_parameters()),
+                reads=tuple(producer(a) for a in args),
+                part=int(
+                    str(node.target).rsplit("_", 1)[-1]
+                ),  # torch names the piece of partition K submod_pp_K
+                strided=frozenset(strided),
+            )
+        )
     return TorchSplit(tuple(points), tuple(pieces))
 
 
@@ -154,21 +184,28 @@ def split_faults(split: TorchSplit) -> list[str]:
     for (value, producer), readers in sorted(split.readers().items(), key=lambda item: item[0][1]):
         later = [k for k in readers if k != producer]
         if producer == INPUT and any(k > 0 for k in readers):
-            faults.append(f"model input {value} is read by stage {max(readers)}, not only by stage 0 "
-                          f"(the schedule feeds the inputs to stage 0 alone)")
+            faults.append(
+                f"model input {value} is read by stage {max(readers)}, not only by stage 0 "
+                f"(the schedule feeds the inputs to stage 0 alone)"
+            )
         elif producer != INPUT and any(k != producer + 1 for k in later):
-            faults.append(f"a value stage {producer} computes ({value}) is read by stages "
-                          f"{', '.join(map(str, sorted(set(later))))}, not by the next stage alone (torch sends "
-                          f"a value to the next stage only: \"Backward of skip connections not supported yet\")")
+            faults.append(
+                f"a value stage {producer} computes ({value}) is read by stages "
+                f"{', '.join(map(str, sorted(set(later))))}, not by the next stage alone (torch sends "
+                f'a value to the next stage only: "Backward of skip connections not supported yet")'
+            )
         elif producer != INPUT and any(value in split.pieces[k].strided for k in later):
-            faults.append(f"stage {producer} would send stage {producer + 1} a tensor that is not contiguous "
-                          f"({value}, a view such as a slice), which torch's send refuses (\"input tensor has "
-                          f"to be contiguous\")")
+            faults.append(
+                f"stage {producer} would send stage {producer + 1} a tensor that is not contiguous "
+                f"({value}, a view such as a slice), which torch's send refuses (\"input tensor has "
+                f'to be contiguous")'
+            )
     return faults
 
 
-def pipelining_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequence[str],
-                      calls: dict[str, int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def pipelining_split(
+    model: nn.Module, inputs: ModelInputs, layer_names: Sequence[str], calls: dict[str, int]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``(Profile.pipelining_reach, Profile.pipelining_blocked)`` from one forward pass (the
     order of the module calls) and one trace of ``pipeline()`` cutting before every layer
     that is a module called once (n = number of layers):
@@ -199,12 +236,15 @@ def pipelining_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequenc
     blocked: dict[int, str] = {}
     faithful = [0]  # 0, then the cuts whose partition order follows the layer order
     for k, c in enumerate(starts):
-        if ranks[k] > max([0, *ranks[:k]]) and ranks[k] < min([len(starts) + 1, *ranks[k + 1:]]):
+        if ranks[k] > max([0, *ranks[:k]]) and ranks[k] < min([len(starts) + 1, *ranks[k + 1 :]]):
             faithful.append(c)
         else:
             blocked[c] = "the Python code calls a later layer's module before it"
     split = trace_torch_split(model, inputs, [point[c] for c in starts])
-    first_part = [0, *(rank[point[c]] for c in faithful[1:])]  # group g: partitions [first_part[g], first_part[g+1])
+    first_part = [
+        0,
+        *(rank[point[c]] for c in faithful[1:]),
+    ]  # group g: partitions [first_part[g], first_part[g+1])
     group = [bisect_right(first_part, piece.part) - 1 for piece in split.pieces]
     ends = [*faithful[1:], n]  # group g holds layers [faithful[g], ends[g])
     last = [-1] * (len(faithful) + 1)  # last[g + 1]: the last group reading a value group g computes
@@ -226,9 +266,13 @@ def pipelining_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequenc
     return tuple(reach), tuple(blocked.get(a, "") for a in range(n))
 
 
-def recorded_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequence[str],
-                   records: Sequence[ModuleRecord],
-                   opaque: Sequence[str] = ()) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def recorded_split(
+    model: nn.Module,
+    inputs: ModelInputs,
+    layer_names: Sequence[str],
+    records: Sequence[ModuleRecord],
+    opaque: Sequence[str] = (),
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """``pipelining_split`` for the profile; ((), ()) and one line on stderr when ``pipeline()``
     cannot trace the model (``partition --for pipelining`` then goes by the layer graph
     alone and ``export`` checks the split it writes). ((), ()) without a line when the
@@ -240,7 +284,9 @@ def recorded_split(model: nn.Module, inputs: ModelInputs, layer_names: Sequence[
         return pipelining_split(model, inputs, layer_names, {record.name: record.calls for record in records})
     except Exception as exc:  # whatever torch raises: the profile goes on without the fields
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        sys.stderr.write(f"pipeplan: torch.distributed.pipelining's pipeline() cannot trace the model "
-                         f"({type(exc).__name__}: {message}); the profile records no pipelining_reach, so "
-                         f"partition --for pipelining goes by pipeplan's layers alone and export checks the split\n")
+        sys.stderr.write(
+            f"pipeplan: torch.distributed.pipelining's pipeline() cannot trace the model "
+            f"({type(exc).__name__}: {message}); the profile records no pipelining_reach, so "
+            f"partition --for pipelining goes by pipeplan's layers alone and export checks the split\n"
+        )
         return (), ()

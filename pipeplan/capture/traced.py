@@ -49,8 +49,9 @@ def _module_calls(graph_module: fx.GraphModule, kind: str, opaque: tuple[str, ..
         node.name: LayerModule(str(node.target), type(graph_module.get_submodule(str(node.target))).__name__)
         for node in calls
     }
-    return CapturedGraph(graph_module, kind, {node.name: node.name for node in calls}, layer_modules,
-                         opaque=opaque)
+    return CapturedGraph(
+        graph_module, kind, {node.name: node.name for node in calls}, layer_modules, opaque=opaque
+    )
 
 
 def _sequential_graph(model: nn.Sequential) -> fx.GraphModule:

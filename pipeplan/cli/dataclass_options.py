@@ -47,8 +47,15 @@ class ConfigOption:
         if self.value_type is bool:  # a flag sets the value opposite to its default
             if not isinstance(default, bool):
                 raise TypeError(f"config field {self.name}: a flag needs a bool default, not {default!r}")
-            return click.option(option.flag, self.name, is_flag=True, flag_value=not default,
-                                default=default, hidden=option.hidden, help=option.help)
+            return click.option(
+                option.flag,
+                self.name,
+                is_flag=True,
+                flag_value=not default,
+                default=default,
+                hidden=option.hidden,
+                help=option.help,
+            )
         kind: click.ParamType | type
         if option.choices is not None:
             kind = click.Choice(option.choices)
@@ -57,10 +64,18 @@ class ConfigOption:
         else:
             kind = self.value_type
         if default is MISSING:
-            return click.option(option.flag, self.name, type=kind, required=True, hidden=option.hidden,
-                                help=option.help)
-        return click.option(option.flag, self.name, type=kind, default=default,
-                            show_default=default is not None, hidden=option.hidden, help=option.help)
+            return click.option(
+                option.flag, self.name, type=kind, required=True, hidden=option.hidden, help=option.help
+            )
+        return click.option(
+            option.flag,
+            self.name,
+            type=kind,
+            default=default,
+            show_default=default is not None,
+            hidden=option.hidden,
+            help=option.help,
+        )
 
 
 def config_options(config_type: type) -> list[ConfigOption]:
@@ -111,8 +126,9 @@ def config_from_options(config_type: type[T], values: Mapping[str, object], **gi
     return _build(config_type, (), values, given)
 
 
-def _build(config_type: type[T], prefix: tuple[str, ...], values: Mapping[str, object],
-           given: Mapping[str, object]) -> T:
+def _build(
+    config_type: type[T], prefix: tuple[str, ...], values: Mapping[str, object], given: Mapping[str, object]
+) -> T:
     arguments: dict[str, object] = {}
     for f in dataclasses.fields(config_type):  # type: ignore[arg-type]
         path = (*prefix, f.name)

@@ -23,7 +23,6 @@ from pipeplan.modelfile import BUNDLED_MODELS
 __all__ = ["demo"]
 
 
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -64,8 +63,12 @@ Examples:
     show_default=True,
     help=f"A model file, or a bundled model: {', '.join(BUNDLED_MODELS)}.",
 )
-@click.option("--batch-size", default=128, show_default=True, type=click.IntRange(min=1), help="Samples per minibatch.")
-@click.option("--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Training steps of the run.")
+@click.option(
+    "--batch-size", default=128, show_default=True, type=click.IntRange(min=1), help="Samples per minibatch."
+)
+@click.option(
+    "--steps", default=20, show_default=True, type=click.IntRange(min=1), help="Training steps of the run."
+)
 @click.option("--lr", default=0.1, show_default=True, type=float, help="SGD learning rate of the run.")
 @click.option(
     "--topology",
@@ -74,14 +77,23 @@ Examples:
     help="Topology file or preset; its world size is the number of local processes.",
 )
 @click.option("--out-dir", default="pipeplan-demo", show_default=True, type=click.Path(file_okay=False))
-@click.option("--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Profiler repeats per layer.")
+@click.option(
+    "--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Profiler repeats per layer."
+)
 @click.option(
     "--data-parallel",
     is_flag=True,
     help="Let the planner replicate stages (on 2 CPUs it picks data parallelism) instead of a pipeline.",
 )
 def demo(
-    model: str, batch_size: int, steps: int, lr: float, topology: str, out_dir: str, repeats: int, data_parallel: bool
+    model: str,
+    batch_size: int,
+    steps: int,
+    lr: float,
+    topology: str,
+    out_dir: str,
+    repeats: int,
+    data_parallel: bool,
 ) -> None:
     """Profile a model on the CPU, partition it, show the timeline, train it with torchrun.
 
@@ -107,27 +119,73 @@ def demo(
 
     run_step(
         "1/5 profile",
-        [*pipeplan, "profile", model_path, "--device", "cpu", "--batch-size", str(batch_size),
-         "--repeats", str(repeats), "--threads", "1", "-o", str(profile)],
-        env, timeout_s=300,
+        [
+            *pipeplan,
+            "profile",
+            model_path,
+            "--device",
+            "cpu",
+            "--batch-size",
+            str(batch_size),
+            "--repeats",
+            str(repeats),
+            "--threads",
+            "1",
+            "-o",
+            str(profile),
+        ],
+        env,
+        timeout_s=300,
     )
     run_step(
         "2/5 partition",
-        [*pipeplan, "partition", str(profile), "--topology", topology, *partition_flags, "--schedule", "auto",
-         "-o", str(plan)],
-        env, timeout_s=120,
+        [
+            *pipeplan,
+            "partition",
+            str(profile),
+            "--topology",
+            topology,
+            *partition_flags,
+            "--schedule",
+            "auto",
+            "-o",
+            str(plan),
+        ],
+        env,
+        timeout_s=120,
     )
     run_step(
         "3/5 simulate",
         [*pipeplan, "simulate", str(plan), "--profile", str(profile), "--timeline", str(timeline)],
-        env, timeout_s=120,
+        env,
+        timeout_s=120,
     )
     run_step(
         "4/5 run",
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         "-m", "pipeplan", "run", str(plan), "--model", model_path, "--steps", str(steps),
-         "--lr", str(lr), "--metrics", str(metrics)],
-        env, timeout_s=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world_size),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "pipeplan",
+            "run",
+            str(plan),
+            "--model",
+            model_path,
+            "--steps",
+            str(steps),
+            "--lr",
+            str(lr),
+            "--metrics",
+            str(metrics),
+        ],
+        env,
+        timeout_s=600,
     )
     run_step("5/5 report", [*pipeplan, "report", str(metrics)], env, timeout_s=60)

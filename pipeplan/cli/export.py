@@ -38,16 +38,36 @@ Examples:
 """,
 )
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-@click.option("--to", "target", type=click.Choice(tuple(FORMATS)), required=True,
-              help="The engine: torch.distributed.pipelining or torchtitan.")
-@click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
-              help="The plan's model.py (or a bundled model: mlp, vgg, resnet, gpt): its module "
-                   "tree says where the engine can cut; its fingerprint must be the plan's.")
-@click.option("--format", "fmt", type=click.Choice(("python", "json", "csv", "toml")), default=None,
-              help="pipelining: python (default), json, csv; torchtitan: toml (default), csv. "
-                   "Default: from the -o suffix.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
-              help="Write here (atomically) instead of standard output.")
+@click.option(
+    "--to",
+    "target",
+    type=click.Choice(tuple(FORMATS)),
+    required=True,
+    help="The engine: torch.distributed.pipelining or torchtitan.",
+)
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The plan's model.py (or a bundled model: mlp, vgg, resnet, gpt): its module "
+    "tree says where the engine can cut; its fingerprint must be the plan's.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(("python", "json", "csv", "toml")),
+    default=None,
+    help="pipelining: python (default), json, csv; torchtitan: toml (default), csv. "
+    "Default: from the -o suffix.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write here (atomically) instead of standard output.",
+)
 def export(plan_path: str, target: str, model_path: str, fmt: str | None, output: str | None) -> None:
     """Export PLAN for torch.distributed.pipelining or torchtitan.
 
@@ -77,7 +97,11 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     check_plan(plan)
     structure = model_structure(model_path, plan)
     try:
-        made = export_pipelining(plan, structure) if target == "pipelining" else export_torchtitan(plan, structure)
+        made = (
+            export_pipelining(plan, structure)
+            if target == "pipelining"
+            else export_torchtitan(plan, structure)
+        )
     except CutError as exc:
         if plan.export_target == target:
             raise
@@ -89,14 +113,18 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
             "json": json.dumps(pipelining.to_dict(), indent=2) + "\n",
             "csv": pipelining.csv,
         }[chosen]
-        summary = (f"{pipelining.stages} stages on {pipelining.ranks} ranks, {pipelining.schedule_class}, "
-                   f"{pipelining.microbatches} micro-batches; split points: {', '.join(pipelining.split_points)}")
+        summary = (
+            f"{pipelining.stages} stages on {pipelining.ranks} ranks, {pipelining.schedule_class}, "
+            f"{pipelining.microbatches} micro-batches; split points: {', '.join(pipelining.split_points)}"
+        )
     else:
         titan = made
         text = titan.toml() if chosen == "toml" else action_table_csv(plan)
-        summary = (f"{len(titan.module_fqns_per_model_part)} stages on {titan.pipeline_parallel_degree} ranks, "
-                   f"{titan.pipeline_parallel_schedule}, micro-batch size {titan.pipeline_parallel_microbatch_size} "
-                   f"samples")
+        summary = (
+            f"{len(titan.module_fqns_per_model_part)} stages on {titan.pipeline_parallel_degree} ranks, "
+            f"{titan.pipeline_parallel_schedule}, micro-batch size {titan.pipeline_parallel_microbatch_size} "
+            f"samples"
+        )
     if output is None:
         click.echo(text, nl=False)
         return

@@ -16,11 +16,21 @@ Examples:
 """,
 )
 @click.argument("checkpoint", type=click.Path(file_okay=False))
-@click.option("--model", "model_path", required=True, type=click.Path(dir_okay=False),
-              help="The model.py the checkpoint was trained from (or a bundled model: mlp, vgg, resnet, gpt).")
-@click.option("-o", "--output", required=True, type=click.Path(),
-              help="A new (or empty) folder: a save_pretrained folder for a Hugging Face model, "
-                   "else model.safetensors (read it with safetensors.torch.load_model).")
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="The model.py the checkpoint was trained from (or a bundled model: mlp, vgg, resnet, gpt).",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(),
+    help="A new (or empty) folder: a save_pretrained folder for a Hugging Face model, "
+    "else model.safetensors (read it with safetensors.torch.load_model).",
+)
 def export_weights(checkpoint: str, model_path: str, output: str) -> None:
     """Write a run's newest complete checkpoint step (or the step folder given) as one state dict.
 

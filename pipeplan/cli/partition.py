@@ -30,8 +30,8 @@ def _load_profile(path: str, batch_size: int) -> Profile:
     from pathlib import Path
 
     from pipeplan.errors import InputError
-    from pipeplan.profiler.pipedream_graph import is_pipedream_graph, parse_pipedream_graph
     from pipeplan.profile import Profile
+    from pipeplan.profiler.pipedream_graph import is_pipedream_graph, parse_pipedream_graph
 
     try:
         text = Path(path).read_bytes().decode("utf-8")
@@ -58,8 +58,10 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
 
     from pipeplan.units import format_bytes
 
-    table = Table(title=f"schedule auto: candidates ({format_bytes(memory_bytes)} per device)",
-                  caption="ms per minibatch simulated with each schedule's bubble; memory per device")
+    table = Table(
+        title=f"schedule auto: candidates ({format_bytes(memory_bytes)} per device)",
+        caption="ms per minibatch simulated with each schedule's bubble; memory per device",
+    )
     for column in ("", "schedule", "micro-batches", "v", "ms/minibatch", "peak memory", "fits"):
         table.add_column(column, justify="left" if column in ("", "schedule") else "right")
     for i, c in enumerate(found.candidates):
@@ -68,16 +70,28 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
         memory = format_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-"
         fits = "yes" if c.fits else ("no" if c.peak_memory_bytes else "no plan (below)")
         style = "bold green" if chosen else None
-        table.add_row("*" if chosen else "", c.schedule, str(c.microbatches), str(c.virtual_stages),
-                      time, memory, fits, style=style)
+        table.add_row(
+            "*" if chosen else "",
+            c.schedule,
+            str(c.microbatches),
+            str(c.virtual_stages),
+            time,
+            memory,
+            fits,
+            style=style,
+        )
     console = Console()
     console.print(table)
     for c in found.candidates:
         if not c.peak_memory_bytes:
-            console.print(f"no plan for {c.schedule}, {c.microbatches} micro-batches, v={c.virtual_stages}: {c.note}")
+            console.print(
+                f"no plan for {c.schedule}, {c.microbatches} micro-batches, v={c.virtual_stages}: {c.note}"
+            )
     best = found.best
-    console.print(f"* chosen: {best.schedule}, {best.microbatches} micro-batches, v={best.virtual_stages}: "
-                  f"the fastest that fits (equal times: fewer micro-batches, then less memory)")
+    console.print(
+        f"* chosen: {best.schedule}, {best.microbatches} micro-batches, v={best.virtual_stages}: "
+        f"the fastest that fits (equal times: fewer micro-batches, then less memory)"
+    )
 
 
 def _print_plan(plan: Plan, estimated: str = "") -> None:
@@ -92,20 +106,36 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     degree = plan.stages[0].tensor_parallel
     if degree > 1:
         shape += f", tensor-parallel {degree}"
-    table = Table(title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
-                        f"{shape}, {plan.cost_model} cost model)"
-                        + (f"\nESTIMATED profile: {estimated}" if estimated else ""))
-    for column in ("stage", "layers", "replicas x t" if degree > 1 else "replicas", "ranks", "compute", "comm", "all-reduce", "busy/minibatch", "memory"):
+    table = Table(
+        title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
+        f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
+    )
+    for column in (
+        "stage",
+        "layers",
+        "replicas x t" if degree > 1 else "replicas",
+        "ranks",
+        "compute",
+        "comm",
+        "all-reduce",
+        "busy/minibatch",
+        "memory",
+    ):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
         ranks = stage.ranks if len(stage.ranks) <= 6 else f"{stage.ranks[0]}..{stage.ranks[-1]}"
         ranks_text = ",".join(map(str, ranks)) if isinstance(ranks, tuple) else ranks
         mark = " *" if stage.index == plan.bottleneck_stage else ""
         table.add_row(
-            f"{stage.index}{mark}", _layer_text(stage),
-            f"{stage.replicas} x {stage.tensor_parallel}" if degree > 1 else str(stage.replicas), ranks_text,
-            format_ms(stage.compute_ms), format_ms(stage.communication_ms), format_ms(stage.allreduce_ms),
-            format_ms(stage.time_per_minibatch_ms), format_bytes(stage.memory_bytes),
+            f"{stage.index}{mark}",
+            _layer_text(stage),
+            f"{stage.replicas} x {stage.tensor_parallel}" if degree > 1 else str(stage.replicas),
+            ranks_text,
+            format_ms(stage.compute_ms),
+            format_ms(stage.communication_ms),
+            format_ms(stage.allreduce_ms),
+            format_ms(stage.time_per_minibatch_ms),
+            format_bytes(stage.memory_bytes),
         )
     console = Console()
     console.print(table)
@@ -121,7 +151,10 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
                 f"warning: {len(over)} stage(s) exceed {format_bytes(memory)} per device by pipeplan's memory model "
                 f"(stage {worst.index}: {format_bytes(worst.memory_bytes)}); PipeDream's check (activations + "
                 f"parameters) let them through",
-                style="yellow", markup=False, soft_wrap=True)
+                style="yellow",
+                markup=False,
+                soft_wrap=True,
+            )
     p = plan.predicted
     console.print(f"* bottleneck stage; minibatches in flight: {plan.in_flight}")
     how = "simulated with its schedule's bubble" if p.simulated else "the cost model's formula"
@@ -136,34 +169,107 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("profile_path", metavar="PROFILE", type=click.Path(dir_okay=False))
-@click.option("--topology", "topology_arg", required=True, help="Topology YAML file or preset name (cluster-a, cluster-b, dgx-h100-pod, local-cpu).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="plan.json", show_default=True, help="Where to write plan.json.")
-@click.option("--schedule", type=click.Choice([*SCHEDULE_NAMES, "auto"]), default=None,
-              help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits. "
-                   f"[default: {DEFAULT_SCHEDULE}; {DEFAULT_TARGET_SCHEDULE} with --for]")
-@click.option("--for", "export_target", type=click.Choice(EXPORT_TARGETS), default=None,
-              help="Only cuts this engine can express (`pipeplan export --to` it): one device per stage, "
-                   "a flush schedule; prints the best unrestricted plan's time beside it.")
+@click.option(
+    "--topology",
+    "topology_arg",
+    required=True,
+    help="Topology YAML file or preset name (cluster-a, cluster-b, dgx-h100-pod, local-cpu).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default="plan.json",
+    show_default=True,
+    help="Where to write plan.json.",
+)
+@click.option(
+    "--schedule",
+    type=click.Choice([*SCHEDULE_NAMES, "auto"]),
+    default=None,
+    help="auto: plan every schedule x micro-batch count x virtual stages, keep the fastest that fits. "
+    f"[default: {DEFAULT_SCHEDULE}; {DEFAULT_TARGET_SCHEDULE} with --for]",
+)
+@click.option(
+    "--for",
+    "export_target",
+    type=click.Choice(EXPORT_TARGETS),
+    default=None,
+    help="Only cuts this engine can express (`pipeplan export --to` it): one device per stage, "
+    "a flush schedule; prints the best unrestricted plan's time beside it.",
+)
 @click.option("--cost-model", type=click.Choice(COST_MODELS), default=COST_MODELS[0], show_default=True)
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", show_default=True,
-              help="The optimizer the run will use: its state counts in memory, its step in time.")
+@click.option(
+    "--optimizer",
+    type=click.Choice(OPTIMIZERS),
+    default="sgd",
+    show_default=True,
+    help="The optimizer the run will use: its state counts in memory, its step in time.",
+)
 @click.option("--straight", is_flag=True, help="No replication: one device per stage.")
 @click.option("--max-stages", type=int, default=None, help="At most this many pipeline stages.")
 @click.option("--use-fewer-devices", is_flag=True, help="Allow plans that leave devices idle when faster.")
-@click.option("--microbatches", type=int, default=1, show_default=True, help="Micro-batches per minibatch (every schedule but 1f1b-rr; auto tries several when 1).")
-@click.option("--virtual-stages", type=int, default=None, help="interleaved-1f1b: model chunks per device (default: the planner picks).")
-@click.option("--uniform/--no-uniform", default=None,
-              help="Flush schedules: also try uniform plans (p balanced stages x d replicas, Megatron's shape) and keep the fastest simulated [default: on for profiles with tensor-parallel layers].")
-@click.option("--tensor-parallel", "tensor_parallel", default="auto", show_default=True,
-              help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.")
-@click.option("--memory-check/--no-memory-check", default=True, show_default=True, help="Drop stages that do not fit device memory.")
-@click.option("--activation-compression", type=float, default=None, help="PipeDream mode: count activation transfers, divided by this ratio.")
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).")
+@click.option(
+    "--microbatches",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Micro-batches per minibatch (every schedule but 1f1b-rr; auto tries several when 1).",
+)
+@click.option(
+    "--virtual-stages",
+    type=int,
+    default=None,
+    help="interleaved-1f1b: model chunks per device (default: the planner picks).",
+)
+@click.option(
+    "--uniform/--no-uniform",
+    default=None,
+    help="Flush schedules: also try uniform plans (p balanced stages x d replicas, Megatron's shape) and keep the fastest simulated [default: on for profiles with tensor-parallel layers].",
+)
+@click.option(
+    "--tensor-parallel",
+    "tensor_parallel",
+    default="auto",
+    show_default=True,
+    help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.",
+)
+@click.option(
+    "--memory-check/--no-memory-check",
+    default=True,
+    show_default=True,
+    help="Drop stages that do not fit device memory.",
+)
+@click.option(
+    "--activation-compression",
+    type=float,
+    default=None,
+    help="PipeDream mode: count activation transfers, divided by this ratio.",
+)
+@click.option(
+    "--batch-size",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Samples per minibatch of a PipeDream graph.txt (a profile.json has its own).",
+)
 def partition(
-    profile_path: str, topology_arg: str, output: str, schedule: str | None, export_target: str | None,
-    cost_model: str, optimizer: str,
-    straight: bool, max_stages: int | None, use_fewer_devices: bool, microbatches: int,
-    virtual_stages: int | None, uniform: bool | None, tensor_parallel: str, memory_check: bool, activation_compression: float | None,
+    profile_path: str,
+    topology_arg: str,
+    output: str,
+    schedule: str | None,
+    export_target: str | None,
+    cost_model: str,
+    optimizer: str,
+    straight: bool,
+    max_stages: int | None,
+    use_fewer_devices: bool,
+    microbatches: int,
+    virtual_stages: int | None,
+    uniform: bool | None,
+    tensor_parallel: str,
+    memory_check: bool,
+    activation_compression: float | None,
     batch_size: int,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
@@ -189,16 +295,26 @@ def partition(
     if schedule is None:
         schedule = DEFAULT_TARGET_SCHEDULE if export_target else DEFAULT_SCHEDULE
     if export_target and schedule == "auto":
-        raise InputError(f"--for {export_target} plans {or_list(TARGET_SCHEDULES)}: "
-                         f"pass one with --schedule, not auto")
+        raise InputError(
+            f"--for {export_target} plans {or_list(TARGET_SCHEDULES)}: pass one with --schedule, not auto"
+        )
     profile = _load_profile(profile_path, batch_size)
     topology = resolve(topology_arg)
     options = PartitionOptions(
-        schedule=DEFAULT_SCHEDULE if schedule == "auto" else schedule,  # auto: a placeholder, search sets each
-        cost_model=cost_model, optimizer=optimizer,
-        straight=straight or export_target is not None, max_stages=max_stages, export_target=export_target, use_fewer_devices=use_fewer_devices,
-        microbatches=microbatches, memory_check=memory_check, activation_compression_ratio=activation_compression,
-        virtual_stages=virtual_stages, tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
+        schedule=DEFAULT_SCHEDULE
+        if schedule == "auto"
+        else schedule,  # auto: a placeholder, search sets each
+        cost_model=cost_model,
+        optimizer=optimizer,
+        straight=straight or export_target is not None,
+        max_stages=max_stages,
+        export_target=export_target,
+        use_fewer_devices=use_fewer_devices,
+        microbatches=microbatches,
+        memory_check=memory_check,
+        activation_compression_ratio=activation_compression,
+        virtual_stages=virtual_stages,
+        tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
         uniform=uniform,
     )
     if schedule == "auto":
@@ -235,12 +351,16 @@ def _print_price(plan: Plan, unrestricted: Plan | str | None) -> None:
     from pipeplan.planner.targets import ENGINES
 
     ours = plan.predicted.time_per_minibatch_ms
-    line = (f"--for {plan.export_target}: {ours:.3f} ms/minibatch predicted with the cuts "
-            f"{ENGINES[plan.export_target or '']} can express")
+    line = (
+        f"--for {plan.export_target}: {ours:.3f} ms/minibatch predicted with the cuts "
+        f"{ENGINES[plan.export_target or '']} can express"
+    )
     if isinstance(unrestricted, str) or unrestricted is None:
         click.echo(f"{line}; no unrestricted plan to compare ({unrestricted})")
         return
     best = unrestricted.predicted.time_per_minibatch_ms
     cost = f", {(ours / best - 1.0) * 100.0:+.1f}%" if best > 0 else ""
-    click.echo(f"{line}; the best plan with any cut (same schedule, one device per stage): "
-               f"{best:.3f} ms/minibatch{cost}")
+    click.echo(
+        f"{line}; the best plan with any cut (same schedule, one device per stage): "
+        f"{best:.3f} ms/minibatch{cost}"
+    )

@@ -19,35 +19,88 @@ Examples:
 """,
 )
 @click.argument("model", metavar="MODEL")
-@click.option("-o", "--output", "output_path", type=click.Path(dir_okay=False), default="profile.json",
-              show_default=True, help="Where to write the profile (JSON, schema pipeplan.profile/2).")
-@click.option("--batch-size", "-b", type=int, default=32, show_default=True,
-              help="Samples per minibatch (passed to the model file's sample_batch).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
-              help="Where to measure (default: cuda when available, else cpu).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Precision of the parameters and the floating-point inputs.")
+@click.option(
+    "-o",
+    "--output",
+    "output_path",
+    type=click.Path(dir_okay=False),
+    default="profile.json",
+    show_default=True,
+    help="Where to write the profile (JSON, schema pipeplan.profile/2).",
+)
+@click.option(
+    "--batch-size",
+    "-b",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Samples per minibatch (passed to the model file's sample_batch).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default=None,
+    help="Where to measure (default: cuda when available, else cpu).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="Precision of the parameters and the floating-point inputs.",
+)
 @click.option("--warmup", type=int, default=3, show_default=True, help="Untimed passes before measuring.")
-@click.option("--repeats", type=int, default=10, show_default=True,
-              help="Timed passes; times are the median, spread the interquartile range.")
-@click.option("--threads", type=int, default=None,
-              help="CPU threads torch may use while measuring (default: torch's default).")
+@click.option(
+    "--repeats",
+    type=int,
+    default=10,
+    show_default=True,
+    help="Timed passes; times are the median, spread the interquartile range.",
+)
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="CPU threads torch may use while measuring (default: torch's default).",
+)
 @click.option("--allow-nonfinite", is_flag=True, help="Profile even when the loss is NaN or infinite.")
-@click.option("--leaf-modules", "leaf_modules", default=None, metavar="CLASS,CLASS",
-              help="Module classes kept whole, one layer per call (e.g. GPT2Block); "
-                   "overrides LEAF_MODULES in the model file.")
-@click.option("--opaque-modules", "opaque_modules", default=None, metavar="CLASS,CLASS",
-              help="Module classes run as themselves, never traced into (opaque layers); overrides "
-                   "OPAQUE_MODULES in the model file. A module torch.export fails in is made opaque anyway.")
-@click.option("--build", "build", type=click.Choice(["auto", "eager", "meta"]), default="auto", show_default=True,
-              help="eager: build the whole model and measure it at once; meta: build on the meta device and "
-                   "materialise one layer at a time (peak memory: the largest layer); auto: meta above 1 GiB "
-                   "of parameters and buffers.")
-@click.option("--no-whole-step", is_flag=True,
-              help="With a meta build, measure the layers only, never the whole model at once "
-                   "(peak memory: the largest layer, whatever the depth).")
-@click.option("--time-every-layer", is_flag=True,
-              help="With a meta build, time every layer (default: identical layers are timed once).")
+@click.option(
+    "--leaf-modules",
+    "leaf_modules",
+    default=None,
+    metavar="CLASS,CLASS",
+    help="Module classes kept whole, one layer per call (e.g. GPT2Block); "
+    "overrides LEAF_MODULES in the model file.",
+)
+@click.option(
+    "--opaque-modules",
+    "opaque_modules",
+    default=None,
+    metavar="CLASS,CLASS",
+    help="Module classes run as themselves, never traced into (opaque layers); overrides "
+    "OPAQUE_MODULES in the model file. A module torch.export fails in is made opaque anyway.",
+)
+@click.option(
+    "--build",
+    "build",
+    type=click.Choice(["auto", "eager", "meta"]),
+    default="auto",
+    show_default=True,
+    help="eager: build the whole model and measure it at once; meta: build on the meta device and "
+    "materialise one layer at a time (peak memory: the largest layer); auto: meta above 1 GiB "
+    "of parameters and buffers.",
+)
+@click.option(
+    "--no-whole-step",
+    is_flag=True,
+    help="With a meta build, measure the layers only, never the whole model at once "
+    "(peak memory: the largest layer, whatever the depth).",
+)
+@click.option(
+    "--time-every-layer",
+    is_flag=True,
+    help="With a meta build, time every layer (default: identical layers are timed once).",
+)
 def profile(
     model: str,
     output_path: str,
@@ -89,10 +142,22 @@ def profile(
             bar.update(task, completed=done, total=total, description=f"profiling {model}: {label}")
 
         leaves = parse_leaf_modules(leaf_modules) if leaf_modules is not None else None
-        result = profile_model(model, batch_size, device, dtype, warmup, repeats, advance, threads,
-                               allow_nonfinite=allow_nonfinite, leaf_modules=leaves,
-                               opaque_modules=parse_leaf_modules(opaque_modules) if opaque_modules is not None else None,
-                               build=build, time_every_layer=time_every_layer, whole_step=not no_whole_step)
+        result = profile_model(
+            model,
+            batch_size,
+            device,
+            dtype,
+            warmup,
+            repeats,
+            advance,
+            threads,
+            allow_nonfinite=allow_nonfinite,
+            leaf_modules=leaves,
+            opaque_modules=parse_leaf_modules(opaque_modules) if opaque_modules is not None else None,
+            build=build,
+            time_every_layer=time_every_layer,
+            whole_step=not no_whole_step,
+        )
     result.save(output_path)
     console.print(profile_table(result))
     for line in summary_lines(result):

@@ -23,8 +23,13 @@ Examples:
 )
 @click.argument("metrics_path", metavar="METRICS", type=click.Path())
 @click.option("--strict", is_flag=True, help="Exit with status 1 when a stage is flagged.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the loss curve (and the learning rate, from a --log-dir) as a PNG.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the loss curve (and the learning rate, from a --log-dir) as a PNG.",
+)
 def report(metrics_path: str, strict: bool, plot_path: str | None) -> None:
     """Compare the plan's predictions with what `pipeplan run` measured (METRICS.json),
     or summarise a run's --log-dir (METRICS: the folder or its metrics.jsonl).
@@ -100,36 +105,64 @@ def _compare(metrics_path: str, console: Console) -> bool:
     summary = Table(title=f"{metrics_path}: {result.schedule}")
     for header in ("", "predicted (ms/minibatch)", "measured (ms/minibatch)", "measured / predicted"):
         summary.add_column(header, justify="right")
-    summary.add_row("pipeline", ms(result.time_per_minibatch.predicted_ms),
-                    ms(result.time_per_minibatch.measured_ms), ratio(result.time_per_minibatch))
+    summary.add_row(
+        "pipeline",
+        ms(result.time_per_minibatch.predicted_ms),
+        ms(result.time_per_minibatch.measured_ms),
+        ratio(result.time_per_minibatch),
+    )
     console.print(summary)
     if result.predicted_for:
         console.print(f"predictions are for the schedule that ran: {result.predicted_for}")
     if result.samples_per_s is not None:
         console.print(f"measured throughput: {result.samples_per_s:.1f} samples/s")
     if result.losses:
-        console.print(f"loss: {result.losses[0]:.4f} (first) -> {result.losses[-1]:.4f} (last), "
-                      f"{len(result.losses)} steps")
+        console.print(
+            f"loss: {result.losses[0]:.4f} (first) -> {result.losses[-1]:.4f} (last), "
+            f"{len(result.losses)} steps"
+        )
 
     table = Table(title="per stage replica (ms per minibatch)")
-    for header in ("stage", "replica", "rank", "predicted ms", "measured ms", "ratio",
-                   "predicted compute ms", "measured compute ms", "compute ratio", "wait ms", ""):
+    for header in (
+        "stage",
+        "replica",
+        "rank",
+        "predicted ms",
+        "measured ms",
+        "ratio",
+        "predicted compute ms",
+        "measured compute ms",
+        "compute ratio",
+        "wait ms",
+        "",
+    ):
         table.add_column(header, justify="right")
     for s in result.stages:
         flag = f"[bold red]off by > {OFF_THRESHOLD:.0%}[/]" if s.time_per_minibatch.off else ""
-        table.add_row(str(s.stage), str(s.replica), str(s.rank),
-                      ms(s.time_per_minibatch.predicted_ms), ms(s.time_per_minibatch.measured_ms),
-                      ratio(s.time_per_minibatch), ms(s.compute.predicted_ms),
-                      ms(s.compute.measured_ms), ratio(s.compute), ms(s.wait_ms), flag)
+        table.add_row(
+            str(s.stage),
+            str(s.replica),
+            str(s.rank),
+            ms(s.time_per_minibatch.predicted_ms),
+            ms(s.time_per_minibatch.measured_ms),
+            ratio(s.time_per_minibatch),
+            ms(s.compute.predicted_ms),
+            ms(s.compute.measured_ms),
+            ratio(s.compute),
+            ms(s.wait_ms),
+            flag,
+        )
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
         console.print(memory_table(metrics.to_dict()["stages"]))
     flagged = result.flagged
     if flagged:
-        names = ", ".join(f"stage {s.stage} replica {s.replica} ({s.time_per_minibatch.ratio:.2f}x)"
-                          for s in flagged)
-        console.print(f"[bold red]{len(flagged)} stage replica(s) off by more than "
-                      f"{OFF_THRESHOLD:.0%}:[/] {names}")
+        names = ", ".join(
+            f"stage {s.stage} replica {s.replica} ({s.time_per_minibatch.ratio:.2f}x)" for s in flagged
+        )
+        console.print(
+            f"[bold red]{len(flagged)} stage replica(s) off by more than {OFF_THRESHOLD:.0%}:[/] {names}"
+        )
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
     return False
@@ -150,9 +183,21 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
     for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
         table.add_column(column, justify="right")
     for s in stages:
-        peak, baseline, planned = s.get("peak_memory_bytes"), s.get("baseline_memory_bytes"), s.get("predicted_memory_bytes")
+        peak, baseline, planned = (
+            s.get("peak_memory_bytes"),
+            s.get("baseline_memory_bytes"),
+            s.get("predicted_memory_bytes"),
+        )
         held = None if peak is None or baseline is None else peak - baseline
         ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
-        table.add_row(str(s["stage"]), str(s["replica"]), str(s["rank"]), size(planned), size(held), ratio,
-                      size(peak), size(baseline))
+        table.add_row(
+            str(s["stage"]),
+            str(s["replica"]),
+            str(s["rank"]),
+            size(planned),
+            size(held),
+            ratio,
+            size(peak),
+            size(baseline),
+        )
     return table

@@ -84,13 +84,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:,.2f}"
 
     table = Table(title=f"pipeplan run: {summary['schedule']}, {summary['steps']} steps")
-    for column in ("stage", "replica", "rank", "compute ms/mb", "wait ms/mb", "stage ms/mb",
-                   "predicted ms/mb"):
+    for column in (
+        "stage",
+        "replica",
+        "rank",
+        "compute ms/mb",
+        "wait ms/mb",
+        "stage ms/mb",
+        "predicted ms/mb",
+    ):
         table.add_column(column, justify="right")
     for s in summary["stages"]:
-        table.add_row(str(s["stage"]), str(s["replica"]), str(s["rank"]), ms(s["compute_ms"]),
-                      ms(s["wait_ms"]), ms(s["time_per_minibatch_ms"]),
-                      ms(s["predicted_time_per_minibatch_ms"]))
+        table.add_row(
+            str(s["stage"]),
+            str(s["replica"]),
+            str(s["rank"]),
+            ms(s["compute_ms"]),
+            ms(s["wait_ms"]),
+            ms(s["time_per_minibatch_ms"]),
+            ms(s["predicted_time_per_minibatch_ms"]),
+        )
     console = Console()
     console.print(table)
     from pipeplan.cli.report import memory_table

@@ -31,22 +31,47 @@ Examples:
 """,
 )
 @click.argument("plan_path", metavar="PLAN.json", type=click.Path(dir_okay=False))
-@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
-              help="Profile the plan was made from (per-layer times and bytes). Without it "
-                   "the plan's per-stage figures are used (forward:backward = 1:2).")
-@click.option("--schedule", "-s", "schedules", multiple=True,
-              type=click.Choice([*SCHEDULE_NAMES, "all"]),
-              help="Schedule(s) to simulate side by side (repeatable; default: the plan's). "
-                   "interleaved-1f1b on a one-chunk plan re-cuts it into 2 chunks per device "
-                   "(needs --profile).")
-@click.option("--microbatches", "-m", type=int, default=None,
-              help="Micro-batches per minibatch for schedules that split minibatches (default: "
-                   "the plan's when it uses one, else twice the stage count).")
-@click.option("--steady", type=click.IntRange(1, 1000), default=8, show_default=True,
-              help="Minibatches per replica in the steady-state window.")
-@click.option("--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
-              help="Write the timeline: .svg/.png image or .json Chrome trace. With several "
-                   "schedules, one file each: NAME-<schedule>.EXT.")
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Profile the plan was made from (per-layer times and bytes). Without it "
+    "the plan's per-stage figures are used (forward:backward = 1:2).",
+)
+@click.option(
+    "--schedule",
+    "-s",
+    "schedules",
+    multiple=True,
+    type=click.Choice([*SCHEDULE_NAMES, "all"]),
+    help="Schedule(s) to simulate side by side (repeatable; default: the plan's). "
+    "interleaved-1f1b on a one-chunk plan re-cuts it into 2 chunks per device "
+    "(needs --profile).",
+)
+@click.option(
+    "--microbatches",
+    "-m",
+    type=int,
+    default=None,
+    help="Micro-batches per minibatch for schedules that split minibatches (default: "
+    "the plan's when it uses one, else twice the stage count).",
+)
+@click.option(
+    "--steady",
+    type=click.IntRange(1, 1000),
+    default=8,
+    show_default=True,
+    help="Minibatches per replica in the steady-state window.",
+)
+@click.option(
+    "--timeline",
+    "timeline_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the timeline: .svg/.png image or .json Chrome trace. With several "
+    "schedules, one file each: NAME-<schedule>.EXT.",
+)
 def simulate(
     plan_path: str,
     profile_path: str | None,
@@ -61,31 +86,35 @@ def simulate(
     from pipeplan.errors import InputError
     from pipeplan.plan import Plan
     from pipeplan.planner.simulate import simulate_plan
-    from pipeplan.schedules import schedule_kind
-    from pipeplan.reporting.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.profile import Profile
+    from pipeplan.reporting.timeline import TIMELINE_SUFFIXES, write_timeline
+    from pipeplan.schedules import schedule_kind
 
     console = Console()
     plan = Plan.load(plan_path)
     profile = Profile.load(profile_path) if profile_path else None
     if profile is not None and profile.estimated:
-        console.print(f"ESTIMATED profile (every figure below rests on it): {profile.estimated}", markup=False)
+        console.print(
+            f"ESTIMATED profile (every figure below rests on it): {profile.estimated}", markup=False
+        )
     if profile is None:
-        console.print("[yellow]no --profile: costs from the plan's per-stage figures "
-                      "(forward:backward = 1:2), memory from the plan[/]")
+        console.print(
+            "[yellow]no --profile: costs from the plan's per-stage figures "
+            "(forward:backward = 1:2), memory from the plan[/]"
+        )
     names = list(SCHEDULE_NAMES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
     if microbatches is not None and microbatches < 1:
         raise InputError(f"--microbatches must be >= 1 (got {microbatches})")
     if timeline_path and Path(timeline_path).suffix.lower() not in TIMELINE_SUFFIXES:
-        raise InputError(
-            f"--timeline {timeline_path}: expected a {', '.join(TIMELINE_SUFFIXES)} file"
-        )
+        raise InputError(f"--timeline {timeline_path}: expected a {', '.join(TIMELINE_SUFFIXES)} file")
     results = []
     for name in names:
         kind = schedule_kind(name)
         micro = microbatches
         if micro is None and not kind.whole_minibatches:
-            micro = plan.microbatches if plan.schedule == name and plan.microbatches > 1 else 2 * len(plan.stages)
+            micro = (
+                plan.microbatches if plan.schedule == name and plan.microbatches > 1 else 2 * len(plan.stages)
+            )
         shown = plan
         if kind.virtual_stages and plan.virtual_stages == 1:
             if profile is None:
@@ -99,7 +128,9 @@ def simulate(
                 console.print(f"[yellow]{name}: skipped, {exc}[/]")
                 continue
         elif plan.virtual_stages > 1 and not kind.virtual_stages:
-            console.print(f"[yellow]{name}: skipped, the plan runs {plan.virtual_stages} chunks per device[/]")
+            console.print(
+                f"[yellow]{name}: skipped, the plan runs {plan.virtual_stages} chunks per device[/]"
+            )
             continue
         result = simulate_plan(shown, profile, name, micro, steady, record=bool(timeline_path))
         results.append(result)
@@ -111,16 +142,20 @@ def simulate(
             write_timeline(
                 target,
                 result.events(),
-                metadata={"source": "simulator", "schedule": name, "plan": str(plan_path),
-                          "microbatches": result.microbatches,
-                          "time_per_minibatch_ms": result.time_per_minibatch_ms},
+                metadata={
+                    "source": "simulator",
+                    "schedule": name,
+                    "plan": str(plan_path),
+                    "microbatches": result.microbatches,
+                    "time_per_minibatch_ms": result.time_per_minibatch_ms,
+                },
                 title=f"{name}: {result.time_per_minibatch_ms:.2f} ms/minibatch (simulated)",
             )
             console.print(f"timeline written to {target}")
     console.print(_summary_table(plan, results))
 
 
-def _stage_table(plan: "Plan", result: "SimResult") -> "Table":  # noqa: F821
+def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
     from rich.table import Table
 
     micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
@@ -132,35 +167,68 @@ def _stage_table(plan: "Plan", result: "SimResult") -> "Table":  # noqa: F821
         caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches",
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
-    for header in ("stage", "repl", "layers", "busy ms", "idle ms", "bubble %", "link ms",
-                   "memory GiB", "in flight"):
+    for header in (
+        "stage",
+        "repl",
+        "layers",
+        "busy ms",
+        "idle ms",
+        "bubble %",
+        "link ms",
+        "memory GiB",
+        "in flight",
+    ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
     for stage, sim in zip(plan.stages, result.stages):
         memory = f"{sim.memory_bytes / GIB:.3f}"
         if sim.memory_bytes > limit:
             memory = f"[red]{memory} > {limit / GIB:.1f}[/]"
-        table.add_row(str(sim.stage), str(sim.replicas), f"{stage.layer_start}-{stage.layer_end - 1}",
-                      f"{sim.busy_ms:.3f}", f"{sim.idle_ms:.3f}", f"{100 * sim.bubble_fraction:.1f}",
-                      f"{sim.comm_ms:.3f}", memory, f"{sim.in_flight:g}")
+        table.add_row(
+            str(sim.stage),
+            str(sim.replicas),
+            f"{stage.layer_start}-{stage.layer_end - 1}",
+            f"{sim.busy_ms:.3f}",
+            f"{sim.idle_ms:.3f}",
+            f"{100 * sim.bubble_fraction:.1f}",
+            f"{sim.comm_ms:.3f}",
+            memory,
+            f"{sim.in_flight:g}",
+        )
     return table
 
 
-def _summary_table(plan: "Plan", results: list) -> "Table":  # noqa: F821
+def _summary_table(plan: Plan, results: list) -> Table:  # noqa: F821
     from rich.table import Table
 
-    table = Table(title=f"schedules for {len(plan.stages)} stages on {plan.world_size} devices "
-                        f"(plan predicts {plan.predicted.time_per_minibatch_ms:.3f} ms/minibatch "
-                        f"with {plan.schedule})")
-    for header in ("schedule", "micro", "ms/minibatch", "samples/s", "x plan",
-                   "max bubble %", "peak GiB", "fits"):
+    table = Table(
+        title=f"schedules for {len(plan.stages)} stages on {plan.world_size} devices "
+        f"(plan predicts {plan.predicted.time_per_minibatch_ms:.3f} ms/minibatch "
+        f"with {plan.schedule})"
+    )
+    for header in (
+        "schedule",
+        "micro",
+        "ms/minibatch",
+        "samples/s",
+        "x plan",
+        "max bubble %",
+        "peak GiB",
+        "fits",
+    ):
         table.add_column(header, justify="right")
     best = min(r.time_per_minibatch_ms for r in results)
     for r in results:
         ratio = r.time_per_minibatch_ms / plan.predicted.time_per_minibatch_ms
         mark = "[bold green]" if r.time_per_minibatch_ms == best else ""
-        table.add_row(f"{mark}{r.schedule}", str(r.microbatches), f"{r.time_per_minibatch_ms:.3f}",
-                      f"{r.samples_per_s:.1f}", f"{ratio:.3f}",
-                      f"{100 * max(s.bubble_fraction for s in r.stages):.1f}",
-                      f"{r.peak_memory_bytes / GIB:.3f}", "yes" if r.fits_memory else "[red]no[/]")
+        table.add_row(
+            f"{mark}{r.schedule}",
+            str(r.microbatches),
+            f"{r.time_per_minibatch_ms:.3f}",
+            f"{r.samples_per_s:.1f}",
+            f"{ratio:.3f}",
+            f"{100 * max(s.bubble_fraction for s in r.stages):.1f}",
+            f"{r.peak_memory_bytes / GIB:.3f}",
+            "yes" if r.fits_memory else "[red]no[/]",
+        )
     return table

@@ -11,9 +11,9 @@ from typing import Any
 from pipeplan.capture.torch_split import outermost_split_point, split_faults
 from pipeplan.errors import InputError
 from pipeplan.export.structure import (
-    CutError,
     MULTI_STAGE_CLASSES,
     SCHEDULE_CLASSES,
+    CutError,
     ModelStructure,
     check_exportable,
     positions,
@@ -140,7 +140,6 @@ def split_points(structure: ModelStructure, stage_of: list[int]) -> tuple[str, .
     return tuple(points)
 
 
-
 def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, ...]) -> None:
     """Trace torch's own ``pipeline()`` at ``points`` once (in-process, nothing run) and
     compare it with the plan: the same stages, each holding exactly its plan stage's
@@ -153,23 +152,35 @@ def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, 
         split = structure.trace(points)
     except Exception as exc:  # whatever pipeline() raises, the user's run would raise too
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError(f"torch.distributed.pipelining's pipeline() cannot trace {plan.model} split at "
-                         f"{', '.join(points)} ({type(exc).__name__}: {message})") from exc
+        raise InputError(
+            f"torch.distributed.pipelining's pipeline() cannot trace {plan.model} split at "
+            f"{', '.join(points)} ({type(exc).__name__}: {message})"
+        ) from exc
     if len(split.pieces) != len(plan.stages):
-        raise InputError(f"torch.distributed.pipelining's pipeline() made {len(split.pieces)} stages of "
-                         f"{plan.model} split at {', '.join(points)}, the plan has {len(plan.stages)}")
-    owner = {name: stage.index for stage in plan.stages for i in stage.layers
-             for name in structure.layer_parameters[i]}
+        raise InputError(
+            f"torch.distributed.pipelining's pipeline() made {len(split.pieces)} stages of "
+            f"{plan.model} split at {', '.join(points)}, the plan has {len(plan.stages)}"
+        )
+    owner = {
+        name: stage.index
+        for stage in plan.stages
+        for i in stage.layers
+        for name in structure.layer_parameters[i]
+    }
     for k, piece in enumerate(split.pieces):
         for name in sorted(piece.parameters ^ {n for n, s in owner.items() if s == k}):
             where = f"stage {k}" if name in piece.parameters else "another stage"
-            raise CutError(f"torch.distributed.pipelining's split puts parameter {name} in {where}, the plan in "
-                           f"stage {owner.get(name, 'none')}: torch would not train the plan's stages")
+            raise CutError(
+                f"torch.distributed.pipelining's split puts parameter {name} in {where}, the plan in "
+                f"stage {owner.get(name, 'none')}: torch would not train the plan's stages"
+            )
     faults = split_faults(split)
     if faults:
-        raise CutError(f"torch.distributed.pipelining's own split of {plan.model} at {', '.join(points)}: "
-                       f"{faults[0]}; torch runs parameter-free ops where the Python code does, which need not "
-                       f"be the layer the plan counts them in")
+        raise CutError(
+            f"torch.distributed.pipelining's own split of {plan.model} at {', '.join(points)}: "
+            f"{faults[0]}; torch runs parameter-free ops where the Python code does, which need not "
+            f"be the layer the plan counts them in"
+        )
 
 
 # --------------------------------------------------------------------------- the action table

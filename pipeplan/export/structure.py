@@ -26,8 +26,8 @@ forward, micro-batch 0), which ``_PipelineScheduleRuntime._load_csv`` and torcht
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
@@ -53,13 +53,14 @@ TARGETS = ("pipelining", "torchtitan")
 # pipeplan schedule -> torch.distributed.pipelining class (torch 2.13 schedules.py)
 SCHEDULE_CLASSES = {name: kind.engine.torch_class for name, kind in SCHEDULE_KINDS.items() if kind.engine}
 # pipeplan schedule -> torchtitan's pipeline_parallel_schedule (torch's get_schedule_class names)
-TORCHTITAN_SCHEDULES = {name: kind.engine.torchtitan_name
-                        for name, kind in SCHEDULE_KINDS.items() if kind.engine}
+TORCHTITAN_SCHEDULES = {
+    name: kind.engine.torchtitan_name for name, kind in SCHEDULE_KINDS.items() if kind.engine
+}
 # the multi-stage classes (several stages per rank)
-MULTI_STAGE_CLASSES = tuple(kind.engine.torch_class for kind in SCHEDULE_KINDS.values()
-                            if kind.engine and kind.engine.multi_stage)
+MULTI_STAGE_CLASSES = tuple(
+    kind.engine.torch_class for kind in SCHEDULE_KINDS.values() if kind.engine and kind.engine.multi_stage
+)
 ENGINES = "torch.distributed.pipelining and torchtitan"
-
 
 
 class CutError(InputError):
@@ -182,7 +183,9 @@ def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
     for stage in plan.stages:
         for layer in stage.layers:
             if not 0 <= layer < layers:
-                raise InputError(f"plan stage {stage.index} names layer {layer}, the model has {layers} layers")
+                raise InputError(
+                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
+                )
             stage_of[layer] = stage.index
     if -1 in stage_of:
         raise InputError(f"plan assigns no stage to layer {stage_of.index(-1)} (model has {layers} layers)")
@@ -199,7 +202,9 @@ def tensor_parallel_degree(plan: Plan) -> int:
     (torchtitan's tensor-parallel mesh dimension spans every stage)."""
     degrees = sorted({stage.tensor_parallel for stage in plan.stages})
     if len(degrees) > 1:
-        raise InputError(f"plan stages use tensor-parallel degrees {degrees}: {ENGINES} use one for every stage")
+        raise InputError(
+            f"plan stages use tensor-parallel degrees {degrees}: {ENGINES} use one for every stage"
+        )
     return degrees[0]
 
 
@@ -241,8 +246,10 @@ def _check_shared_parameters(structure: ModelStructure, stage_of: list[int]) -> 
     for name in sorted(users):
         stages = users[name]
         if len(stages) > 1:
-            first = ", ".join(f"layer {layer} ({structure.layer_names[layer]}) in stage {s}"
-                              for s, layer in sorted(stages.items()))
+            first = ", ".join(
+                f"layer {layer} ({structure.layer_names[layer]}) in stage {s}"
+                for s, layer in sorted(stages.items())
+            )
             raise CutError(
                 f"parameter {name} is shared by {first}: torch.distributed.pipelining copies it into each "
                 f"stage and trains the copies apart, torchtitan keeps it on one stage; a plan that puts "

@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pipeplan.errors import InputError
 from pipeplan.export.structure import (
-    CutError,TORCHTITAN_SCHEDULES, ModelStructure, check_exportable, positions,
-                                       tensor_parallel_degree)
+    TORCHTITAN_SCHEDULES,
+    CutError,
+    ModelStructure,
+    check_exportable,
+    positions,
+    tensor_parallel_degree,
+)
 from pipeplan.plan import Plan
 
 __all__ = ["TorchtitanExport", "export_torchtitan", "torchtitan_parts"]
@@ -52,7 +56,6 @@ class TorchtitanExport:
         )
 
 
-
 # --------------------------------------------------------------------------- torchtitan units
 
 
@@ -78,7 +81,9 @@ def _units(structure: ModelStructure) -> list[str]:
     return units
 
 
-def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int) -> tuple[tuple[str, ...], ...]:
+def torchtitan_parts(
+    structure: ModelStructure, stage_of: list[int], stages: int
+) -> tuple[tuple[str, ...], ...]:
     """``module_fqns_per_model_part``: the units of each stage, every unit exactly once.
 
     A unit's stage is its layers' stage; a unit no layer runs joins the stage of the
@@ -122,7 +127,6 @@ def torchtitan_parts(structure: ModelStructure, stage_of: list[int], stages: int
             previous_stage, previous_order = stage_of_unit[unit], first_layer[unit]
         parts[previous_stage].append((previous_order, unit))
     return tuple(tuple(unit for _, unit in sorted(part, key=lambda item: item[0])) for part in parts)
-
 
 
 def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport:

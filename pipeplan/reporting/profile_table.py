@@ -66,44 +66,60 @@ def summary_lines(profile: Profile) -> list[str]:
     params = sum(layer.param_bytes for layer in profile.layers)
     layers = f"sum of layers: {profile.sum_layers_ms:.3f} ms (forward {forward:.3f} ms + backward {backward:.3f} ms)"
     if profile.step_not_measured:
-        step = f"{layers}, loss {profile.loss_ms:.3f} ms; whole step not measured: {profile.step_not_measured}"
+        step = (
+            f"{layers}, loss {profile.loss_ms:.3f} ms; whole step not measured: {profile.step_not_measured}"
+        )
         whole = "not measured"
     else:
-        step = (f"{layers}, measured step: {profile.step_ms:.3f} ± {profile.step_ms_spread:.3f} ms "
-                f"(loss {profile.loss_ms:.3f} ms of it), ratio: {profile.layers_vs_step_ratio:.3f}")
+        step = (
+            f"{layers}, measured step: {profile.step_ms:.3f} ± {profile.step_ms_spread:.3f} ms "
+            f"(loss {profile.loss_ms:.3f} ms of it), ratio: {profile.layers_vs_step_ratio:.3f}"
+        )
         whole = format_bytes(profile.step_saved_bytes)
     built: list[str] = []
     if profile.build == "meta":
         reused = sum(layer.reused_from >= 0 for layer in profile.layers)
-        built = [f"built on meta, one layer in memory at a time: {len(profile.layers) - reused} layers timed, "
-                 f"{reused} reuse an identical layer's times"]
-    sample = (f" (timed on {format_bytes(profile.optimizer_sample_bytes)} of parameters, scaled by bytes)"
-              if profile.optimizer_sample_bytes else "")
-    return [
-        step,
-        f"saved for backward: sum of layers {format_bytes(saved)}, whole model "
-        f"{whole}; parameters: sum of layers {format_bytes(params)}; "
-        f"input: {format_bytes(profile.input_bytes)}",
-    ] + built + (
-        [
-            "optimizer step (not in the step above): "
-            + ", ".join(f"{name} {ms:.3f} ms" for name, ms in profile.optimizer_ms.items()) + sample
+        built = [
+            f"built on meta, one layer in memory at a time: {len(profile.layers) - reused} layers timed, "
+            f"{reused} reuse an identical layer's times"
         ]
-        if profile.optimizer_ms
-        else []
-    ) + _split_lines(profile) + (
+    sample = (
+        f" (timed on {format_bytes(profile.optimizer_sample_bytes)} of parameters, scaled by bytes)"
+        if profile.optimizer_sample_bytes
+        else ""
+    )
+    return (
         [
-            f"capture: {profile.capture}, {len(profile.layers)} layers"
-            + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
-            + (f", opaque modules: {', '.join(profile.opaque_modules)}" if profile.opaque_modules else "")
-            + (
-                f"; output fields set to None (not tensors): {', '.join(profile.dropped_outputs)}"
-                if profile.dropped_outputs
-                else ""
-            )
+            step,
+            f"saved for backward: sum of layers {format_bytes(saved)}, whole model "
+            f"{whole}; parameters: sum of layers {format_bytes(params)}; "
+            f"input: {format_bytes(profile.input_bytes)}",
         ]
-        if profile.capture
-        else []
+        + built
+        + (
+            [
+                "optimizer step (not in the step above): "
+                + ", ".join(f"{name} {ms:.3f} ms" for name, ms in profile.optimizer_ms.items())
+                + sample
+            ]
+            if profile.optimizer_ms
+            else []
+        )
+        + _split_lines(profile)
+        + (
+            [
+                f"capture: {profile.capture}, {len(profile.layers)} layers"
+                + (f", leaf modules: {', '.join(profile.leaf_modules)}" if profile.leaf_modules else "")
+                + (f", opaque modules: {', '.join(profile.opaque_modules)}" if profile.opaque_modules else "")
+                + (
+                    f"; output fields set to None (not tensors): {', '.join(profile.dropped_outputs)}"
+                    if profile.dropped_outputs
+                    else ""
+                )
+            ]
+            if profile.capture
+            else []
+        )
     )
 
 
@@ -115,8 +131,11 @@ def _split_lines(profile: Profile) -> list[str]:
     if not split:
         return []
     units = math.gcd(*(layer.tp_units for layer in split))
-    measured = "shares not measured: built on meta" if profile.build == "meta" else (
-        f"shares measured at t={next((t for t in range(2, units + 1) if units % t == 0), 1)}")
+    measured = (
+        "shares not measured: built on meta"
+        if profile.build == "meta"
+        else (f"shares measured at t={next((t for t in range(2, units + 1) if units % t == 0), 1)}")
+    )
     return [
         f"tensor parallelism: {len(split)} layers split (t must divide {units}); of their forward "
         f"{sum(l.forward_ms for l in split):.3f} ms, {sum(l.tp_split_forward_ms for l in split):.3f} ms divide by t, "

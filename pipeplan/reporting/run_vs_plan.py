@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from pipeplan.errors import InputError
 from pipeplan.metrics import METRICS_SCHEMA, Metrics
@@ -103,7 +104,9 @@ def compare(metrics: Metrics | Mapping[str, Any], where: str = "metrics") -> Met
         planned = plan_stages.get(raw.stage, {})
         predicted_time = raw.predicted_time_per_minibatch_ms
         if predicted_time is None:
-            predicted_time = _plan_number(planned, "time_per_minibatch_ms", f"{where}: plan stage {raw.stage}")
+            predicted_time = _plan_number(
+                planned, "time_per_minibatch_ms", f"{where}: plan stage {raw.stage}"
+            )
         predicted_compute = raw.predicted_compute_ms
         if predicted_compute is None:
             predicted_compute = _plan_number(planned, "compute_ms", f"{where}: plan stage {raw.stage}")

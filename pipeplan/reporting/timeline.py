@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pipeplan.errors import InputError
 from pipeplan.jsonio import write_atomic
@@ -99,8 +100,14 @@ def draw_timeline(
         comm = category in ("send", "recv")
         y = bar_row + (0.28 if comm else -0.38)
         height = 0.12 if comm else 0.62
-        ax.broken_barh(spans, (y, height), facecolors=COLOURS.get(category, "#333333"),
-                       edgecolors="white", linewidth=0.3, hatch="///" if odd_chunk else None)
+        ax.broken_barh(
+            spans,
+            (y, height),
+            facecolors=COLOURS.get(category, "#333333"),
+            edgecolors="white",
+            linewidth=0.3,
+            hatch="///" if odd_chunk else None,
+        )
     if len(labels) <= MAX_LABELS:
         inches_per_ms = (width * 0.8) / max(end_ms, 1e-9)
         for x, label_row, duration, text in labels:
@@ -113,8 +120,13 @@ def draw_timeline(
     ax.set_xlabel("time (ms)")
     shown = [c for c in COLOURS if c in {bar_kind(event) for event in events if event.rank in row_of}]
     # Legend outside the axes, right of the rows, so it never covers bars or the x label.
-    ax.legend(handles=[Patch(color=COLOURS.get(c, "#333333"), label=c) for c in shown],
-              loc="center left", bbox_to_anchor=(1.005, 0.5), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(color=COLOURS.get(c, "#333333"), label=c) for c in shown],
+        loc="center left",
+        bbox_to_anchor=(1.005, 0.5),
+        fontsize=8,
+        frameon=False,
+    )
     hidden = len({event.rank for event in events}) - len(rows)
     suffix = f" (showing {len(rows)} ranks, {hidden} more not drawn)" if hidden > 0 else ""
     ax.set_title((title or "timeline") + suffix, fontsize=10)
@@ -143,7 +155,7 @@ def _chunk(event: TraceEvent) -> int:
 
 
 def _bar_label(event: TraceEvent) -> str:
-    """"minibatch[.micro][cchunk]": the action's name without its kind letter."""
+    """ "minibatch[.micro][cchunk]": the action's name without its kind letter."""
     if event.name[:1] in ("F", "B", "I", "W") and event.name[1:2].isdigit():
         return event.name[1:]
     return f"{event.minibatch}.{event.microbatch}" if event.microbatch else str(event.minibatch)

@@ -10,6 +10,7 @@ from pipeplan.schedules.actions import (
     peak_in_flight,
     warmup_forwards,
 )
+from pipeplan.schedules.checks import grid, validate
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule, unit_clock
 from pipeplan.schedules.kinds import (
     DEFAULT_SCHEDULE,
@@ -26,7 +27,6 @@ from pipeplan.schedules.kinds import (
     schedule_kind,
     weight_versions,
 )
-from pipeplan.schedules.checks import grid, validate
 
 __all__ = [
     "ACTION_KINDS",

@@ -18,15 +18,25 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, Tuple
 
 from pipeplan.errors import InputError
 
-__all__ = ["ACTION_KINDS", "Action", "Schedule", "Worker", "interleaved_warmup", "label", "noam", "peak_in_flight", "warmup_forwards"]
+__all__ = [
+    "ACTION_KINDS",
+    "Action",
+    "Schedule",
+    "Worker",
+    "interleaved_warmup",
+    "label",
+    "noam",
+    "peak_in_flight",
+    "warmup_forwards",
+]
 
 ACTION_KINDS = ("F", "B", "I", "W", "S")
-Worker = Tuple[int, int]  # (position, replica)
+Worker = tuple[int, int]  # (position, replica)
 
 
 # --------------------------------------------------------------------------- counts
@@ -70,7 +80,7 @@ def interleaved_warmup(positions: int, position: int, virtual_stages: int) -> in
     return (positions - position - 1) * 2 + (virtual_stages - 1) * positions
 
 
-def peak_in_flight(actions: Sequence["Action"]) -> int:
+def peak_in_flight(actions: Sequence[Action]) -> int:
     """Most units (chunk-micro-batches) whose activations are held at once.
 
     A unit holds its activations from its "F" until its "B", or until its "W" when the
@@ -122,13 +132,11 @@ class Action:
         return text
 
     @classmethod
-    def parse(cls, text: str) -> "Action":
+    def parse(cls, text: str) -> Action:
         """Invert ``str``: "F3" -> Action("F", 3); "B3.1c1" -> Action("B", 3, 1, 1)."""
         match = _ACTION_RE.match(text.strip())
         if match is None:
-            raise InputError(
-                f"cannot parse action {text!r} (expected e.g. 'F3', 'B3.1', 'I0.2c1', 'S3')"
-            )
+            raise InputError(f"cannot parse action {text!r} (expected e.g. 'F3', 'B3.1', 'I0.2c1', 'S3')")
         kind, minibatch, microbatch, chunk = match.groups()
         return cls(kind, int(minibatch), int(microbatch or 0), int(chunk or 0))
 

@@ -31,7 +31,9 @@ def validate(schedule: Schedule) -> None:
             if action.kind not in ACTION_KINDS:
                 raise InputError(f"worker s{s}r{r}: unknown action kind {action.kind!r}")
             if not 0 <= action.chunk < schedule.virtual_stages:
-                raise InputError(f"worker s{s}r{r}: {action} names chunk {action.chunk} of {schedule.virtual_stages}")
+                raise InputError(
+                    f"worker s{s}r{r}: {action} names chunk {action.chunk} of {schedule.virtual_stages}"
+                )
             if schedule.replica_of(s, action.minibatch, action.microbatch) != r:
                 raise InputError(
                     f"worker s{s}r{r}: {action} at position {position} belongs to replica "

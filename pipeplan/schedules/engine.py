@@ -28,18 +28,28 @@ computes it in O(actions + sends), with no priority queue.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from pipeplan.errors import InputError
-
 from pipeplan.schedules.actions import Action, Schedule
 
-__all__ = ["Durations", "Timeline", "LinkTime", "collector_paused", "model_stage", "run_schedule", "unit_clock"]
+__all__ = [
+    "Durations",
+    "Timeline",
+    "LinkTime",
+    "collector_paused",
+    "model_stage",
+    "run_schedule",
+    "unit_clock",
+]
 
 Worker = tuple[int, int]  # (pipeline position, replica)
-LinkTime = Callable[[int, int, float], tuple[float, float]]  # (src rank, dst rank, bytes) -> (occupy, latency) ms
+LinkTime = Callable[
+    [int, int, float], tuple[float, float]
+]  # (src rank, dst rank, bytes) -> (occupy, latency) ms
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,14 @@ class Durations:
 
     def __post_init__(self) -> None:
         count = len(self.forward_ms)
-        sizes = [len(self.backward_ms), len(self.backward_input_ms), len(self.backward_weight_ms),
-                 len(self.allreduce_ms), len(self.step_ms), len(self.sends)]
+        sizes = [
+            len(self.backward_ms),
+            len(self.backward_input_ms),
+            len(self.backward_weight_ms),
+            len(self.allreduce_ms),
+            len(self.step_ms),
+            len(self.sends),
+        ]
         if any(n != count for n in sizes):
             raise InputError(f"durations of {count} model stages have fields of lengths {sizes}")
 
@@ -79,7 +95,9 @@ class Timeline:
     busy: dict[tuple[int, int], list[tuple[float, float]]]  # (q, replica) -> compute and S share
     link_busy: dict[tuple[int, int], float]  # (src rank, dst rank) -> occupied ms
     makespan: float
-    tasks: list[tuple[Any, ...]] = field(default_factory=list)  # (rank, category, name, start, dur, k, m, q, r)
+    tasks: list[tuple[Any, ...]] = field(
+        default_factory=list
+    )  # (rank, category, name, start, dur, k, m, q, r)
 
 
 def model_stage(schedule: Schedule, position: int, action: Action) -> int:
@@ -150,8 +168,18 @@ Edge = tuple[int, dict[int, Slot], int, int, Sequence[int], float]
 # One worker, as the sweep binds it at each switch: (position, replica, rank, actions, their
 # count, append to its starts, append to its ends, its spans by chunk, its forward and its
 # backward send edges by chunk)
-Context = tuple[int, int, int, "Sequence[Action]", int, Callable[[float], None], Callable[[float], None],
-                list[list[tuple[float, float]]], list[list[Edge]], list[list[Edge]]]
+Context = tuple[
+    int,
+    int,
+    int,
+    "Sequence[Action]",
+    int,
+    Callable[[float], None],
+    Callable[[float], None],
+    list[list[tuple[float, float]]],
+    list[list[Edge]],
+    list[list[Edge]],
+]
 
 
 class _Sweep:
@@ -166,8 +194,14 @@ class _Sweep:
     timeline is exactly that of a sweep over tuple-keyed dicts.
     """
 
-    def __init__(self, schedule: Schedule, durations: Durations, ranks: Sequence[Sequence[int]], link: LinkTime,
-                 record: bool) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        durations: Durations,
+        ranks: Sequence[Sequence[int]],
+        link: LinkTime,
+        record: bool,
+    ) -> None:
         self.schedule = schedule
         self.durations = durations
         self.link = link
@@ -217,7 +251,9 @@ class _Sweep:
         out: list[Edge] = []
         for t, size in targets:
             i = t % positions
-            out.append((schedule.stage_replicas[i], {}, (offset + t) * self.units, needed[t], self.ranks[i], size))
+            out.append(
+                (schedule.stage_replicas[i], {}, (offset + t) * self.units, needed[t], self.ranks[i], size)
+            )
         return out
 
     def slot(self, src: int, edge: Edge, replica: int) -> Slot:
@@ -261,9 +297,13 @@ class _Sweep:
         for chunk, share, reduce_ms, step_ms in self.step_shares[i]:
             q = chunk * self.schedule.stages + i
             if reduce_ms > 0:
-                self.tasks.append((rank, "allreduce", f"allreduce S{minibatch}", at, reduce_ms, minibatch, 0, q, replica))
+                self.tasks.append(
+                    (rank, "allreduce", f"allreduce S{minibatch}", at, reduce_ms, minibatch, 0, q, replica)
+                )
             if step_ms > 0:
-                self.tasks.append((rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica))
+                self.tasks.append(
+                    (rank, "step", f"S{minibatch}", at + reduce_ms, step_ms, minibatch, 0, q, replica)
+                )
             at += share
 
     def context(self, worker: int) -> Context:
@@ -271,9 +311,18 @@ class _Sweep:
         i, r = self.workers[worker]
         actions = self.schedule.actions[(i, r)]
         chunks = range(self.schedule.virtual_stages)
-        return (i, r, self.rank_of[worker], actions, len(actions), self.starts[worker].append,
-                self.ends[worker].append, self.spans[worker], [self.edges(worker, c, False) for c in chunks],
-                [self.edges(worker, c, True) for c in chunks])
+        return (
+            i,
+            r,
+            self.rank_of[worker],
+            actions,
+            len(actions),
+            self.starts[worker].append,
+            self.ends[worker].append,
+            self.spans[worker],
+            [self.edges(worker, c, False) for c in chunks],
+            [self.edges(worker, c, True) for c in chunks],
+        )
 
     # ------------------------------------------------------------ sweep
     def run(self) -> None:
@@ -284,7 +333,12 @@ class _Sweep:
         (~5 M actions and ~3 M messages for 185 stages x 8,400 minibatches).
         """
         schedule, record, tasks = self.schedule, self.record, self.tasks
-        positions, stages, micro, units = schedule.stages, schedule.model_stages, schedule.microbatches, self.units
+        positions, stages, micro, units = (
+            schedule.stages,
+            schedule.model_stages,
+            schedule.microbatches,
+            self.units,
+        )
         replicas = schedule.stage_replicas
         d = self.durations
         forward_ms, backward_ms = d.forward_ms, d.backward_ms
@@ -293,7 +347,7 @@ class _Sweep:
         arrive, count, busy = self.arrive, self.count, self.busy
         position, free = self.position, self.free
         starts, ends, spans_of, completion = self.starts, self.ends, self.spans, self.completion
-        workers, rank_of, s_ms = self.workers, self.rank_of, self.s_ms
+        workers, s_ms = self.workers, self.s_ms
         all_actions = [schedule.actions[w] for w in workers]
         contexts = [self.context(w) for w in range(len(workers))]
         waiting: dict[int, list[int]] = {}  # arrival key -> blocked workers, in the order they blocked
@@ -392,8 +446,19 @@ class _Sweep:
                     pair.free = sent + occupy
                     pair.busy += occupy
                     if record and occupy + latency > 0:
-                        tasks.append((rank, "send", f"send {action} ->r{target_ranks[replica]}", sent, occupy + latency,
-                                      action.minibatch, action.microbatch, q, r))
+                        tasks.append(
+                            (
+                                rank,
+                                "send",
+                                f"send {action} ->r{target_ranks[replica]}",
+                                sent,
+                                occupy + latency,
+                                action.minibatch,
+                                action.microbatch,
+                                q,
+                                r,
+                            )
+                        )
                     arrival = sent + occupy + latency
                     target = base + unit
                     if arrival > arrive[target]:
@@ -412,8 +477,19 @@ class _Sweep:
                         busy[(q, r)] = spans
                     spans.append((start, end))
                 if record:
-                    tasks.append((rank, "forward" if kind == "F" else "backward", str(action), start, end - start,
-                                  action.minibatch, action.microbatch, q, r))
+                    tasks.append(
+                        (
+                            rank,
+                            "forward" if kind == "F" else "backward",
+                            str(action),
+                            start,
+                            end - start,
+                            action.minibatch,
+                            action.microbatch,
+                            q,
+                            r,
+                        )
+                    )
             position[w], free[w] = pos, at_free
 
     # ------------------------------------------------------------ answer
@@ -429,8 +505,15 @@ class _Sweep:
         link_free = [pair.free for pair in self.links.values()]
         makespan = max([e[-1] for e in ends.values() if e] + self.completion + link_free + [0.0])
         link_busy = {key: pair.busy for key, pair in self.links.items()}
-        return Timeline(starts, ends, self.completion, dict(self.busy), link_busy, makespan,
-                        sorted(self.tasks, key=lambda t: (t[3], t[0])))
+        return Timeline(
+            starts,
+            ends,
+            self.completion,
+            dict(self.busy),
+            link_busy,
+            makespan,
+            sorted(self.tasks, key=lambda t: (t[3], t[0])),
+        )
 
 
 def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:

@@ -13,8 +13,8 @@ schedule is a generator in ``orders.py`` plus a record here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from pipeplan.errors import InputError
 from pipeplan.schedules.actions import Action, Schedule, Worker, noam, warmup_forwards
@@ -130,9 +130,7 @@ class ScheduleKind:
         """Raise a one-line ``InputError`` when the counts break this schedule's rules."""
         replicas = _replicas(stage_replicas)
         if microbatches < 1 or (minibatches is not None and minibatches < 1):
-            raise InputError(
-                f"minibatches and microbatches must be >= 1 (got {minibatches}, {microbatches})"
-            )
+            raise InputError(f"minibatches and microbatches must be >= 1 (got {minibatches}, {microbatches})")
         if self.virtual_stages:
             if virtual_stages < 2:
                 raise InputError(
@@ -145,7 +143,9 @@ class ScheduleKind:
                     f"the {len(replicas)} pipeline positions (Megatron's rule)"
                 )
         elif virtual_stages != 1:
-            raise InputError(f"{self.name} runs one model chunk per device (got virtual stages {virtual_stages})")
+            raise InputError(
+                f"{self.name} runs one model chunk per device (got virtual stages {virtual_stages})"
+            )
         if self.whole_minibatches and microbatches != 1:
             raise InputError(f"{self.name} runs whole minibatches (got microbatches={microbatches})")
         if self.gradients == "stashed" and minibatches is not None:
@@ -262,7 +262,6 @@ def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
     return replicas
 
 
-
 def _rr_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: int) -> float:
     return float(warmup_forwards(stage_replicas, stage) + 1)  # W_s + 1 whole minibatches
 
@@ -278,33 +277,78 @@ def _gpipe_in_flight(stage_replicas: Sequence[int], stage: int, microbatches: in
 SCHEDULE_KINDS: dict[str, ScheduleKind] = {
     kind.name: kind
     for kind in (
-        ScheduleKind("1f1b-rr", "PipeDream 1F1B-RR: weight stashing, no flush", flushes=False,
-                     gradients="stashed", split_backward=False, virtual_stages=False,
-                     whole_minibatches=True, generate=worker_1f1b_rr, in_flight=_rr_in_flight,
-                     export_description="1F1B-RR (PipeDream weight stashing, no flush)", default=True),
-        ScheduleKind("1f1b-flush", "1F1B with a flush per minibatch (PipeDream-Flush)", flushes=True,
-                     gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_1f1b_flush, in_flight=_flush_in_flight,
-                     engine=EngineSchedule("Schedule1F1B", "1F1B", microbatch_per_stage=True, plannable=True),
-                     default_for_targets=True),
-        ScheduleKind("gpipe", "GPipe: all forwards, then all backwards, per minibatch", flushes=True,
-                     gradients="exact", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_gpipe, in_flight=_gpipe_in_flight,
-                     engine=EngineSchedule("ScheduleGPipe", "GPipe", plannable=True),
-                     supports_recompute=True),
-        ScheduleKind("interleaved-1f1b", "Megatron interleaved 1F1B: v model chunks per device",
-                     flushes=True, gradients="exact", split_backward=False, virtual_stages=True,
-                     whole_minibatches=False, generate=worker_interleaved,
-                     engine=EngineSchedule("ScheduleInterleaved1F1B", "Interleaved1F1B", multi_stage=True)),
-        ScheduleKind("2bw", "PipeDream-2BW: two weight versions, one step of delay, no flush",
-                     flushes=False, gradients="delayed", split_backward=False, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_2bw,
-                     export_description="2BW (PipeDream-2BW double-buffered weights, no flush)"),
-        ScheduleKind("zb-h1", "zero bubble H1: 1F1B with weight gradients deferred", flushes=True,
-                     gradients="exact", split_backward=True, virtual_stages=False,
-                     whole_minibatches=False, generate=worker_zb_h1,
-                     engine=EngineSchedule("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble",
-                                           multi_stage=True)),
+        ScheduleKind(
+            "1f1b-rr",
+            "PipeDream 1F1B-RR: weight stashing, no flush",
+            flushes=False,
+            gradients="stashed",
+            split_backward=False,
+            virtual_stages=False,
+            whole_minibatches=True,
+            generate=worker_1f1b_rr,
+            in_flight=_rr_in_flight,
+            export_description="1F1B-RR (PipeDream weight stashing, no flush)",
+            default=True,
+        ),
+        ScheduleKind(
+            "1f1b-flush",
+            "1F1B with a flush per minibatch (PipeDream-Flush)",
+            flushes=True,
+            gradients="exact",
+            split_backward=False,
+            virtual_stages=False,
+            whole_minibatches=False,
+            generate=worker_1f1b_flush,
+            in_flight=_flush_in_flight,
+            engine=EngineSchedule("Schedule1F1B", "1F1B", microbatch_per_stage=True, plannable=True),
+            default_for_targets=True,
+        ),
+        ScheduleKind(
+            "gpipe",
+            "GPipe: all forwards, then all backwards, per minibatch",
+            flushes=True,
+            gradients="exact",
+            split_backward=False,
+            virtual_stages=False,
+            whole_minibatches=False,
+            generate=worker_gpipe,
+            in_flight=_gpipe_in_flight,
+            engine=EngineSchedule("ScheduleGPipe", "GPipe", plannable=True),
+            supports_recompute=True,
+        ),
+        ScheduleKind(
+            "interleaved-1f1b",
+            "Megatron interleaved 1F1B: v model chunks per device",
+            flushes=True,
+            gradients="exact",
+            split_backward=False,
+            virtual_stages=True,
+            whole_minibatches=False,
+            generate=worker_interleaved,
+            engine=EngineSchedule("ScheduleInterleaved1F1B", "Interleaved1F1B", multi_stage=True),
+        ),
+        ScheduleKind(
+            "2bw",
+            "PipeDream-2BW: two weight versions, one step of delay, no flush",
+            flushes=False,
+            gradients="delayed",
+            split_backward=False,
+            virtual_stages=False,
+            whole_minibatches=False,
+            generate=worker_2bw,
+            export_description="2BW (PipeDream-2BW double-buffered weights, no flush)",
+        ),
+        ScheduleKind(
+            "zb-h1",
+            "zero bubble H1: 1F1B with weight gradients deferred",
+            flushes=True,
+            gradients="exact",
+            split_backward=True,
+            virtual_stages=False,
+            whole_minibatches=False,
+            generate=worker_zb_h1,
+            engine=EngineSchedule("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", multi_stage=True),
+        ),
     )
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)  # the names a plan may carry, in registry order
@@ -350,7 +394,10 @@ def weight_versions(schedule: str, stage_replicas: Sequence[int], stage: int) ->
 
 
 def activations_in_flight(
-    schedule: str, stage_replicas: Sequence[int], stage: int, microbatches: int = 1,
+    schedule: str,
+    stage_replicas: Sequence[int],
+    stage: int,
+    microbatches: int = 1,
     virtual_stages: int = 1,
 ) -> float:
     """Minibatches' worth of saved activations a replica of ``stage`` holds at its peak.
@@ -366,7 +413,10 @@ def activations_in_flight(
 
 
 def build_schedule(
-    name: str, stage_replicas: Sequence[int], minibatches: int, microbatches: int = 1,
+    name: str,
+    stage_replicas: Sequence[int],
+    minibatches: int,
+    microbatches: int = 1,
     virtual_stages: int = 1,
 ) -> Schedule:
     """Every worker's action order for schedule ``name`` (one of ``SCHEDULE_NAMES``).

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 from pipeplan.schedules.actions import Action, interleaved_warmup, warmup_forwards
 
@@ -18,7 +19,11 @@ def _local_microbatches(
 
 
 def worker_1f1b_rr(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """W_s + 1 forwards, then B (+S), F alternating, then drain the backwards (+S).
@@ -105,7 +110,11 @@ def _1f1b_order(local: Sequence[int], window: int) -> list[tuple[str, int]]:
 
 
 def worker_1f1b_flush(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """Per minibatch: the position's 1F1B order (``flush_window`` forwards, then B, F
@@ -120,7 +129,11 @@ def worker_1f1b_flush(
 
 
 def worker_gpipe(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """Per minibatch: all forwards, all backwards in reverse order, one "S"."""
@@ -134,7 +147,11 @@ def worker_gpipe(
 
 
 def worker_interleaved(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """Megatron's interleaved 1F1B, per minibatch (it flushes).
@@ -169,7 +186,11 @@ def worker_interleaved(
 
 
 def worker_2bw(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """PipeDream-2BW: 1F1B over the stream of micro-batches, no flush.
@@ -181,7 +202,8 @@ def worker_2bw(
     steps every minibatch.
     """
     units = [
-        (k, m) for k in range(minibatches)
+        (k, m)
+        for k in range(minibatches)
         for m in _local_microbatches(replicas, stage, replica, k, microbatches)
     ]
     ahead = min(len(units), warmup_forwards(replicas, stage) + 1)
@@ -199,7 +221,11 @@ def worker_2bw(
 
 
 def worker_zb_h1(
-    replicas: tuple[int, ...], stage: int, replica: int, minibatches: int, microbatches: int,
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
     virtual_stages: int,
 ) -> list[Action]:
     """ZB-H1: the 1F1B-flush order with each backward split into "I" then "W".

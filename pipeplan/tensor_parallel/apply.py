@@ -26,7 +26,7 @@ CPU: train with dropout 0 to compare against single-process runs.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -36,8 +36,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils import _pytree as pytree
 
-__all__ = ["SplitParameters", "parallelize_stage", "compute_context", "settle_gradients", "local",
-           "full", "counted_here"]
+__all__ = [
+    "SplitParameters",
+    "parallelize_stage",
+    "compute_context",
+    "settle_gradients",
+    "local",
+    "full",
+    "counted_here",
+]
 
 
 class SplitParameters(ParallelStyle):
@@ -56,8 +63,13 @@ class SplitParameters(ParallelStyle):
             if isinstance(param, DTensor):
                 continue
             placement = Shard(self.dims[name]) if name in self.dims else Replicate()
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param.detach(), device_mesh, [placement]),
-                                                         requires_grad=param.requires_grad))
+            module.register_parameter(
+                name,
+                nn.Parameter(
+                    distribute_tensor(param.detach(), device_mesh, [placement]),
+                    requires_grad=param.requires_grad,
+                ),
+            )
         return module
 
 
@@ -77,8 +89,9 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
         if param is None:
             continue
         if not isinstance(param, DTensor):
-            param = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()]),
-                                 requires_grad=param.requires_grad)
+            param = nn.Parameter(
+                distribute_tensor(param.detach(), mesh, [Replicate()]), requires_grad=param.requires_grad
+            )
         for owner, name in holders:
             owner._parameters[name] = param
     module.register_forward_pre_hook(lambda _, args: _enter(args, mesh))
@@ -96,7 +109,9 @@ def _drop_metadata_asserts(module: nn.Module) -> None:
     target = torch.ops.aten._assert_tensor_metadata.default
     for sub in module.modules():
         if isinstance(sub, fx.GraphModule):
-            asserts = [node for node in sub.graph.nodes if node.op == "call_function" and node.target is target]
+            asserts = [
+                node for node in sub.graph.nodes if node.op == "call_function" and node.target is target
+            ]
             for node in asserts:
                 sub.graph.erase_node(node)
             if asserts:
@@ -138,17 +153,28 @@ def _megatron_collectives(module: nn.Module) -> None:
     """
     import torch.fx as fx
 
-    matmuls = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-               torch.ops.aten.matmul.default}
+    matmuls = {
+        torch.ops.aten.linear.default,
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.matmul.default,
+    }
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
-        split = {node for node in sub.graph.nodes if node.op == "get_attr" and _is_split(sub, str(node.target))}
+        split = {
+            node for node in sub.graph.nodes if node.op == "get_attr" and _is_split(sub, str(node.target))
+        }
         reduced: dict[fx.Node, fx.Node] = {}  # activation -> its gradient-reducing identity
         changed = False
         for node in list(sub.graph.nodes):
-            reads_split = (node.op == "call_function" and node.target in matmuls and any(a in split for a in node.args)
-                           or node.op == "call_module" and _holds_split(sub, str(node.target)))
+            reads_split = (
+                node.op == "call_function"
+                and node.target in matmuls
+                and any(a in split for a in node.args)
+                or node.op == "call_module"
+                and _holds_split(sub, str(node.target))
+            )
             if not reads_split:
                 continue
             for arg in node.args:
@@ -186,7 +212,9 @@ def replicate_partial(value: object) -> object:
     plain partial sum back into an embedding's masked one.
     """
     if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
-        return _ReducedGradient.apply(value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)))
+        return _ReducedGradient.apply(
+            value.redistribute(value.device_mesh, [Replicate()] * len(value.placements))
+        )
     return value
 
 
@@ -223,9 +251,12 @@ def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 def _enter(args: tuple[object, ...], mesh: DeviceMesh) -> tuple[object, ...]:
     """Floating-point inputs as replicated DTensors (their gradient comes back whole)."""
-    return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point()
-                 else a for a in args)
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+        if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.is_floating_point()
+        else a
+        for a in args
+    )
 
 
 def _leave(output: object) -> object:

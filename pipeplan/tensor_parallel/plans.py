@@ -24,8 +24,17 @@ from torch import nn
 
 from pipeplan.errors import InputError
 
-__all__ = ["Split", "FAMILIES", "COLWISE", "ROWWISE", "resolve_splits", "has_plan", "head_counts", "check_heads",
-           "stage_splits"]
+__all__ = [
+    "Split",
+    "FAMILIES",
+    "COLWISE",
+    "ROWWISE",
+    "resolve_splits",
+    "has_plan",
+    "head_counts",
+    "check_heads",
+    "stage_splits",
+]
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 
@@ -73,8 +82,9 @@ class Split:
     dims: tuple[tuple[str, int], ...]  # (parameter name, dim)
 
 
-def resolve_splits(model: nn.Module, tp_plan: dict[str, Any] | None, degrees: set[int],
-                   where: str) -> dict[str, Split]:
+def resolve_splits(
+    model: nn.Module, tp_plan: dict[str, Any] | None, degrees: set[int], where: str
+) -> dict[str, Split]:
     """Qualified module path -> ``Split`` for every module the plan splits; ``InputError`` on a refusal.
 
     ``degrees``: the plan's tensor-parallel degrees above 1; every split dimension must
@@ -116,8 +126,9 @@ def resolve_splits(model: nn.Module, tp_plan: dict[str, Any] | None, degrees: se
                         f"{where}: tensor_parallel {t} does not divide {path}.{name}'s dimension "
                         f"{dim} ({param.shape[dim]}), which the plan splits {style}"
                     )
-        splits[path] = Split(path, style, tuple((n, d) for n, d in dims.items()
-                                                if getattr(modules[path], n, None) is not None))
+        splits[path] = Split(
+            path, style, tuple((n, d) for n, d in dims.items() if getattr(modules[path], n, None) is not None)
+        )
     return splits
 
 
@@ -193,7 +204,9 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
             )
         matched = [p for p in paths if _matches(pattern, p)]
         if not matched:
-            raise InputError(f"{where}: TP_PLAN names {pattern!r}, which is no module of {type(model).__name__}")
+            raise InputError(
+                f"{where}: TP_PLAN names {pattern!r}, which is no module of {type(model).__name__}"
+            )
         if kind:
             styles.update(dict.fromkeys(matched, kind))
     return styles
@@ -202,11 +215,16 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
 def _is_layout_hint(style: object) -> bool:
     """A style that only places activations (it splits no parameter): torchtitan's plans
     use them around attention and norms; a split stage keeps DTensor's own layouts."""
-    from torch.distributed.tensor.parallel import (PrepareModuleInput, PrepareModuleInputOutput,
-                                                   PrepareModuleOutput, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        SequenceParallel,
+    )
 
-    return isinstance(style, (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
-                              SequenceParallel))
+    return isinstance(
+        style, (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, SequenceParallel)
+    )
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -228,8 +246,12 @@ def _tied_parameters(model: nn.Module) -> dict[str, str]:
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    return {name: next(other for other in group if other != name)
-            for group in names.values() if len(group) > 1 for name in group}
+    return {
+        name: next(other for other in group if other != name)
+        for group in names.values()
+        if len(group) > 1
+        for name in group
+    }
 
 
 def stage_splits(parameter_names: dict[str, str], splits: dict[str, Split]) -> dict[str, dict[str, int]]:

@@ -88,5 +88,15 @@ from pipeplan.planner.dp.context import (
 from pipeplan.planner.dp.reconstruct import reconstruct
 from pipeplan.planner.dp.solve import solve
 
-__all__ = ["DPSettings", "StageNode", "DPSolution", "solve", "reconstruct", "EXACT_TAU_WORLD", "nested_states",
-           "table_bytes", "planner_memory_limit", "DEFAULT_PLANNER_MEMORY"]
+__all__ = [
+    "DPSettings",
+    "StageNode",
+    "DPSolution",
+    "solve",
+    "reconstruct",
+    "EXACT_TAU_WORLD",
+    "nested_states",
+    "table_bytes",
+    "planner_memory_limit",
+    "DEFAULT_PLANNER_MEMORY",
+]

@@ -40,7 +40,9 @@ __all__ = [
 ]
 
 
-def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+def _top_stage_bound(
+    arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
     """Lower bound (ms) of layers [starts, ends) as one top-level stage on any unit count.
 
     Non-decreasing in ``ends`` (every operation is monotone, in floating point too).
@@ -55,7 +57,9 @@ def _top_stage_bound(arrays: LayerArrays, topology: Topology, starts: np.ndarray
     return low
 
 
-def _relaxed_stage_ms(compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level) -> np.ndarray:
+def _relaxed_stage_ms(
+    compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level
+) -> np.ndarray:
     """Lower bound (ms) of ranges of ``compute`` ms and ``grads`` gradient bytes
     (``LayerArrays.sync_range``) as one stage on ``units`` units of ``level`` (``per_unit``
     devices each): max(compute over the devices, the ring all-reduce among the units)."""
@@ -141,9 +145,15 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
     inf when that plan is not a candidate (``straight``) or does not fit. O(levels)."""
     if settings.straight and topology.world_size > 1:
         return INF
-    params, saved = arrays.param_bytes[-1:] - arrays.param_bytes[:1], arrays.saved_bytes[-1:] - arrays.saved_bytes[:1]
+    params, saved = (
+        arrays.param_bytes[-1:] - arrays.param_bytes[:1],
+        arrays.saved_bytes[-1:] - arrays.saved_bytes[:1],
+    )
     whole = arrays.largest_range(np.array([0]), np.array([len(arrays.param_bytes) - 1]))
-    if settings.memory_check and float(device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes:
+    if (
+        settings.memory_check
+        and float(device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes
+    ):
         return INF
     value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
     grads = params * arrays.precision.gradient_ratio
@@ -168,7 +178,9 @@ def some_layer_never_fits(ctx: DPContext) -> bool:
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
-    need = device_need_bytes(ctx.settings, params, saved, 0, largest)  # device_table at tau = 0 for single layers
+    need = device_need_bytes(
+        ctx.settings, params, saved, 0, largest
+    )  # device_table at tau = 0 for single layers
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
@@ -184,9 +196,13 @@ def fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings)
     count, start = 0, 0
     while start < n:
         ends = np.arange(start + 1, n + 1)
-        need = device_need_bytes(settings, arrays.param_bytes[ends] - arrays.param_bytes[start],
-                                  arrays.saved_bytes[ends] - arrays.saved_bytes[start], 0,
-                                  arrays.largest_range(np.full(len(ends), start), ends))
+        need = device_need_bytes(
+            settings,
+            arrays.param_bytes[ends] - arrays.param_bytes[start],
+            arrays.saved_bytes[ends] - arrays.saved_bytes[start],
+            0,
+            arrays.largest_range(np.full(len(ends), start), ends),
+        )
         fits = int(np.searchsorted(need > memory, True))  # need grows with the end: a prefix of ends fits
         if fits == 0:
             return INF

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class StageNode:
     start: int
     end: int
     units: int
-    children: tuple["StageNode", ...] = ()
+    children: tuple[StageNode, ...] = ()
 
 
 @dataclass
@@ -86,7 +86,7 @@ class DPSolution:
     band: int  # longest top-level stage (layers) the answer was searched over
     top: np.ndarray  # S[m, q, i]: layers [i, N) on m top units, <= q+1 stages
     tables: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (k, tau) -> A_k[m, q, l, i]
-    ctx: "DPContext | None" = None
+    ctx: DPContext | None = None
     limit_ms: float = INF  # pruning limit the tables were filled under (inf: none)
 
 
@@ -102,8 +102,9 @@ class DPContext:
     ``band`` layers.
     """
 
-    def __init__(self, arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
-                 limit_ms: float = INF):
+    def __init__(
+        self, arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int, limit_ms: float = INF
+    ):
         self.arrays, self.topology, self.settings = arrays, topology, settings
         n = arrays.layers
         self.n, self.band = n, band
@@ -115,9 +116,13 @@ class DPContext:
         self.tau_cache: dict[int, bool] = {}  # level -> tables independent of tau
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.stage_tables: dict[tuple[int, int, int], np.ndarray] = {}
-        self.alive: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # level -> (stage, pipeline) masks
+        self.alive: dict[
+            int, tuple[list[np.ndarray], list[np.ndarray]]
+        ] = {}  # level -> (stage, pipeline) masks
         self.live_by_start: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        self.regions: dict[int, tuple[int, int]] | None = None  # tau -> states read by the top (``_top_regions``)
+        self.regions: dict[int, tuple[int, int]] | None = (
+            None  # tau -> states read by the top (``_top_regions``)
+        )
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
         self.limit_ms = limit_ms
         top = len(self.levels)
@@ -168,8 +173,9 @@ class DPContext:
         if key not in self.allreduce:
             lv = self.levels[level - 1]
             columns = min(self.width[level], self.span) + 1
-            self.allreduce[key] = ring_allreduce_ms(self.grads[:columns], units, lv.bandwidth_bytes_per_s,
-                                                    lv.latency_ms)
+            self.allreduce[key] = ring_allreduce_ms(
+                self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
+            )
         return self.allreduce[key]
 
 
@@ -189,8 +195,9 @@ def nested_states(arrays: LayerArrays) -> np.ndarray:
 _NESTED: dict[int, tuple[object, np.ndarray]] = {}
 
 
-def longest_prefix(fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray,
-                    arrays: LayerArrays | None = None) -> int:
+def longest_prefix(
+    fits: Callable[[np.ndarray], np.ndarray], longest: np.ndarray, arrays: LayerArrays | None = None
+) -> int:
     """Largest l <= longest[i] over all starts i with fits(l)[i] (0 if none), where
     ``fits`` maps an array of lengths (one per start) to booleans. For prefixes
     (``arrays`` None or a prefix family) it holds for a prefix of lengths at each start:
@@ -231,7 +238,10 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
             compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
             grads = arrays.sync_range(starts, ends)
             allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
-            return np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+            return (
+                np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
+            )
+
         return test
 
     longest = np.minimum(ctx.band, n - starts)
@@ -291,16 +301,23 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
-def device_need_bytes(settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int,
-                       largest: np.ndarray) -> np.ndarray:
+def device_need_bytes(
+    settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int, largest: np.ndarray
+) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
     parameters are ``largest``, at ``tau``."""
     if _tracks_tau(settings):
         versions, in_flight = tau + 1, float(tau + 1)
     else:
-        versions, in_flight = schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
-    return (params * parameter_copies(versions, settings.optimizer, settings.precision) + saved * in_flight
-            + gradient_temporary_bytes(largest, settings.microbatches, settings.precision))
+        versions, in_flight = (
+            schedule_kind(settings.schedule).weight_versions((1,), 0),
+            settings.flush_in_flight,
+        )
+    return (
+        params * parameter_copies(versions, settings.optimizer, settings.precision)
+        + saved * in_flight
+        + gradient_temporary_bytes(largest, settings.microbatches, settings.precision)
+    )
 
 
 def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:

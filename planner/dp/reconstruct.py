@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from pipeplan.errors import InfeasibleError
 from pipeplan.planner.costs import transfer_ms
@@ -20,8 +20,9 @@ def _close(a: float, b: float) -> bool:
 RestValue = Callable[[int, int, int], float]
 
 
-def _reconstruct_level(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int,
-                       tau: int) -> tuple[StageNode, ...]:
+def _reconstruct_level(
+    ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int, tau: int
+) -> tuple[StageNode, ...]:
     """The pipeline achieving A_level(start, end, m, q) at ``tau``."""
     if level == 0:
         return ()
@@ -29,12 +30,32 @@ def _reconstruct_level(ctx: DPContext, band: int, level: int, start: int, end: i
     # follow the tau the table was filled with: inner taus derive from it
     filled_tau = 0 if ctx.track_tau and ctx.tau_cache.get(level) else ctx.tau_key(tau)
     target = table_entry(table[m], q, end - start, start)
-    return _pick(ctx, band, level, start, end, m, q, filled_tau, target,
-                 lambda s, mm, qq: table_entry(table[mm], qq, end - s, s))
+    return _pick(
+        ctx,
+        band,
+        level,
+        start,
+        end,
+        m,
+        q,
+        filled_tau,
+        target,
+        lambda s, mm, qq: table_entry(table[mm], qq, end - s, s),
+    )
 
 
-def _pick(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
-          target: float, rest_value: RestValue) -> tuple[StageNode, ...]:
+def _pick(
+    ctx: DPContext,
+    band: int,
+    level: int,
+    start: int,
+    end: int,
+    m: int,
+    q: int,
+    tau: int,
+    target: float,
+    rest_value: RestValue,
+) -> tuple[StageNode, ...]:
     """Find the choice (single stage or first stage + rest) whose value is ``target``.
 
     Choices are tried in a fixed order (single stage, then first-stage units and length
@@ -49,7 +70,9 @@ def _pick(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q
         single_tau = math.ceil(tau / m)
         value = table_entry(stage_table(ctx, level, m, single_tau), q, length, start)
         if _close(value, target):
-            inner = _reconstruct_level(ctx, band, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau)
+            inner = _reconstruct_level(
+                ctx, band, level - 1, start, end, lv_units(ctx, level - 1), q, single_tau
+            )
             return (StageNode(level, start, end, m, inner),)
     cut = transfer_ms(ctx.cut, lv.bandwidth_bytes_per_s, lv.latency_ms)
     for first_units in split_choices(ctx.settings, m):
@@ -61,9 +84,15 @@ def _pick(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q
             split = start + t
             pairs = [(0, 0)] if not ctx.bounded else [(q1, q - 1 - q1) for q1 in range(q)]
             for q1, q2 in pairs:
-                value = max(table_entry(first, q1, t, start), float(cut[split]), rest_value(split, m - first_units, q2))
+                value = max(
+                    table_entry(first, q1, t, start),
+                    float(cut[split]),
+                    rest_value(split, m - first_units, q2),
+                )
                 if _close(value, target):
-                    inner = _reconstruct_level(ctx, band, level - 1, start, split, lv_units(ctx, level - 1), q1, inner_tau)
+                    inner = _reconstruct_level(
+                        ctx, band, level - 1, start, split, lv_units(ctx, level - 1), q1, inner_tau
+                    )
                     head = StageNode(level, start, split, first_units, inner)
                     tail = _follow(ctx, band, level, split, end, m - first_units, q2, tau, rest_value)
                     return (head,) + tail
@@ -72,8 +101,17 @@ def _pick(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q
     raise InfeasibleError(f"internal: no choice reproduces {target} ms at level {level}")
 
 
-def _follow(ctx: DPContext, band: int, level: int, start: int, end: int, m: int, q: int, tau: int,
-            rest_value: RestValue) -> tuple[StageNode, ...]:
+def _follow(
+    ctx: DPContext,
+    band: int,
+    level: int,
+    start: int,
+    end: int,
+    m: int,
+    q: int,
+    tau: int,
+    rest_value: RestValue,
+) -> tuple[StageNode, ...]:
     return _pick(ctx, band, level, start, end, m, q, tau, rest_value(start, m, q), rest_value)
 
 
@@ -90,6 +128,14 @@ def reconstruct(solution: DPSolution) -> tuple[StageNode, ...]:
     n, u = ctx.n, ctx.levels[-1].count
     suffix = solution.top
     return _pick(
-        ctx, solution.band, top_level, 0, n, u, ctx.q - 1, 0, float(suffix[u, ctx.q - 1, 0]),
+        ctx,
+        solution.band,
+        top_level,
+        0,
+        n,
+        u,
+        ctx.q - 1,
+        0,
+        float(suffix[u, ctx.q - 1, 0]),
         lambda s, mm, qq: float(suffix[mm, qq, s]),
     )

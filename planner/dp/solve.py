@@ -24,8 +24,15 @@ from pipeplan.topology import Topology
 __all__ = ["solve"]
 
 
-def _exact_pass(arrays: LayerArrays, topology: Topology, settings: DPSettings, band: int,
-                upper_ms: float = INF, prune: bool = True, start_ms: float | None = None) -> DPSolution:
+def _exact_pass(
+    arrays: LayerArrays,
+    topology: Topology,
+    settings: DPSettings,
+    band: int,
+    upper_ms: float = INF,
+    prune: bool = True,
+    start_ms: float | None = None,
+) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
 
     The limit starts at ``start_ms`` (default: a lower bound of the answer, the
@@ -67,7 +74,9 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
-    if fewest_stages(arrays, topology, settings) > min(topology.world_size, settings.max_stages or topology.world_size):
+    if fewest_stages(arrays, topology, settings) > min(
+        topology.world_size, settings.max_stages or topology.world_size
+    ):
         # no plan has so few stages that each fits on a device: infeasible, without the passes
         # that would grow the limit to inf to prove it
         return DPSolution(INF, arrays, topology, settings, 0, np.full((1, 1, 1), INF))

@@ -81,7 +81,9 @@ def _top_regions(ctx: DPContext) -> dict[int, tuple[int, int]]:
     regions: dict[int, tuple[int, int]] = {}
     for m in range(1, u + 1):
         if math.isfinite(v):
-            fits = (prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance)
+            fits = (prefix <= v * (u - m) * per_unit + tolerance) & (
+                total - prefix <= v * m * per_unit + tolerance
+            )
             starts = np.nonzero(fits)[0]
         else:
             starts = np.arange(n)
@@ -113,8 +115,9 @@ def stage_table(ctx: DPContext, level: int, units: int, tau: int) -> np.ndarray:
     return ctx.stage_tables[key]
 
 
-def _stage_values(ctx: DPContext, level: int, units: int, tau: int, lengths: np.ndarray,
-                  starts: np.ndarray) -> np.ndarray:
+def _stage_values(
+    ctx: DPContext, level: int, units: int, tau: int, lengths: np.ndarray, starts: np.ndarray
+) -> np.ndarray:
     """``stage_table(ctx, level, units, tau)[0, lengths, starts]`` (unbounded), computed at
     those points only unless the table exists: the same operations, so the same values."""
     below = level - 1
@@ -183,8 +186,9 @@ def _fill_level(ctx: DPContext, level: int, tau: int, region: tuple[int, int] | 
             inner_tau = math.ceil((tau + after * per_unit) / first_units)
             rest = table[after]
             first_longest = min(first_len[first_units], longest - 1)
-            if not ctx.bounded and _combine_live(ctx, level, table[m, 0], (first_units, inner_tau), cut, rest[0],
-                                                 m, first_longest, longest):
+            if not ctx.bounded and _combine_live(
+                ctx, level, table[m, 0], (first_units, inner_tau), cut, rest[0], m, first_longest, longest
+            ):
                 continue
             first = stage_table(ctx, level, first_units, inner_tau)
             low, high = region if region is not None else (0, n)
@@ -196,8 +200,13 @@ def _fill_level(ctx: DPContext, level: int, tau: int, region: tuple[int, int] | 
                     # first stage [i, i+t), rest [i+t, i+l) for l in t+1..hi
                     hi = min(block_longest, t + rest_len[after])
                     head = np.maximum(first[:, t, begin:end], cut[t + begin : t + end])[:, None, :]
-                    _combine(table[m, :, t + 1 : hi + 1, begin:end], head,
-                             rest[:, 1 : hi - t + 1, t + begin : t + end], ctx.bounded, scratch)
+                    _combine(
+                        table[m, :, t + 1 : hi + 1, begin:end],
+                        head,
+                        rest[:, 1 : hi - t + 1, t + begin : t + end],
+                        ctx.bounded,
+                        scratch,
+                    )
         if ctx.settings.use_fewer_devices and m > 1:
             np.minimum(table[m], table[m - 1], out=table[m])
     table[:, :, ~ctx.valid[: width + 1]] = INF
@@ -259,8 +268,17 @@ def _live_by_start(ctx: DPContext, level: int, units: int) -> tuple[np.ndarray, 
     return ctx.live_by_start[key]
 
 
-def _combine_live(ctx: DPContext, level: int, out: np.ndarray, first_stage: tuple[int, int], cut: np.ndarray,
-                  rest: np.ndarray, m: int, first_longest: int, longest: int) -> bool:
+def _combine_live(
+    ctx: DPContext,
+    level: int,
+    out: np.ndarray,
+    first_stage: tuple[int, int],
+    cut: np.ndarray,
+    rest: np.ndarray,
+    m: int,
+    first_longest: int,
+    longest: int,
+) -> bool:
     """``_fill_level``'s combine of a pipeline on m units, first stage on f units at
     ``tau`` (``first_stage = (f, tau)``), over live choices only, unbounded:
     out[l, i] = min(out[l, i], max(T(t, i), cut[i + t], rest[l - t, i + t])) for every live
@@ -335,8 +353,12 @@ def fill_top(ctx: DPContext, band: int) -> np.ndarray:
                 if longest < 1:
                     continue
                 inner_tau = math.ceil((m - first_units) * per_unit / first_units)
-                first = stage_table(ctx, top, first_units, inner_tau)[:, 1 : longest + 1, :n]  # first stage [i, i+t)
-                rest = sliding_window_view(suffix[m - first_units, :, 1 : n + longest], n, axis=-1)  # [q, t-1, i]: S[i+t]
+                first = stage_table(ctx, top, first_units, inner_tau)[
+                    :, 1 : longest + 1, :n
+                ]  # first stage [i, i+t)
+                rest = sliding_window_view(
+                    suffix[m - first_units, :, 1 : n + longest], n, axis=-1
+                )  # [q, t-1, i]: S[i+t]
                 head = np.maximum(first, sliding_window_view(cut[1 : n + longest], n)[None, :, :])
                 out = np.full(rest.shape, INF)
                 _combine(out, head, rest, True, np.empty(rest.shape[1:]))
@@ -378,8 +400,11 @@ class _TopHeads:
         heads = np.empty((len(units) + 1, width, n))
         heads[0] = INF
         np.divide(unit[None], units, out=heads[1:])
-        np.maximum(heads[1:], ring_allreduce_ms(grads[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
-                   out=heads[1:])
+        np.maximum(
+            heads[1:],
+            ring_allreduce_ms(grads[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
+            out=heads[1:],
+        )
         np.maximum(heads[1:], self.cut[:width][None], out=heads[1:])
         lengths = np.arange(1, width + 1)[None, :]
         longest = np.array(self.longest[: len(units) + 1])[:, None]
@@ -413,10 +438,14 @@ def _top_live_starts(ctx: DPContext) -> list[tuple[int, int]]:
         return [(0, n)] * (u + 1)
     prefix = ctx.arrays.compute_ms[:n]
     total = float(ctx.arrays.compute_ms[-1])
-    tolerance = 1e-9 * max(1.0, total) + ctx.arrays.shared_ends_ms  # the ends are paid once by a whole-model stage
+    tolerance = (
+        1e-9 * max(1.0, total) + ctx.arrays.shared_ends_ms
+    )  # the ends are paid once by a whole-model stage
     out = [(0, 0)]
     for m in range(1, u + 1):
-        live = np.nonzero((prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance))[0]
+        live = np.nonzero(
+            (prefix <= v * (u - m) * per_unit + tolerance) & (total - prefix <= v * m * per_unit + tolerance)
+        )[0]
         out.append((int(live[0]), int(live[-1]) + 1) if len(live) else (0, 0))
     return out
 
@@ -425,7 +454,11 @@ def _combine_top(ctx: DPContext, heads: _TopHeads, suffix: np.ndarray, m: int) -
     """Unbounded top combine of m units: S[m, 0, i] = min(S[m, 0, i], min over f < m
     and t <= Lt(f) of max(head_f[t, i], S[m - f, 0, i + t])), f in blocks of at most
     ``TOP_BLOCK_ELEMENTS``. O(m Lt N)."""
-    units = [f for f in heads.units if f < m] if not ctx.settings.straight else [f for f in heads.units if f == 1 < m]
+    units = (
+        [f for f in heads.units if f < m]
+        if not ctx.settings.straight
+        else [f for f in heads.units if f == 1 < m]
+    )
     if not units or heads.width < 1:
         return
     n, width = heads.n, heads.width
@@ -444,6 +477,12 @@ def _combine_top(ctx: DPContext, heads: _TopHeads, suffix: np.ndarray, m: int) -
         if heads.stacked is not None:
             head = heads.stacked[lo : hi + 1, :, a:b]
         else:
-            head = np.stack([heads.get(f, math.ceil((m - f) * per_unit / f))[:, a:b] if heads.longest[f] >= 1
-                             else np.full((width, b - a), INF) for f in range(lo, hi + 1)])
+            head = np.stack(
+                [
+                    heads.get(f, math.ceil((m - f) * per_unit / f))[:, a:b]
+                    if heads.longest[f] >= 1
+                    else np.full((width, b - a), INF)
+                    for f in range(lo, hi + 1)
+                ]
+            )
         np.minimum(best, np.maximum(head, rest).min(axis=(0, 1)), out=best)

@@ -13,8 +13,9 @@ stage loads is what ``from_pretrained`` would have put there.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +43,12 @@ def library_conversions(model: nn.Module, saved: Iterable[str]) -> dict[str, Con
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
-                                                     rename_source_key)
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
     except ImportError:  # no transformers, or one without conversion mappings (before 5.0)
         return {}
     if not isinstance(model, PreTrainedModel):
@@ -60,9 +65,16 @@ def library_conversions(model: nn.Module, saved: Iterable[str]) -> dict[str, Con
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
         if renamed in names:
             found.setdefault(renamed, []).append((key, pattern))
-    return {target: Conversion(target, tuple(k for k, _ in pieces), tuple(p or "" for _, p in pieces),
-                               by_pattern.get(pieces[0][1] or ""), model.config)
-            for target, pieces in found.items()}
+    return {
+        target: Conversion(
+            target,
+            tuple(k for k, _ in pieces),
+            tuple(p or "" for _, p in pieces),
+            by_pattern.get(pieces[0][1] or ""),
+            model.config,
+        )
+        for target, pieces in found.items()
+    }
 
 
 def convert(conversion: Conversion, tensors: dict[str, torch.Tensor]) -> torch.Tensor:

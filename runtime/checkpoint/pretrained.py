@@ -20,8 +20,8 @@ made from its saved pieces as transformers makes it (``hf_conversion``). safeten
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from torch import nn
@@ -51,7 +51,10 @@ def tie_aliases(model_file: ModelFile) -> dict[str, tuple[str, ...]]:
     except Exception:  # not buildable on meta: exact names only
         return {}
     groups: dict[int, list[str]] = {}
-    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         groups.setdefault(id(tensor), []).append(name)
     return {names[0]: tuple(names) for names in groups.values() if len(names) > 1}
 
@@ -63,21 +66,25 @@ class _Safetensors:
         self.files = files  # tensor name -> file holding it
 
     @classmethod
-    def of(cls, path: Path) -> "_Safetensors":
+    def of(cls, path: Path) -> _Safetensors:
         from safetensors import safe_open
 
         if path.is_dir() and (path / _INDEX).is_file():
             try:
                 weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise InputError(f"--weights {path / _INDEX} is not a safetensors index: {first_line(exc)[:120]}") from exc
+                raise InputError(
+                    f"--weights {path / _INDEX} is not a safetensors index: {first_line(exc)[:120]}"
+                ) from exc
             return cls({name: path / shard for name, shard in weight_map.items()})
         single = path / _SINGLE if path.is_dir() else path
         try:
             with safe_open(str(single), framework="pt", device="cpu") as handle:
-                return cls({name: single for name in handle.keys()})
+                return cls(dict.fromkeys(handle.keys(), single))
         except Exception as exc:
-            raise InputError(f"--weights {single} cannot be read as safetensors: {first_line(exc)[:120]}") from exc
+            raise InputError(
+                f"--weights {single} cannot be read as safetensors: {first_line(exc)[:120]}"
+            ) from exc
 
     def shape(self, name: str) -> tuple[int, ...]:
         from safetensors import safe_open
@@ -106,7 +113,7 @@ class _Checkpoint:
 
     def __init__(self, index: CheckpointIndex) -> None:
         self.index = index
-        self.files = {key[len("model/"):]: key for key in index.entries if key.startswith("model/")}
+        self.files = {key[len("model/") :]: key for key in index.entries if key.startswith("model/")}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.index.entries[self.files[name]][1].size)
@@ -132,7 +139,7 @@ def open_weights(path: str, label: str = "--weights") -> _Safetensors | _Checkpo
             raise InputError(f"{label} {path} holds no complete checkpoint step{reason}")
         return _Checkpoint(CheckpointIndex.of_step(str(root), step))
     if root.is_dir() and root.name.startswith("step-") and not (root / _SINGLE).exists():
-        step = int(root.name[len("step-"):])
+        step = int(root.name[len("step-") :])
         problem = step_problem(root.parent, step, run_fingerprint=None)
         if problem is not None:
             raise InputError(f"{label} {path} is not a complete checkpoint step: {problem}")
@@ -146,8 +153,14 @@ def _stored_per_module(name: str, saved: Iterable[str]) -> str | None:
     """A saved name under ``name``'s module with a numbered child (``experts.0.gate_proj.weight``
     for the model's ``experts.gate_up_proj``): the library's per-module layout; None if none."""
     prefix = name.rsplit(".", 1)[0] + "."
-    return next((key for key in sorted(saved) if key.startswith(prefix) and key[len(prefix):].split(".")[0].isdigit()),
-                None)
+    return next(
+        (
+            key
+            for key in sorted(saved)
+            if key.startswith(prefix) and key[len(prefix) :].split(".")[0].isdigit()
+        ),
+        None,
+    )
 
 
 def library_layout(model_file: ModelFile, path: str) -> dict[str, Conversion]:
@@ -165,8 +178,13 @@ def library_layout(model_file: ModelFile, path: str) -> dict[str, Conversion]:
     return library_conversions(model, source.files)
 
 
-def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: dict[str, tuple[str, ...]],
-                 conversions: dict[str, Conversion] | None = None) -> int:
+def load_weights(
+    path: str,
+    module: nn.Module,
+    names: dict[str, str],
+    aliases: dict[str, tuple[str, ...]],
+    conversions: dict[str, Conversion] | None = None,
+) -> int:
     """Copy this rank's tensors from ``path`` into ``module``; returns how many were read.
 
     ``names``: ``module`` state_dict key -> qualified name. Every parameter must be found
@@ -192,21 +210,28 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
             continue
         tensor = targets[local]
         if source.shape(saved) != tuple(tensor.shape):
-            raise InputError(f"--weights {path}: {saved} has shape {list(source.shape(saved))}, "
-                             f"the model's {qualified} is {list(tensor.shape)}")
+            raise InputError(
+                f"--weights {path}: {saved} has shape {list(source.shape(saved))}, "
+                f"the model's {qualified} is {list(tensor.shape)}"
+            )
         holders = chosen.setdefault(saved, [])
         if all(t is not tensor for t in holders):
             holders.append(tensor)
     if missing:
-        stored_apart = next(((name, key) for name in missing if (key := _stored_per_module(name, source.files))), None)
+        stored_apart = next(
+            ((name, key) for name in missing if (key := _stored_per_module(name, source.files))), None
+        )
         if stored_apart is not None:
             raise InputError(
                 f"--weights {path} stores {stored_apart[0]} as one tensor per module ({stored_apart[1]}, ...), which "
                 f"transformers merges when it loads (MoE experts); pipeplan reads tensors by the model's names: "
                 f"load the folder with from_pretrained, write it with safetensors.torch.save_model(model, FILE) "
-                f"and pass FILE")
-        raise InputError(f"--weights {path} has no tensor {missing[0]} ({len(missing)} of this stage's "
-                         f"parameters are missing); are these the weights of this model?")
+                f"and pass FILE"
+            )
+        raise InputError(
+            f"--weights {path} has no tensor {missing[0]} ({len(missing)} of this stage's "
+            f"parameters are missing); are these the weights of this model?"
+        )
     loaded = source.read(sorted(chosen))
     for saved, holders in chosen.items():
         for tensor in holders:
@@ -214,12 +239,14 @@ def load_weights(path: str, module: nn.Module, names: dict[str, str], aliases: d
     return len(loaded) + merged
 
 
-def _load_converted(path: str, source: "_Safetensors | _Checkpoint", conversion: Conversion,
-                    tensor: torch.Tensor) -> None:
+def _load_converted(
+    path: str, source: _Safetensors | _Checkpoint, conversion: Conversion, tensor: torch.Tensor
+) -> None:
     """Fill ``tensor`` with the parameter transformers makes from its saved pieces."""
     value = convert(conversion, source.read(list(conversion.sources)))
     if tuple(value.shape) != tuple(tensor.shape):
-        raise InputError(f"--weights {path}: {conversion.sources[0]} and {len(conversion.sources) - 1} more merge "
-                         f"into shape {list(value.shape)}, the model's {conversion.target} is {list(tensor.shape)}")
+        raise InputError(
+            f"--weights {path}: {conversion.sources[0]} and {len(conversion.sources) - 1} more merge "
+            f"into shape {list(value.shape)}, the model's {conversion.target} is {list(tensor.shape)}"
+        )
     copy_whole(tensor, value)
-

@@ -40,7 +40,12 @@ def copy_whole(target: torch.Tensor, full: torch.Tensor) -> None:
 def shard_like(param: torch.Tensor, value: object) -> object:  # as ``whole``
     """An optimizer state ``value`` saved whole, with ``param``'s placements when ``param`` is
     a DTensor and ``value`` has its shape (``exp_avg``, a momentum buffer); else as is (``step``)."""
-    if isinstance(param, DTensor) and torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+    if (
+        isinstance(param, DTensor)
+        and torch.is_tensor(value)
+        and value.dim() > 0
+        and value.shape == param.shape
+    ):
         return _shard_of(param, value)
     return value
 

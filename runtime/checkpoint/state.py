@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,8 +38,16 @@ from pipeplan.runtime.checkpoint.store import rank_folder, read_manifests
 if TYPE_CHECKING:  # types only: importing the stage (and capture) is not needed to read checkpoints
     from pipeplan.runtime.stage import PipelineSpec
 
-__all__ = ["CheckpointIndex", "rank_state", "restore_rank", "load_model_tensors", "restore_rng",
-           "rank_state_names", "rng_key", "SCHEDULER_KEY"]
+__all__ = [
+    "CheckpointIndex",
+    "rank_state",
+    "restore_rank",
+    "load_model_tensors",
+    "restore_rng",
+    "rank_state_names",
+    "rng_key",
+    "SCHEDULER_KEY",
+]
 
 SCHEDULER_KEY = "lr_scheduler"
 _MODEL = "model/"
@@ -63,9 +72,11 @@ class CheckpointIndex:
                 self.holders.setdefault(key, []).append(folder)
 
     @classmethod
-    def of_step(cls, directory: str, step: int) -> "CheckpointIndex":
-        return cls(rank_folder(directory, step, stage, replica)
-                   for stage, replica in sorted(read_manifests(directory, step)))
+    def of_step(cls, directory: str, step: int) -> CheckpointIndex:
+        return cls(
+            rank_folder(directory, step, stage, replica)
+            for stage, replica in sorted(read_manifests(directory, step))
+        )
 
     def load(self, targets: dict[str, Any], folder: Path | None = None) -> None:
         """Fill ``targets`` (key -> tensor or ``io.BytesIO``) from the folders holding them
@@ -107,9 +118,14 @@ def rng_key(tp_index: int) -> str:
     return "rng" if tp_index == 0 else f"rng/tensor-{tp_index}"
 
 
-def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer | None,
-               scheduler: LRScheduler | None = None, weights: bool = True,
-               keep: bool = True) -> dict[str, Any]:
+def rank_state(
+    module: nn.Module,
+    names: dict[str, str],
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: LRScheduler | None = None,
+    weights: bool = True,
+    keep: bool = True,
+) -> dict[str, Any]:
     """This rank's state under qualified names (``names``: state_dict key -> qualified name).
 
     ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
@@ -133,14 +149,21 @@ def rank_state(module: nn.Module, names: dict[str, str], optimizer: torch.optim.
         qualified_of = _optimizer_names(module, names, optimizer)
         for index, values in optimizer.state_dict()["state"].items():
             for key, value in values.items():
-                put(f"{_OPTIM}{qualified_of[index]}/{key}", value if torch.is_tensor(value) else _bytes(value))
+                put(
+                    f"{_OPTIM}{qualified_of[index]}/{key}", value if torch.is_tensor(value) else _bytes(value)
+                )
     if scheduler is not None and keep:
         state[SCHEDULER_KEY] = _bytes(scheduler.state_dict())
     return state
 
 
-def restore_rank(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
-                 optimizer: torch.optim.Optimizer | None, scheduler: LRScheduler | None = None) -> None:
+def restore_rank(
+    index: CheckpointIndex,
+    module: nn.Module,
+    names: dict[str, str],
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: LRScheduler | None = None,
+) -> None:
     """Load this rank's weights, optimizer and scheduler state from ``index`` (any plan's step)."""
     load_model_tensors(index, module, names)
     if optimizer is not None:
@@ -173,8 +196,9 @@ def load_model_tensors(index: CheckpointIndex, module: nn.Module, names: dict[st
             raise InputError(f"the checkpoint has no weight {qualified}")
         saved = tuple(index.entries[key][1].size)
         if saved != tuple(tensor.shape):
-            raise InputError(f"checkpoint weight {qualified} has shape {list(saved)}, "
-                             f"the model's is {list(tensor.shape)}")
+            raise InputError(
+                f"checkpoint weight {qualified} has shape {list(saved)}, the model's is {list(tensor.shape)}"
+            )
         wanted.setdefault(key, tensor)  # a tensor under two local names (tied) loads once
     loaded = {key: index.empty_like_saved(key) for key in wanted}
     index.load(loaded)
@@ -182,23 +206,26 @@ def load_model_tensors(index: CheckpointIndex, module: nn.Module, names: dict[st
         copy_whole(tensor, loaded[key])
 
 
-def _restore_optimizer(index: CheckpointIndex, module: nn.Module, names: dict[str, str],
-                       optimizer: torch.optim.Optimizer) -> None:
+def _restore_optimizer(
+    index: CheckpointIndex, module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer
+) -> None:
     keys_of: dict[str, list[str]] = {}
     for key in index.entries:
         if key.startswith(_OPTIM):
-            qualified, _, name = key[len(_OPTIM):].rpartition("/")
+            qualified, _, name = key[len(_OPTIM) :].rpartition("/")
             keys_of.setdefault(qualified, []).append(name)
     state = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     targets: dict[str, Any] = {}
-    for position, qualified in _optimizer_names(module, names, optimizer).items():
+    for qualified in _optimizer_names(module, names, optimizer).values():
         for name in keys_of.get(qualified, ()):
             targets[f"{_OPTIM}{qualified}/{name}"] = index.empty_like_saved(f"{_OPTIM}{qualified}/{name}")
     index.load(targets)
     for position, qualified in _optimizer_names(module, names, optimizer).items():
-        values = {name: shard_like(params[position], _unwrap(targets[f"{_OPTIM}{qualified}/{name}"]))
-                  for name in keys_of.get(qualified, ())}  # a split parameter's states: its placements
+        values = {
+            name: shard_like(params[position], _unwrap(targets[f"{_OPTIM}{qualified}/{name}"]))
+            for name in keys_of.get(qualified, ())
+        }  # a split parameter's states: its placements
         if values:
             state["state"][position] = values
     try:
@@ -207,7 +234,9 @@ def _restore_optimizer(index: CheckpointIndex, module: nn.Module, names: dict[st
         raise InputError(f"the checkpoint's optimizer state does not fit: {first_line(exc)[:160]}") from exc
 
 
-def _optimizer_names(module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer) -> dict[int, str]:
+def _optimizer_names(
+    module: nn.Module, names: dict[str, str], optimizer: torch.optim.Optimizer
+) -> dict[int, str]:
     """Optimizer state index (parameters numbered across param groups) -> qualified name."""
     local_of = {id(p): local for local, p in module.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -239,8 +268,10 @@ def _scheduler_state(index: CheckpointIndex, groups: int | None) -> dict[str, An
     for key, value in state.items():
         if isinstance(value, list) and len(value) == count:
             if any(item != value[0] for item in value):
-                raise InputError(f"the checkpoint's LR scheduler has {count} param groups with different "
-                                 f"{key.lstrip('_')}, this stage's optimizer has {groups}; no saved stage matches")
+                raise InputError(
+                    f"the checkpoint's LR scheduler has {count} param groups with different "
+                    f"{key.lstrip('_')}, this stage's optimizer has {groups}; no saved stage matches"
+                )
             state[key] = [value[0]] * groups
     return state
 

@@ -65,8 +65,14 @@ def rank_folder(directory: str | os.PathLike[str], step: int, stage: int, replic
     return step_folder(directory, step) / f"stage-{stage:02d}-replica-{replica}"
 
 
-def save_rank(directory: str | os.PathLike[str], step: int, stage: int, replica: int,
-              state: dict[str, Any], manifest: dict[str, Any]) -> Path:
+def save_rank(
+    directory: str | os.PathLike[str],
+    step: int,
+    stage: int,
+    replica: int,
+    state: dict[str, Any],
+    manifest: dict[str, Any],
+) -> Path:
     """Write one rank's ``state`` (flat, str keys) with DCP, then its manifest; returns the folder.
 
     ``manifest`` must hold ``run_fingerprint`` and ``layout`` (``{"replicas": [...]}`` and
@@ -85,8 +91,14 @@ def save_rank(directory: str | os.PathLike[str], step: int, stage: int, replica:
     except OSError as exc:
         raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
     files = {path.name: _file_digest(path) for path in sorted(folder.iterdir()) if path.is_file()}
-    sealed = {**manifest, "schema": CHECKPOINT_SCHEMA, "step": step, "stage": stage,
-              "replica": replica, "files": files}
+    sealed = {
+        **manifest,
+        "schema": CHECKPOINT_SCHEMA,
+        "step": step,
+        "stage": stage,
+        "replica": replica,
+        "files": files,
+    }
     write_atomic(manifest_path, json.dumps(sealed, indent=1).encode())
     _fsync_dir(folder.parent)
     return folder
@@ -122,8 +134,10 @@ def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: 
         return "it has no readable manifest"
     for manifest in manifests.values():
         if run_fingerprint is not None and manifest["run_fingerprint"] != run_fingerprint:
-            raise InputError(f"checkpoint {folder} was written by run {manifest['run_fingerprint']}, "
-                             f"this run is {run_fingerprint}")
+            raise InputError(
+                f"checkpoint {folder} was written by run {manifest['run_fingerprint']}, "
+                f"this run is {run_fingerprint}"
+            )
     layouts = {json.dumps(m["layout"], sort_keys=True) for m in manifests.values()}
     if len(layouts) > 1:
         return "its ranks' manifests describe different plans"
@@ -141,7 +155,9 @@ def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: 
     return None
 
 
-def latest_complete_step(directory: str | os.PathLike[str], run_fingerprint: str | None) -> tuple[int | None, list[tuple[int, str]]]:
+def latest_complete_step(
+    directory: str | os.PathLike[str], run_fingerprint: str | None
+) -> tuple[int | None, list[tuple[int, str]]]:
     """(newest complete step or None, [(newer step skipped, why), ...] newest first)."""
     skipped: list[tuple[int, str]] = []
     for step in reversed(step_folders(directory)):
@@ -152,7 +168,9 @@ def latest_complete_step(directory: str | os.PathLike[str], run_fingerprint: str
     return None, skipped
 
 
-def complete_steps(directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None) -> list[int]:
+def complete_steps(
+    directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None
+) -> list[int]:
     """Complete steps, newest first (at most ``limit`` of them)."""
     found: list[int] = []
     for step in reversed(step_folders(directory)):
@@ -222,8 +240,14 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
         return None
     if not isinstance(manifest, dict) or manifest.get("schema") != CHECKPOINT_SCHEMA:
         return None
-    kinds = (("step", int), ("stage", int), ("replica", int), ("run_fingerprint", str),
-             ("files", dict), ("layout", dict))
+    kinds = (
+        ("step", int),
+        ("stage", int),
+        ("replica", int),
+        ("run_fingerprint", str),
+        ("files", dict),
+        ("layout", dict),
+    )
     if any(not isinstance(manifest.get(key), kind) for key, kind in kinds):
         return None
     if not isinstance(manifest["layout"].get("replicas"), list):
