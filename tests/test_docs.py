@@ -508,6 +508,7 @@ def _pipeplan(*args: str, cwd: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess  # runs the pipeplan commands as a user would, in processes
 def test_the_tutorial_commands_run_on_its_files(tmp_path: Path) -> None:
     tutorial = REPO / "docs" / "tutorial"
     out = _pipeplan(
