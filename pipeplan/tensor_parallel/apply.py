@@ -44,6 +44,7 @@ __all__ = [
     "local",
     "full",
     "counted_here",
+    "replicate",
 ]
 
 
@@ -186,9 +187,30 @@ def _megatron_collectives(module: nn.Module) -> None:
             with sub.graph.inserting_after(node):
                 after = sub.graph.call_function(replicate_partial, (node,))
             node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
+            _gather_once_for_slices(sub, after)
             changed = True
         if changed:
             sub.recompile()
+
+
+def _gather_once_for_slices(sub: torch.fx.GraphModule, value: torch.fx.Node) -> None:
+    """Gather ``value`` once where several slices read it (Phi-3's fused qkv, split into q, k
+    and v: ``colwise_gather_output``); left to DTensor, each slice gathers it again."""
+    users = list(value.users)
+    if len(users) < 2 or not all(
+        user.op == "call_function" and user.target is torch.ops.aten.slice.Tensor for user in users
+    ):
+        return
+    with sub.graph.inserting_after(value):
+        whole = sub.graph.call_function(replicate, (value,))
+    value.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+
+
+def replicate(value: object) -> object:
+    """``value`` replicated over its mesh when it is a split DTensor (an all-gather), else itself."""
+    if isinstance(value, DTensor) and not all(p.is_replicate() for p in value.placements):
+        return value.redistribute(value.device_mesh, [Replicate()] * len(value.placements))
+    return value
 
 
 def _holds_split(sub: nn.Module, target: str) -> bool:
