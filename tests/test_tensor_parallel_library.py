@@ -32,7 +32,7 @@ from pipeplan.tensor_parallel.plans import plan_source, resolve_splits  # noqa: 
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL = str(FIXTURES / "models" / "hf_family.py")
-SPLIT = ["mistral", "qwen3", "gemma3", "phi3"]  # transformers' plan, run split
+SPLIT = ["mistral", "qwen3", "gemma3", "phi3", "mixtral"]  # transformers' plan, run split
 BATCH, MICROBATCHES, STEPS = 8, 2, 3
 pytestmark = pytest.mark.slow  # Hugging Face families
 
@@ -64,6 +64,14 @@ def test_library_plans_resolve_per_family(monkeypatch: pytest.MonkeyPatch) -> No
     assert phi3["model.layers.0.self_attn.qkv_proj"] == {"weight": 0}
     assert phi3["model.layers.0.mlp.gate_up_proj"] == {"weight": 0}
     assert phi3["model.layers.0.self_attn.o_proj"] == {"weight": 1} and len(phi3) == 2 * 4 + 2
+    mixtral = resolve_splits(build("mixtral", monkeypatch), None, {2}, "m.py")  # experts' stacked weights
+    gate_up, down = (mixtral[f"model.layers.0.mlp.experts.{name}"] for name in ("gate_up_proj", "down_proj"))
+    assert (gate_up.module, gate_up.dims) == (
+        "model.layers.0.mlp.experts",
+        (("gate_up_proj", 1),),
+    )  # (E, 2I, H)
+    assert (down.module, down.dims) == ("model.layers.0.mlp.experts", (("down_proj", 2),))  # (E, H, I)
+    assert len(mixtral) == 2 * 6 + 2 and "model.layers.0.mlp.gate" not in mixtral  # the router stays whole
 
 
 def test_precedence_tp_plan_then_transformers_then_built_in(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,13 +94,6 @@ def _one_line(exc: pytest.ExceptionInfo[InputError]) -> str:
 
 
 def test_refusals_name_the_entry_or_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    mixtral = build("mixtral", monkeypatch)
-    with pytest.raises(InputError) as exc:
-        resolve_splits(mixtral, None, {2}, "m.py")
-    assert _one_line(exc).startswith(
-        "m.py: MixtralForCausalLM (transformers' tensor-parallel plan) entry "
-        "'model.layers.*.mlp.experts.gate_up_proj': 'packed_colwise' cannot run: "
-    )
     mistral = build("mistral", monkeypatch)
     mistral._tp_plan = {**mistral.tp_plan, "model.layers.*.mlp.up_proj": "sequence_parallel"}
     with pytest.raises(InputError) as exc:
@@ -138,13 +139,15 @@ def megatron_count(model: torch.nn.Module) -> tuple[dict[str, int], dict[str, in
     plan, params = model.tp_plan, dict(model.named_parameters(remove_duplicate=False))
     tied = {name for name, p in params.items() if sum(q is p for q in params.values()) > 1}
     forward, backward, groups = {"all_reduce": 0, "all_gather_into_tensor": 0}, {"all_reduce": 0}, set()
-    for path, module in model.named_modules():
+    entries = [*model.named_modules(), *model.named_parameters()]  # an expert's stacked weight: an entry
+    for path, module in entries:
         style = next((s for pattern, s in plan.items() if matches(pattern, path)), None)
-        if style is None or any(f"{path}.{name}" in tied for name, _ in module.named_parameters()):
+        names = [path] if path in params else [f"{path}.{name}" for name, _ in module.named_parameters()]
+        if style is None or any(name in tied for name in names):
             continue
-        if style.startswith("rowwise") or style == "embedding_rowwise":
+        if style in ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise", "packed_rowwise"):
             forward["all_reduce"] += 1
-        if style.startswith("colwise"):
+        if style.startswith("colwise") or style == "packed_colwise":
             groups.add(path.rpartition(".")[0])
         if style == "colwise_gather_output":
             forward["all_gather_into_tensor"] += 1
@@ -192,6 +195,9 @@ def test_split_families_communicate_as_their_plan_says(family: str, monkeypatch:
     named = tuple({str(op).split(".")[-1]: n for op, n in c.items()} for c in (forward, backward))
     if family == "phi3":  # the gradients of q, k, v and gate, up slices of a gathered output,
         expected[1]["all_gather_into_tensor"] = 4 * 2  # split, are gathered (DTensor's slice backward)
+    if family == "mixtral":  # the packed gate_up split as one block: its output gathered before
+        expected[0]["all_gather_into_tensor"] += 2  # the gating, and the gating's gradient
+        expected[1]["all_gather_into_tensor"] = 2 * 2  # (gate, up halves) gathered back
     assert named == expected
 
 

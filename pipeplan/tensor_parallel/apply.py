@@ -79,6 +79,9 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
 
     ``splits``: local module path in ``module`` -> {parameter name: dim}.
     """
+    from pipeplan.tensor_parallel.experts import register_expert_rules
+
+    register_expert_rules()
     _drop_metadata_asserts(module)
     _reduce_after_embeddings(module)
     owners = _owners(module)
@@ -160,11 +163,20 @@ def _megatron_collectives(module: nn.Module) -> None:
         torch.ops.aten.addmm.default,
         torch.ops.aten.matmul.default,
     }
+    grouped = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if grouped is not None:  # MoE experts' grouped matmul (tensor_parallel.experts)
+        matmuls.add(grouped.default)
+    transposes = {torch.ops.aten.transpose.int, torch.ops.aten.t.default}
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
         split = {
             node for node in sub.graph.nodes if node.op == "get_attr" and _is_split(sub, str(node.target))
+        }
+        split |= {  # a split weight read transposed (the experts' grouped matmul)
+            node
+            for node in sub.graph.nodes
+            if node.op == "call_function" and node.target in transposes and node.args[0] in split
         }
         reduced: dict[fx.Node, fx.Node] = {}  # activation -> its gradient-reducing identity
         changed = False

@@ -53,16 +53,17 @@ STYLES: dict[str, str] = {
     "all_reduce": "",
     "local_params": "",
     "mla_kv_a_proj": "",
+    # MoE experts (tensor parallelism inside each expert; tensor_parallel.experts): the stacked
+    # gate_up weight split on its features as one block (gate and up halves not paired: the
+    # output is gathered before the gating), down_proj on its input features
+    "packed_colwise": COLWISE,
+    "packed_rowwise": ROWWISE,
+    "moe_tp_experts": "",
 }
 
 # transformers style -> why pipeplan cannot run it
 REFUSED: dict[str, str] = {
-    "packed_colwise": "MoE experts' packed gate/up weights split only with expert-local compute, "
-    "which pipeplan does not run",
-    "packed_rowwise": "MoE experts' packed weights split only with expert-local compute, which "
-    "pipeplan does not run",
-    "moe_tp_experts": "MoE experts split only with expert-local compute, which pipeplan does not run",
-    "moe_identity_expert": "MoE experts split only with expert-local compute, which pipeplan does not run",
+    "moe_identity_expert": "pipeplan has not run the zero experts it marks (LongCat-Flash)",
     "sequence_parallel": "pipeplan does not split sequences (no sequence parallelism)",
 }
 
