@@ -4,9 +4,10 @@ Tiny configs from ``tests/fixtures/models/hf_family.py`` (nothing downloaded). T
 family declares resolves to pipeplan's splits (precedence: ``TP_PLAN``, transformers' plan,
 built-in plans); a whole model split t=2 in one process (fake group) communicates as the
 plan's Megatron count says (``CommDebugMode``); refusals are one line naming the entry or
-the family. Mistral, Qwen3, Gemma 3 and Phi-3 go ``profile`` -> ``partition
---tensor-parallel 2`` (2 x 2 CPU devices, 1F1B-Flush) -> 3 steps on 4 gloo ranks, and their
-losses and parameters equal the t=1 plan's on 2 ranks, all in one 4-rank launch.
+the family. Mistral, Qwen3, Gemma 3, Phi-3 and Mixtral (experts split inside each expert)
+go ``profile`` -> ``partition --tensor-parallel 2`` (2 x 2 CPU devices, 1F1B-Flush) -> 3
+steps on 4 gloo ranks, and their losses and parameters equal the t=1 plan's on 2 ranks,
+all in one 4-rank launch.
 """
 
 from __future__ import annotations
@@ -127,6 +128,27 @@ def test_refusals_name_the_entry_or_the_family(monkeypatch: pytest.MonkeyPatch) 
         "'model.layers.*.self_attn.v_proj': ColwiseParallel(), 'model.layers.*.self_attn.o_proj': "
         "RowwiseParallel(), 'lm_head': ColwiseParallel()} (ColwiseParallel, RowwiseParallel from torch.distributed.tensor.parallel; "
         "check each pair: a column-parallel module's output feeds the row-parallel one)"
+    )
+
+
+def test_a_refused_plan_profiles_without_splits_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from types import SimpleNamespace
+
+    from pipeplan.profiler.tensor_split import layer_layouts
+
+    mistral = build("mistral", monkeypatch)
+    layers = [SimpleNamespace(index=0, parameters=tuple(name for name, _ in mistral.named_parameters()))]
+    assert list(layer_layouts(mistral, None, layers, "m.py")) == [0]
+    assert capsys.readouterr().err == ""
+    mistral._tp_plan = {**mistral.tp_plan, "model.layers.*.mlp.up_proj": "sequence_parallel"}
+    assert layer_layouts(mistral, None, layers, "m.py") == {}
+    assert capsys.readouterr().err == (
+        "pipeplan: the profile carries no tensor-parallel splits: m.py: MistralForCausalLM "
+        "(transformers' tensor-parallel plan) entry 'model.layers.*.mlp.up_proj': 'sequence_parallel' "
+        "cannot run: pipeplan does not split sequences (no sequence parallelism); define TP_PLAN in "
+        "the model file to split the rest\n"
     )
 
 

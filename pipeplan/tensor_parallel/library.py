@@ -20,9 +20,12 @@ would. So a style comes down to the dimension it splits each parameter on (``STY
   ``mla_kv_a_proj``: split no parameter (their reductions are DTensor's own: a replicated
   norm weight reading a split activation gets a partial gradient, summed before the step).
 
-Refused in one line naming the entry (``REFUSED``): the packed and expert styles
-(``packed_colwise``, ``packed_rowwise``, ``moe_tp_experts``, ``moe_identity_expert``: the
-experts' loop over routed tokens has no DTensor sharding rule, see docs/tensor-parallel.md),
+- ``packed_colwise`` / ``packed_rowwise`` on MoE experts' stacked weights: column- / row-
+  parallel as one block (gate and up halves not paired, so the output is gathered before
+  the gating); ``moe_tp_experts``: no parameter (``tensor_parallel.experts`` gives the
+  experts' grouped matmul its DTensor rules).
+
+Refused in one line naming the entry (``REFUSED``): ``moe_identity_expert`` (not run),
 ``sequence_parallel`` (pipeplan does not split sequences), and any style this table does
 not know.
 """
