@@ -64,8 +64,9 @@ def check_degree(profile: Profile, topology: Topology, t: int) -> None:
     split = [layer for layer in profile.layers if layer.splits]
     if not split:
         raise InputError(
-            f"tensor-parallel degree {t}: no layer of profile {profile.model} splits (no tp_units; profile a "
-            f"transformer or estimate one with `pipeplan estimate`)"
+            f"tensor-parallel degree {t}: no layer of profile {profile.model} splits (no tp_units: the model "
+            f"has no tensor-parallel plan, or its plan was refused, as `pipeplan profile` said; define TP_PLAN "
+            f"in the model file, or estimate a transformer with `pipeplan estimate`)"
         )
     for layer in split:
         if layer.tp_units % t:

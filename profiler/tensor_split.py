@@ -1,7 +1,7 @@
 """The profile's tensor-parallel fields of measured layers: what splits, what one rank of a t-group computes.
 
-The split rules are the runtime's (``pipeplan.tensor_parallel.plans``: the built-in plans
-per module class, or the model file's ``TP_PLAN``), so a layer the profile calls
+The split rules are the runtime's (``pipeplan.tensor_parallel.plans``: the model file's
+``TP_PLAN``, transformers' own plan, or the built-in plans per module class), so a layer the profile calls
 splittable is one ``pipeplan run`` splits. Per layer holding split modules:
 
 - ``tp_units``: the gcd of the model's attention head counts and every split dimension
@@ -25,7 +25,7 @@ splittable is one ``pipeplan run`` splits. Per layer holding split modules:
   ``pipeplan run`` uses it, issues more, and a split stage's outputs are gathered where
   they leave it (not charged; README: the collectives DTensor places).
 
-A model without a plan (no built-in family, no ``TP_PLAN``) gets no split fields.
+A model without a plan (no ``TP_PLAN``, no transformers plan, no built-in family) gets no split fields.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # typing only: torch and the capture are imported where they 
     from torch.distributed.device_mesh import DeviceMesh
 
     from pipeplan.capture import LayerGraph, StageModule
+    from pipeplan.tensor_parallel.plans import Split
 
 SHARE_TURNS = 5  # whole / split timings of a layer, whatever --repeats says (DTensor on a CPU is slow)
 
@@ -86,11 +87,11 @@ def layer_layouts(
     """
     from torch import nn
 
-    from pipeplan.tensor_parallel.plans import COLWISE, ROWWISE, has_plan, head_counts, resolve_splits
+    from pipeplan.tensor_parallel.plans import COLWISE, ROWWISE, head_counts
 
-    if not has_plan(model, tp_plan):
+    splits = _plan_splits(model, tp_plan, where)
+    if not splits:
         return {}
-    splits = resolve_splits(model, tp_plan, set(), where)
     heads = list(head_counts(model).values())
     modules = dict(model.named_modules())
     layouts: dict[int, SplitLayout] = {}
@@ -98,8 +99,8 @@ def layer_layouts(
         names = set(layer.parameters)
         held = [
             split
-            for path, split in splits.items()
-            if any(f"{path}.{name}" in names for name, _ in split.dims)
+            for split in splits.values()
+            if any(f"{split.module}.{name}" in names for name, _ in split.dims)
         ]
         if not held:
             continue
@@ -121,14 +122,38 @@ def layer_layouts(
             for split, embedding in zip(held, embeddings)
             if split.style == COLWISE and not embedding
         }
+        dims: dict[str, dict[str, int]] = {}
+        for split in held:
+            dims.setdefault(split.module, {}).update(split.dims)
         layouts[layer.index] = SplitLayout(
             units=units,
             param_bytes=split_bytes,
             forward_allreduces=rows,
             backward_allreduces=len(column_groups),
-            dims={split.module: dict(split.dims) for split in held},
+            dims=dims,
         )
     return layouts
+
+
+def _plan_splits(model: nn.Module, tp_plan: dict[str, Any] | None, where: str) -> dict[str, Split]:
+    """The plan's splits; none, with one line on stderr saying why, where the model's plan is
+    refused or a transformers model has none (the profile is still written, without splits)."""
+    import sys
+
+    from pipeplan.errors import InputError
+    from pipeplan.tensor_parallel.plans import has_plan, no_plan_message, resolve_splits
+
+    if not has_plan(model, tp_plan):
+        if getattr(getattr(model, "config", None), "model_type", None):
+            sys.stderr.write(
+                f"pipeplan: the profile carries no tensor-parallel splits: {no_plan_message(model, where)}\n"
+            )
+        return {}
+    try:
+        return resolve_splits(model, tp_plan, set(), where)
+    except InputError as exc:
+        sys.stderr.write(f"pipeplan: the profile carries no tensor-parallel splits: {exc}\n")
+        return {}
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ __all__ = [
     "local",
     "full",
     "counted_here",
+    "replicate",
 ]
 
 
@@ -78,6 +79,9 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
 
     ``splits``: local module path in ``module`` -> {parameter name: dim}.
     """
+    from pipeplan.tensor_parallel.experts import register_expert_rules
+
+    register_expert_rules()
     _drop_metadata_asserts(module)
     _reduce_after_embeddings(module)
     owners = _owners(module)
@@ -159,11 +163,20 @@ def _megatron_collectives(module: nn.Module) -> None:
         torch.ops.aten.addmm.default,
         torch.ops.aten.matmul.default,
     }
+    grouped = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    if grouped is not None:  # MoE experts' grouped matmul (tensor_parallel.experts)
+        matmuls.add(grouped.default)
+    transposes = {torch.ops.aten.transpose.int, torch.ops.aten.t.default}
     for sub in module.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
         split = {
             node for node in sub.graph.nodes if node.op == "get_attr" and _is_split(sub, str(node.target))
+        }
+        split |= {  # a split weight read transposed (the experts' grouped matmul)
+            node
+            for node in sub.graph.nodes
+            if node.op == "call_function" and node.target in transposes and node.args[0] in split
         }
         reduced: dict[fx.Node, fx.Node] = {}  # activation -> its gradient-reducing identity
         changed = False
@@ -186,9 +199,30 @@ def _megatron_collectives(module: nn.Module) -> None:
             with sub.graph.inserting_after(node):
                 after = sub.graph.call_function(replicate_partial, (node,))
             node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
+            _gather_once_for_slices(sub, after)
             changed = True
         if changed:
             sub.recompile()
+
+
+def _gather_once_for_slices(sub: torch.fx.GraphModule, value: torch.fx.Node) -> None:
+    """Gather ``value`` once where several slices read it (Phi-3's fused qkv, split into q, k
+    and v: ``colwise_gather_output``); left to DTensor, each slice gathers it again."""
+    users = list(value.users)
+    if len(users) < 2 or not all(
+        user.op == "call_function" and user.target is torch.ops.aten.slice.Tensor for user in users
+    ):
+        return
+    with sub.graph.inserting_after(value):
+        whole = sub.graph.call_function(replicate, (value,))
+    value.replace_all_uses_with(whole, delete_user_cb=lambda user: user is not whole)
+
+
+def replicate(value: object) -> object:
+    """``value`` replicated over its mesh when it is a split DTensor (an all-gather), else itself."""
+    if isinstance(value, DTensor) and not all(p.is_replicate() for p in value.placements):
+        return value.redistribute(value.device_mesh, [Replicate()] * len(value.placements))
+    return value
 
 
 def _holds_split(sub: nn.Module, target: str) -> bool:

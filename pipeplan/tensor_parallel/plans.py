@@ -1,4 +1,4 @@
-"""Which parameters a tensor-parallel stage splits: built-in plans per model family, or the model file's ``TP_PLAN``.
+"""Which parameters a tensor-parallel stage splits: the model file's ``TP_PLAN``, transformers' plan, or built-in plans.
 
 A plan is what torchtitan writes: module path -> ``ColwiseParallel()`` / ``RowwiseParallel()``
 (Megatron's column-parallel then row-parallel linear pairs). Resolving it against the
@@ -8,6 +8,8 @@ on the module's kind: ``nn.Linear`` keeps its weight as (out, in), Hugging Face'
 the output features, row-parallel the input features (an embedding's rows: the
 vocabulary-parallel embedding).
 
+Precedence: the model file's ``TP_PLAN``; else the plan transformers declares for the model
+(``tensor_parallel.library``: ``config.base_model_tp_plan``); else pipeplan's built-in plans.
 Built-in plans are written per module class (GPT-2, BERT, Llama from Hugging Face, and
 pipeplan's bundled GPT), so they hold wherever the blocks sit in the model. A vocabulary
 -parallel embedding and head are planned only where they are not one tied tensor.
@@ -16,13 +18,14 @@ Everything here runs before any communication, so a refusal is one line on every
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from pipeplan.errors import InputError
+from pipeplan.tensor_parallel.library import library_plan, library_styles, matches
+from pipeplan.tensor_parallel.styles import COLWISE, ROWWISE
 
 __all__ = [
     "Split",
@@ -31,12 +34,11 @@ __all__ = [
     "ROWWISE",
     "resolve_splits",
     "has_plan",
+    "plan_source",
     "head_counts",
     "check_heads",
     "stage_splits",
 ]
-
-COLWISE, ROWWISE = "colwise", "rowwise"
 
 # family -> {parent module class: {child path: style}}; the child is split as the style says
 FAMILIES: dict[str, dict[str, dict[str, str]]] = {
@@ -75,7 +77,7 @@ _DIMS: dict[tuple[str, str], dict[str, int]] = {
 
 @dataclass(frozen=True)
 class Split:
-    """One module's split: its parameters' dims (parameters not named stay whole)."""
+    """One plan entry's split: its module's parameters' dims (parameters not named stay whole)."""
 
     module: str  # qualified module path in the user's model
     style: str  # COLWISE | ROWWISE
@@ -85,56 +87,161 @@ class Split:
 def resolve_splits(
     model: nn.Module, tp_plan: dict[str, Any] | None, degrees: set[int], where: str
 ) -> dict[str, Split]:
-    """Qualified module path -> ``Split`` for every module the plan splits; ``InputError`` on a refusal.
+    """Qualified entry path -> ``Split`` for every module (or parameter) the plan splits; ``InputError`` on a refusal.
 
     ``degrees``: the plan's tensor-parallel degrees above 1; every split dimension must
     divide by each, and so must the attention heads of a known family.
     """
-    if tp_plan is not None:
-        styles = _user_styles(model, tp_plan, where)
-    else:
-        styles = _builtin_styles(model)
-        if not styles:
-            raise InputError(
-                f"{where}: {type(model).__name__} has no built-in tensor-parallel plan (built in: "
-                f"{', '.join(FAMILIES)}); define TP_PLAN in the model file"
-            )
+    styles = _styles(model, tp_plan, where)
     check_heads(model, degrees, where)
     modules = dict(model.named_modules())
     tied = _tied_parameters(model)
     splits = {}
     for path, style in styles.items():
-        kind = _kind(modules[path])
-        if (style, kind) not in _DIMS:
-            raise InputError(
-                f"{where}: the tensor-parallel plan splits {path} ({type(modules[path]).__name__}) "
-                f"{style}; only nn.Linear, nn.Embedding and Hugging Face Conv1D modules split"
-            )
-        dims = _DIMS[(style, kind)]
+        if path in modules:
+            module_path, dims = path, _module_dims(modules[path], path, style, where)
+        else:  # a parameter entry of transformers' plan (an MoE experts' stacked weight)
+            module_path, _, name = path.rpartition(".")
+            dims = _parameter_dims(model.get_parameter(path), name, style)
+        module = modules[module_path]
         for name, dim in dims.items():
-            param = getattr(modules[path], name, None)
-            if param is None:
-                continue
-            if f"{path}.{name}" in tied:
+            param = getattr(module, name)
+            if f"{module_path}.{name}" in tied:
                 raise InputError(
-                    f"{where}: the tensor-parallel plan splits {path}.{name}, which is tied to "
-                    f"{tied[f'{path}.{name}']}; leave tied parameters whole"
+                    f"{where}: the tensor-parallel plan splits {module_path}.{name}, which is tied to "
+                    f"{tied[f'{module_path}.{name}']}; leave tied parameters whole"
                 )
             for t in sorted(degrees):
                 if param.shape[dim] % t:
                     raise InputError(
-                        f"{where}: tensor_parallel {t} does not divide {path}.{name}'s dimension "
+                        f"{where}: tensor_parallel {t} does not divide {module_path}.{name}'s dimension "
                         f"{dim} ({param.shape[dim]}), which the plan splits {style}"
                     )
-        splits[path] = Split(
-            path, style, tuple((n, d) for n, d in dims.items() if getattr(modules[path], n, None) is not None)
-        )
+        splits[path] = Split(module_path, style, tuple(dims.items()))
     return splits
 
 
+def _styles(model: nn.Module, tp_plan: dict[str, Any] | None, where: str) -> dict[str, str]:
+    """Path -> COLWISE | ROWWISE from the plan that applies (module docstring's precedence)."""
+    if tp_plan is not None:
+        return _user_styles(model, tp_plan, where)
+    library = library_plan(model)
+    if library:
+        return _untied(model, library_styles(model, library, where))
+    styles = _builtin_styles(model)
+    if not styles:
+        raise InputError(no_plan_message(model, where))
+    return styles
+
+
+def _module_dims(module: nn.Module, path: str, style: str, where: str) -> dict[str, int]:
+    kind = _kind(module)
+    if (style, kind) not in _DIMS:
+        raise InputError(
+            f"{where}: the tensor-parallel plan splits {path} ({type(module).__name__}) "
+            f"{style}; only nn.Linear, nn.Embedding and Hugging Face Conv1D modules split"
+        )
+    return {
+        name: dim for name, dim in _DIMS[(style, kind)].items() if getattr(module, name, None) is not None
+    }
+
+
+def _parameter_dims(param: nn.Parameter, name: str, style: str) -> dict[str, int]:
+    """A parameter entry's dim, as transformers shards one: column-parallel on its output
+    features (dim ndim - 2; a vector's only dim), row-parallel on its input features (the
+    last dim; a vector, a bias, stays whole)."""
+    if style == COLWISE:
+        return {name: max(param.dim() - 2, 0)}
+    return {name: param.dim() - 1} if param.dim() >= 2 else {}
+
+
+def _untied(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """``styles`` without the entries holding a tied parameter (a tied embedding and head stay whole)."""
+    tied = _tied_parameters(model)
+    params = dict(model.named_parameters())
+    kept = {}
+    for path, style in styles.items():
+        names = [path] if path in params else [f"{path}.{n}" for n in ("weight", "bias")]
+        if not any(name in tied for name in names):
+            kept[path] = style
+    return kept
+
+
 def has_plan(model: nn.Module, tp_plan: dict[str, Any] | None) -> bool:
-    """Whether ``resolve_splits`` has a plan to resolve: the model file's ``TP_PLAN`` or a built-in one."""
-    return tp_plan is not None or bool(_builtin_styles(model))
+    """Whether ``resolve_splits`` has a plan to resolve: ``TP_PLAN``, transformers' plan or a built-in one."""
+    return plan_source(model, tp_plan) != ""
+
+
+def plan_source(model: nn.Module, tp_plan: dict[str, Any] | None) -> str:
+    """Which plan splits ``model``: "TP_PLAN", "transformers", "built-in", or "" (none)."""
+    if tp_plan is not None:
+        return "TP_PLAN"
+    if library_plan(model):
+        return "transformers"
+    return "built-in" if _builtin_styles(model) else ""
+
+
+def no_plan_message(model: nn.Module, where: str) -> str:
+    """The one-line refusal for a model without a plan: its family, and a ``TP_PLAN`` sketched
+    from its own module names (linear layers of its repeated blocks)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    family = type(model).__name__ + (f" (transformers family {model_type!r})" if model_type else "")
+    declared = (
+        "transformers declares no tensor-parallel plan for it (config.base_model_tp_plan is empty), "
+        if model_type
+        else ""
+    )
+    sketch = _sketch(model)
+    example = (
+        f"e.g. TP_PLAN = {{{sketch}}} (ColwiseParallel, RowwiseParallel from "
+        f"torch.distributed.tensor.parallel; check each pair: a column-parallel module's output "
+        f"feeds the row-parallel one)"
+        if sketch
+        else "naming its nn.Linear modules ColwiseParallel() then RowwiseParallel() in pairs"
+    )
+    return (
+        f"{where}: {family} has no tensor-parallel plan: {declared}pipeplan has no built-in plan "
+        f"for it (built in: {', '.join(FAMILIES)}); define TP_PLAN in the model file, {example}"
+    )
+
+
+_ROW_NAMES = (
+    "o_proj",
+    "out_proj",
+    "down_proj",
+    "dense",
+    "fc2",
+    "c_proj",
+    "wo",
+    "w2",
+    "proj",
+    "dense_4h_to_h",
+)
+
+
+def _sketch(model: nn.Module, limit: int = 6) -> str:
+    """``"pattern": Style()`` entries for the model's linear layers, a block's number as ``*``.
+
+    A name that ends a block (``o_proj``, ``down_proj``, ...) is row-parallel, its siblings
+    column-parallel; where no sibling has such a name they alternate, column then row.
+    """
+    children: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            atoms = path.split(".")
+            parent = ".".join("*" if atom.isdigit() else atom for atom in atoms[:-1])
+            names = children.setdefault(parent, [])
+            if atoms[-1] not in names:
+                names.append(atoms[-1])
+    entries = []
+    for parent, names in children.items():
+        named_rows = any(name in _ROW_NAMES for name in names)
+        for k, name in enumerate(names):
+            row = name in _ROW_NAMES if named_rows else k % 2 == 1
+            pattern = f"{parent}.{name}" if parent else name
+            entries.append(f"{pattern!r}: {'Row' if row else 'Col'}wiseParallel()")
+    return ", ".join(entries[:limit])
 
 
 def check_heads(model: nn.Module, degrees: set[int], where: str) -> None:
@@ -202,7 +309,7 @@ def _user_styles(model: nn.Module, tp_plan: dict[str, Any], where: str) -> dict[
                 f"ColwiseParallel and RowwiseParallel (SequenceParallel and PrepareModule* are "
                 f"accepted as layout hints)"
             )
-        matched = [p for p in paths if _matches(pattern, p)]
+        matched = [p for p in paths if matches(pattern, p)]
         if not matched:
             raise InputError(
                 f"{where}: TP_PLAN names {pattern!r}, which is no module of {type(model).__name__}"
@@ -225,12 +332,6 @@ def _is_layout_hint(style: object) -> bool:
     return isinstance(
         style, (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, SequenceParallel)
     )
-
-
-def _matches(pattern: str, path: str) -> bool:
-    """``fnmatch`` atom by atom, as ``parallelize_module`` matches (``layers.*.attention.wq``)."""
-    atoms, parts = pattern.split("."), path.split(".")
-    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
 
 
 def _kind(module: nn.Module) -> str:
@@ -261,9 +362,9 @@ def stage_splits(parameter_names: dict[str, str], splits: dict[str, Split]) -> d
     """
     local_of = {qualified: local for local, qualified in parameter_names.items()}
     out: dict[str, dict[str, int]] = {}
-    for path, split in splits.items():
+    for split in splits.values():
         for name, dim in split.dims:
-            local_name = local_of.get(f"{path}.{name}")
+            local_name = local_of.get(f"{split.module}.{name}")
             if local_name is not None:
                 module_path, _, param = local_name.rpartition(".")
                 out.setdefault(module_path, {})[param] = dim
