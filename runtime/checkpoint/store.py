@@ -38,6 +38,8 @@ from pipeplan.jsonio import write_atomic
 __all__ = [
     "CHECKPOINT_SCHEMA",
     "rank_folder",
+    "open_rank_folder",
+    "seal_rank",
     "save_rank",
     "read_manifests",
     "step_problem",
@@ -65,31 +67,25 @@ def rank_folder(directory: str | os.PathLike[str], step: int, stage: int, replic
     return step_folder(directory, step) / f"stage-{stage:02d}-replica-{replica}"
 
 
-def save_rank(
-    directory: str | os.PathLike[str],
-    step: int,
-    stage: int,
-    replica: int,
-    state: dict[str, Any],
-    manifest: dict[str, Any],
-) -> Path:
-    """Write one rank's ``state`` (flat, str keys) with DCP, then its manifest; returns the folder.
+def open_rank_folder(directory: str | os.PathLike[str], step: int, stage: int, replica: int) -> Path:
+    """Create one rank's folder of ``step`` and remove its manifest: a stale seal must never
+    cover the files about to be written. Returns the folder."""
+    folder = rank_folder(directory, step, stage, replica)
+    try:
+        folder.with_suffix(".json").unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
+    return folder
+
+
+def seal_rank(folder: Path, step: int, stage: int, replica: int, manifest: dict[str, Any]) -> int:
+    """Write the manifest of a rank folder DCP finished writing (sizes and sha256 of its
+    files, atomically); returns the bytes of the files it seals.
 
     ``manifest`` must hold ``run_fingerprint`` and ``layout`` (``{"replicas": [...]}`` and
     whatever else describes the plan); step, stage, replica and the files are added here.
     """
-    import torch.distributed.checkpoint as dcp
-
-    folder = rank_folder(directory, step, stage, replica)
-    manifest_path = folder.with_suffix(".json")
-    try:
-        manifest_path.unlink(missing_ok=True)  # a stale seal must never cover the new files
-        folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": intended
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
-    except OSError as exc:
-        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
     files = {path.name: _file_digest(path) for path in sorted(folder.iterdir()) if path.is_file()}
     sealed = {
         **manifest,
@@ -99,8 +95,31 @@ def save_rank(
         "replica": replica,
         "files": files,
     }
-    write_atomic(manifest_path, json.dumps(sealed, indent=1).encode())
+    write_atomic(folder.with_suffix(".json"), json.dumps(sealed, indent=1).encode())
     _fsync_dir(folder.parent)
+    return sum(int(entry["bytes"]) for entry in files.values())
+
+
+def save_rank(
+    directory: str | os.PathLike[str],
+    step: int,
+    stage: int,
+    replica: int,
+    state: dict[str, Any],
+    manifest: dict[str, Any],
+) -> Path:
+    """Write one rank's ``state`` (flat, str keys) with DCP, then its manifest (``seal_rank``);
+    returns the folder. ``pipeplan.runtime.checkpoint.persist`` does the same in the background."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = open_rank_folder(directory, step, stage, replica)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": intended
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    except OSError as exc:
+        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
+    seal_rank(folder, step, stage, replica, manifest)
     return folder
 
 
