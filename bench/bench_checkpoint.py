@@ -1,6 +1,6 @@
 """Benchmark: what checkpoints cost a GPT-2-sized run (issue 34, CheckFreq).
 
-The bundled gpt at 8 blocks of width 512 with a vocabulary of 8192 (33.6M parameters,
+The bundled gpt at 8 blocks of width 512 with a vocabulary of 16384 (33.6M parameters,
 Adam: about 400 MB of state) on 2 gloo ranks, 1F1B-Flush, trained ``--steps`` steps five
 ways, side by side in one invocation:
 
@@ -49,7 +49,7 @@ GPT_ENV = {
     "PIPEPLAN_GPT_LAYERS": "8",
     "PIPEPLAN_GPT_DIM": "512",
     "PIPEPLAN_GPT_HEADS": "8",
-    "PIPEPLAN_GPT_VOCAB": "8192",
+    "PIPEPLAN_GPT_VOCAB": "16384",
     "PIPEPLAN_GPT_SEQ": "64",
 }
 os.environ.update(GPT_ENV)  # before the model file is imported (it reads them once)

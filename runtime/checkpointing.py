@@ -60,6 +60,10 @@ class Checkpointer:
     auto: AutoInterval | None = field(init=False)
     _since: float = field(init=False)  # perf_counter at the last checkpoint's end (or the start)
     _since_step: int = field(init=False)
+    _step_began: float = field(init=False)  # perf_counter when the current step began
+    _beside_persist: bool = field(init=False)  # a persist was in flight when the current step began
+    _clean_ms: float | None = field(init=False)  # a step without a persist beside it (running mean)
+    _beside_ms: list[float] = field(init=False)  # steps run beside a persist since the last choice
 
     def __post_init__(self) -> None:
         checkpoints = self.config.checkpoints
@@ -82,12 +86,30 @@ class Checkpointer:
     def start(self) -> None:
         """The training clock starts now (step times are measured from here)."""
         self._since, self._since_step = time.perf_counter(), self.done_steps
+        self._step_began, self._beside_persist = self._since, False
+        self._clean_ms, self._beside_ms = None, []
 
     def at_step_end(self, completed: int) -> None:
         """Checkpoint step ``completed`` when it is due (the final step always)."""
         checkpoints = self.config.checkpoints
         if not checkpoints.directory:
             return
+        self._time_step()
+        try:
+            self._checkpoint_if_due(completed)
+        finally:
+            self._step_began, self._beside_persist = time.perf_counter(), self.persister.busy()
+
+    def _time_step(self) -> None:
+        """Time the step that just ended: beside a persist, or clean (a running mean)."""
+        step_ms = (time.perf_counter() - self._step_began) * 1000.0
+        if self._beside_persist:
+            self._beside_ms.append(step_ms)
+        else:
+            self._clean_ms = step_ms if self._clean_ms is None else (self._clean_ms + step_ms) / 2.0
+
+    def _checkpoint_if_due(self, completed: int) -> None:
+        checkpoints = self.config.checkpoints
         final = completed == self.config.steps
         every = checkpoints.interval
         due = self.auto.due(completed) if self.auto is not None else bool(every) and completed % every == 0
@@ -117,20 +139,30 @@ class Checkpointer:
         self.persister.close()
 
     def _choose(self, completed: int, step_ms: float) -> None:
-        """Auto: agree on the measurements (the most any rank saw), then choose the interval."""
+        """Auto: agree on the measurements (the most any rank saw), then choose the interval.
+
+        The step time is a step's without a persist beside it when one was seen (else the
+        mean since the last checkpoint); the interference is what the steps run beside the
+        last persist took over that.
+        """
         cost = self.persister.cost
         persist_ms = (cost.last_persist_ms or 0.0) if self.persister.asynchronous else 0.0
-        measured = torch.tensor([step_ms, cost.last_snapshot_ms, persist_ms], dtype=torch.float64)
+        clean_ms = self._clean_ms if self._clean_ms is not None else step_ms
+        interference_ms = sum(max(0.0, beside - clean_ms) for beside in self._beside_ms)
+        self._beside_ms = []
+        measured = torch.tensor(
+            [clean_ms, cost.last_snapshot_ms, persist_ms, interference_ms], dtype=torch.float64
+        )
         if self.group is not None:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
-        step, snapshot, persist = (float(x) for x in measured.tolist())
+        step, snapshot, persist, interference = (float(x) for x in measured.tolist())
         assert self.auto is not None, "only auto chooses"
-        if self.auto.update(completed, step, snapshot, persist) and self.rank == 0:
+        if self.auto.update(completed, step, snapshot, persist, interference) and self.rank == 0:
             sys.stderr.write(
                 f"checkpoint: every {self.auto.every} steps (auto), predicted overhead "
                 f"{self.auto.predicted_overhead_pct:.2f}% (step {step:.1f} ms, snapshot "
-                f"{snapshot:.1f} ms, persist {persist:.1f} ms; target "
-                f"{self.auto.target_pct:g}%)\n"
+                f"{snapshot:.1f} ms, persist {persist:.1f} ms, slowing training by "
+                f"{interference:.1f} ms; target {self.auto.target_pct:g}%)\n"
             )
 
 

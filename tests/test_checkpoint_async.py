@@ -90,6 +90,8 @@ def test_the_interval_is_the_most_frequent_under_the_target_and_follows_the_cost
     # steps: 29 steps leave 100 ms of it, (1 + 100) / 2900 = 3.48%; 28 steps 7.5%)
     assert choose_interval(100.0, 1.0, 3000.0, 3.5).every == 29
     assert overhead_pct(28, 100.0, 1.0, 3000.0) > 3.5
+    # a persist that slows the steps beside it by 180 ms in all: (20 + 180) / (58 * 100) = 3.45%
+    assert choose_interval(100.0, 20.0, 500.0, 3.5, interference_ms=180.0).every == 58
     auto = AutoInterval(3.5)
     assert auto.update(1, 100.0, 20.0, 0.0) and (auto.every, auto.next_step) == (6, 7)
     assert not auto.update(7, 100.0, 20.0, 0.0)  # the same cost: the same interval

@@ -98,6 +98,10 @@ class Persister:
         self.cost.wait_ms += waited_ms
         self.cost.last_snapshot_ms = (now - snapshot_at) * 1000.0
 
+    def busy(self) -> bool:
+        """True while a persist is in flight (written or sealed behind training)."""
+        return self._in_flight is not None and not self._in_flight.sealed.done()
+
     def wait(self) -> float:
         """Wait for the persist in flight (if any); returns the milliseconds waited.
 

@@ -134,10 +134,13 @@ def read_manifests(directory: str | os.PathLike[str], step: int) -> dict[tuple[i
     return found
 
 
-def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: str | None) -> str | None:
+def step_problem(
+    directory: str | os.PathLike[str], step: int, run_fingerprint: str | None, hashes: bool = True
+) -> str | None:
     """``None`` when ``step`` is complete and verifies; else why not, in a few words.
 
-    Reads and hashes every file of the step (O(checkpoint bytes of one step)). A step
+    Reads and hashes every file of the step (O(checkpoint bytes of one step)); with
+    ``hashes=False`` only the files' sizes are compared (pruning: see ``prune_checkpoints``). A step
     written by another run than ``run_fingerprint`` raises ``InputError`` rather than
     being silently skipped (``None``: any run's step, as ``run --weights`` reads them).
     """
@@ -168,7 +171,7 @@ def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: 
     for (stage, replica), manifest in sorted(manifests.items()):
         root = rank_folder(directory, step, stage, replica)
         for name, expected in manifest["files"].items():
-            problem = _file_problem(root / name, expected)
+            problem = _file_problem(root / name, expected, hashes)
             if problem is not None:
                 return f"{root.name}/{name} {problem}"
     return None
@@ -188,14 +191,14 @@ def latest_complete_step(
 
 
 def complete_steps(
-    directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None
+    directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None, hashes: bool = True
 ) -> list[int]:
-    """Complete steps, newest first (at most ``limit`` of them)."""
+    """Complete steps, newest first (at most ``limit`` of them); ``hashes``: as ``step_problem``."""
     found: list[int] = []
     for step in reversed(step_folders(directory)):
         if limit is not None and len(found) >= limit:
             break
-        if step_problem(directory, step, run_fingerprint) is None:
+        if step_problem(directory, step, run_fingerprint, hashes) is None:
             found.append(step)
     return found
 
@@ -205,11 +208,13 @@ def prune_checkpoints(directory: str | os.PathLike[str], run_fingerprint: str, k
 
     Nothing is deleted until ``keep`` complete steps exist, so the last complete step is
     never deleted; folders newer than the newest complete step (a save in progress) are
-    never touched, nor folders holding another run's manifests.
+    never touched, nor folders holding another run's manifests. The steps kept are checked
+    by their manifests and file sizes, not re-hashed: each rank hashed its files as it sealed
+    them, and re-reading two whole steps after every save doubled a checkpoint's CPU cost.
     """
     if keep < 1:
         raise InputError(f"checkpoint retention must keep at least 1 step, got keep={keep}")
-    kept = complete_steps(directory, run_fingerprint, limit=keep)
+    kept = complete_steps(directory, run_fingerprint, limit=keep, hashes=False)
     if len(kept) < keep:
         return []
     deleted: list[int] = []
@@ -284,11 +289,13 @@ def _file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _file_problem(path: Path, expected: object) -> str | None:  # a manifest entry, not yet checked
+def _file_problem(path: Path, expected: object, hashes: bool = True) -> str | None:  # a manifest entry
     if not isinstance(expected, dict):
         return "has no size and hash in its manifest"
     try:
-        observed = _file_digest(path)
+        observed = (
+            _file_digest(path) if hashes else {"bytes": path.stat().st_size, "sha256": expected.get("sha256")}
+        )
     except OSError as exc:
         return f"cannot be read ({first_line(exc)[:80]})"
     if observed["bytes"] != expected.get("bytes"):
