@@ -10,6 +10,12 @@ Every such stage draws minibatch k itself, so no model input or target is ever s
 - otherwise it is ``sample_batch(batch_size)`` under ``torch.manual_seed(seed + k)``, so
   runs are reproducible.
 
+A loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's ``StatefulDataLoader``)
+is *stateful*: the source keeps its state before each item it may still need
+(``loader_state``: what a checkpoint saves, as of the first item after the step) and a
+resumed run continues from it (``restore_loaders``), reading nothing twice. Another loader
+is re-opened and skipped ahead item by item to the resumed minibatch.
+
 A minibatch is split into ``microbatches`` equal chunks along dim 0. Inputs given as keyword
 arguments (a dict) reach the stages as their flat tensors (``ModelInputs.tensors``), the
 order in which the captured graph takes them (model input ``k``).
