@@ -3,7 +3,8 @@
 Written by ``pipeplan.runtime.rank_metrics`` (rank 0 merges every rank's measurements), read
 by ``pipeplan.reporting.run_vs_plan`` and ``pipeplan report``. Stored as JSON with
 ``"schema": "pipeplan.metrics/2"`` (format in ``docs/metrics.md``; version 1 files, written
-before the per-rank memory figures, still load with those ``None``). Times are
+before the per-rank memory figures, still load with those ``None``; the checkpoint figures
+are optional keys of version 2, ``None`` when absent). Times are
 milliseconds per minibatch, rates samples per second, memory bytes; a figure that was not
 measured or not predicted is ``None`` (JSON null). ``stages`` is indexed by position in the list,
 one entry per (stage, replica), i.e. per rank running a stage.
@@ -55,6 +56,13 @@ class StageMetrics:
     baseline_memory_bytes: int | None = None  # before the stage was built
     peak_memory_bytes: int | None = None  # the most at any moment of the run
     predicted_memory_bytes: int | None = None  # StagePlan.memory_bytes (summed over the rank's chunks)
+    # checkpoints of this rank over the run (totals; None: the run took none, or an older file)
+    checkpoints: int = 0
+    checkpoint_stall_ms: float | None = None  # training blocked: waits for the previous persist + snapshots
+    checkpoint_wait_ms: float | None = None  # of the stall: waiting for the previous persist
+    checkpoint_persist_ms: float | None = None  # writing and sealing (behind training when async)
+    checkpoint_bytes: int | None = None  # bytes of the files written
+    checkpoint_overhead_pct: float | None = None  # 100 * stall / (wall time - stall)
 
     @property
     def held_memory_bytes(self) -> int | None:
@@ -71,7 +79,12 @@ class StageMetrics:
         kind = values.get("memory_kind")
         if kind is not None and kind not in MEMORY_KINDS:
             raise InputError(f"{where}: memory_kind {kind!r} is not one of {', '.join(MEMORY_KINDS)}")
-        for key in ("baseline_memory_bytes", "peak_memory_bytes", "predicted_memory_bytes"):
+        for key in (
+            "baseline_memory_bytes",
+            "peak_memory_bytes",
+            "predicted_memory_bytes",
+            "checkpoint_bytes",
+        ):
             if (values.get(key) or 0) < 0:
                 raise InputError(f"{where}: {key} = {values[key]} is negative")
         return cls(**values)
@@ -98,6 +111,12 @@ class Metrics:
     predicted_schedule: str | None = None  # the schedule and micro-batch count the
     predicted_microbatches: int | None = None  # predictions are for (re-predicted when not the plan's)
     stages: tuple[StageMetrics, ...] = ()
+    checkpoint_mode: str | None = None  # "sync" or "async" (None: no checkpoints)
+    checkpoint_every: int | None = (
+        None  # steps between checkpoints (--checkpoint-every auto: its last choice)
+    )
+    predicted_checkpoint_overhead_pct: float | None = None  # auto's prediction for that interval
+    start_to_first_step_ms: float | None = None  # process start to the first step's end (slowest rank)
 
     @property
     def schedule_name(self) -> str:

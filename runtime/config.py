@@ -8,7 +8,8 @@ back into a ``RunConfig``. The groups, as ``RunConfig`` composes them:
 - ``pipeline``: ``ScheduleConfig`` (schedule override, micro-batches, recompute);
 - ``optim``: ``OptimizerConfig`` (optimizer, lr, weight decay, lr schedule, warm-up, clipping);
 - ``build``: ``BuildConfig`` (build mode, compute dtype, seed);
-- ``checkpoints``: ``CheckpointConfig`` (directory, interval, resume, pretrained weights);
+- ``checkpoints``: ``CheckpointConfig`` (directory, interval or auto, overhead target,
+  asynchronous saves, resume, pretrained weights);
 - ``outputs``: ``OutputConfig`` (metrics, trace, live log, progress line, test record).
 
 A field left ``None`` where its help says "[default: the plan's]" is resolved against the
@@ -174,10 +175,27 @@ class CheckpointConfig:
     directory: str | None = field(
         default=None, metadata=_option("--checkpoint-dir", "Save per-stage checkpoints here.", path="dir")
     )
-    every: int = field(
-        default=0,
-        metadata=_option(  # steps; 0: only at the end
-            "--checkpoint-every", "Checkpoint every N steps (0: once at the end)."
+    every: str = field(
+        default="0",
+        metadata=_option(  # steps, or "auto" (pipeplan.runtime.checkpoint.frequency)
+            "--checkpoint-every",
+            "Checkpoint every N steps (0: once at the end), or auto: the most frequent interval "
+            "whose measured cost stays under --checkpoint-overhead.",
+        ),
+    )
+    overhead_pct: float = field(
+        default=3.5,
+        metadata=_option(
+            "--checkpoint-overhead",
+            "With --checkpoint-every auto: the most checkpoints may cost, in % of training time.",
+        ),
+    )
+    asynchronous: bool = field(
+        default=False,
+        metadata=_option(
+            "--checkpoint-async",
+            "Two-phase checkpoints: training waits only for a copy in host memory, the write "
+            "and its seal run behind the next steps (at most one in flight per rank).",
         ),
     )
     resume: bool = field(
@@ -196,6 +214,21 @@ class CheckpointConfig:
             path="any",
         ),
     )
+
+    @property
+    def interval(self) -> int | None:
+        """Steps between checkpoints (0: only the final step), or None for ``auto``;
+        ``InputError`` naming the value otherwise."""
+        text = self.every.strip().lower()
+        if text == "auto":
+            return None
+        try:
+            steps = int(text)
+        except ValueError:
+            steps = -1
+        if steps < 0:
+            raise InputError(f"--checkpoint-every must be an integer >= 0 or auto (got {self.every!r})")
+        return steps
 
 
 @dataclass(frozen=True)
@@ -305,8 +338,10 @@ def check_options(config: RunConfig) -> None:
         raise InputError(f"optimizer {config.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if config.steps < 1:
         raise InputError(f"--steps must be >= 1 (got {config.steps})")
-    if config.checkpoints.every < 0:
-        raise InputError(f"--checkpoint-every must be >= 0 (got {config.checkpoints.every})")
+    _ = config.checkpoints.interval  # InputError on a value that is neither N >= 0 nor auto
+    overhead = config.checkpoints.overhead_pct
+    if not (math.isfinite(overhead) and 0 < overhead < 100):
+        raise InputError(f"--checkpoint-overhead must be a percentage in (0, 100) (got {overhead})")
     if not (math.isfinite(optim.lr) and optim.lr > 0):
         raise InputError(f"--lr must be a finite number > 0 (got {optim.lr})")
     if not (math.isfinite(optim.weight_decay) and optim.weight_decay >= 0):

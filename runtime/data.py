@@ -10,6 +10,12 @@ Every such stage draws minibatch k itself, so no model input or target is ever s
 - otherwise it is ``sample_batch(batch_size)`` under ``torch.manual_seed(seed + k)``, so
   runs are reproducible.
 
+A loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's ``StatefulDataLoader``)
+is *stateful*: the source keeps its state before each item it may still need
+(``loader_state``: what a checkpoint saves, as of the first item after the step) and a
+resumed run continues from it (``restore_loaders``), reading nothing twice. Another loader
+is re-opened and skipped ahead item by item to the resumed minibatch.
+
 A minibatch is split into ``microbatches`` equal chunks along dim 0. Inputs given as keyword
 arguments (a dict) reach the stages as their flat tensors (``ModelInputs.tensors``), the
 order in which the captured graph takes them (model input ``k``).
@@ -17,9 +23,10 @@ order in which the captured graph takes them (model input ``k``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 
@@ -28,6 +35,8 @@ from pipeplan.model_inputs import ModelInputs, model_inputs
 from pipeplan.modelfile import ModelFile
 
 __all__ = ["BatchSource"]
+
+_STATE_WINDOW = 64  # minibatches behind the newest drawn whose loader state is kept (draw_ahead's most)
 
 
 @dataclass
@@ -40,7 +49,8 @@ class BatchSource:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32  # floating-point inputs are cast to it
     target_dtype: torch.dtype | None = None  # floating-point targets are cast to it (None: ``dtype``)
-    _loaders: dict[int, tuple[Iterator[Any], int]] = field(default_factory=dict)
+    _loaders: dict[int, _Reader] = field(default_factory=dict)
+    _resume: dict[int, tuple[int, Any]] = field(default_factory=dict)  # replica -> (position, state)
     _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
     _names: tuple[str, ...] | None = None  # the flat input tensors' argument names
 
@@ -82,6 +92,9 @@ class BatchSource:
         if evict:  # minibatches before k - 1 are done with (k - 1 may still be in flight)
             for old in [key for key in self._cache if key < k - 1]:
                 del self._cache[old]
+            oldest = k - 1 - _STATE_WINDOW  # a checkpoint may need a minibatch behind the newest drawn
+            for replica, reader in self._loaders.items():
+                reader.forget_before(-(-(oldest - replica) // self.loader_replicas))
         if k not in self._cache:
             drawn, targets = self._draw(k)
             inputs = drawn.tensors()
@@ -118,20 +131,101 @@ class BatchSource:
         if self.model_file.data_loader is None:
             return self.model_file.batch(self.batch_size, seed=self.seed + k)
         replica, position = k % self.loader_replicas, k // self.loader_replicas
-        iterator, next_position = self._loaders.get(replica, (None, 0))
-        if iterator is None or position < next_position:
-            iterator = iter(self.model_file.data_loader(self.batch_size, replica, self.loader_replicas))
-            next_position = 0
+        reader = self._loaders.get(replica)
+        if reader is None or position < reader.position:
+            reader = self._open(replica, position)
         item = None
-        while next_position <= position:
+        while reader.position <= position:
+            reader.remember()
             try:
-                item = next(iterator)
+                item = next(reader.iterator)
             except StopIteration as exc:
                 raise InputError(
                     f"{self.model_file.path}: data_loader(replica={replica}) ended after "
-                    f"{next_position} minibatches; the run needs {position + 1}"
+                    f"{reader.position} minibatches; the run needs {position + 1}"
                 ) from exc
-            next_position += 1
-        self._loaders[replica] = (iterator, next_position)
+            reader.position += 1
         inputs, targets = item  # type: ignore[misc]
         return model_inputs(inputs, self.model_file.path), targets
+
+    def _open(self, replica: int, position: int) -> _Reader:
+        """Loader ``replica``'s reader, continuing from its saved state when one was restored
+        at or before ``position`` (else from the start, skipping ahead)."""
+        assert self.model_file.data_loader is not None, "only a model file's data_loader opens readers"
+        loader = self.model_file.data_loader(self.batch_size, replica, self.loader_replicas)
+        start = 0
+        saved = self._resume.pop(replica, None)
+        if saved is not None and saved[0] <= position and _stateful(loader):
+            loader.load_state_dict(saved[1])
+            start = saved[0]
+        reader = _Reader(loader, iter(loader), start)
+        self._loaders[replica] = reader
+        return reader
+
+    @property
+    def reads_loaders(self) -> bool:
+        """True when minibatches come from the model file's ``data_loader``."""
+        return self.model_file.data_loader is not None
+
+    def loader_state(self, minibatch: int) -> dict[int, tuple[int, Any]]:
+        """replica -> (position, state) of every stateful loader this rank opened, at the first
+        item minibatch ``minibatch`` (global) or a later one needs; its state from before it read
+        that item (the run may have drawn ahead)."""
+        out: dict[int, tuple[int, Any]] = {}
+        for replica, reader in self._loaders.items():
+            if not _stateful(reader.loader):
+                continue
+            wanted = -(-(minibatch - replica) // self.loader_replicas)  # first position >= minibatch
+            found = reader.state_at(max(wanted, 0))
+            if found is not None:
+                out[replica] = found
+        return out
+
+    def restore_loaders(self, saved: dict[int, tuple[int, Any]]) -> None:
+        """Continue each loader from its saved (position, state) (``loader_state`` of a checkpoint)."""
+        self._resume = dict(saved)
+        self._loaders.clear()
+
+
+@dataclass
+class _Reader:
+    """One opened loader: its iterator, the next item's position, and (a stateful loader) its
+    state before each item still needed, so a checkpoint can name the state at its step."""
+
+    loader: Iterable[Any]  # the model file's data_loader(...) result
+    iterator: Iterator[Any]
+    position: int  # of the next item
+    states: dict[int, Any] = field(default_factory=dict)  # position -> state before reading it
+
+    def remember(self) -> None:
+        if _stateful(self.loader):
+            self.states[self.position] = copy.deepcopy(self.loader.state_dict())
+
+    def forget_before(self, position: int) -> None:
+        """Drop the states of items before ``position`` (no checkpoint can need them again)."""
+        for old in [p for p in self.states if p < position]:
+            del self.states[old]
+
+    def state_at(self, position: int) -> tuple[int, Any] | None:
+        """(position, state) to continue from at ``position``; the current state when the
+        loader has read nothing past it."""
+        if position in self.states:
+            return position, self.states[position]
+        if position >= self.position and _stateful(self.loader):
+            return self.position, copy.deepcopy(self.loader.state_dict())
+        return None
+
+
+class _StatefulLoader(Protocol):
+    """What torchdata's ``StatefulDataLoader`` adds to an iterable: where it is, and going back there."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _stateful(loader: object) -> TypeGuard[_StatefulLoader]:
+    """A loader that says where it is (torchdata's ``StatefulDataLoader``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )

@@ -23,6 +23,7 @@ from pipeplan.errors import InputError
 from pipeplan.metrics import METRICS_SCHEMA, Metrics, StageMetrics
 from pipeplan.plan import Plan
 from pipeplan.planner.predict import predict
+from pipeplan.runtime.checkpoint.persist import CheckpointCost
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.memory_usage import MemoryReading
@@ -35,6 +36,7 @@ from pipeplan.trace import TraceEvent, merge_events, write_chrome_trace
 __all__ = [
     "METRICS_SCHEMA",
     "RankReport",
+    "CheckpointReport",
     "rank_report",
     "gather_reports",
     "write_outputs",
@@ -57,6 +59,18 @@ class RankReport:
     peak_versions: int
     events: list[TraceEvent] = field(default_factory=list)
     memory: MemoryReading | None = None
+    checkpoint: CheckpointReport | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """A rank's checkpoints (``pipeplan.runtime.checkpointing``) and its start-to-first-step time."""
+
+    cost: CheckpointCost | None  # None: no --checkpoint-dir
+    every: int | None  # steps between checkpoints (auto: its last choice)
+    predicted_overhead_pct: float | None  # auto's prediction for ``every``
+    first_step_ms: float | None  # process start to the end of its first step
+    asynchronous: bool
 
 
 def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> int:
@@ -77,6 +91,7 @@ def rank_report(
     wall_ms: float,
     stash: WeightStash | None,
     memory: MemoryReading | None = None,
+    checkpoint: CheckpointReport | None = None,
 ) -> RankReport:
     counted_from = recorder.count_from - executor.minibatch_offset
     handled = {a.minibatch for a in executor.actions if a.kind == "F" and a.minibatch >= counted_from}
@@ -93,6 +108,7 @@ def rank_report(
         peak_versions=stash.peak_versions if stash is not None else 1,
         events=list(recorder.events),
         memory=memory,
+        checkpoint=checkpoint,
     )
 
 
@@ -195,8 +211,12 @@ def write_outputs(
                 baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,
                 peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
                 predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
+                **_checkpoint_fields(r),
             )
         )
+    checkpoints = [r.checkpoint for r in reports if r.checkpoint is not None]
+    first_steps = [c.first_step_ms for c in checkpoints if c.first_step_ms is not None]
+    lead = checkpoints[0] if checkpoints else None
     metrics = Metrics(
         schedule=config.schedule,
         microbatches=config.microbatches,
@@ -215,6 +235,12 @@ def write_outputs(
         predicted_schedule=predicted.schedule,
         predicted_microbatches=predicted.microbatches,
         stages=tuple(stages),
+        checkpoint_mode=(
+            ("async" if lead.asynchronous else "sync") if lead is not None and lead.cost is not None else None
+        ),
+        checkpoint_every=lead.every if lead is not None else None,
+        predicted_checkpoint_overhead_pct=lead.predicted_overhead_pct if lead is not None else None,
+        start_to_first_step_ms=max(first_steps) if first_steps else None,
     )
     summary = metrics.to_dict()
     if config.outputs.metrics_path:
@@ -231,3 +257,22 @@ def write_outputs(
             names,
         )
     return summary
+
+
+def _checkpoint_fields(report: RankReport) -> dict[str, Any]:
+    """A rank's checkpoint figures for its ``StageMetrics`` (none without --checkpoint-dir).
+
+    The overhead is the stall over the training time without it: ``100 * stall / (wall - stall)``.
+    """
+    cost = report.checkpoint.cost if report.checkpoint is not None else None
+    if cost is None:
+        return {}
+    training_ms = report.wall_ms - cost.stall_ms
+    return {
+        "checkpoints": cost.checkpoints,
+        "checkpoint_stall_ms": cost.stall_ms,
+        "checkpoint_wait_ms": cost.wait_ms,
+        "checkpoint_persist_ms": cost.persist_ms,
+        "checkpoint_bytes": cost.bytes_written,
+        "checkpoint_overhead_pct": 100.0 * cost.stall_ms / training_ms if training_ms > 0 else None,
+    }

@@ -42,7 +42,9 @@ model (stages, replicas, schedule, world size); ``--weights`` starts from pretra
 weights instead of the seeded initialisation. For 1F1B-RR the pipeline is drained at a
 resume (minibatches in flight at the checkpoint restart from the saved weights), so a
 resumed 1F1B-RR run follows the same data but not the same staleness as an uninterrupted
-one; 1F1B-Flush and GPipe resume exactly.
+one; 1F1B-Flush and GPipe resume exactly. When each step is saved, synchronously or in two
+phases (``--checkpoint-async``), and at which interval (``--checkpoint-every auto``):
+``pipeplan.runtime.checkpointing``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +72,8 @@ from pipeplan.modelfile import ModelFile, load_model_file, resolve_model_path
 from pipeplan.optimizers import OPTIMIZERS
 from pipeplan.runtime import training_state as state
 from pipeplan.runtime.checkpoint import store
+from pipeplan.runtime.checkpoint.persist import CheckpointCost
+from pipeplan.runtime.checkpointing import Checkpointer, process_age_ms
 from pipeplan.runtime.clip import GradNorm, make_grad_norm
 from pipeplan.runtime.comm import P2P, PeerFailure
 from pipeplan.runtime.config import RunConfig, check_options
@@ -81,7 +86,13 @@ from pipeplan.runtime.live_log import LiveLog, open_live_log, publish_step
 from pipeplan.runtime.memory_usage import MemoryMeter
 from pipeplan.runtime.mixed_precision import MixedPrecision, cast_buffers
 from pipeplan.runtime.progress import ProgressLine
-from pipeplan.runtime.rank_metrics import gather_reports, rank_report, warmup_minibatches, write_outputs
+from pipeplan.runtime.rank_metrics import (
+    CheckpointReport,
+    gather_reports,
+    rank_report,
+    warmup_minibatches,
+    write_outputs,
+)
 from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
 from pipeplan.runtime.run_record import digests, write_record
@@ -154,6 +165,7 @@ class BuiltStage:
     across: bool  # one gradient norm over the whole pipeline (all but 1F1B-RR)
     layout: state.Layout  # what a checkpoint says of the plan
     done_steps: int  # steps a resumed checkpoint holds (0: from the start)
+    checkpoint_group: dist.ProcessGroup | None  # gloo, ranks with a stage: async saves, auto's agreement
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,10 @@ class TrainedRank:
     offset: int  # global minibatch of the run's first
     wall_ms: float
     step_digests: list[dict[str, float]]  # --record: the digests after each step
+    checkpoint_cost: CheckpointCost | None  # None: no --checkpoint-dir
+    checkpoint_every: int | None  # the interval (auto's last choice)
+    predicted_checkpoint_overhead_pct: float | None  # auto's latest prediction
+    first_step_ms: float | None  # from the process's start to its first step's end
 
 
 def _prepare(config: RunConfig) -> Prepared:
@@ -420,7 +436,23 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
         across=across,
         layout=layout,
         done_steps=done_steps,
+        checkpoint_group=_checkpoint_group(config, spec),
     )
+
+
+def _checkpoint_group(config: RunConfig, spec: PipelineSpec) -> dist.ProcessGroup | None:
+    """A gloo group of every rank with a stage (collective: every rank calls it), for
+    asynchronous or ``auto`` checkpoints; None otherwise.
+
+    ``async_save`` needs a group with a CPU backend (it writes with ``no_dist``, so it never
+    communicates on it); ``--checkpoint-every auto`` agrees on its measurements over it, away
+    from the training's own groups.
+    """
+    checkpoints = config.checkpoints
+    if not checkpoints.directory or not (checkpoints.asynchronous or checkpoints.interval is None):
+        return None
+    ranks = sorted({rank for position in spec.ranks for rank in position})
+    return dist.new_group(ranks, timeout=timedelta(seconds=config.timeout_s), backend="gloo")
 
 
 def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watchdog: Watchdog) -> TrainedRank:
@@ -473,11 +505,27 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         dtype=dtype,
         target_dtype=master or dtype,
     )
+    if built.done_steps and data.reads_loaders and config.checkpoints.directory:
+        data.restore_loaders(state.loader_states(config, built.done_steps, spec.replicas[0]))
     progress = ProgressLine(env.rank, config, plan.batch_size * period, watchdog, built.done_steps, offset)
     live = open_live_log(
         config, env.rank, spec, plan.batch_size * period, period, built.across, watchdog, built.done_steps
     )
-    step_end = _StepEnd(config, prepared, built, watchdog, recorder, progress, live)
+    checkpointer = Checkpointer(
+        config,
+        spec,
+        env.rank,
+        prepared.identity,
+        built.layout,
+        module,
+        built.optimizer,
+        built.scheduler,
+        built.tensor_mesh,
+        built.checkpoint_group,
+        built.done_steps,
+        _loader_keys(data, period, spec.replicas[0]) if data.reads_loaders else None,
+    )
+    step_end = _StepEnd(config, prepared, built, watchdog, recorder, progress, live, checkpointer)
     executor = Executor(
         spec=spec,
         actions=actions,
@@ -505,14 +553,36 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
     dist.barrier()
     recorder.start()
     progress.start()
+    checkpointer.start()
     if spec.stage is not None:
         executor.run()
+    checkpointer.finish()  # the last persist is written and sealed before the run ends
     recorder.finish()
     wall_ms = (time.perf_counter() * 1000.0) - recorder.t0_ms
     progress.stop()
     if live is not None:
         live.close(config.steps, config.timeout_s)
-    return TrainedRank(executor, recorder, stash, mixed, schedule, offset, wall_ms, step_end.digests)
+    return TrainedRank(
+        executor,
+        recorder,
+        stash,
+        mixed,
+        schedule,
+        offset,
+        wall_ms,
+        step_end.digests,
+        checkpointer.persister.cost if config.checkpoints.directory else None,
+        checkpointer.every,
+        checkpointer.auto.predicted_overhead_pct if checkpointer.auto is not None else None,
+        step_end.first_step_ms,
+    )
+
+
+def _loader_keys(data: BatchSource, period: int, replicas: int) -> Callable[[int], dict[str, Any]]:
+    """step -> the checkpoint keys of this rank's stateful loaders, at the step's next minibatch."""
+    from pipeplan.runtime.checkpoint.state import loader_keys
+
+    return lambda step: loader_keys(data.loader_state(step * period), replicas)
 
 
 @dataclass
@@ -527,8 +597,10 @@ class _StepEnd:
     recorder: Recorder
     progress: ProgressLine
     live: LiveLog | None
+    checkpointer: Checkpointer
     executor: Executor | None = None  # set once the executor this hook belongs to exists
     digests: list[dict[str, float]] = field(default_factory=list)  # --record: after each step
+    first_step_ms: float | None = None  # the process's age when its first step ended
     _published: dict[str, float] = field(default_factory=lambda: {"compute_ms": 0.0})
     _fault: Callable[[int], None] = field(init=False)
 
@@ -560,26 +632,11 @@ class _StepEnd:
             self.live.poll()
         if config.outputs.record_dir and self.built.module is not None:
             self.digests.append(digests(self.built.module))
-        self._checkpoint(completed)
+        if self.first_step_ms is None:
+            self.first_step_ms = process_age_ms()
+        self.checkpointer.at_step_end(completed)
         self.progress.update(completed)
         self._fault(completed)
-
-    def _checkpoint(self, completed: int) -> None:
-        """``--checkpoint-dir``: every ``--checkpoint-every`` steps, and the final step always."""
-        checkpoints, built = self.config.checkpoints, self.built
-        every = checkpoints.every
-        if checkpoints.directory and ((every and completed % every == 0) or completed == self.config.steps):
-            state.save(
-                self.config,
-                self.prepared.spec,
-                built.module,
-                built.optimizer,
-                completed,
-                self.prepared.identity,
-                built.layout,
-                built.scheduler,
-                built.tensor_mesh,
-            )
 
 
 def _finish_run(
@@ -611,6 +668,13 @@ def _finish_run(
         trained.wall_ms,
         trained.stash,
         prepared.meter.read(),
+        CheckpointReport(
+            trained.checkpoint_cost,
+            trained.checkpoint_every,
+            trained.predicted_checkpoint_overhead_pct,
+            trained.first_step_ms,
+            config.checkpoints.asynchronous,
+        ),
     )
     reports = gather_reports(report, env.rank)
     if env.rank != 0:

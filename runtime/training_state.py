@@ -24,6 +24,7 @@ from pipeplan.modelfile import ModelFile
 from pipeplan.optimizers import make_lr_scheduler, make_optimizer, param_groups
 from pipeplan.runtime.checkpoint import pretrained, store
 from pipeplan.runtime.checkpoint import state as ckstate
+from pipeplan.runtime.checkpoint.persist import Persister
 from pipeplan.runtime.checkpoint.split import group_rng_states
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_identity import RunIdentity
@@ -41,6 +42,7 @@ __all__ = [
     "resume",
     "save",
     "load_weights",
+    "loader_states",
 ]
 
 Layout = dict[str, Any]  # a checkpoint manifest's "layout": the plan that wrote it (JSON)
@@ -204,17 +206,21 @@ def save(
     step: int,
     identity: RunIdentity,
     layout: Layout,
+    persister: Persister,
     scheduler: LRScheduler | None = None,
     tensor_mesh: DeviceMesh | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only).
+    """This rank's checkpoint of ``step`` (replicas after the first save their RNG only),
+    written and sealed by ``persister`` (in the background when asynchronous).
 
     ``scheduler`` (an LR scheduler with ``state_dict``) is saved beside the optimizer and
     restored by ``resume`` under any plan (every stage steps it in lock step).
     ``tensor_mesh``: this rank's tensor-parallel group where its stage's t > 1. Every rank
     of the group takes part (collectives): replica 0's gather each split tensor whole, and
     the group's first rank writes one folder holding the whole tensors (in its host memory
-    while it writes) and every rank's RNG state; the others write nothing.
+    while it writes) and every rank's RNG state; the others write nothing. ``extra``: more
+    keys of this rank (its data loaders' state).
     """
     if module is None:
         return
@@ -226,16 +232,25 @@ def save(
     if not writer:
         return
     state.update({ckstate.rng_key(j): rng for j, rng in enumerate(rngs) if j > 0})
+    state.update(extra or {})
     manifest = {
         "run_fingerprint": identity.fingerprint,
         "run": identity.to_dict(),
         "minibatches": step * layout["minibatches_per_step"],
         "layout": layout,
     }
-    store.save_rank(str(config.checkpoints.directory), step, spec.stage_index, spec.replica, state, manifest)
-    if spec.stage_index == 0 and spec.replica == 0:  # keep the 2 newest complete steps (no barrier
-        # needed: see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
-        store.prune_checkpoints(str(config.checkpoints.directory), identity.fingerprint, keep=2)
+    directory = str(config.checkpoints.directory)
+    stage, replica = spec.stage_index, spec.replica
+    folder = store.open_rank_folder(directory, step, stage, replica)
+
+    def seal() -> int:  # once the files are written (on the persist's thread when asynchronous)
+        written = store.seal_rank(folder, step, stage, replica, manifest)
+        if stage == 0 and replica == 0:  # keep the 2 newest complete steps (no barrier needed:
+            # see pipeplan.runtime.checkpoint.store); only this run's folders are deleted
+            store.prune_checkpoints(directory, identity.fingerprint, keep=2)
+        return written
+
+    persister.save(folder, step, state, seal)
 
 
 def load_weights(config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module) -> None:
@@ -248,3 +263,10 @@ def load_weights(config: RunConfig, model_file: ModelFile, spec: PipelineSpec, m
         pretrained.tie_aliases(model_file),
         pretrained.library_layout(model_file, path),
     )
+
+
+def loader_states(config: RunConfig, step: int, replicas: int) -> dict[int, tuple[int, Any]]:
+    """The data loaders' saved states of ``step`` (replica -> (position, state)); see
+    ``pipeplan.runtime.checkpoint.state.read_loader_states``."""
+    index = ckstate.CheckpointIndex.of_step(str(config.checkpoints.directory), step)
+    return ckstate.read_loader_states(index, replicas)

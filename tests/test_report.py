@@ -223,3 +223,41 @@ def test_metrics_version_1_loads_without_memory_and_memory_values_are_checked(tm
         Metrics.from_dict({"stages": [{**good, "peak_memory_bytes": -1}]})
     with pytest.raises(InputError, match=r"'baseline_memory_bytes' must be an integer \(got 4.5\)"):
         Metrics.from_dict({"stages": [{**good, "baseline_memory_bytes": 4.5}]})
+
+
+def test_report_cli_prints_each_rank_checkpoint_cost_and_the_restart_time(tmp_path) -> None:
+    from pipeplan.metrics import Metrics
+
+    cost = {
+        "checkpoints": 4,
+        "checkpoint_stall_ms": 400.0,
+        "checkpoint_wait_ms": 40.0,
+        "checkpoint_persist_ms": 2000.0,
+        "checkpoint_bytes": 8 << 20,
+        "checkpoint_overhead_pct": 2.5,
+    }
+    metrics = {
+        **METRICS,
+        "schema": "pipeplan.metrics/2",
+        "first_step": 10,
+        "checkpoint_mode": "async",
+        "checkpoint_every": 5,
+        "predicted_checkpoint_overhead_pct": 1.25,
+        "start_to_first_step_ms": 6500.0,
+        "stages": [{**stage, **cost} for stage in METRICS["stages"]],
+    }
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    loaded = Metrics.load(path)
+    assert loaded.stages[0].checkpoint_stall_ms == 400.0 and loaded.checkpoint_every == 5
+    assert Metrics.from_dict(METRICS).stages[0].checkpoints == 0  # an older file: no checkpoint figures
+    out = CliRunner(env={"COLUMNS": "160"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    assert "checkpoints per rank (async; ms per checkpoint" in out.output
+    row = next(line for line in out.output.splitlines() if "8.00 MiB" in line)  # per checkpoint:
+    assert [cell for cell in row.split() if "." in cell] == ["100.0", "10.0", "500.0", "8.00", "2.50"]
+    assert "checkpoint interval: every 5 steps (auto; predicted overhead 1.25%)" in out.output
+    assert "restart to the first resumed step: 6.50 s" in out.output
+    bad = {**metrics, "stages": [{**METRICS["stages"][0], "checkpoint_bytes": -1}]}
+    with pytest.raises(InputError, match="checkpoint_bytes = -1 is negative"):
+        Metrics.from_dict(bad)

@@ -23,6 +23,7 @@ from pipeplan.runtime.config import (
     OutputConfig,
     RunConfig,
     ScheduleConfig,
+    check_options,
     check_recompute,
 )
 from pipeplan.schedules import SCHEDULE_NAMES
@@ -83,7 +84,9 @@ def test_the_options_keep_their_flags_types_and_choices() -> None:
         "--dtype": "choice",
         "--seed": "integer",
         "--checkpoint-dir": "directory",
-        "--checkpoint-every": "integer",
+        "--checkpoint-every": "text",  # N or auto
+        "--checkpoint-overhead": "float",
+        "--checkpoint-async": "boolean",
         "--resume": "boolean",
         "--weights": "path",
         "--metrics": "file",
@@ -196,7 +199,7 @@ def test_a_command_line_builds_the_nested_config(tmp_path: Path) -> None:
             clip_grad_norm=1.0,
         ),
         build=BuildConfig(mode="meta", dtype="bfloat16", seed=3),
-        checkpoints=CheckpointConfig(directory="ck", every=2, resume=True, weights="w"),
+        checkpoints=CheckpointConfig(directory="ck", every="2", resume=True, weights="w"),
         outputs=OutputConfig(
             metrics_path="m.json", trace_path="t.json", log_dir="logs", progress=False, record_dir="rec"
         ),
@@ -224,3 +227,18 @@ def test_recompute_runs_under_gpipe_only(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="--recompute applies to gpipe, not 1f1b-flush"):
         check_recompute(config)
     check_recompute(dataclasses.replace(config, pipeline=ScheduleConfig(schedule="gpipe", recompute=True)))
+
+
+def test_checkpoint_every_takes_steps_or_auto_and_a_bad_value_is_one_line(tmp_path: Path) -> None:
+    config = _parse(tmp_path, "--model", "m.py", "--checkpoint-every", "auto", "--checkpoint-async")
+    assert config.checkpoints.interval is None and config.checkpoints.asynchronous
+    assert config.checkpoints.overhead_pct == 3.5  # CheckFreq's figure
+    assert _parse(tmp_path, "--model", "m.py", "--checkpoint-every", "4").checkpoints.interval == 4
+    for flags, message in (
+        (("--checkpoint-every", "often"), "--checkpoint-every must be an integer >= 0 or auto (got 'often')"),
+        (("--checkpoint-every", "-1"), "--checkpoint-every must be an integer >= 0 or auto (got '-1')"),
+        (("--checkpoint-overhead", "0"), "--checkpoint-overhead must be a percentage in (0, 100) (got 0.0)"),
+    ):
+        with pytest.raises(InputError) as error:
+            check_options(_parse(tmp_path, "--model", "m.py", *flags))
+        assert str(error.value) == message

@@ -9,7 +9,7 @@ import click
 if TYPE_CHECKING:  # typing only: rich stays out of --help
     from rich.console import Console
 
-__all__ = ["report", "memory_table"]
+__all__ = ["report", "memory_table", "print_checkpoints"]
 
 
 @click.command(
@@ -155,6 +155,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
         console.print(memory_table(metrics.to_dict()["stages"]))
+    print_checkpoints(metrics.to_dict(), console)
     flagged = result.flagged
     if flagged:
         names = ", ".join(
@@ -201,3 +202,47 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
             size(baseline),
         )
     return table
+
+
+def print_checkpoints(summary: dict[str, Any], console: Console) -> None:
+    """Per rank: what its checkpoints cost (stall, wait, persist, bytes, overhead), then the
+    interval and the start-to-first-step time; nothing for a run without checkpoints."""
+    from rich.table import Table
+
+    from pipeplan.units import format_bytes
+
+    def per(total: float | None, count: int) -> str:  # ms per checkpoint
+        return "-" if total is None or not count else f"{total / count:,.1f}"
+
+    stages = [s for s in summary["stages"] if s.get("checkpoints")]
+    if stages:
+        mode = summary.get("checkpoint_mode") or "?"
+        table = Table(
+            title=f"checkpoints per rank ({mode}; ms per checkpoint, overhead = stall / training time)"
+        )
+        for column in ("stage", "replica", "rank", "checkpoints", "stall ms", "of it wait ms", "persist ms"):
+            table.add_column(column, justify="right")
+        table.add_column("written", justify="right")
+        table.add_column("overhead %", justify="right")
+        for s in stages:
+            count, overhead = s["checkpoints"], s.get("checkpoint_overhead_pct")
+            table.add_row(
+                str(s["stage"]),
+                str(s["replica"]),
+                str(s["rank"]),
+                str(count),
+                per(s.get("checkpoint_stall_ms"), count),
+                per(s.get("checkpoint_wait_ms"), count),
+                per(s.get("checkpoint_persist_ms"), count),
+                "-" if s.get("checkpoint_bytes") is None else format_bytes(s["checkpoint_bytes"]),
+                "-" if overhead is None else f"{overhead:.2f}",
+            )
+        console.print(table)
+        every, predicted = summary.get("checkpoint_every"), summary.get("predicted_checkpoint_overhead_pct")
+        if every:
+            guess = "" if predicted is None else f" (auto; predicted overhead {predicted:.2f}%)"
+            console.print(f"checkpoint interval: every {every} steps{guess}")
+    first = summary.get("start_to_first_step_ms")
+    if first is not None:
+        what = "restart to the first resumed step" if summary.get("first_step") else "start to the first step"
+        console.print(f"{what}: {first / 1000.0:,.2f} s")

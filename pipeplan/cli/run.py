@@ -106,9 +106,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
         )
     console = Console()
     console.print(table)
-    from pipeplan.cli.report import memory_table
+    from pipeplan.cli.report import memory_table, print_checkpoints
 
     console.print(memory_table(summary["stages"]))
+    print_checkpoints(summary, console)
     losses = summary["losses"]
     last = f"{losses[-1]:.4f}" if losses else "-"
     rate = summary["samples_per_s"]

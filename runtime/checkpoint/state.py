@@ -7,6 +7,7 @@ Keys of what one rank saves (``rank_state``)::
     lr_scheduler                       the LR scheduler's state_dict (torch.save bytes)
     rng                                this rank's torch RNG state
     rng/tensor-<j>                     the RNG state of rank j of its tensor-parallel group (j >= 1)
+    data/replica-<r>                   data loader r's state (a stateful loader; every rank reading it)
 
 Every tensor is saved whole, also where a tensor-parallel stage holds it split: the
 group's ranks gather it and its first rank writes it (``pipeplan.runtime.checkpoint.split``);
@@ -47,11 +48,14 @@ __all__ = [
     "rank_state_names",
     "rng_key",
     "SCHEDULER_KEY",
+    "loader_keys",
+    "read_loader_states",
 ]
 
 SCHEDULER_KEY = "lr_scheduler"
 _MODEL = "model/"
 _OPTIM = "optim/"
+_DATA = "data/replica-"
 
 
 class CheckpointIndex:
@@ -288,3 +292,24 @@ def _bytes(value: object) -> io.BytesIO:  # any object torch.save writes
     torch.save(value, buffer)
     buffer.seek(0)
     return buffer
+
+
+def loader_keys(states: dict[int, tuple[int, Any]], replicas: int) -> dict[str, Any]:
+    """``data/replica-<r>`` keys of loader states (replica -> (position, state)) sharded over
+    ``replicas`` loaders."""
+    return {
+        f"{_DATA}{replica}": _bytes({"replicas": replicas, "position": position, "state": state})
+        for replica, (position, state) in states.items()
+    }
+
+
+def read_loader_states(index: CheckpointIndex, replicas: int) -> dict[int, tuple[int, Any]]:
+    """replica -> (position, state) of the loaders saved in ``index``'s step, when they were
+    sharded over as many ``replicas`` (under another sharding: none, the run skips ahead)."""
+    out: dict[int, tuple[int, Any]] = {}
+    for key in index.entries:
+        if key.startswith(_DATA):
+            saved = _load_object(index, key)
+            if isinstance(saved, dict) and saved.get("replicas") == replicas:
+                out[int(key[len(_DATA) :])] = (int(saved["position"]), saved["state"])
+    return out

@@ -38,6 +38,8 @@ from pipeplan.jsonio import write_atomic
 __all__ = [
     "CHECKPOINT_SCHEMA",
     "rank_folder",
+    "open_rank_folder",
+    "seal_rank",
     "save_rank",
     "read_manifests",
     "step_problem",
@@ -65,31 +67,25 @@ def rank_folder(directory: str | os.PathLike[str], step: int, stage: int, replic
     return step_folder(directory, step) / f"stage-{stage:02d}-replica-{replica}"
 
 
-def save_rank(
-    directory: str | os.PathLike[str],
-    step: int,
-    stage: int,
-    replica: int,
-    state: dict[str, Any],
-    manifest: dict[str, Any],
-) -> Path:
-    """Write one rank's ``state`` (flat, str keys) with DCP, then its manifest; returns the folder.
+def open_rank_folder(directory: str | os.PathLike[str], step: int, stage: int, replica: int) -> Path:
+    """Create one rank's folder of ``step`` and remove its manifest: a stale seal must never
+    cover the files about to be written. Returns the folder."""
+    folder = rank_folder(directory, step, stage, replica)
+    try:
+        folder.with_suffix(".json").unlink(missing_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
+    return folder
+
+
+def seal_rank(folder: Path, step: int, stage: int, replica: int, manifest: dict[str, Any]) -> int:
+    """Write the manifest of a rank folder DCP finished writing (sizes and sha256 of its
+    files, atomically); returns the bytes of the files it seals.
 
     ``manifest`` must hold ``run_fingerprint`` and ``layout`` (``{"replicas": [...]}`` and
     whatever else describes the plan); step, stage, replica and the files are added here.
     """
-    import torch.distributed.checkpoint as dcp
-
-    folder = rank_folder(directory, step, stage, replica)
-    manifest_path = folder.with_suffix(".json")
-    try:
-        manifest_path.unlink(missing_ok=True)  # a stale seal must never cover the new files
-        folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": intended
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
-    except OSError as exc:
-        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
     files = {path.name: _file_digest(path) for path in sorted(folder.iterdir()) if path.is_file()}
     sealed = {
         **manifest,
@@ -99,8 +95,31 @@ def save_rank(
         "replica": replica,
         "files": files,
     }
-    write_atomic(manifest_path, json.dumps(sealed, indent=1).encode())
+    write_atomic(folder.with_suffix(".json"), json.dumps(sealed, indent=1).encode())
     _fsync_dir(folder.parent)
+    return sum(int(entry["bytes"]) for entry in files.values())
+
+
+def save_rank(
+    directory: str | os.PathLike[str],
+    step: int,
+    stage: int,
+    replica: int,
+    state: dict[str, Any],
+    manifest: dict[str, Any],
+) -> Path:
+    """Write one rank's ``state`` (flat, str keys) with DCP, then its manifest (``seal_rank``);
+    returns the folder. ``pipeplan.runtime.checkpoint.persist`` does the same in the background."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = open_rank_folder(directory, step, stage, replica)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": intended
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    except OSError as exc:
+        raise InputError(f"cannot write checkpoint {folder}: {exc.strerror or exc}") from exc
+    seal_rank(folder, step, stage, replica, manifest)
     return folder
 
 
@@ -115,10 +134,13 @@ def read_manifests(directory: str | os.PathLike[str], step: int) -> dict[tuple[i
     return found
 
 
-def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: str | None) -> str | None:
+def step_problem(
+    directory: str | os.PathLike[str], step: int, run_fingerprint: str | None, hashes: bool = True
+) -> str | None:
     """``None`` when ``step`` is complete and verifies; else why not, in a few words.
 
-    Reads and hashes every file of the step (O(checkpoint bytes of one step)). A step
+    Reads and hashes every file of the step (O(checkpoint bytes of one step)); with
+    ``hashes=False`` only the files' sizes are compared (pruning: see ``prune_checkpoints``). A step
     written by another run than ``run_fingerprint`` raises ``InputError`` rather than
     being silently skipped (``None``: any run's step, as ``run --weights`` reads them).
     """
@@ -149,7 +171,7 @@ def step_problem(directory: str | os.PathLike[str], step: int, run_fingerprint: 
     for (stage, replica), manifest in sorted(manifests.items()):
         root = rank_folder(directory, step, stage, replica)
         for name, expected in manifest["files"].items():
-            problem = _file_problem(root / name, expected)
+            problem = _file_problem(root / name, expected, hashes)
             if problem is not None:
                 return f"{root.name}/{name} {problem}"
     return None
@@ -169,14 +191,14 @@ def latest_complete_step(
 
 
 def complete_steps(
-    directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None
+    directory: str | os.PathLike[str], run_fingerprint: str, limit: int | None = None, hashes: bool = True
 ) -> list[int]:
-    """Complete steps, newest first (at most ``limit`` of them)."""
+    """Complete steps, newest first (at most ``limit`` of them); ``hashes``: as ``step_problem``."""
     found: list[int] = []
     for step in reversed(step_folders(directory)):
         if limit is not None and len(found) >= limit:
             break
-        if step_problem(directory, step, run_fingerprint) is None:
+        if step_problem(directory, step, run_fingerprint, hashes) is None:
             found.append(step)
     return found
 
@@ -186,11 +208,13 @@ def prune_checkpoints(directory: str | os.PathLike[str], run_fingerprint: str, k
 
     Nothing is deleted until ``keep`` complete steps exist, so the last complete step is
     never deleted; folders newer than the newest complete step (a save in progress) are
-    never touched, nor folders holding another run's manifests.
+    never touched, nor folders holding another run's manifests. The steps kept are checked
+    by their manifests and file sizes, not re-hashed: each rank hashed its files as it sealed
+    them, and re-reading two whole steps after every save doubled a checkpoint's CPU cost.
     """
     if keep < 1:
         raise InputError(f"checkpoint retention must keep at least 1 step, got keep={keep}")
-    kept = complete_steps(directory, run_fingerprint, limit=keep)
+    kept = complete_steps(directory, run_fingerprint, limit=keep, hashes=False)
     if len(kept) < keep:
         return []
     deleted: list[int] = []
@@ -265,11 +289,13 @@ def _file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _file_problem(path: Path, expected: object) -> str | None:  # a manifest entry, not yet checked
+def _file_problem(path: Path, expected: object, hashes: bool = True) -> str | None:  # a manifest entry
     if not isinstance(expected, dict):
         return "has no size and hash in its manifest"
     try:
-        observed = _file_digest(path)
+        observed = (
+            _file_digest(path) if hashes else {"bytes": path.stat().st_size, "sha256": expected.get("sha256")}
+        )
     except OSError as exc:
         return f"cannot be read ({first_line(exc)[:80]})"
     if observed["bytes"] != expected.get("bytes"):
