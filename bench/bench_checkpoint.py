@@ -26,15 +26,11 @@ bench/results/checkpoint.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +52,7 @@ GPT_ENV = {
 }
 os.environ.update(GPT_ENV)  # before the model file is imported (it reads them once)
 
+from launch import torchrun_pipeplan  # noqa: E402
 from plans import make_plan  # noqa: E402
 
 MODES: dict[str, list[str]] = {
@@ -66,28 +63,11 @@ MODES: dict[str, list[str]] = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(
     folder: Path, name: str, options: list[str], steps: int, threads: int, timeout_s: float
 ) -> dict[str, Any]:
     """One torchrun launch of ``pipeplan run``; its metrics JSON plus ``launch_s``."""
-    metrics = folder / f"{name}.json"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "pipeplan",
-        "run",
+    run_args = [
         str(folder / "plan.json"),
         "--model",
         bundled_model_path("gpt"),
@@ -96,24 +76,13 @@ def run(
         "--lr",
         "0.0003",
         "--no-progress",
-        "--metrics",
-        str(metrics),
         *options,
     ]
-    start = time.perf_counter()
-    result = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    out, stderr = torchrun_pipeplan(
+        2, run_args, folder / f"{name}.json", threads=threads, timeout_s=timeout_s, what=name
     )
-    if result.returncode != 0:
-        raise SystemExit(f"pipeplan run ({name}) failed:\n{result.stderr[-3000:]}")
-    out = json.loads(metrics.read_text())
-    out["launch_s"] = time.perf_counter() - start
     out["stderr_lines"] = [
-        line for line in result.stderr.splitlines() if line.startswith(("checkpoint:", "resume:"))
+        line for line in stderr.splitlines() if line.startswith(("checkpoint:", "resume:"))
     ]
     return out
 

@@ -22,15 +22,11 @@ writes JSON (``--out``, default bench/results/runtime.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "runtime"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from launch import torchrun_pipeplan  # noqa: E402
 from plans import make_plan  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_pipeplan(
@@ -78,18 +69,7 @@ def run_pipeplan(
     ranks = len(stage_layers) // virtual_stages
     with tempfile.TemporaryDirectory() as folder:
         plan.save(Path(folder) / "plan.json")
-        metrics = Path(folder) / "metrics.json"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(ranks),
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "pipeplan",
-            "run",
+        run_args = [
             str(Path(folder) / "plan.json"),
             "--model",
             model_path,
@@ -98,21 +78,15 @@ def run_pipeplan(
             "--lr",
             str(lr),
             "--no-progress",
-            "--metrics",
-            str(metrics),
         ]
-        start = time.perf_counter()
-        result = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        out, _ = torchrun_pipeplan(
+            ranks,
+            run_args,
+            Path(folder) / "metrics.json",
+            threads=threads,
+            timeout_s=timeout_s,
+            what=schedule,
         )
-        if result.returncode != 0:
-            raise SystemExit(f"pipeplan run ({schedule}) failed:\n{result.stderr[-3000:]}")
-        out = json.loads(metrics.read_text())
-        out["launch_s"] = time.perf_counter() - start
         return out
 
 

@@ -7,8 +7,6 @@ under a hard timeout.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +21,7 @@ sys.path.insert(0, str(FIXTURES))
 
 from plans import make_plan  # noqa: E402
 from reference import train_reference  # noqa: E402
+from test_run_torchrun import launch_plain  # noqa: E402
 
 MLP = str(FIXTURES / "mlp.py")
 STATEFUL = str(FIXTURES / "stateful_mlp.py")
@@ -30,37 +29,9 @@ LR = 0.01
 WAIT_S = 120  # bound on each launch
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str], extra_env: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """Two ranks as torchrun starts them (its environment), without the agent: (exit code, stderr)."""
-    port = str(_port())
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1",
-            **(extra_env or {}),
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "pipeplan", "run", *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    procs = launch_plain(2, args, extra_env or {})
     outs = []
     for proc in procs:
         try:
