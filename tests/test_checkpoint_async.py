@@ -143,31 +143,30 @@ def test_a_stateful_loader_resumes_where_it_stopped_without_rereading(tmp_path: 
 @pytest.mark.multiprocess
 def test_auto_picks_an_interval_under_the_target_where_every_step_would_exceed_it(tmp_path: Path) -> None:
     """The tiny MLP trains in a few ms a step and a checkpoint takes longer: saving every step
-    would cost far more than 20%; auto, asked for 10%, checkpoints rarely enough to stay under
-    20% measured. The margin is for what the choice cannot see: the run's mean stall includes
-    the cold first checkpoint, and the 2 cores are shared (21% was measured once at a 20%
-    target)."""
+    would cost far more than the 20% target; auto checkpoints rarely enough to stay near it.
+    The measured bound is 25%: the run's mean stall includes the cold first checkpoint, which
+    the choice does not see, and the 2 cores are shared (21% was measured once)."""
     plan = _plan(tmp_path, MLP)
     metrics = tmp_path / "m.json"
-    steps = 60
+    steps = 100
     outs = _launch(
         [
             plan,
             *("--model", MLP, "--lr", str(LR), "--no-progress", "--steps", str(steps)),
             *("--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "auto"),
-            *("--checkpoint-overhead", "10", "--metrics", str(metrics)),
+            *("--checkpoint-overhead", "20", "--metrics", str(metrics)),
         ]
     )
     assert [code for code, _ in outs] == [0, 0], outs
     assert "checkpoint: every " in outs[0][1] and "(auto), predicted overhead " in outs[0][1]
     report = json.loads(metrics.read_text())
     every = report["checkpoint_every"]
-    assert 1 < every < steps and report["predicted_checkpoint_overhead_pct"] <= 10.0
+    assert 1 < every < steps and report["predicted_checkpoint_overhead_pct"] <= 20.0
     for stage in report["stages"]:
         per_checkpoint_ms = stage["checkpoint_stall_ms"] / stage["checkpoints"]
         step_ms = (report["wall_ms"] - stage["checkpoint_stall_ms"]) / steps
         every_step_pct = 100.0 * per_checkpoint_ms / step_ms
         at_interval_pct = every_step_pct / every
         assert every_step_pct > 20.0, (every_step_pct, stage)  # every step would exceed the target
-        assert at_interval_pct < 20.0, (at_interval_pct, every, stage)
+        assert at_interval_pct < 25.0, (at_interval_pct, every, stage)
         assert stage["checkpoints"] < steps / 2
