@@ -59,6 +59,9 @@ class StagePlan:
     in_flight: int  # minibatches whose activations a replica holds at once
     layers: tuple[int, ...] = ()  # the layer set (for a DAG); defaults to the range
     tensor_parallel: int = 1  # t: ranks per replica, each holding 1/t of the split layers
+    # bytes one checkpoint of the stage writes (its first rank: weights and optimizer state,
+    # pipeplan.planner.checkpoint_cost); 0 in plans written before it was predicted
+    checkpoint_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -82,6 +85,9 @@ class Predicted:
     # no bubble (a lower bound of the period); 0.0 in plans written before it existed
     stage_bound_ms: float = 0.0
     simulated: bool = False  # time_per_minibatch_ms is the simulated period of the plan's schedule
+    # one checkpoint's write at the topology's storage bandwidth (the slowest writing rank);
+    # 0.0 when the topology gives no storage bandwidth, or in older plans
+    checkpoint_write_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ A topology file lists the levels innermost first, any number of them::
     levels:
       - {name: server,  count: 4, bandwidth: 10 GB/s}   # latency: 5 us (optional)
       - {name: cluster, count: 4, bandwidth: 10 Gbit/s}
+    storage: {bandwidth: 2 GB/s}   # optional: each rank's checkpoint write rate
+
 
 Units are parsed strictly by ``pipeplan.units``; a bad value raises ``InputError``
 naming the file, the line and the key. Presets live in ``pipeplan.configs.topologies``
@@ -57,6 +59,8 @@ class Topology:
     name: str
     device: DeviceSpec
     levels: tuple[Level, ...]  # innermost first
+    # bytes/s at which each rank writes a checkpoint (``storage: {bandwidth: ...}``); 0: not given
+    storage_bandwidth_bytes_per_s: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -79,6 +83,7 @@ class Topology:
                 }
                 for level in self.levels
             ],
+            "storage_bandwidth_bytes_per_s": self.storage_bandwidth_bytes_per_s,
         }
 
     @classmethod
@@ -93,6 +98,7 @@ class Topology:
             name=obj["name"],
             device=DeviceSpec(**obj["device"]),
             levels=tuple(Level(**level) for level in obj["levels"]),
+            storage_bandwidth_bytes_per_s=obj.get("storage_bandwidth_bytes_per_s", 0.0),
         )
         if not topology.levels:
             raise InputError("topology has no levels")
@@ -101,6 +107,9 @@ class Topology:
                 f"topology device: memory_bytes {topology.device.memory_bytes} must be positive "
                 f"and kind {topology.device.kind!r} 'cuda' or 'cpu'"
             )
+        storage = topology.storage_bandwidth_bytes_per_s
+        if isinstance(storage, bool) or not isinstance(storage, (int, float)) or not storage >= 0:
+            raise InputError(f"topology storage_bandwidth_bytes_per_s {storage!r} must be a number >= 0")
         for k, level in enumerate(topology.levels):
             if level.count < 1 or not level.bandwidth_bytes_per_s > 0 or not level.latency_ms >= 0:
                 raise InputError(
@@ -224,7 +233,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise InputError(f"{source}{line}: not valid YAML ({problem})") from exc
     if root is None:
         raise InputError(f"{source}: empty topology file")
-    top = _mapping(source, root, "the topology", ("name", "device", "levels"))
+    top = _mapping(source, root, "the topology", ("name", "device", "levels", "storage"))
     name = _field(source, root, top, "name", "", str)
     if "device" not in top:
         raise InputError(f"{_where(source, root)}: missing key 'device'")
@@ -235,6 +244,11 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         memory_bytes=_field(source, device_node, dev, "memory", "device.", _positive(parse_bytes)),
         kind=_field(source, device_node, dev, "kind", "device.", _kind, default="cuda"),
     )
+    storage = 0.0
+    if "storage" in top:
+        storage_node = top["storage"][1]
+        items = _mapping(source, storage_node, "'storage'", ("bandwidth",))
+        storage = _field(source, storage_node, items, "bandwidth", "storage.", _positive(parse_bandwidth))
     if "levels" not in top:
         raise InputError(f"{_where(source, root)}: missing key 'levels'")
     levels_node = top["levels"][1]
@@ -254,7 +268,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
                 latency_ms=_field(source, level_node, items, "latency", path, _non_negative_ms, 0.0),
             )
         )
-    return Topology(name=name, device=device, levels=tuple(levels))
+    return Topology(name=name, device=device, levels=tuple(levels), storage_bandwidth_bytes_per_s=storage)
 
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:

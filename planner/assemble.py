@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import replace
 
 from pipeplan.plan import Plan, Predicted, StagePlan
+from pipeplan.planner.checkpoint_cost import checkpoint_bytes, checkpoint_write_ms
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays
 from pipeplan.planner.cuts import CutFamily
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.placement import FlatStage
+from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind
 from pipeplan.topology import Topology
@@ -49,6 +53,7 @@ def assemble_plan(
     cut at the states of ``family``; default: the prefixes of the layer order)."""
     if family is None:
         family = CutFamily("prefix", len(profile.layers))
+    stages = _with_checkpoint_bytes(profile, stages, options.optimizer)
     single = arrays.compute(0, arrays.layers)
     dp_ms = data_parallel_ms(arrays, topology, options.cost_model)
     predicted = Predicted(
@@ -59,6 +64,9 @@ def assemble_plan(
         data_parallel_ms=dp_ms,
         single_device_ms=single,
         stage_bound_ms=time_ms,
+        checkpoint_write_ms=checkpoint_write_ms(
+            _bytes_per_writer(stages).values(), topology.storage_bandwidth_bytes_per_s
+        ),
     )
     positions = len(stages) // virtual_stages
     replicas = [stage.replicas for stage in stages[:positions]]
@@ -86,3 +94,22 @@ def assemble_plan(
         export_target=options.export_target,
         master_dtype=profile.master_dtype,
     )
+
+
+def _with_checkpoint_bytes(
+    profile: Profile, stages: tuple[StagePlan, ...], optimizer: str
+) -> tuple[StagePlan, ...]:
+    """``stages`` with the bytes each one's checkpoint writes (``planner.checkpoint_cost``)."""
+    precision = Precision(profile.dtype, profile.master_dtype)
+    return tuple(
+        replace(stage, checkpoint_bytes=checkpoint_bytes(profile, stage.layers, optimizer, precision))
+        for stage in stages
+    )
+
+
+def _bytes_per_writer(stages: tuple[StagePlan, ...]) -> Counter[int]:
+    """Checkpoint bytes by writing rank (a stage's first rank; interleaved chunks add up)."""
+    written: Counter[int] = Counter()
+    for stage in stages:
+        written[stage.ranks[0]] += stage.checkpoint_bytes
+    return written

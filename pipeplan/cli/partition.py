@@ -98,6 +98,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from pipeplan.reporting.checkpoint_cost import checkpoint_summary
     from pipeplan.units import format_bytes, format_ms
 
     shape = f"{plan.schedule}, {plan.microbatches} micro-batches" if plan.microbatches > 1 else plan.schedule
@@ -165,6 +166,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         f"data parallel {format_ms(p.data_parallel_ms)} (pipeline speed-up {p.speedup_vs_data_parallel:.2f}x) | "
         f"one device {format_ms(p.single_device_ms)} (pipeline speed-up {p.speedup_vs_single_device:.2f}x)"
     )
+    console.print(checkpoint_summary(plan), markup=False, soft_wrap=True)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

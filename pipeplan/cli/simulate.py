@@ -87,6 +87,7 @@ def simulate(
     from pipeplan.plan import Plan
     from pipeplan.planner.simulate import simulate_plan
     from pipeplan.profile import Profile
+    from pipeplan.reporting.checkpoint_cost import checkpoint_summary
     from pipeplan.reporting.timeline import TIMELINE_SUFFIXES, write_timeline
     from pipeplan.schedules import schedule_kind
 
@@ -153,6 +154,9 @@ def simulate(
             )
             console.print(f"timeline written to {target}")
     console.print(_summary_table(plan, results))
+    own = [r for r in results if r.schedule == plan.schedule]
+    period = own[0].time_per_minibatch_ms if own else None
+    console.print(checkpoint_summary(plan, period), markup=False, soft_wrap=True)
 
 
 def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
