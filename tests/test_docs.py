@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeplan.export.megatron import MEGATRON_OPTIONS
+
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Top-level entries of the repository a cited path may start with.
@@ -72,6 +74,7 @@ FOREIGN_OPTIONS = {
     "--no-pipedream",  # bench/bench_planner.py
     "--csv",  # docs/export/train_with_pipelining.py
     "--logdir",  # tensorboard
+    *MEGATRON_OPTIONS,  # Megatron-LM, as `pipeplan export --to megatron` writes them
 }
 
 

@@ -1,4 +1,4 @@
-"""``pipeplan export plan.json --to pipelining|torchtitan --model model.py``: a plan for another engine."""
+"""``pipeplan export plan.json --to pipelining|torchtitan|megatron --model model.py``: a plan for another engine."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import click
 __all__ = ["export"]
 
 # target -> formats it writes, the default first
-FORMATS = {"pipelining": ("python", "json", "csv"), "torchtitan": ("toml", "csv")}
-SUFFIXES = {".py": "python", ".json": "json", ".csv": "csv", ".toml": "toml"}
+FORMATS = {"pipelining": ("python", "json", "csv"), "torchtitan": ("toml", "csv"), "megatron": ("args",)}
+SUFFIXES = {".py": "python", ".json": "json", ".csv": "csv", ".toml": "toml", ".sh": "args", ".txt": "args"}
 
 
 def choose_format(target: str, fmt: str | None, output: str | None) -> str:
@@ -35,6 +35,7 @@ Examples:
   pipeplan export plan.json --to pipelining --model model.py -o split.json
   pipeplan export plan.json --to pipelining --model model.py -o schedule.csv
   pipeplan export plan.json --to torchtitan --model model.py -o pp.toml
+  pipeplan export plan.json --to megatron --model model.py -o megatron-args.sh
 """,
 )
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
@@ -43,7 +44,7 @@ Examples:
     "target",
     type=click.Choice(tuple(FORMATS)),
     required=True,
-    help="The engine: torch.distributed.pipelining or torchtitan.",
+    help="The engine: torch.distributed.pipelining, torchtitan or Megatron-LM.",
 )
 @click.option(
     "--model",
@@ -56,9 +57,9 @@ Examples:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(("python", "json", "csv", "toml")),
+    type=click.Choice(("python", "json", "csv", "toml", "args")),
     default=None,
-    help="pipelining: python (default), json, csv; torchtitan: toml (default), csv. "
+    help="pipelining: python (default), json, csv; torchtitan: toml (default), csv; megatron: args. "
     "Default: from the -o suffix.",
 )
 @click.option(
@@ -69,12 +70,12 @@ Examples:
     help="Write here (atomically) instead of standard output.",
 )
 def export(plan_path: str, target: str, model_path: str, fmt: str | None, output: str | None) -> None:
-    """Export PLAN for torch.distributed.pipelining or torchtitan.
+    """Export PLAN for torch.distributed.pipelining, torchtitan or Megatron-LM.
 
     pipelining: split points (SplitPoint.BEGINNING module names), schedule class and
     micro-batches, as a Python snippet or JSON; csv: the plan's own action table in
     torch.distributed.pipelining's CSV schedule format. torchtitan: a [parallelism] TOML
-    fragment. A plan these engines cannot run as planned (1F1B-RR/2BW, replicated
+    fragment. megatron: pretrain_gpt.py's parallelism arguments (the pipeline layout). A plan these engines cannot run as planned (1F1B-RR/2BW, replicated
     stages, a cut inside what the engine keeps whole, shared parameters) is refused
     with one line saying what does not carry over and what would.
     """
@@ -89,11 +90,21 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
         export_torchtitan,
         model_structure,
     )
-    from pipeplan.jsonio import write_atomic
     from pipeplan.plan import Plan
 
     chosen = choose_format(target, fmt, output)
     plan = Plan.load(plan_path)
+    if target == "megatron":
+        from pipeplan.export.megatron import export_megatron
+
+        megatron = export_megatron(plan, model_structure(model_path, plan))
+        _emit(
+            megatron.text(),
+            output,
+            f"{len(megatron.layout)} stages on t={megatron.tensor_parallel} x p={megatron.pipeline_parallel} "
+            f"x d={megatron.data_parallel} ranks; layout {megatron.layout_string}",
+        )
+        return
     check_plan(plan)
     structure = model_structure(model_path, plan)
     try:
@@ -125,6 +136,13 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
             f"{titan.pipeline_parallel_schedule}, micro-batch size {titan.pipeline_parallel_microbatch_size} "
             f"samples"
         )
+    _emit(text, output, summary)
+
+
+def _emit(text: str, output: str | None, summary: str) -> None:
+    """``text`` to standard output, or atomically to ``output`` with a one-line ``summary``."""
+    from pipeplan.jsonio import write_atomic
+
     if output is None:
         click.echo(text, nl=False)
         return

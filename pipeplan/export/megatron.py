@@ -1,0 +1,219 @@
+"""Megatron-LM: a plan as the arguments of ``pretrain_gpt.py`` for the same decoder stack.
+
+Megatron-LM trains its own transformer, so what carries over is the shape of the plan, not
+the user's modules: how many decoder layers each pipeline stage holds, where the embedding
+and the loss run, and the parallel degrees. The stages become
+``--pipeline-model-parallel-layout`` (Megatron Core's custom layout: ``E`` embedding, ``t``
+a decoder layer, ``L`` the output layer and loss, ``|`` between stages, listed as the
+plan's stages are: every device's first chunk, then every device's second under
+interleaving, from which Megatron derives the virtual pipeline size).
+
+The decoder layers are the model's stack of identical blocks: the module ``P`` whose
+numbered children ``P.0``, ``P.1``, ... hold the most layers and share one class
+(``model.layers`` in a Hugging Face decoder, ``blocks`` in the bundled gpt). What runs
+before the stack is the embedding, what runs after it the output layer.
+
+Refused in one line, as Megatron cannot express it: schedules other than 1F1B and
+interleaved 1F1B; stages replicated unevenly (Megatron's data parallelism spans whole
+pipelines: d = world / (t p)) or with different tensor-parallel degrees; a cut inside a
+block; the embedding off the first stage or the output layer off the last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeplan.errors import InputError
+from pipeplan.export.structure import CutError, ModelStructure, positions
+from pipeplan.plan import Plan
+
+__all__ = ["MEGATRON_OPTIONS", "MEGATRON_SCHEDULES", "MegatronExport", "decoder_stack", "export_megatron"]
+
+# pipeplan schedule -> the Megatron-LM schedule that runs it (chosen by the layout's chunks)
+MEGATRON_SCHEDULES = {"1f1b-flush": "1F1B", "interleaved-1f1b": "interleaved 1F1B"}
+# every Megatron-LM argument the export may write
+MEGATRON_OPTIONS = (
+    "--tensor-model-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--pipeline-model-parallel-layout",
+    "--num-layers",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--bf16",
+    "--untie-embeddings-and-output-weights",
+)
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class MegatronExport:
+    """Megatron-LM's arguments for the plan (``arguments()``), and what they stand for."""
+
+    model: str
+    schedule: str  # pipeplan's name
+    stack: str  # the decoder stack's module name
+    decoder_layers: int
+    layout: tuple[str, ...]  # one entry per plan stage: "Ettt", "tttt", "ttL", ...
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    microbatch_size: int
+    global_batch_size: int
+    bf16: bool
+    tied_embeddings: bool
+
+    @property
+    def layout_string(self) -> str:
+        return "|".join(_compress(stage) for stage in self.layout)
+
+    def arguments(self) -> tuple[str, ...]:
+        args = [
+            f"--tensor-model-parallel-size {self.tensor_parallel}",
+            f"--pipeline-model-parallel-size {self.pipeline_parallel}",
+            f'--pipeline-model-parallel-layout "{self.layout_string}"',
+            f"--num-layers {self.decoder_layers}",
+            f"--micro-batch-size {self.microbatch_size}",
+            f"--global-batch-size {self.global_batch_size}",
+        ]
+        if self.bf16:
+            args.append("--bf16")
+        if not self.tied_embeddings:
+            args.append("--untie-embeddings-and-output-weights")
+        return tuple(args)
+
+    def text(self) -> str:
+        chunks = len(self.layout) // self.pipeline_parallel
+        return (
+            f"# pipeplan export --to megatron: {self.model}, {self.schedule} "
+            f"({MEGATRON_SCHEDULES[self.schedule]}{f', {chunks} chunks per device' if chunks > 1 else ''}), "
+            f"t={self.tensor_parallel} x p={self.pipeline_parallel} x d={self.data_parallel} ranks.\n"
+            f"# Arguments of Megatron-LM's pretrain_gpt.py (megatron/training/arguments.py) for the same\n"
+            f"# decoder stack: {self.decoder_layers} layers of {self.stack}; add the model's own sizes.\n"
+            f"# Data parallelism d = world size / (t p); the global batch is d minibatches of "
+            f"{self.global_batch_size // self.data_parallel}.\n" + " \\\n".join(self.arguments()) + "\n"
+        )
+
+
+def _compress(stage: str) -> str:
+    """``"Etttt"`` -> ``"Et*4"``: Megatron's repetition of a layer symbol."""
+    return re.sub(r"t{2,}", lambda m: f"t*{len(m.group(0))}", stage)
+
+
+def decoder_stack(structure: ModelStructure) -> tuple[str, list[int]]:
+    """The decoder stack's name and each layer's block (-1: not in a block); ``CutError`` if none."""
+    counts: dict[str, set[int]] = {}
+    for name in structure.layer_names:
+        match = _NUMBERED.match(name)
+        if match and structure.is_module(f"{match.group(1)}.{match.group(2)}"):
+            counts.setdefault(match.group(1), set()).add(int(match.group(2)))
+    stacks = [
+        prefix
+        for prefix, indices in counts.items()
+        if len({structure.modules[f"{prefix}.{k}"] for k in indices}) == 1
+    ]
+    if not stacks:
+        raise CutError(
+            "the model has no stack of identical numbered blocks (a ModuleList or Sequential of decoder "
+            "layers): Megatron-LM places whole decoder layers, so the plan does not carry over"
+        )
+    stack = max(stacks, key=lambda prefix: len(counts[prefix]))
+    block_of = []
+    for name in structure.layer_names:
+        match = _NUMBERED.match(name)
+        block_of.append(int(match.group(2)) if match and match.group(1) == stack else -1)
+    return stack, block_of
+
+
+def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
+    """The plan as Megatron-LM arguments; ``InputError`` (one line) where Megatron cannot run it."""
+    _check_schedule_and_degrees(plan)
+    stack, block_of = decoder_stack(structure)
+    stage_of = _stage_of_layers(plan, len(structure.layer_names))
+    blocks = sorted({b for b in block_of if b >= 0})
+    stage_of_block: dict[int, int] = {}
+    for layer, block in enumerate(block_of):
+        if block < 0:
+            continue
+        if stage_of_block.setdefault(block, stage_of[layer]) != stage_of[layer]:
+            raise CutError(
+                f"plan cuts inside {stack}.{block} (stages {stage_of_block[block]} and {stage_of[layer]}): "
+                f"Megatron-LM places whole decoder layers; re-plan with cuts between blocks"
+            )
+    first_block = min(i for i, b in enumerate(block_of) if b >= 0)
+    last_block = max(i for i, b in enumerate(block_of) if b >= 0)
+    last_stage = len(plan.stages) - 1
+    for layer, name in enumerate(structure.layer_names):
+        side, stage = ("embedding", 0) if layer < first_block else ("output layer", last_stage)
+        if (layer < first_block or layer > last_block) and stage_of[layer] != stage:
+            raise CutError(
+                f"plan stage {stage_of[layer]} runs layer {layer} ({name}), part of the {side}: "
+                f"Megatron-LM runs it on stage {stage}"
+            )
+    layout = [
+        ("E" if q == 0 else "")
+        + "t" * sum(stage_of_block[b] == q for b in blocks)
+        + ("L" if q == last_stage else "")
+        for q in range(len(plan.stages))
+    ]
+    d = plan.stages[0].replicas
+    return MegatronExport(
+        model=plan.model,
+        schedule=plan.schedule,
+        stack=stack,
+        decoder_layers=len(blocks),
+        layout=tuple(layout),
+        tensor_parallel=plan.stages[0].tensor_parallel,
+        pipeline_parallel=positions(plan),
+        data_parallel=d,
+        microbatch_size=plan.batch_size // plan.microbatches,
+        global_batch_size=plan.batch_size * d,
+        bf16=plan.dtype == "bfloat16",
+        tied_embeddings=_tied(structure, block_of, first_block, last_block),
+    )
+
+
+def _check_schedule_and_degrees(plan: Plan) -> None:
+    if plan.schedule not in MEGATRON_SCHEDULES:
+        raise InputError(
+            f"plan schedule {plan.schedule} does not carry over: Megatron-LM runs "
+            f"{' and '.join(MEGATRON_SCHEDULES)} only; re-plan with `--schedule 1f1b-flush`"
+        )
+    for what, values in (
+        ("replicas", [s.replicas for s in plan.stages]),
+        ("tensor-parallel degrees", [s.tensor_parallel for s in plan.stages]),
+    ):
+        if len(set(values)) > 1:
+            raise InputError(
+                f"plan stages have {what} {', '.join(map(str, values))}: Megatron-LM uses one for every "
+                f"stage; re-plan with `--straight`" + (" and one --tensor-parallel" if what[0] == "t" else "")
+            )
+    if plan.batch_size % plan.microbatches:
+        raise InputError(
+            f"plan batch size {plan.batch_size} does not split into {plan.microbatches} micro-batches"
+        )
+    p = positions(plan)
+    if plan.virtual_stages > 1 and plan.microbatches % p:
+        raise InputError(
+            f"plan runs {plan.microbatches} micro-batches on {p} devices: Megatron-LM's interleaved "
+            f"schedule needs a multiple of {p}; re-plan with `--microbatches {p * -(-plan.microbatches // p)}`"
+        )
+
+
+def _stage_of_layers(plan: Plan, layers: int) -> list[int]:
+    stage_of = [-1] * layers
+    for stage in plan.stages:
+        for layer in stage.layers:
+            if not 0 <= layer < layers:
+                raise InputError(
+                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
+                )
+            stage_of[layer] = stage.index
+    return stage_of
+
+
+def _tied(structure: ModelStructure, block_of: list[int], first: int, last: int) -> bool:
+    """Whether a parameter of the embedding is used after the stack (a tied output layer)."""
+    before = set().union(*(structure.layer_parameters[i] for i in range(first)))
+    after = set().union(*(structure.layer_parameters[i] for i in range(last + 1, len(block_of))))
+    return bool(before & after)
