@@ -138,6 +138,22 @@ class Plan:
                 return stage.index, stage.ranks.index(rank) // stage.tensor_parallel
         raise InputError(f"rank {rank} runs no stage of this plan (world size {self.world_size})")
 
+    def stage_of_layers(self, layers: int) -> list[int]:
+        """The stage of each of a model's ``layers`` layers; ``InputError`` when the plan names
+        a layer the model lacks or leaves one without a stage."""
+        owner = [-1] * layers
+        for stage in self.stages:
+            for layer in stage.layers:
+                if not 0 <= layer < layers:
+                    raise InputError(
+                        f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
+                    )
+                owner[layer] = stage.index
+        missing = [i for i, s in enumerate(owner) if s < 0]
+        if missing:
+            raise InputError(f"plan assigns no stage to layers {missing[:5]} (model has {layers} layers)")
+        return owner
+
     @property
     def used_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for stage in self.stages for r in stage.ranks))

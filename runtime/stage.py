@@ -125,18 +125,7 @@ class PipelineSpec:
 
 def stage_of_layers(plan: Plan, layers: int) -> list[int]:
     """Stage id of each of the model's ``layers`` layers; ``InputError`` on a mismatch."""
-    owner = [-1] * layers
-    for stage in plan.stages:
-        for layer in stage.layers:
-            if not 0 <= layer < layers:
-                raise InputError(
-                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
-                )
-            owner[layer] = stage.index
-    missing = [i for i, s in enumerate(owner) if s < 0]
-    if missing:
-        raise InputError(f"plan assigns no stage to layers {missing[:5]} (model has {layers} layers)")
-    return owner
+    return plan.stage_of_layers(layers)
 
 
 def build_pipeline(

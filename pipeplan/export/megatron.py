@@ -129,7 +129,7 @@ def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
     """The plan as Megatron-LM arguments; ``InputError`` (one line) where Megatron cannot run it."""
     _check_schedule_and_degrees(plan)
     stack, block_of = decoder_stack(structure)
-    stage_of = _stage_of_layers(plan, len(structure.layer_names))
+    stage_of = plan.stage_of_layers(len(structure.layer_names))
     blocks = sorted({b for b in block_of if b >= 0})
     stage_of_block: dict[int, int] = {}
     for layer, block in enumerate(block_of):
@@ -198,18 +198,6 @@ def _check_schedule_and_degrees(plan: Plan) -> None:
             f"plan runs {plan.microbatches} micro-batches on {p} devices: Megatron-LM's interleaved "
             f"schedule needs a multiple of {p}; re-plan with `--microbatches {p * -(-plan.microbatches // p)}`"
         )
-
-
-def _stage_of_layers(plan: Plan, layers: int) -> list[int]:
-    stage_of = [-1] * layers
-    for stage in plan.stages:
-        for layer in stage.layers:
-            if not 0 <= layer < layers:
-                raise InputError(
-                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
-                )
-            stage_of[layer] = stage.index
-    return stage_of
 
 
 def _tied(structure: ModelStructure, block_of: list[int], first: int, last: int) -> bool:

@@ -178,17 +178,7 @@ def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
     Raises ``InputError`` (one line) when a parameter is used by two stages. O(layers).
     """
     check_plan(plan)
-    layers = len(structure.layer_names)
-    stage_of = [-1] * layers
-    for stage in plan.stages:
-        for layer in stage.layers:
-            if not 0 <= layer < layers:
-                raise InputError(
-                    f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
-                )
-            stage_of[layer] = stage.index
-    if -1 in stage_of:
-        raise InputError(f"plan assigns no stage to layer {stage_of.index(-1)} (model has {layers} layers)")
+    stage_of = plan.stage_of_layers(len(structure.layer_names))
     _check_shared_parameters(structure, stage_of)
     return stage_of
 
