@@ -85,4 +85,5 @@ def assemble_plan(
         cut_candidates=family.states,
         export_target=options.export_target,
         master_dtype=profile.master_dtype,
+        recompute=options.recompute,
     )
