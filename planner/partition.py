@@ -221,11 +221,15 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
     return family
 
 
-def planned_recompute(options: PartitionOptions, t: int) -> PartitionOptions:
+def planned_recompute(options: PartitionOptions, t: int, mixed: bool = False) -> PartitionOptions:
     """``options`` with the recomputation mode planned at tensor-parallel degree ``t``:
-    ``auto`` is ``none`` where the schedule, the degree or the cost model runs none."""
+    ``auto`` is ``none`` where the schedule, the degree, the cost model or mixed precision
+    (``mixed``: a recomputed forward would read the float32 masters,
+    ``pipeplan.capture.checkpointed``) runs none."""
+    if mixed and options.recompute == "full":
+        raise InputError("--recompute full is not run under mixed precision (bf16 compute, float32 masters)")
     mode = effective_mode(options.recompute, options.schedule, t)
-    if options.cost_model != "pipeplan" and mode == "auto":
+    if (options.cost_model != "pipeplan" or mixed) and mode == "auto":
         mode = "none"
     return options if mode == options.recompute else replace(options, recompute=mode)
 
@@ -332,7 +336,7 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     configuration chosen elsewhere (Megatron's own t, p, d). ``InputError`` when the
     topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
     options.validate()
-    options = planned_recompute(options, t)
+    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
     tp.check_degree(profile, topology, t)
     split, grouped = tp.split_profile(profile, topology, t), tp.group_topology(topology, t)
     model = cost_model(options.cost_model)
@@ -365,7 +369,7 @@ def _partition_at_tensor_degree(
 ) -> Plan:
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
     on the group topology and split profile, expanded to the real ranks."""
-    options = planned_recompute(options, t)
+    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
