@@ -376,9 +376,13 @@ def check_layer_recompute(config: RunConfig) -> None:
             f"the plan recomputes layers of stage(s) {stages}, which runs without mixed precision "
             f"(got {config.precision.dtype} with {config.precision.master_dtype} masters)"
         )
-    split = [stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1]
+    split = [
+        stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1
+    ]
     if split:
-        raise InputError(f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run")
+        raise InputError(
+            f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run"
+        )
 
 
 def check_recompute(config: RunConfig) -> None:

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 
 from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
-from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.capture.checkpointed import checkpoint_layers
+from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan

@@ -96,7 +96,9 @@ def test_recomputation_fits_trains_exactly_and_holds_what_the_plan_says(
     plan = partition(profile, _topology(), _options("auto"))
     first, last = plan.stages[0], plan.stages[-1]
     assert first.recompute_layers and not last.recompute_layers  # the stage holding 2 micro-batches
-    assert first.recompute_ms == pytest.approx(sum(profile.layers[i].forward_ms for i in first.recompute_layers))
+    assert first.recompute_ms == pytest.approx(
+        sum(profile.layers[i].forward_ms for i in first.recompute_layers)
+    )
     assert all(stage.memory_bytes <= 650 * MiB for stage in plan.stages)
 
     stages = _run(plan, tmp_path, "plan", {}, record=False)

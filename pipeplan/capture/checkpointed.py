@@ -52,12 +52,17 @@ def checkpoint_layers(graph: LayerGraph, stage: StageModule, layers: Collection[
         layer = graph.layer_of_node.get(node.name, -1) if node.op not in ("placeholder", "output") else -1
         if layer in chosen:
             partitions.setdefault(layer, {})[node] = None
-    fused = fuse_by_partitions(module, [partitions[layer] for layer in sorted(partitions)], prefix=CHECKPOINT_PREFIX)
+    fused = fuse_by_partitions(
+        module, [partitions[layer] for layer in sorted(partitions)], prefix=CHECKPOINT_PREFIX
+    )
+    fused.delete_all_unused_submodules()  # the layers' modules now live in their recompute_ submodules only
     for node in list(fused.graph.nodes):
         if node.op == "call_module" and str(node.target).startswith(CHECKPOINT_PREFIX):
             with fused.graph.inserting_before(node):
                 submodule = fused.graph.get_attr(str(node.target))
-                call = fused.graph.call_function(checkpoint, (submodule, *node.args), {"use_reentrant": False})
+                call = fused.graph.call_function(
+                    checkpoint, (submodule, *node.args), {"use_reentrant": False}
+                )
             node.replace_all_uses_with(call)
             fused.graph.erase_node(node)
     fused.graph.lint()
