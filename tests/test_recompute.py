@@ -256,3 +256,19 @@ def test_partition_cli_refuses_none_and_shows_what_auto_recomputes(tmp_path: Pat
     plan = Plan.load(tmp_path / "plan.json")
     assert plan.recompute == "auto" and len(plan.stages[0].recompute_layers) == 3
     assert "recomputation (auto)" in planned.output and "device memory 650.0 MiB" in planned.output
+
+
+def test_torchtitan_fragment_carries_the_activation_checkpoint_mode() -> None:
+    from pipeplan.export.torchtitan import TorchtitanExport, activation_checkpoint_mode
+
+    profile = _chain([4000] * 8, [400] * 8)
+    options = PartitionOptions(schedule="1f1b-flush", microbatches=4, straight=True)
+    partial = partition(profile, _topology(4, 5000), options)  # recomputes 2, 1, 0, 0 layers
+    mode, note = activation_checkpoint_mode(partial)
+    assert mode == "full" and "stage 0: 2 of 2, stage 1: 1 of 2, stage 2: 0 of 2" in note
+    plain = partition(profile, _topology(4, 10**9), options)
+    assert activation_checkpoint_mode(plain) == ("none", "")
+    full = partition(profile, _topology(4, 10**9), dataclasses.replace(options, recompute="full"))
+    assert activation_checkpoint_mode(full) == ("full", "")
+    fragment = TorchtitanExport("m", "1f1b-flush", "1F1B", 4, 1, 8, 4, (("a",),) * 4, mode, note).toml()
+    assert '[activation_checkpoint]\nmode = "full"\n' in fragment and f"# {note}\n" in fragment
