@@ -20,7 +20,7 @@ from pipeplan.planner.dp import StageNode
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, planned_recompute, stage_figures
 from pipeplan.planner.placement import flatten
-from pipeplan.planner.recompute import choose_for_stage
+from pipeplan.planner.recompute_choice import choose_for_stage
 from pipeplan.profile import Profile
 from pipeplan.topology import Topology
 

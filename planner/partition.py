@@ -27,7 +27,8 @@ from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
-from pipeplan.planner.recompute import choose_for_stage, effective_mode, stage_options
+from pipeplan.planner.recompute import effective_mode, stage_options
+from pipeplan.planner.recompute_choice import choose_for_stage
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 from pipeplan.planner.uniform import uniform_trees
