@@ -2,7 +2,8 @@
 stage recomputes (``pipeplan partition --recompute``).
 
 A layer run under ``torch.utils.checkpoint`` (non-reentrant) keeps only its input tensors
-for backward, ``kept`` bytes (``LayerProfile.recompute_kept_bytes``; where not recorded,
+for backward, ``kept`` bytes (``LayerProfile.recompute_kept_bytes``, measured by the
+profiler: the distinct tensors the layer reads; where not recorded,
 its producers' ``output_bytes`` plus the minibatch's ``input_bytes`` when it reads a
 model input: ``kept_bytes``), instead of its ``saved_bytes``, and runs its forward again
 in backward (``forward_ms`` more per minibatch). Only a layer that frees bytes,

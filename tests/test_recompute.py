@@ -272,3 +272,21 @@ def test_torchtitan_fragment_carries_the_activation_checkpoint_mode() -> None:
     assert activation_checkpoint_mode(full) == ("full", "")
     fragment = TorchtitanExport("m", "1f1b-flush", "1F1B", 4, 1, 8, 4, (("a",),) * 4, mode, note).toml()
     assert '[activation_checkpoint]\nmode = "full"\n' in fragment and f"# {note}\n" in fragment
+
+
+@pytest.mark.parametrize("build", ["eager", "meta"])
+def test_profiler_measures_what_a_recomputed_layer_keeps(build: str) -> None:
+    """Each layer keeps its input tensors: the minibatch (8 x 8 floats) for the first, the
+    previous layer's output (8 x 16 floats) for the others."""
+    from pipeplan.profiler.profile_model import profile_model
+
+    profile = profile_model(
+        str(Path(__file__).parent / "fixtures" / "runtime" / "mlp.py"),
+        batch_size=8,
+        warmup=0,
+        repeats=1,
+        build=build,
+        whole_step=False,
+    )
+    assert [layer.recompute_kept_bytes for layer in profile.layers] == [256, 512, 512, 512, 512, 512]
+    assert kept_bytes(profile) == [256, 512, 512, 512, 512, 512]
