@@ -229,6 +229,11 @@ def planned_recompute(options: PartitionOptions, t: int, mixed: bool = False) ->
     ``pipeplan.capture.checkpointed``) runs none."""
     if mixed and options.recompute == "full":
         raise InputError("--recompute full is not run under mixed precision (bf16 compute, float32 masters)")
+    if t > 1 and options.recompute == "full":  # --tensor-parallel auto: the other degrees may plan it
+        raise InputError(
+            f"--recompute full with tensor-parallel degree {t}: pipeplan recomputes layers of stages "
+            f"without tensor parallelism only"
+        )
     mode = effective_mode(options.recompute, options.schedule, t)
     if (options.cost_model != "pipeplan" or mixed) and mode == "auto":
         mode = "none"

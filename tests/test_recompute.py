@@ -290,3 +290,39 @@ def test_profiler_measures_what_a_recomputed_layer_keeps(build: str) -> None:
     )
     assert [layer.recompute_kept_bytes for layer in profile.layers] == [256, 512, 512, 512, 512, 512]
     assert kept_bytes(profile) == [256, 512, 512, 512, 512, 512]
+
+
+def test_estimated_gpt_without_recomputation_plans_it_per_stage() -> None:
+    """A what-if GPT (bf16 throughout, no float32 masters: mixed precision plans none)
+    estimated without recomputation, its blocks keeping their input when recomputed, on 8
+    A100s: in 4 GiB ``none`` fits nowhere while ``auto`` recomputes where each stage must
+    (at t = 1: tensor-parallel degrees plan none), faster than ``full``; in 8 GiB ``auto``
+    beats ``none`` by recomputing instead of splitting tensors 8 ways."""
+    from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
+
+    shape = GPTShape(layers=8, hidden=1024, heads=16)
+    profile = estimate_gpt(shape, DEVICE_RATES["a100-80gb"], 64, recompute=False, mixed_precision=False)
+    block = profile.layers[1]
+    assert block.recompute_kept_bytes == 64 * 2048 * 1024 * 2 < block.saved_bytes
+
+    def topology(gib: int) -> Topology:
+        return Topology(
+            "a100", DeviceSpec("a100", gib * 2**30), (Level("node", 8, 300e9), Level("hosts", 1, 25e9))
+        )
+
+    def plan(gib: int, mode: str) -> Plan:
+        options = PartitionOptions(schedule="1f1b-flush", microbatches=8, optimizer="adam", recompute=mode)
+        return partition(profile, topology(gib), options)
+
+    with pytest.raises(InfeasibleError):
+        plan(4, "none")
+    auto, full = plan(4, "auto"), plan(4, "full")
+    for chosen in (auto, full):
+        assert all(s.tensor_parallel == 1 and s.memory_bytes <= 4 * 2**30 for s in chosen.stages)
+    assert sum(len(s.recompute_layers) for s in auto.stages) < sum(
+        len(s.recompute_layers) for s in full.stages
+    )
+    assert auto.predicted.time_per_minibatch_ms < full.predicted.time_per_minibatch_ms
+    none8, auto8 = plan(8, "none"), plan(8, "auto")
+    assert none8.stages[0].tensor_parallel == 8 and auto8.stages[0].tensor_parallel == 1
+    assert auto8.predicted.time_per_minibatch_ms < none8.predicted.time_per_minibatch_ms
