@@ -123,8 +123,9 @@ class Plan:
     # mixed precision (pipeplan.precision): the dtype of the master weights, their gradients and
     # the optimizer state when compute runs in ``dtype``; None: all in ``dtype`` (older plans)
     master_dtype: str | None = None
-    # what ``partition --recompute`` asked: "auto" | "none" | "full" (each stage's choice is
-    # its ``recompute_layers``); "none" in plans written before it
+    # the recomputation mode planned (``partition --recompute``): "auto" | "none" | "full";
+    # "auto" is planned as "none" where the schedule, tensor-parallel degree or precision runs
+    # none (each stage's choice is its ``recompute_layers``); "none" in plans written before it
     recompute: str = "none"
     schema: str = field(default=PLAN_SCHEMA)
 

@@ -27,7 +27,7 @@ from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
-from pipeplan.planner.recompute import effective_mode, stage_options
+from pipeplan.planner.recompute import effective_mode, gain_bytes, stage_options
 from pipeplan.planner.recompute_choice import choose_for_stage
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
@@ -78,8 +78,9 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
     out = []
+    gains = gain_bytes(profile)
     for layer in profile.layers:
-        choices = stage_options(profile, (layer.index,), options.microbatches)
+        choices = stage_options(profile, (layer.index,), options.microbatches, gains)
         if options.recompute == "none":
             choices = choices[:1]
         elif options.recompute == "full":
@@ -501,6 +502,7 @@ def _tree_plan(
     figures = stage_figures(flat, arrays, topology, options, single_nodes)
     stages = []
     checked = options.memory_check and model.checks_memory
+    gains = gain_bytes(profile)
     for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
         layers = family.stage_layers(stage.start, stage.end)
         choice = choose_for_stage(
@@ -515,6 +517,7 @@ def _tree_plan(
             arrays.largest(stage.start, stage.end),
             options.recompute,
             topology.device.memory_bytes if checked else None,
+            gains,
         )
         memory, versions, in_flight = choice.memory_bytes, choice.weight_versions, choice.in_flight
         if checked and (choice.recompute is None or memory > topology.device.memory_bytes):

@@ -84,9 +84,13 @@ def gain_bytes(profile: Profile) -> list[float]:
     ]
 
 
-def stage_options(profile: Profile, layers: Sequence[int], microbatches: int) -> list[StageRecompute]:
-    """The choices k = 0..|R| of a stage of ``layers`` (module docstring). O(layers)."""
-    gains = gain_bytes(profile)
+def stage_options(
+    profile: Profile, layers: Sequence[int], microbatches: int, gains: Sequence[float] | None = None
+) -> list[StageRecompute]:
+    """The choices k = 0..|R| of a stage of ``layers`` (module docstring); ``gains``: the
+    profile's ``gain_bytes`` when already computed. O(layers^2) (O(layers) with ``gains``,
+    plus the tuples of recomputed layers)."""
+    gains = gain_bytes(profile) if gains is None else gains
     recomputable = [i for i in sorted(layers) if gains[i] > 0]
     saved = float(sum(profile.layers[i].saved_bytes for i in layers))
     transient = max((profile.layers[i].saved_bytes for i in recomputable), default=0) / microbatches

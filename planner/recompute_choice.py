@@ -36,10 +36,12 @@ def choose_for_stage(
     largest_param_bytes: float,
     mode: str,
     memory_limit: float | None,
+    gains: Sequence[float] | None = None,
 ) -> StageChoice:
     """``mode``'s choice for stage ``stage`` of a placed pipeline (``replicas`` per stage),
     with its memory exact for the schedule's in-flight count (``planner.memory``);
-    ``memory_limit`` None: memory unchecked. O(layers)."""
+    ``memory_limit`` None: memory unchecked; ``gains``: the profile's ``gain_bytes`` when
+    already computed. O(layers) with ``gains``."""
     params = float(sum(profile.layers[i].param_bytes for i in layers))
 
     def memory(option: StageRecompute) -> tuple[int, int, float]:
@@ -57,7 +59,7 @@ def choose_for_stage(
         )
 
     options = (
-        stage_options(profile, layers, microbatches)
+        stage_options(profile, layers, microbatches, gains)
         if mode != "none"
         else [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]
     )
