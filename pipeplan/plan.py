@@ -12,7 +12,9 @@ device. ``dtype`` is the compute precision (the profile's), ``master_dtype`` tha
 master weights and optimizer state under mixed precision (``pipeplan.precision``; memory
 figures count them). ``export_target`` names the engine whose cuts the planner kept to (``partition
 --for``). Stored as JSON with ``"schema": "pipeplan.plan/2"``; version 1 files (no
-``tensor_parallel``: t = 1, no ``export_target``) still load.
+``tensor_parallel``: t = 1, no ``export_target``) still load, and so do /2 files without
+the optional recomputation fields (``Plan.recompute``, ``StagePlan.recompute_layers`` and
+``recompute_ms``: none recomputed).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class StagePlan:
     # bytes one checkpoint of the stage writes (its first rank: weights and optimizer state,
     # pipeplan.planner.checkpoint_cost); 0 in plans written before it was predicted
     checkpoint_bytes: int = 0
+    # activation recomputation (``pipeplan.planner.recompute``): the layers the stage runs
+    # under torch.utils.checkpoint (a subset of ``layers``; () none), and the forward time
+    # they cost again in backward (ms per minibatch, in ``compute_ms``)
+    recompute_layers: tuple[int, ...] = ()
+    recompute_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -122,6 +129,10 @@ class Plan:
     # mixed precision (pipeplan.precision): the dtype of the master weights, their gradients and
     # the optimizer state when compute runs in ``dtype``; None: all in ``dtype`` (older plans)
     master_dtype: str | None = None
+    # the recomputation mode planned (``partition --recompute``): "auto" | "none" | "full";
+    # "auto" is planned as "none" where the schedule, tensor-parallel degree or precision runs
+    # none (each stage's choice is its ``recompute_layers``); "none" in plans written before it
+    recompute: str = "none"
     schema: str = field(default=PLAN_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -168,7 +179,14 @@ class Plan:
         _check_plan_fields(obj, where)
         try:
             stages = tuple(
-                StagePlan(**{**s, "ranks": tuple(s["ranks"]), "layers": tuple(s.get("layers", ()))})
+                StagePlan(
+                    **{
+                        **s,
+                        "ranks": tuple(s["ranks"]),
+                        "layers": tuple(s.get("layers", ())),
+                        "recompute_layers": tuple(s.get("recompute_layers", ())),
+                    }
+                )
                 for s in obj["stages"]
             )
             rest = {k: v for k, v in obj.items() if k not in ("schema", "stages", "topology", "predicted")}
@@ -238,6 +256,8 @@ def validate(plan: Plan) -> None:
         raise InputError(
             f"plan batch_size {plan.batch_size} is not divisible into {plan.microbatches} micro-batches"
         )
+    if plan.recompute not in ("auto", "none", "full"):
+        raise InputError(f"plan recompute {plan.recompute!r} is not one of auto, none, full")
     if not plan.stages:
         raise InputError("plan has no stages")
     _check_stage_layers(plan.stages)
@@ -257,6 +277,14 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
             if layer in owner:
                 raise InputError(f"plan stages {owner[layer]} and {stage.index} both hold layer {layer}")
             owner[layer] = stage.index
+        outside = sorted(set(stage.recompute_layers) - set(stage.layers))
+        if outside or len(set(stage.recompute_layers)) != len(stage.recompute_layers):
+            raise InputError(
+                f"plan stage {stage.index}: recompute_layers {list(stage.recompute_layers)} are not distinct "
+                f"layers of the stage (layers {list(stage.layers)})"
+            )
+        if not stage.recompute_ms >= 0:
+            raise InputError(f"plan stage {stage.index}: recompute_ms {stage.recompute_ms!r} is negative")
         first, end = min(stage.layers), max(stage.layers) + 1
         if (stage.layer_start, stage.layer_end) != (first, end):
             raise InputError(

@@ -99,6 +99,12 @@ class LayerProfile:
     # bytes of the layer's largest parameter (0: not recorded, as in profiles before it was;
     # read ``largest_tensor_bytes``): the planner's gradient-temporary charge
     largest_param_bytes: int = 0
+    # activation recomputation (``pipeplan.planner.recompute``): bytes the layer keeps for
+    # backward when it runs under ``torch.utils.checkpoint`` (its input tensors, the
+    # checkpoint's boundary); -1: not recorded (older and imported profiles), then derived
+    # from its producers' ``output_bytes`` (``planner.recompute.kept_bytes``). Recomputing
+    # costs the layer's forward again in backward (``forward_ms``).
+    recompute_kept_bytes: int = -1
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -303,6 +309,13 @@ def validate(profile: Profile) -> None:
         if not all(isinstance(name, str) and name for name in layer.parameters):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names"
+            )
+        if not (
+            isinstance(layer.recompute_kept_bytes, int) and -1 <= layer.recompute_kept_bytes <= MAX_BYTES
+        ):
+            raise InputError(
+                f"profile layer {layer.index} ({layer.name}): recompute_kept_bytes = "
+                f"{layer.recompute_kept_bytes!r} is not -1 or a byte count"
             )
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(

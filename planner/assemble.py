@@ -93,6 +93,7 @@ def assemble_plan(
         cut_candidates=family.states,
         export_target=options.export_target,
         master_dtype=profile.master_dtype,
+        recompute=options.recompute,
     )
 
 

@@ -23,12 +23,14 @@ bandwidths bytes/s.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import overload
+from typing import TypedDict, overload
 
 import numpy as np
 
 from pipeplan.planner.cuts import CutFamily, prefix_family
+from pipeplan.planner.recompute import gain_bytes
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 
@@ -40,6 +42,7 @@ __all__ = [
     "LayerArrays",
     "layer_arrays",
     "layer_compute_ms",
+    "range_max",
     "update_ms",
     "ring_allreduce_ms",
     "transfer_ms",
@@ -77,6 +80,12 @@ class LayerArrays:
     precision: Precision = Precision()
     # per layer (not summed): its largest parameter's bytes (``LayerProfile.largest_tensor_bytes``)
     largest_param_bytes: np.ndarray | None = None
+    # activation recomputation (``planner.recompute``): sums over the states of the bytes
+    # recomputing each layer frees and of the recomputable layers' forward ms; per layer
+    # (not summed) the saved bytes of the recomputable layers (0 for the others)
+    recompute_gain: np.ndarray | None = None
+    recompute_forward_ms: np.ndarray | None = None
+    recompute_saved: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -127,35 +136,46 @@ class LayerArrays:
 
     def largest_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
-        elementwise). A stage holds a layer of at least size v when the count of such layers
-        differs between its two states (counts are sums over states, as the bytes are); the
-        largest such v is found by bisection over the distinct sizes: O(states x sizes) for
-        the counts, O(log sizes) array passes."""
-        starts, ends = np.broadcast_arrays(np.asarray(starts), np.asarray(ends))
-        values = self.largest_param_bytes
-        if values is None or not np.any(values > 0):
-            return np.zeros(starts.shape)
-        sizes = np.unique(values)[::-1]
-        sizes = sizes[sizes > 0]
-        at_least = (values[:, None] >= sizes[None, :]).astype(np.float64)  # layer x size (descending)
-        family = self.cut_family
-        if family.masks is None:
-            counts = np.vstack([np.zeros(len(sizes)), np.cumsum(at_least, axis=0)])
-        else:
-            counts = family.masks.astype(np.float64) @ at_least
+        elementwise; ``range_max``)."""
+        return range_max(self.largest_param_bytes, self.cut_family, starts, ends)
 
-        def holds(k: np.ndarray) -> np.ndarray:
-            return counts[ends, k] - counts[starts, k] > 0.5
+    def recompute_transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The largest recomputable layer's saved bytes of every stage [starts, ends)
+        (one minibatch; ``planner.recompute``)."""
+        return range_max(self.recompute_saved, self.cut_family, starts, ends)
 
-        low, high = (
-            np.zeros(starts.shape, dtype=np.intp),
-            np.full(starts.shape, len(sizes) - 1, dtype=np.intp),
-        )
-        while np.any(open_ := low < high):  # the first (largest) size the stage holds
-            middle = (low + high) // 2
-            found = holds(middle)
-            high, low = np.where(open_ & found, middle, high), np.where(open_ & ~found, middle + 1, low)
-        return np.where(holds(low), sizes[low], 0.0)
+
+def range_max(
+    values: np.ndarray | None, family: CutFamily, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """The largest of the per-layer ``values`` in every stage [starts, ends) of ``family``
+    (0 where none). A stage holds a layer of at least size v when the count of such layers
+    differs between its two states (counts are sums over states, as the bytes are); the
+    largest such v is found by bisection over the distinct sizes: O(states x sizes) for
+    the counts, O(log sizes) array passes."""
+    starts, ends = np.broadcast_arrays(np.asarray(starts), np.asarray(ends))
+    if values is None or not np.any(values > 0):
+        return np.zeros(starts.shape)
+    sizes = np.unique(values)[::-1]
+    sizes = sizes[sizes > 0]
+    at_least = (values[:, None] >= sizes[None, :]).astype(np.float64)  # layer x size (descending)
+    if family.masks is None:
+        counts = np.vstack([np.zeros(len(sizes)), np.cumsum(at_least, axis=0)])
+    else:
+        counts = family.masks.astype(np.float64) @ at_least
+
+    def holds(k: np.ndarray) -> np.ndarray:
+        return counts[ends, k] - counts[starts, k] > 0.5
+
+    low, high = (
+        np.zeros(starts.shape, dtype=np.intp),
+        np.full(starts.shape, len(sizes) - 1, dtype=np.intp),
+    )
+    while np.any(open_ := low < high):  # the first (largest) size the stage holds
+        middle = (low + high) // 2
+        found = holds(middle)
+        high, low = np.where(open_ & found, middle, high), np.where(open_ & ~found, middle + 1, low)
+    return np.where(holds(low), sizes[low], 0.0)
 
 
 def _prefix(values: list[float]) -> np.ndarray:
@@ -237,6 +257,27 @@ def layer_arrays(
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
         largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
+        **_recompute_fields(profile, _prefix),
+    )
+
+
+class _RecomputeFields(TypedDict):
+    recompute_gain: np.ndarray
+    recompute_forward_ms: np.ndarray
+    recompute_saved: np.ndarray
+
+
+def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray]) -> _RecomputeFields:
+    """``LayerArrays``' recomputation fields, summed over the states by ``sums``."""
+    gains = gain_bytes(profile)
+    return _RecomputeFields(
+        recompute_gain=sums(gains),
+        recompute_forward_ms=sums(
+            [layer.forward_ms if g > 0 else 0.0 for layer, g in zip(profile.layers, gains)]
+        ),
+        recompute_saved=np.array(
+            [float(layer.saved_bytes) if g > 0 else 0.0 for layer, g in zip(profile.layers, gains)]
+        ),
     )
 
 
@@ -272,6 +313,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
         largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
+        **_recompute_fields(profile, lambda values: family.sums(np.array(values, dtype=np.float64))),
     )
 
 

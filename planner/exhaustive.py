@@ -18,8 +18,9 @@ from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
 from pipeplan.planner.memory import plan_stage_memory
-from pipeplan.planner.partition import PartitionOptions, charged_optimizer, stage_figures
+from pipeplan.planner.partition import PartitionOptions, charged_optimizer, planned_recompute, stage_figures
 from pipeplan.planner.placement import flatten
+from pipeplan.planner.recompute_choice import choose_for_stage
 from pipeplan.profile import Profile
 from pipeplan.topology import Topology
 
@@ -71,15 +72,39 @@ def pipelines(
 
 
 def evaluate(
-    tree: tuple[StageNode, ...], arrays: LayerArrays, topology: Topology, options: PartitionOptions
+    tree: tuple[StageNode, ...],
+    arrays: LayerArrays,
+    topology: Topology,
+    options: PartitionOptions,
+    profile: Profile | None = None,
 ) -> float:
-    """Time per minibatch (ms) of ``tree``, or inf when a stage does not fit in memory."""
+    """Time per minibatch (ms) of ``tree``, or inf when a stage does not fit in memory.
+    With ``profile``, each stage recomputes what ``options.recompute`` chooses for it
+    (``planner.recompute``: its forwards again in its compute)."""
     flat = flatten(tree, topology)
     if options.max_stages is not None and len(flat) > options.max_stages:
         return math.inf
     replicas = [stage.replicas for stage in flat]
-    if options.memory_check:
-        for q, stage in enumerate(flat):
+    extra = [0.0] * len(flat)
+    for q, stage in enumerate(flat):
+        if profile is not None:
+            choice = choose_for_stage(
+                profile,
+                arrays.cut_family.stage_layers(stage.start, stage.end),
+                options.schedule,
+                replicas,
+                q,
+                options.optimizer,
+                options.microbatches,
+                arrays.precision,
+                arrays.largest(stage.start, stage.end),
+                options.recompute,
+                topology.device.memory_bytes if options.memory_check else None,
+            )
+            if choice.recompute is None:
+                return math.inf
+            memory, extra[q] = choice.memory_bytes, choice.recompute.extra_ms
+        else:
             memory, _, _ = plan_stage_memory(
                 options.schedule,
                 replicas,
@@ -91,9 +116,13 @@ def evaluate(
                 precision=arrays.precision,
                 largest_param_bytes=arrays.largest(stage.start, stage.end),
             )
-            if memory > topology.device.memory_bytes:
-                return math.inf
-    return max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
+        if options.memory_check and memory > topology.device.memory_bytes:
+            return math.inf
+    figures = stage_figures(flat, arrays, topology, options)
+    return max(
+        max(time, (compute + more) / stage.replicas)
+        for (compute, _, _, time), more, stage in zip(figures, extra, flat)
+    )
 
 
 def exhaustive_best(
@@ -101,11 +130,13 @@ def exhaustive_best(
 ) -> tuple[float, tuple[StageNode, ...] | None]:
     """(best time in ms, its tree) over every plan cutting at the planner's cut states
     (every downset on a small DAG); (inf, None) when none fits. Trees are over states."""
+    # as partition plans it: auto is none where nothing recomputes
+    options = planned_recompute(options, 1, profile.master_dtype is not None)
     arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))
     top = len(topology.levels)
     best, best_tree = math.inf, None
     for tree in pipelines(top, 0, arrays.layers, topology.levels[-1].count, topology, options, arrays.nested):
-        value = evaluate(tree, arrays, topology, options)
+        value = evaluate(tree, arrays, topology, options, profile)
         if value < best:
             best, best_tree = value, tree
     return best, best_tree

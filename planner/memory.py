@@ -170,12 +170,15 @@ def plan_stage_memory(
     chunk: int | None = None,
     precision: Precision = Precision(),
     largest_param_bytes: float = 0.0,
+    transient_bytes: float = 0.0,
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
     With ``chunk``, the bytes of that one chunk of the device (its share of the device's
     peak; the device's gradient temporary is charged to its first chunk); without, the
     whole stage's. ``largest_param_bytes``: the stage's largest parameter (0: none charged).
+    ``transient_bytes``: what a recomputed layer re-materialises in backward
+    (``planner.recompute``), held beside everything else at the peak.
     """
     kind = schedule_kind(schedule)
     versions = kind.weight_versions(stage_replicas, stage)
@@ -184,6 +187,7 @@ def plan_stage_memory(
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
     temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches, precision)
+    temporary += transient_bytes
     memory = stage_memory_bytes(
         param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary
     )

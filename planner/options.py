@@ -8,6 +8,7 @@ from pipeplan.errors import InputError
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import COST_MODELS
 from pipeplan.planner.memory import OPTIMIZER_STATES
+from pipeplan.planner.recompute import check_recompute_mode
 from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
 from pipeplan.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, TARGET_SCHEDULES, schedule_kind
 
@@ -34,6 +35,9 @@ class PartitionOptions:
     uniform: bool | None = None
     # plan only cuts this engine can express (planner.targets): "pipelining" | "torchtitan" | None
     export_target: str | None = None
+    # activation recomputation per stage (``planner.recompute``): "auto" (the least that fits,
+    # chosen with the split, where the schedule runs it), "none", "full"
+    recompute: str = "auto"
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -66,6 +70,11 @@ class PartitionOptions:
             )
         if self.export_target is not None:
             self._validate_target()
+        check_recompute_mode(self.recompute, self.schedule, self.tensor_parallel)
+        if self.recompute == "full" and self.cost_model != "pipeplan":
+            raise InputError(
+                f"--recompute full is planned with --cost-model pipeplan (got {self.cost_model})"
+            )
 
     def _validate_target(self) -> None:
         """What ``--for`` needs besides the cuts: a flush schedule of one chunk, one device per stage."""

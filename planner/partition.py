@@ -22,11 +22,13 @@ from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
-from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory, stage_memory_bytes
+from pipeplan.planner.memory import gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions, charged_optimizer
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
+from pipeplan.planner.recompute import effective_mode, gain_bytes, stage_options
+from pipeplan.planner.recompute_choice import choose_for_stage
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 from pipeplan.planner.uniform import uniform_trees
@@ -45,6 +47,7 @@ __all__ = [
     "stage_figures",
     "charged_optimizer",
     "flush_in_flight",
+    "planned_recompute",
 ]
 
 
@@ -74,18 +77,32 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     version, the last stage's activations in flight): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
-    return [
-        stage_memory_bytes(
-            float(layer.param_bytes),
-            float(layer.saved_bytes),
-            1,
-            least_in_flight,
-            options.optimizer,
-            precision,
-            gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches, precision),
+    out = []
+    gains = gain_bytes(profile)
+    for layer in profile.layers:
+        choices = stage_options(profile, (layer.index,), options.microbatches, gains)
+        if options.recompute == "none":
+            choices = choices[:1]
+        elif options.recompute == "full":
+            choices = choices[-1:]
+        out.append(
+            min(
+                stage_memory_bytes(
+                    float(layer.param_bytes),
+                    choice.activation_bytes,
+                    1,
+                    least_in_flight,
+                    options.optimizer,
+                    precision,
+                    gradient_temporary_bytes(
+                        float(layer.largest_tensor_bytes), options.microbatches, precision
+                    )
+                    + choice.transient_bytes,
+                )
+                for choice in choices
+            )
         )
-        for layer in profile.layers
-    ]
+    return out
 
 
 def _infeasible_message(
@@ -111,6 +128,8 @@ def _infeasible_message(
 
 def _infeasible_hint(options: PartitionOptions) -> str:
     kind = schedule_kind(options.schedule)
+    if options.recompute == "none" and kind.recomputes_layers:
+        return "try --recompute auto, more --microbatches or more devices"
     if kind.whole_minibatches:
         return "try --schedule auto, a schedule with micro-batches, or more devices"
     return "try more --microbatches, --schedule auto or more devices"
@@ -145,6 +164,7 @@ def _solve_pipeplan(
         flush_in_flight(options, arrays.layers, topology.world_size),
         arrays.precision,
         microbatches=options.microbatches,
+        recompute=options.recompute,
     )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
@@ -201,6 +221,24 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
             f"next one); pass --use-fewer-devices or --max-stages {most}"
         )
     return family
+
+
+def planned_recompute(options: PartitionOptions, t: int, mixed: bool = False) -> PartitionOptions:
+    """``options`` with the recomputation mode planned at tensor-parallel degree ``t``:
+    ``auto`` is ``none`` where the schedule, the degree, the cost model or mixed precision
+    (``mixed``: a recomputed forward would read the float32 masters,
+    ``pipeplan.capture.checkpointed``) runs none."""
+    if mixed and options.recompute == "full":
+        raise InputError("--recompute full is not run under mixed precision (bf16 compute, float32 masters)")
+    if t > 1 and options.recompute == "full":  # --tensor-parallel auto: the other degrees may plan it
+        raise InputError(
+            f"--recompute full with tensor-parallel degree {t}: pipeplan recomputes layers of stages "
+            f"without tensor parallelism only"
+        )
+    mode = effective_mode(options.recompute, options.schedule, t)
+    if (options.cost_model != "pipeplan" or mixed) and mode == "auto":
+        mode = "none"
+    return options if mode == options.recompute else replace(options, recompute=mode)
 
 
 def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:
@@ -305,6 +343,7 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     configuration chosen elsewhere (Megatron's own t, p, d). ``InputError`` when the
     topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
     options.validate()
+    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
     tp.check_degree(profile, topology, t)
     split, grouped = tp.split_profile(profile, topology, t), tp.group_topology(topology, t)
     model = cost_model(options.cost_model)
@@ -337,6 +376,7 @@ def _partition_at_tensor_degree(
 ) -> Plan:
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
     on the group topology and split profile, expanded to the real ranks."""
+    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
@@ -461,25 +501,36 @@ def _tree_plan(
     kind.check(replicas, options.microbatches)
     figures = stage_figures(flat, arrays, topology, options, single_nodes)
     stages = []
+    checked = options.memory_check and model.checks_memory
+    gains = gain_bytes(profile)
     for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
-        memory, versions, in_flight = plan_stage_memory(
+        layers = family.stage_layers(stage.start, stage.end)
+        choice = choose_for_stage(
+            profile,
+            layers,
             options.schedule,
             replicas,
             q,
-            arrays.params(stage.start, stage.end),
-            arrays.saved(stage.start, stage.end),
             options.optimizer,
             options.microbatches,
-            precision=arrays.precision,
-            largest_param_bytes=arrays.largest(stage.start, stage.end),
+            arrays.precision,
+            arrays.largest(stage.start, stage.end),
+            options.recompute,
+            topology.device.memory_bytes if checked else None,
+            gains,
         )
-        if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
+        memory, versions, in_flight = choice.memory_bytes, choice.weight_versions, choice.in_flight
+        if checked and (choice.recompute is None or memory > topology.device.memory_bytes):
             raise InfeasibleError(
                 f"no plan fits in {format_bytes(topology.device.memory_bytes)} per device with schedule "
                 f"{options.schedule}: stage {q} of the fastest split needs {format_bytes(memory)} "
                 f"({_infeasible_hint(options)})"
             )
-        layers = family.stage_layers(stage.start, stage.end)
+        recomputed = choice.recompute.layers if choice.recompute is not None else ()
+        extra_ms = choice.recompute.extra_ms if choice.recompute is not None else 0.0
+        if extra_ms:  # the recomputed forwards run in the stage's backward
+            compute += extra_ms
+            stage_time = max(stage_time, compute / stage.replicas)
         stages.append(
             StagePlan(
                 index=q,
@@ -495,6 +546,8 @@ def _tree_plan(
                 memory_bytes=memory,
                 weight_versions=versions,
                 in_flight=int(math.ceil(in_flight)),
+                recompute_layers=recomputed,
+                recompute_ms=extra_ms,
             )
         )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)

@@ -23,6 +23,7 @@ from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
+from pipeplan.planner.recompute import gain_bytes
 from pipeplan.profile import Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -66,6 +67,9 @@ class StageCosts:
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
     allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
     largest_param_bytes: int = 0  # the stage's largest parameter (its gradient temporary; planner.memory)
+    # activation recomputation (planner.recompute): saved bytes of the stage's largest
+    # recomputable layer, one minibatch (re-materialised one micro-batch at a time); 0: none
+    recompute_peak_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,18 +163,28 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     extra = [
         c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)
     ]
+    gains = gain_bytes(profile)
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
+        recomputed = stage.recompute_layers
         out.append(
             StageCosts(
                 forward_ms=sum(layer.forward_ms for layer in layers) + sum(extra[i] for i in stage.layers),
-                backward_ms=sum(layer.backward_ms for layer in layers),
+                # the recomputed layers' forwards run again in backward (planner.recompute)
+                backward_ms=sum(layer.backward_ms for layer in layers)
+                + sum(profile.layers[i].forward_ms for i in recomputed),
                 param_bytes=sum(layer.param_bytes for layer in layers),
-                saved_bytes=sum(layer.saved_bytes for layer in layers),
+                saved_bytes=int(
+                    sum(layer.saved_bytes for layer in layers) - sum(gains[i] for i in recomputed)
+                ),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 step_ms=sum(update[i] for i in stage.layers),
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
+                recompute_peak_bytes=max(
+                    (layer.saved_bytes for layer in layers if recomputed and gains[layer.index] > 0),
+                    default=0,
+                ),
             )
         )
     return out
@@ -442,7 +456,8 @@ def _temporary_bytes(
     if q >= positions:
         return 0.0
     largest = max(c.largest_param_bytes for c in costs[q::positions])
-    return float(gradient_temporary_bytes(largest, microbatches, plan.precision))
+    recompute = max(c.recompute_peak_bytes for c in costs[q::positions]) / microbatches
+    return float(gradient_temporary_bytes(largest, microbatches, plan.precision)) + recompute
 
 
 def simulate_plan(

@@ -288,6 +288,7 @@ def _block(
         tp_forward_allreduces=2,
         tp_backward_allreduces=2 + (2 if recompute else 0),
         largest_param_bytes=size(4 * h * h),  # each MLP GEMM's weight (h x 4h)
+        recompute_kept_bytes=activation,  # its input: what full recomputation keeps (Korthikanti et al.)
     )
 
 

@@ -138,6 +138,7 @@ def measure_layerwise(
                         saved,
                         tuple(sorted(set(stage.parameter_names.values()))),
                         largest_param_bytes(stage.module.parameters()),
+                        output_bytes(args),
                     )
                 )
                 for name, value in zip(stage.output_names, outputs):
@@ -323,6 +324,7 @@ def _layer_profile(
     saved: int,
     names: tuple[str, ...],
     largest: int,
+    kept: int = -1,
 ) -> LayerProfile:
     return LayerProfile(
         index=node.index,
@@ -340,4 +342,5 @@ def _layer_profile(
         reused_from=-1 if timed.index == position else timed.index,
         parameters=names,
         largest_param_bytes=largest,
+        recompute_kept_bytes=kept,
     )

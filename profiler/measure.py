@@ -84,6 +84,8 @@ class LayerMeasurement:
     param_bytes: int
     saved_bytes: int
     largest_param_bytes: int = 0
+    # bytes of its input tensors: what it keeps for backward under torch.utils.checkpoint
+    kept_bytes: int = -1
 
 
 @dataclass
@@ -95,6 +97,9 @@ class PassSample:
     loss_ms: float = 0.0
     output_bytes: list[int] = field(default_factory=list)
     saved_bytes: list[int] = field(default_factory=list)
+    kept_bytes: list[int] = field(
+        default_factory=list
+    )  # its input tensors (LayerProfile.recompute_kept_bytes)
 
 
 def disable_inplace(model: nn.Module) -> int:
@@ -185,6 +190,7 @@ def run_pass(
                     outputs = _run(stage, args)
                 sample.saved_bytes.append(counter.saved_bytes - before)
                 sample.output_bytes.append(output_bytes(outputs))
+                sample.kept_bytes.append(output_bytes(args))
             else:
                 timer.start()
                 outputs = _run(stage, args)
@@ -359,6 +365,7 @@ def measure_stages(
             param_bytes=param_bytes(stage.module.parameters()),
             saved_bytes=counted.saved_bytes[position],
             largest_param_bytes=largest_param_bytes(stage.module.parameters()),
+            kept_bytes=counted.kept_bytes[position],
         )
         for position, stage in enumerate(stages)
     ]
@@ -420,6 +427,7 @@ def measure_layers(
             model_inputs=tuple(node.model_inputs),
             parameters=tuple(sorted(set(stage.parameter_names.values()))),
             largest_param_bytes=layer.largest_param_bytes,
+            recompute_kept_bytes=layer.kept_bytes,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -45,6 +45,7 @@ __all__ = [
     "ScheduleConfig",
     "check_options",
     "check_recompute",
+    "check_layer_recompute",
 ]
 
 OPTION = "pipeplan.option"  # the metadata key of a field's ``Option``
@@ -353,6 +354,35 @@ def check_options(config: RunConfig) -> None:
     if not (math.isfinite(config.timeout_s) and config.timeout_s > 0):
         raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
     check_recompute(config)
+    check_layer_recompute(config)
+
+
+def check_layer_recompute(config: RunConfig) -> None:
+    """A plan's per-layer recomputation (``StagePlan.recompute_layers``) runs only under the
+    schedules whose ``ScheduleKind`` says ``recomputes_layers``, without tensor parallelism
+    and without mixed precision (a recomputed forward reads the weights the modules hold
+    when backward runs: ``pipeplan.capture.checkpointed``); ``InputError`` otherwise."""
+    stages = [stage.index for stage in config.plan.stages if stage.recompute_layers]
+    if not stages:
+        return
+    if not schedule_kind(config.schedule).recomputes_layers:
+        allowed = or_list(names_where(lambda kind: kind.recomputes_layers))
+        raise InputError(
+            f"the plan recomputes layers of stage(s) {stages}, which runs under {allowed}, not {config.schedule} "
+            f"(plan it with --recompute none for {config.schedule})"
+        )
+    if config.precision.mixed:
+        raise InputError(
+            f"the plan recomputes layers of stage(s) {stages}, which runs without mixed precision "
+            f"(got {config.precision.dtype} with {config.precision.master_dtype} masters)"
+        )
+    split = [
+        stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1
+    ]
+    if split:
+        raise InputError(
+            f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run"
+        )
 
 
 def check_recompute(config: RunConfig) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
+from pipeplan.capture.checkpointed import checkpoint_layers
 from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile
@@ -169,6 +170,10 @@ def build_pipeline(
                 f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
             )
         modules = graph.split(stage_of_layers(plan, len(graph)))  # names by identity: the stand-ins
+        modules = [  # the plan's recomputed layers under torch.utils.checkpoint
+            checkpoint_layers(graph, module, stage.recompute_layers)
+            for module, stage in zip(modules, plan.stages)
+        ]
     if len(modules) != len(plan.stages):
         raise InputError(f"the plan has {len(plan.stages)} stages, the split gave {len(modules)}")
     ranks = tuple(tuple(stage.ranks) for stage in plan.stages)

@@ -148,6 +148,7 @@ def dag_cases(draw):
         optimizer=draw(st.sampled_from(["sgd", "adam"])),
         straight=draw(st.booleans()),
         max_stages=draw(st.sampled_from([None, None, 2, 3])),
+        recompute=draw(st.sampled_from(["auto", "none"])),
     )
     return profile, Topology("t", DeviceSpec("d", memory), levels), options
 
@@ -175,7 +176,9 @@ def test_dp_equals_brute_force_over_every_downset(case):
         params = sum(profile.layers[i].param_bytes for i in stage.layers)
         saved = sum(profile.layers[i].saved_bytes for i in stage.layers)
         memory, _, _ = plan_stage_memory(options.schedule, replicas, q, params, saved, options.optimizer)
-        assert memory == stage.memory_bytes <= topology.device.memory_bytes
+        assert stage.memory_bytes <= topology.device.memory_bytes
+        if not stage.recompute_layers:  # else its memory is less (tests/test_recompute.py)
+            assert memory == stage.memory_bytes
 
 
 def test_a_non_prefix_cut_beats_every_prefix():

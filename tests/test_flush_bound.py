@@ -155,18 +155,27 @@ def test_fewest_stages_prove_infeasibility_without_passes():
 
 def test_uniform_plans_when_the_dp_charge_finds_nothing():
     """8 layers on 2 x 8 devices, the first saving 8 MB, 1f1b-flush with 8 micro-batches,
-    3 MB per device: the DP charges any stage min(M, K) / M = 8/8 of its activations (K = 8
-    = the stages it might plan), so the first layer fits nowhere; a uniform pipeline of p
-    stages holds min(M, p - s) / M: one stage on all 16 devices holds 1/8 of 8 MB, and
-    is planned (before, the DP's failure hid it)."""
+        3 MB per device: the DP charges any stage min(M, K) / M = 8/8 of its activations (K = 8
+        = the stages it might plan), so the first layer fits nowhere; a uniform pipeline of p
+        stages holds min(M, p - s) / M: one stage on all 16 devices holds 1/8 of 8 MB, and
+        is planned (before, the DP's failure hid it). Without recomputation: with it, the DP fits
+    the first layer by recomputing it (tests/test_recompute.py)."""
     layers = tuple(
         LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 1.0, 2.0, 8, 0, 8 * 10**6 if i == 0 else 1000)
         for i in range(8)
     )
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
     topology = Topology("t", DeviceSpec("d", 3 * 10**6), (Level("n", 2, 1e9), Level("c", 8, 1e8)))
-    plan = partition(profile, topology, PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=True))
+    plan = partition(
+        profile,
+        topology,
+        PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=True, recompute="none"),
+    )
     assert [(s.replicas, len(s.layers)) for s in plan.stages] == [(16, 8)]
     assert plan.stages[0].memory_bytes <= 3 * 10**6 and plan.predicted.simulated
     with pytest.raises(InfeasibleError):
-        partition(profile, topology, PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=False))
+        partition(
+            profile,
+            topology,
+            PartitionOptions(schedule="1f1b-flush", microbatches=8, uniform=False, recompute="none"),
+        )

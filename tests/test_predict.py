@@ -134,7 +134,7 @@ def test_auto_infeasible_names_the_smallest_memory_that_fits() -> None:
         search(
             heavy,
             make_topology(per_server=2, servers=1, memory_bytes=1 << 29),
-            PartitionOptions(straight=True, microbatches=8),
+            PartitionOptions(straight=True, microbatches=8, recompute="none"),
         )
     message = str(caught.value)
     assert "\n" not in message and "the smallest that would fit is" in message
@@ -190,8 +190,8 @@ def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     topology = make_topology(
         per_server=2, servers=1, memory_bytes=3 << 30
-    )  # gpipe's 4 GiB per stage does not fit
-    options = PartitionOptions(straight=True)
+    )  # gpipe's 4 GiB per stage does not fit (without recomputation)
+    options = PartitionOptions(straight=True, recompute="none")
     full = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"))
     quick = search(heavy, topology, options, schedules=("1f1b-flush", "gpipe"), misfit_memory=False)
     assert quick.best == full.best and quick.plan == full.plan

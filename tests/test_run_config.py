@@ -23,6 +23,7 @@ from pipeplan.runtime.config import (
     OutputConfig,
     RunConfig,
     ScheduleConfig,
+    check_layer_recompute,
     check_options,
     check_recompute,
 )
@@ -242,3 +243,23 @@ def test_checkpoint_every_takes_steps_or_auto_and_a_bad_value_is_one_line(tmp_pa
         with pytest.raises(InputError) as error:
             check_options(_parse(tmp_path, "--model", "m.py", *flags))
         assert str(error.value) == message
+
+
+def test_planned_layer_recomputation_runs_under_flush_schedules_without_mixed_precision(
+    tmp_path: Path,
+) -> None:
+    config = _parse(tmp_path, "--model", "m.py")
+    check_layer_recompute(config)  # no stage recomputes
+    stages = (dataclasses.replace(config.plan.stages[0], recompute_layers=(1,)), *config.plan.stages[1:])
+    recomputing = dataclasses.replace(config, plan=dataclasses.replace(config.plan, stages=stages))
+    check_layer_recompute(recomputing)  # 1f1b-flush, float32
+    with pytest.raises(
+        InputError,
+        match=r"recomputes layers of stage\(s\) \[0\], which runs under 1f1b-flush or gpipe, not 1f1b-rr",
+    ):
+        check_layer_recompute(dataclasses.replace(recomputing, pipeline=ScheduleConfig(schedule="1f1b-rr")))
+    mixed = dataclasses.replace(
+        recomputing, plan=dataclasses.replace(recomputing.plan, dtype="bfloat16", master_dtype="float32")
+    )
+    with pytest.raises(InputError, match="without mixed precision"):
+        check_layer_recompute(mixed)

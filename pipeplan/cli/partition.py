@@ -9,6 +9,7 @@ import click
 from pipeplan.optimizers import OPTIMIZERS
 from pipeplan.plan import EXPORT_TARGETS
 from pipeplan.planner.costs import COST_MODELS
+from pipeplan.planner.recompute import RECOMPUTE_MODES
 from pipeplan.schedules import (
     DEFAULT_SCHEDULE,
     DEFAULT_TARGET_SCHEDULE,
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
     from pipeplan.planner.options import PartitionOptions
     from pipeplan.profile import Profile
 
-__all__ = ["partition"]
+__all__ = ["partition", "recompute_text"]
 
 
 def _load_profile(path: str, batch_size: int) -> Profile:
@@ -94,6 +95,15 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
     )
 
 
+def recompute_text(stage: StagePlan) -> str:
+    """A stage's recomputation for a table cell: "2 of 4 layers, +1.20 ms" ("-": none)."""
+    from pipeplan.units import format_ms
+
+    if not stage.recompute_layers:
+        return "-"
+    return f"{len(stage.recompute_layers)} of {len(stage.layers)} layers, +{format_ms(stage.recompute_ms)}"
+
+
 def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -111,6 +121,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
         f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
     )
+    recomputes = any(stage.recompute_layers for stage in plan.stages)
     for column in (
         "stage",
         "layers",
@@ -121,6 +132,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         "all-reduce",
         "busy/minibatch",
         "memory",
+        *(("recomputed",) if recomputes else ()),
     ):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
@@ -137,9 +149,22 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
             format_ms(stage.allreduce_ms),
             format_ms(stage.time_per_minibatch_ms),
             format_bytes(stage.memory_bytes),
+            *((recompute_text(stage),) if recomputes else ()),
         )
     console = Console()
     console.print(table)
+    if recomputes or plan.recompute != "none":
+        console.print(
+            f"recomputation ({plan.recompute}): "
+            + (
+                "recomputed layers run their forward again in backward (in compute); "
+                if recomputes
+                else "none needed; "
+            )
+            + f"device memory {format_bytes(plan.topology.device.memory_bytes)}",
+            markup=False,
+            soft_wrap=True,
+        )
     console.print(f"cut states searched: {plan.cut_family} ({plan.cut_candidates} states)")
     if plan.cost_model == "pipedream":
         # PipeDream's own check (activations + parameters against one device) decided the
@@ -237,6 +262,13 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.",
 )
 @click.option(
+    "--recompute",
+    type=click.Choice(RECOMPUTE_MODES),
+    default="auto",
+    show_default=True,
+    help="Activation recomputation per stage (torch.utils.checkpoint on chosen layers; 1f1b-flush and gpipe): auto chooses with the split the fewest layers each stage must recompute to fit, none never, full every layer that frees memory.",
+)
+@click.option(
     "--memory-check/--no-memory-check",
     default=True,
     show_default=True,
@@ -273,6 +305,7 @@ def partition(
     memory_check: bool,
     activation_compression: float | None,
     batch_size: int,
+    recompute: str,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
 
@@ -318,6 +351,7 @@ def partition(
         virtual_stages=virtual_stages,
         tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
         uniform=uniform,
+        recompute=recompute,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -155,6 +156,8 @@ def _compare(metrics_path: str, console: Console) -> bool:
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
         console.print(memory_table(metrics.to_dict()["stages"]))
+    for line in recompute_lines(metrics.plan or {}):
+        console.print(line, markup=False, soft_wrap=True)
     print_checkpoints(metrics.to_dict(), console)
     flagged = result.flagged
     if flagged:
@@ -167,6 +170,25 @@ def _compare(metrics_path: str, console: Console) -> bool:
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
     return False
+
+
+def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
+    """One line per stage of the run's plan that recomputes layers (``StagePlan.recompute_layers``):
+    how many, the time they cost (in its predicted compute) and its memory against the device's."""
+    from pipeplan.units import format_bytes, format_ms
+
+    device = plan.get("topology", {}).get("device", {}).get("memory_bytes")
+    out = []
+    for stage in plan.get("stages", []):
+        layers = stage.get("recompute_layers") or []
+        if layers:
+            out.append(
+                f"stage {stage['index']} recomputes {len(layers)} of {len(stage.get('layers', []))} layers: "
+                f"+{format_ms(float(stage.get('recompute_ms', 0.0)))} per minibatch (in its predicted compute), "
+                f"planned memory {format_bytes(int(stage['memory_bytes']))}"
+                + (f" of {format_bytes(int(device))} per device" if device else "")
+            )
+    return out
 
 
 def memory_table(stages: list[dict[str, Any]]) -> Any:

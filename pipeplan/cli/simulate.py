@@ -162,13 +162,18 @@ def simulate(
 def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
     from rich.table import Table
 
+    from pipeplan.cli.partition import recompute_text
+
+    recomputes = any(stage.recompute_layers for stage in plan.stages)
     micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
     if result.virtual_stages > 1:
         micro += f", {result.virtual_stages} chunks per device"
     table = Table(
         title=f"{result.schedule}{micro}: {result.time_per_minibatch_ms:.3f} ms/minibatch, "
         f"{result.samples_per_s:.1f} samples/s (simulated)",
-        caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches",
+        caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches; device memory "
+        f"{result.memory_limit_bytes / GIB:.3f} GiB"
+        + ("; recomputed: layers run again in backward, ms per minibatch in busy" if recomputes else ""),
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
     for header in (
@@ -181,6 +186,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         "link ms",
         "memory GiB",
         "in flight",
+        *(("recomputed",) if recomputes else ()),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -198,6 +204,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             f"{sim.comm_ms:.3f}",
             memory,
             f"{sim.in_flight:g}",
+            *((recompute_text(stage),) if recomputes else ()),
         )
     return table
 

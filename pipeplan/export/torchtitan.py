@@ -15,7 +15,7 @@ from pipeplan.export.structure import (
 )
 from pipeplan.plan import Plan
 
-__all__ = ["TorchtitanExport", "export_torchtitan", "torchtitan_parts"]
+__all__ = ["TorchtitanExport", "activation_checkpoint_mode", "export_torchtitan", "torchtitan_parts"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,10 @@ class TorchtitanExport:
     batch_size: int  # torchtitan's [training] local_batch_size this fragment assumes
     microbatches: int
     module_fqns_per_model_part: tuple[tuple[str, ...], ...]
+    # torchtitan's [activation_checkpoint] mode ("none" | "full"), from the plan's recomputed
+    # layers (``activation_checkpoint_mode``); ``recompute_note`` says what it changes, if anything
+    activation_checkpoint_mode: str = "none"
+    recompute_note: str = ""
 
     @property
     def pipeline_parallel_microbatch_size(self) -> int:
@@ -53,6 +57,8 @@ class TorchtitanExport:
             f"pipeline_parallel_schedule = {json.dumps(self.pipeline_parallel_schedule)}\n"
             f"pipeline_parallel_microbatch_size = {self.pipeline_parallel_microbatch_size}\n"
             f"module_fqns_per_model_part = [\n{parts}]\n"
+            "\n" + (f"# {self.recompute_note}\n" if self.recompute_note else "") + "[activation_checkpoint]\n"
+            f"mode = {json.dumps(self.activation_checkpoint_mode)}\n"
         )
 
 
@@ -129,6 +135,26 @@ def torchtitan_parts(
     return tuple(tuple(unit for _, unit in sorted(part, key=lambda item: item[0])) for part in parts)
 
 
+def activation_checkpoint_mode(plan: Plan) -> tuple[str, str]:
+    """(torchtitan's ``[activation_checkpoint] mode``, a note) for the plan's recomputed layers.
+
+    torchtitan applies one mode to every transformer block of every stage: "none" when no
+    stage recomputes, else "full" (every block checkpointed: at least the memory the plan
+    saves, at more time when the plan recomputes only some stages' layers, which the note says).
+    """
+    recomputing = [stage for stage in plan.stages if stage.recompute_layers]
+    if not recomputing:
+        return "none", ""
+    partial = [s.index for s in plan.stages if len(s.recompute_layers) < len(s.layers)]
+    if not partial:
+        return "full", ""
+    shares = ", ".join(f"stage {s.index}: {len(s.recompute_layers)} of {len(s.layers)}" for s in plan.stages)
+    return "full", (
+        f"pipeplan's plan recomputes only some layers ({shares}); torchtitan checkpoints every block "
+        f"in one mode: full (the memory fits, the recomputation costs more than planned)"
+    )
+
+
 def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport:
     """The plan for torchtitan's ``[parallelism]``; ``InputError`` (one line) when it does not carry over."""
     stage_of = check_exportable(plan, structure)
@@ -141,4 +167,6 @@ def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport
         batch_size=plan.batch_size,
         microbatches=plan.microbatches,
         module_fqns_per_model_part=torchtitan_parts(structure, stage_of, len(plan.stages)),
+        activation_checkpoint_mode=activation_checkpoint_mode(plan)[0],
+        recompute_note=activation_checkpoint_mode(plan)[1],
     )

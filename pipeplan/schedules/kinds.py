@@ -98,6 +98,11 @@ class ScheduleKind:
     export_description: str = ""
     # `pipeplan run --recompute` may recompute activations in backward under it
     supports_recompute: bool = False
+    # the planner may choose, and `pipeplan run` runs, per-layer recomputation
+    # (torch.utils.checkpoint on a stage's chosen layers, ``pipeplan.planner.recompute``):
+    # schedules without weight versions (a recomputed forward must see the forward's weights)
+    # and with whole backwards
+    recomputes_layers: bool = False
     default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
     default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
@@ -302,6 +307,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             in_flight=_flush_in_flight,
             engine=EngineSchedule("Schedule1F1B", "1F1B", microbatch_per_stage=True, plannable=True),
             default_for_targets=True,
+            recomputes_layers=True,
         ),
         ScheduleKind(
             "gpipe",
@@ -315,6 +321,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             in_flight=_gpipe_in_flight,
             engine=EngineSchedule("ScheduleGPipe", "GPipe", plannable=True),
             supports_recompute=True,
+            recomputes_layers=True,
         ),
         ScheduleKind(
             "interleaved-1f1b",

@@ -20,8 +20,10 @@ from pipeplan.planner.dp.context import (
     device_need_bytes,
     longest_prefix,
     nested_states,
+    versions_in_flight,
 )
 from pipeplan.planner.dp.tables import fill_top, split_choices
+from pipeplan.planner.recompute import range_extra_ms
 from pipeplan.topology import Level, Topology
 
 __all__ = [
@@ -149,18 +151,53 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
         arrays.param_bytes[-1:] - arrays.param_bytes[:1],
         arrays.saved_bytes[-1:] - arrays.saved_bytes[:1],
     )
-    whole = arrays.largest_range(np.array([0]), np.array([len(arrays.param_bytes) - 1]))
+    first, last = np.array([0]), np.array([len(arrays.param_bytes) - 1])
+    whole = arrays.largest_range(first, last)
     if (
         settings.memory_check
-        and float(device_need_bytes(settings, params, saved, 0, whole)[0]) > topology.device.memory_bytes
+        and float(device_need_bytes(settings, params, saved, 0, whole, arrays, first, last)[0])
+        > topology.device.memory_bytes
     ):
         return INF
-    value = float(arrays.compute_ms[-1] - arrays.compute_ms[0])
+    value = float(arrays.compute_ms[-1] - arrays.compute_ms[0]) + _whole_recompute_ms(
+        arrays, topology, settings, params, saved, whole
+    )
     grads = params * arrays.precision.gradient_ratio
     for level in topology.levels:
         allreduce = ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
         value = max(value / level.count, float(allreduce[0]))
     return value
+
+
+def _whole_recompute_ms(
+    arrays: LayerArrays,
+    topology: Topology,
+    settings: DPSettings,
+    params: np.ndarray,
+    saved: np.ndarray,
+    largest: np.ndarray,
+) -> float:
+    """The recomputation (ms) the whole model as one stage at tau 0 chooses (``device_time``'s)."""
+    mode = settings.recompute
+    if mode == "none" or (mode == "auto" and not settings.memory_check):
+        return 0.0
+    assert arrays.recompute_gain is not None and arrays.recompute_forward_ms is not None
+    first, last = np.array([0]), np.array([len(arrays.param_bytes) - 1])
+    need = device_need_bytes(settings, params, np.zeros(1), 0, largest)
+    spare = topology.device.memory_bytes - need if settings.memory_check else np.full(1, INF)
+    extra = range_extra_ms(
+        arrays.recompute_gain,
+        arrays.recompute_forward_ms,
+        arrays.recompute_transient(first, last) / settings.microbatches,
+        saved,
+        first,
+        last,
+        versions_in_flight(settings, 0)[1],
+        spare,
+        mode,
+        bisect=arrays.cut_family.is_prefix,
+    )
+    return float(extra[0])
 
 
 def next_limit(limit_ms: float, attempt: int) -> float:
@@ -179,7 +216,7 @@ def some_layer_never_fits(ctx: DPContext) -> bool:
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
     need = device_need_bytes(
-        ctx.settings, params, saved, 0, largest
+        ctx.settings, params, saved, 0, largest, ctx.arrays, states[:-1], states[1:]
     )  # device_table at tau = 0 for single layers
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
@@ -202,6 +239,9 @@ def fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings)
             arrays.saved_bytes[ends] - arrays.saved_bytes[start],
             0,
             arrays.largest_range(np.full(len(ends), start), ends),
+            arrays,
+            np.full(len(ends), start),
+            ends,
         )
         fits = int(np.searchsorted(need > memory, True))  # need grows with the end: a prefix of ends fits
         if fits == 0:

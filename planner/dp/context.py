@@ -10,6 +10,7 @@ import numpy as np
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
+from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
 from pipeplan.precision import Precision
 from pipeplan.schedules import DEFAULT_SCHEDULE, schedule_kind
 from pipeplan.topology import Topology
@@ -26,6 +27,7 @@ __all__ = [
     "DPSolution",
     "StageNode",
     "device_need_bytes",
+    "versions_in_flight",
     "device_table",
     "device_time",
     "longest_prefix",
@@ -58,6 +60,9 @@ class DPSettings:
     # micro-batches per minibatch: more than one charges each stage's gradient temporary
     # (planner.memory.gradient_temporary_bytes)
     microbatches: int = 1
+    # activation recomputation per stage (``planner.recompute``): "none" | "full" | "auto"
+    # (the least recomputation that fits each stage, chosen with the split)
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,12 @@ class DPContext:
         self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
         self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
         self.largest = arrays.largest_range(s_idx, e_idx)
+        self.starts, self.ends = (np.broadcast_to(x, self.compute.shape) for x in (s_idx, e_idx))
+        self.transient = (
+            arrays.recompute_transient(s_idx, e_idx) / settings.microbatches
+            if settings.recompute != "none"
+            else np.zeros(self.compute.shape)
+        )
         self.cut = np.zeros(self.rows)
         self.cut[: n + 1] = arrays.cut_bytes
         self.limits: dict[int, np.ndarray] = {top: np.full((span + 1, self.rows), limit)}
@@ -301,33 +312,78 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
+def versions_in_flight(settings: DPSettings, tau: int) -> tuple[int, float]:
+    """(weight versions, minibatches of activations in flight) the DP charges a device at ``tau``."""
+    if _tracks_tau(settings):
+        return tau + 1, float(tau + 1)
+    return schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
+
+
+def _parameter_bytes(settings: DPSettings, params: np.ndarray, tau: int, largest: np.ndarray) -> np.ndarray:
+    """Bytes of everything but the activations: weight versions, gradients, optimizer
+    states (and masters), the gradient temporary."""
+    versions, _ = versions_in_flight(settings, tau)
+    return params * parameter_copies(
+        versions, settings.optimizer, settings.precision
+    ) + gradient_temporary_bytes(largest, settings.microbatches, settings.precision)
+
+
 def device_need_bytes(
-    settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int, largest: np.ndarray
+    settings: DPSettings,
+    params: np.ndarray,
+    saved: np.ndarray,
+    tau: int,
+    largest: np.ndarray,
+    arrays: LayerArrays | None = None,
+    starts: np.ndarray | None = None,
+    ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
-    parameters are ``largest``, at ``tau``."""
-    if _tracks_tau(settings):
-        versions, in_flight = tau + 1, float(tau + 1)
-    else:
-        versions, in_flight = (
-            schedule_kind(settings.schedule).weight_versions((1,), 0),
-            settings.flush_in_flight,
+    parameters are ``largest``, at ``tau``. Given ``arrays`` and the ranges' ``starts`` and
+    ``ends``, the fewest that ``settings.recompute`` allows (``planner.recompute``)."""
+    _, in_flight = versions_in_flight(settings, tau)
+    activations = saved * in_flight
+    if arrays is not None and starts is not None and ends is not None and settings.recompute != "none":
+        assert arrays.recompute_gain is not None
+        transient = arrays.recompute_transient(starts, ends) / settings.microbatches
+        activations = least_activation_bytes(
+            arrays.recompute_gain, transient, saved, starts, ends, in_flight, settings.recompute
         )
-    return (
-        params * parameter_copies(versions, settings.optimizer, settings.precision)
-        + saved * in_flight
-        + gradient_temporary_bytes(largest, settings.microbatches, settings.precision)
-    )
+    return _parameter_bytes(settings, params, tau, largest) + activations
 
 
 def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
     """Compute (ms) of the ranges ``[l, i]`` at ``where`` (an index into the band arrays)
-    on one device at ``tau``; inf where the range is no stage or does not fit in memory."""
+    on one device at ``tau``, with the recomputation ``ctx.settings.recompute`` chooses for
+    it (``planner.recompute``); inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
-    if ctx.settings.memory_check:
-        need = device_need_bytes(ctx.settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
-        time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
-    return time
+    settings, arrays = ctx.settings, ctx.arrays
+    if settings.recompute == "none" or (settings.recompute == "auto" and not settings.memory_check):
+        if settings.memory_check:
+            need = device_need_bytes(settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
+            time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
+        return time
+    assert arrays.recompute_gain is not None and arrays.recompute_forward_ms is not None
+    _, in_flight = versions_in_flight(settings, tau)
+    spare = (
+        ctx.topology.device.memory_bytes
+        - _parameter_bytes(settings, ctx.params[where], tau, ctx.largest[where])
+        if settings.memory_check
+        else np.full(time.shape, INF)
+    )
+    extra = range_extra_ms(
+        arrays.recompute_gain,
+        arrays.recompute_forward_ms,
+        ctx.transient[where],
+        ctx.saved[where],
+        ctx.starts[where],
+        ctx.ends[where],
+        in_flight,
+        spare,
+        settings.recompute,
+        bisect=arrays.cut_family.is_prefix,
+    )
+    return time + extra
 
 
 def device_table(ctx: DPContext, tau: int) -> np.ndarray:
