@@ -10,6 +10,7 @@ refused in one line.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,19 @@ def test_interleaved_chunks_follow_megatrons_order_and_replicas_are_data_paralle
     assert made.layout_string == "Et|t|t|tL" and made.pipeline_parallel == 2
     assert (made.data_parallel, made.global_batch_size, made.microbatch_size) == (2, 16, 2)
     assert "interleaved 1F1B, 2 chunks per device" in made.text()
+
+
+def test_recomputed_layers_become_megatrons_block_recomputation(four_blocks: None) -> None:
+    plan = make_plan(GPT, [_blocks(0, 1, embed=True), _blocks(2, 3, head=True)], [1, 1], microbatches=2)
+    # stage 0 recomputes all of block 0 and one layer of block 1; stage 1 nothing
+    recomputed = (*_blocks(0, 0), EMBED + BLOCK)
+    plan = replace(plan, stages=(replace(plan.stages[0], recompute_layers=recomputed), plan.stages[1]))
+    text = _export(plan)
+    assert "--recompute-granularity full \\\n--recompute-method block \\\n--recompute-num-layers 2" in text
+    assert "the plan recomputes 2, 0 per stage" in text
+    assert "--recompute" not in _export(
+        replace(plan, stages=tuple(replace(s, recompute_layers=()) for s in plan.stages))
+    )
 
 
 @pytest.mark.slow

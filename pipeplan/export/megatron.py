@@ -6,7 +6,11 @@ and the loss run, and the parallel degrees. The stages become
 ``--pipeline-model-parallel-layout`` (Megatron Core's custom layout: ``E`` embedding, ``t``
 a decoder layer, ``L`` the output layer and loss, ``|`` between stages, listed as the
 plan's stages are: every device's first chunk, then every device's second under
-interleaving, from which Megatron derives the virtual pipeline size).
+interleaving, from which Megatron derives the virtual pipeline size). Recomputed layers
+(``StagePlan.recompute_layers``) become ``--recompute-granularity full --recompute-method block
+--recompute-num-layers k``: Megatron recomputes the first k decoder layers of every stage, so k
+is the most blocks any stage recomputes (a block with a recomputed layer counts whole), and a
+comment names the stages that then recompute more than planned.
 
 The decoder layers are the model's stack of identical blocks: the module ``P`` whose
 numbered children ``P.0``, ``P.1``, ... hold the most layers and share one class
@@ -42,6 +46,9 @@ MEGATRON_OPTIONS = (
     "--global-batch-size",
     "--bf16",
     "--untie-embeddings-and-output-weights",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
 )
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -62,6 +69,8 @@ class MegatronExport:
     global_batch_size: int
     bf16: bool
     tied_embeddings: bool
+    # decoder blocks each stage recomputes (a block with any recomputed layer counts whole)
+    recomputed_blocks: tuple[int, ...] = ()
 
     @property
     def layout_string(self) -> str:
@@ -80,7 +89,25 @@ class MegatronExport:
             args.append("--bf16")
         if not self.tied_embeddings:
             args.append("--untie-embeddings-and-output-weights")
+        if any(self.recomputed_blocks):
+            args += [
+                "--recompute-granularity full",
+                "--recompute-method block",
+                f"--recompute-num-layers {max(self.recomputed_blocks)}",
+            ]
         return tuple(args)
+
+    @property
+    def recompute_note(self) -> str:
+        """What Megatron's one recompute count changes against the plan's per-stage choice."""
+        counts = self.recomputed_blocks
+        if len(set(counts)) <= 1:
+            return ""
+        return (
+            f"Megatron's block method recomputes the first {max(counts)} decoder layers of every stage; "
+            f"the plan recomputes {', '.join(map(str, counts))} per stage (the others recompute more: "
+            f"slower than planned, never over its memory)"
+        )
 
     def text(self) -> str:
         chunks = len(self.layout) // self.pipeline_parallel
@@ -91,7 +118,10 @@ class MegatronExport:
             f"# Arguments of Megatron-LM's pretrain_gpt.py (megatron/training/arguments.py) for the same\n"
             f"# decoder stack: {self.decoder_layers} layers of {self.stack}; add the model's own sizes.\n"
             f"# Data parallelism d = world size / (t p); the global batch is d minibatches of "
-            f"{self.global_batch_size // self.data_parallel}.\n" + " \\\n".join(self.arguments()) + "\n"
+            f"{self.global_batch_size // self.data_parallel}.\n"
+            + (f"# {self.recompute_note}\n" if self.recompute_note else "")
+            + " \\\n".join(self.arguments())
+            + "\n"
         )
 
 
@@ -170,6 +200,10 @@ def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
         global_batch_size=plan.batch_size * d,
         bf16=plan.dtype == "bfloat16",
         tied_embeddings=_tied(structure, block_of, first_block, last_block),
+        recomputed_blocks=tuple(
+            len({block_of[layer] for layer in stage.recompute_layers if block_of[layer] >= 0})
+            for stage in plan.stages
+        ),
     )
 
 
