@@ -181,6 +181,27 @@ def test_dp_equals_brute_force_over_every_downset(case):
             assert memory == stage.memory_bytes
 
 
+def test_unnested_neighbouring_downsets_do_not_prove_a_layer_never_fits():
+    """Found by hypothesis: downsets 3 = {0, 3} and 4 = {0, 1, 2} are neighbours in the
+    family's order but not nested, so their difference is no stage. The DP's infeasibility
+    proof read it as a single layer of 12,567 B of Adam parameters (50 kB > 40 kB) and gave
+    up; the plan {0, 1, 3} | {2} | {4} fits (its largest stage 30.9 kB) at 11 ms."""
+    layers = (
+        LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 0, 0),
+        LayerProfile(1, "l1", "x", (0,), 1.0, 1.0, 0, 4938, 3000),
+        LayerProfile(2, "l2", "x", (1,), 5.0, 1.0, 0, 7629, 386),
+        LayerProfile(3, "l3", "x", (0,), 5.0, 2.0, 0, 0, 0),
+        LayerProfile(4, "l4", "x", (2,), 5.0, 1.0, 0, 1530, 3000),
+    )
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    topology = Topology("t", DeviceSpec("d", 40000), (Level("l0", 3, 1e7),))
+    options = PartitionOptions(schedule="gpipe", optimizer="adam", recompute="none")
+    assert exhaustive_best(profile, topology, options)[0] == 11.0
+    plan = partition(profile, topology, options)
+    assert plan.predicted.stage_bound_ms == 11.0
+    assert [s.layers for s in plan.stages] == [(0, 1, 3), (2,), (4,)]
+
+
 def test_a_non_prefix_cut_beats_every_prefix():
     """Diamond 0 -> {1, 2} -> 3, 4 ms per layer, two devices at 100 MB/s, one per stage.
     Prefixes of 0, 1, 2, 3: {0} or {0, 1, 2} give a 12 ms stage; {0, 1} sends layer 0's

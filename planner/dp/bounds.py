@@ -209,8 +209,12 @@ def next_limit(limit_ms: float, attempt: int) -> float:
 
 
 def some_layer_never_fits(ctx: DPContext) -> bool:
-    """True when a single layer exceeds device memory even with one minibatch in flight."""
-    if not ctx.settings.memory_check:
+    """True when a single layer exceeds device memory even with one minibatch in flight.
+
+    Only on a chain (the prefix family), where consecutive states differ by one layer; in a
+    family of downsets they need not be nested, so False there (``partition`` refuses a layer
+    that never fits before the DP runs, ``_least_need_bytes``)."""
+    if not ctx.settings.memory_check or not ctx.arrays.cut_family.is_prefix:
         return False
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
