@@ -429,16 +429,32 @@ def test_refuses_fewer_microbatches_than_stages_for_1f1b(tmp_path: Path) -> None
     )
 
 
-@pytest.mark.parametrize("target", ["pipelining", "torchtitan"])
-def test_refuses_a_parameter_shared_by_two_stages(tmp_path: Path, target: str) -> None:
+def test_refuses_a_parameter_shared_by_two_stages_for_torchtitan(tmp_path: Path) -> None:
     # tied.py: the head reuses the embedding's weight; layers 0 wte .. 4 head
     plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "gpipe", batch_size=4, microbatches=2)
-    assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", TIED)) == (
+    assert refusal(invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", TIED)) == (
         "parameter wte.weight is shared by layer 0 (wte) in stage 0, layer 4 (head) in stage 1: "
         "torch.distributed.pipelining copies it into each stage and trains the copies apart, torchtitan "
         "keeps it on one stage; a plan that puts every layer using it in one stage carries over; "
-        f"`pipeplan partition PROFILE --for {target}` plans only such cuts"
+        "`pipeplan partition PROFILE --for torchtitan` plans only such cuts"
     )
+
+
+def test_exports_stage_modules_that_sum_a_tied_gradient(tmp_path: Path) -> None:
+    # the same cut for pipelining: pipeplan's stage modules, the tied copies' gradients summed
+    plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "gpipe", batch_size=4, microbatches=2)
+    result = invoke(
+        saved(plan, tmp_path), "--to", "pipelining", "--model", TIED, "-o", str(tmp_path / "s.py")
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == (
+        "stages: pipeplan's stage modules in PipelineStage, since parameter wte.weight is used by stages "
+        "0, 1 (tied), whose copies torch's pipeline() trains apart; the export sums their gradients"
+    )
+    assert result.output.splitlines()[2].startswith("checked: every stage ran forward and backward")
+    snippet = (tmp_path / "s.py").read_text()
+    assert 'TIED = {\n    "wte.weight": (0, 1),\n}' in snippet
+    assert "STAGE_OF_LAYER = (0, 0, 1, 1, 1)" in snippet
 
 
 def test_refuses_another_model_and_a_wrong_format(tmp_path: Path) -> None:

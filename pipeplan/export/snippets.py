@@ -1,0 +1,129 @@
+"""The Python an export writes for torch.distributed.pipelining: one snippet per way of splitting.
+
+Both define ``N_STAGES``, ``RANKS``, ``N_MICROBATCHES``, ``build_stages(model,
+example_microbatch, rank, device, group=None)`` (this rank's ``PipelineStage`` objects),
+``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None)``
+(the schedule and this rank's stage modules), ``stage_loss(stage_modules, loss_fn)`` (the
+loss the schedule applies to the last stage's output) and ``sync_tied_gradients(stage_modules,
+group=None)`` (call it after ``schedule.step`` and before ``optimizer.step()``). The
+example micro-batch is the model's input tensors, positional ones first, then keyword
+ones in the batch's order (``ModelInputs.tensors``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from pipeplan.export.structure import MULTI_STAGE_CLASSES
+
+if TYPE_CHECKING:
+    from pipeplan.export.pipelining import PipeliningExport
+
+__all__: list[str] = []
+
+
+def _header(made: PipeliningExport, imports: str) -> str:
+    size = made.batch_size // made.microbatches
+    return (
+        f"# pipeplan export --to pipelining: {made.model}, {made.stages} stages on {made.ranks} ranks,\n"
+        f"# {made.schedule} = {made.schedule_class}, {made.microbatches} micro-batches of {size} samples\n"
+        f"# per step of {made.batch_size} samples. Run on {made.ranks} ranks "
+        f"(torchrun --nproc-per-node {made.ranks}).\n"
+        f"# Stages: {made.reason}\n"
+        + (f"# Checked: {made.checked}\n" if made.checked else "")
+        + f"{imports}\n"
+    )
+
+
+def _schedule(made: PipeliningExport) -> str:
+    stages = "stages" if made.schedule_class in MULTI_STAGE_CLASSES else "stages[0]"
+    return (
+        "\n\n"
+        "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
+        '    """(schedule, this rank\'s stage modules: give their parameters to the optimizer)."""\n'
+        "    stages = build_stages(model, example_microbatch, rank, device, group)\n"
+        "    modules = [stage.submod for stage in stages]\n"
+        f"    schedule = {made.schedule_class}(\n"
+        f"        {stages}, n_microbatches=N_MICROBATCHES, loss_fn=stage_loss(modules, loss_fn)\n"
+        "    )\n"
+        "    return schedule, modules\n"
+        "\n"
+        "# The plan's own action order instead (pipeplan export ... --format csv -o schedule.csv):\n"
+        "#   from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime\n"
+        "#   modules = [stage.submod for stage in stages]\n"
+        "#   schedule = _PipelineScheduleRuntime(\n"
+        "#       stages, n_microbatches=N_MICROBATCHES, loss_fn=stage_loss(modules, loss_fn)\n"
+        "#   )\n"
+        '#   schedule._load_csv("schedule.csv")\n'
+    )
+
+
+def _constants(made: PipeliningExport) -> str:
+    return f"N_STAGES = {made.stages}\nRANKS = {made.ranks}\nN_MICROBATCHES = {made.microbatches}\n"
+
+
+def split_spec_python(made: PipeliningExport) -> str:
+    """torch's own split: ``pipeline()`` with ``SPLIT_SPEC``, stages from ``pipe.build_stage``."""
+    spec = ", ".join(f"{json.dumps(name)}: SplitPoint.BEGINNING" for name in made.split_points)
+    size = made.batch_size // made.microbatches
+    return (
+        _header(
+            made, f"from torch.distributed.pipelining import SplitPoint, pipeline, {made.schedule_class}\n"
+        )
+        + f"\nSPLIT_SPEC = {{{spec}}}\n"
+        + _constants(made)
+        + "\n\n"
+        "def build_stages(model, example_microbatch, rank, device, group=None):\n"
+        f'    """This rank\'s stages; example_microbatch: the model\'s inputs for one micro-batch ({size} samples)."""\n'
+        "    pipe = pipeline(model, mb_args=tuple(example_microbatch), split_spec=SPLIT_SPEC)\n"
+        "    return [pipe.build_stage(s, device, group) for s in range(rank, N_STAGES, RANKS)]\n"
+        + _schedule(made)
+        + "\n\n"
+        "def stage_loss(stage_modules, loss_fn):\n"
+        '    """The loss the schedule applies to the last stage\'s output: loss_fn itself."""\n'
+        "    return loss_fn\n"
+        "\n\n"
+        "def sync_tied_gradients(stage_modules, group=None):\n"
+        '    """No parameter is held by two stages: nothing to sum."""\n'
+    )
+
+
+def stage_modules_python(made: PipeliningExport) -> str:
+    """pipeplan's own stage modules (what ``pipeplan run`` trains) in torch's manual ``PipelineStage``."""
+    size = made.batch_size // made.microbatches
+    tied = "".join(f"    {json.dumps(name)}: {tuple(stages)!r},\n" for name, stages in made.tied.items())
+    return (
+        _header(
+            made,
+            f"from torch.distributed.pipelining import PipelineStage, {made.schedule_class}\n\n"
+            "from pipeplan.export.stage_modules import all_reduce_tied, pipelining_stage_modules, staged_loss\n",
+        )
+        + "\n"
+        + _constants(made)
+        + f"STAGE_OF_LAYER = {made.stage_of_layer!r}\n"
+        + f"INPUT_LAYOUT = {made.input_layout!r}\n"
+        + f"FINGERPRINT = {json.dumps(made.fingerprint)}\n"
+        + f"LEAF_MODULES = {made.leaf_modules!r}\n"
+        + f"OPAQUE_MODULES = {made.opaque_modules!r}\n"
+        + "# parameter -> the stages holding a copy; their gradients are summed before each optimizer step\n"
+        + (f"TIED = {{\n{tied}}}\n" if tied else "TIED = {}\n")
+        + "\n\n"
+        "def build_stages(model, example_microbatch, rank, device, group=None):\n"
+        f'    """This rank\'s stages; example_microbatch: the model\'s input tensors for one micro-batch ({size} samples)."""\n'
+        "    modules = pipelining_stage_modules(\n"
+        "        model, example_microbatch, STAGE_OF_LAYER, INPUT_LAYOUT, FINGERPRINT, LEAF_MODULES, OPAQUE_MODULES, device\n"
+        "    )\n"
+        "    return [\n"
+        "        PipelineStage(modules[s].to(device), s, N_STAGES, device, group=group)\n"
+        "        for s in range(rank, N_STAGES, RANKS)\n"
+        "    ]\n" + _schedule(made) + "\n\n"
+        "def stage_loss(stage_modules, loss_fn):\n"
+        '    """loss_fn on the model\'s output, rebuilt from the last stage\'s tuple of tensors."""\n'
+        "    return staged_loss(stage_modules, loss_fn)\n"
+        "\n\n"
+        "def sync_tied_gradients(stage_modules, group=None):\n"
+        '    """After schedule.step(), before optimizer.step(): sum each tied parameter\'s gradient over\n'
+        '    the ranks holding a copy, so that the copies stay equal. Every rank calls it."""\n'
+        "    all_reduce_tied(stage_modules, TIED, RANKS, group)\n"
+    )
