@@ -324,45 +324,27 @@ def test_planned_for_torchtitan_exports_the_stages_units(profiles: dict[str, Pat
         ), name  # every unit once
 
 
-def test_tied_gpt_has_no_cut_and_says_why(tmp_path: Path) -> None:
+def test_tied_gpt_has_no_torchtitan_cut_and_exports_tied_stages_to_pipelining(tmp_path: Path) -> None:
     profile_model("gpt", batch_size=4, warmup=0, repeats=1, threads=1).save(tmp_path / "gpt.json")
-    for target in ("pipelining", "torchtitan"):
-        result = CliRunner().invoke(
-            cli,
-            [
-                "partition",
-                str(tmp_path / "gpt.json"),
-                "--topology",
-                "local-cpu",
-                "--for",
-                target,
-                "--microbatches",
-                "2",
-                "-o",
-                str(tmp_path / "p.json"),
-            ],
-        )
-        assert result.exit_code == 2
-        lines = result.output.strip().splitlines()
-        assert len(lines) == 1 and "can cut gpt at no layer boundary, too few for 2 stages" in lines[0]
-        assert "parameter wte.weight (used by layers 0 (wte) and 15 (ln_f))" in lines[0]
-        one = CliRunner().invoke(
-            cli,
-            [
-                "partition",
-                str(tmp_path / "gpt.json"),
-                "--topology",
-                "local-cpu",
-                "--for",
-                target,
-                "--microbatches",
-                "2",
-                "--use-fewer-devices",
-                "-o",
-                str(tmp_path / "p.json"),
-            ],
-        )
-        assert one.exit_code == 0 and len(Plan.load(tmp_path / "p.json").stages) == 1
+    args = ["partition", str(tmp_path / "gpt.json"), "--topology", "local-cpu", "--microbatches", "2"]
+    result = CliRunner().invoke(cli, [*args, "--for", "torchtitan", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "can cut gpt at no layer boundary, too few for 2 stages" in lines[0]
+    assert "parameter wte.weight (used by layers 0 (wte) and 15 (ln_f))" in lines[0]
+    one = CliRunner().invoke(
+        cli, [*args, "--for", "torchtitan", "--use-fewer-devices", "-o", str(tmp_path / "p.json")]
+    )
+    assert one.exit_code == 0 and len(Plan.load(tmp_path / "p.json").stages) == 1
+    # pipelining: the tied embedding and head on two stages, their gradients summed
+    plan = plan_for(tmp_path / "gpt.json", "pipelining", tmp_path / "tied.json")
+    assert plan.stages[0].layer_start == 0 and plan.stages[1].layer_end == 16
+    output = run_cli("export", str(tmp_path / "tied.json"), "--to", "pipelining", "--model", "gpt")
+    assert (
+        "# Stages: pipeplan's stage modules in PipelineStage, since parameter wte.weight is used by "
+        in output
+    )
+    assert '"wte.weight": (0, 1),' in output
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def _backward(
             ]
             roots = [out for out, _ in pairs]
             seeds = [g if g is not None else torch.zeros_like(out) for out, g in pairs]
-        params = list(staged.parameters[k].items())
+        params = [(name, p) for name, p in staged.parameters[k].items() if p.requires_grad]
         inputs = [t for t in received[k] if t.requires_grad] if k else []
         wrt = [*inputs, *(p for _, p in params)]
         if not roots or not wrt:
@@ -171,7 +171,7 @@ def check_staged(
     backward under the same seed; return the staged loss (``stage_loss_fn`` on the last
     stage's output, default ``loss_fn``). ``StageRunError`` (one line) when
     a stage fails or the loss or a gradient differs. The model's buffers are restored."""
-    named = dict(model.named_parameters())
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
     with preserved_buffers(model), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         whole_loss = loss_fn(inputs.call(model), target)

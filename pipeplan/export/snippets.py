@@ -97,7 +97,12 @@ def stage_modules_python(made: PipeliningExport) -> str:
         _header(
             made,
             f"from torch.distributed.pipelining import PipelineStage, {made.schedule_class}\n\n"
-            "from pipeplan.export.stage_modules import all_reduce_tied, pipelining_stage_modules, staged_loss\n",
+            "from pipeplan.export.stage_modules import (\n"
+            "    all_reduce_tied,\n"
+            "    pipelining_stage_modules,\n"
+            "    stage_examples,\n"
+            "    staged_loss,\n"
+            ")\n",
         )
         + "\n"
         + _constants(made)
@@ -114,8 +119,14 @@ def stage_modules_python(made: PipeliningExport) -> str:
         "    modules = pipelining_stage_modules(\n"
         "        model, example_microbatch, STAGE_OF_LAYER, INPUT_LAYOUT, FINGERPRINT, LEAF_MODULES, OPAQUE_MODULES, device\n"
         "    )\n"
+        "    # example inputs and outputs of every stage: torch's shape inference would run a stage on\n"
+        "    # uninitialised tensors (token ids from an earlier stage would index out of range)\n"
+        "    examples = stage_examples(modules, example_microbatch)\n"
         "    return [\n"
-        "        PipelineStage(modules[s].to(device), s, N_STAGES, device, group=group)\n"
+        "        PipelineStage(\n"
+        "            modules[s].to(device), s, N_STAGES, device,\n"
+        "            input_args=examples[s][0], output_args=examples[s][1], group=group,\n"
+        "        )\n"
         "        for s in range(rank, N_STAGES, RANKS)\n"
         "    ]\n" + _schedule(made) + "\n\n"
         "def stage_loss(stage_modules, loss_fn):\n"

@@ -37,6 +37,7 @@ __all__ = [
     "carried_values",
     "pipelining_stage_modules",
     "split_graph",
+    "stage_examples",
     "staged_loss",
     "tied_parameters",
 ]
@@ -181,6 +182,42 @@ def pipelining_stage_modules(
             f"exported for {fingerprint} (re-profile, re-plan and re-export this model)"
         )
     return split_graph(graph, stage_of_layer)
+
+
+def stage_examples(
+    modules: Sequence[PipeliningStageModule], example_microbatch: Sequence[torch.Tensor]
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Each stage's example inputs and outputs on ``example_microbatch``, for ``PipelineStage``'s
+    ``input_args`` / ``output_args``: with them torch skips its shape inference, which runs each
+    stage on uninitialised tensors (token ids received from an earlier stage would index an
+    embedding out of range). One forward of the model with gradients on (their ``requires_grad``
+    says which gradients torch sends back), the model's buffers and the RNG left as they were."""
+    from pipeplan.capture.exported import preserved_buffers
+
+    out = []
+    values: tuple[torch.Tensor, ...] = tuple(example_microbatch)
+    with preserved_buffers(_root(modules)), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        for module in modules:
+            made = module(*values)
+            flat = made if type(made) is tuple else (made,)
+            out.append((tuple(_example(v) for v in values), tuple(_example(v) for v in flat)))
+            values = tuple(_example(v) for v in flat)
+    return out
+
+
+def _example(value: torch.Tensor) -> torch.Tensor:
+    return value.detach().requires_grad_(value.requires_grad)
+
+
+class _Stages(nn.Module):
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(modules)
+
+
+def _root(modules: Sequence[nn.Module]) -> nn.Module:
+    """One module holding every stage's buffers (``preserved_buffers`` restores them)."""
+    return _Stages(modules)
 
 
 def all_reduce_tied(
