@@ -231,6 +231,28 @@ def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:
     assert section["pipeline_parallel_microbatch_size"] * 4 == plan.batch_size
 
 
+def test_torchtitan_fragment_loads_into_torchtitans_own_config(mlp_plan: Path) -> None:
+    """Where torchtitan is installed (0.3.0 checked; not a test dependency: it pulls datasets,
+    wandb, tensorboard), the fragment is a valid ``ParallelismConfig`` of its config module,
+    read from its source without importing the package (which imports its trainer's deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtitan is not installed")
+    source = Path(list(spec.submodule_search_locations)[0]) / "config" / "configs.py"
+    loaded = importlib.util.spec_from_file_location("torchtitan_configs", source)
+    assert loaded is not None and loaded.loader is not None
+    configs = importlib.util.module_from_spec(loaded)
+    sys.modules["torchtitan_configs"] = configs  # dataclasses look their module up
+    loaded.loader.exec_module(configs)
+    result = invoke(str(mlp_plan / "plan.json"), "--to", "torchtitan", "--model", "mlp")
+    section = tomllib.loads(result.output)["parallelism"]
+    parallelism = configs.ParallelismConfig(**section)  # an unknown key raises TypeError
+    assert parallelism.module_fqns_per_model_part == section["module_fqns_per_model_part"]
+    assert parallelism.pipeline_parallel_degree == 2
+
+
 # --------------------------------------------------------------------------- torchtitan units
 
 
