@@ -433,3 +433,22 @@ def test_vit_three_stage_splits_the_planner_allows_are_those_torch_runs(profiles
             assert allowed == (not faults), (a, b, faults)
             runs.append(allowed)
     assert 0 < sum(runs) < len(runs)  # both kinds occur
+
+
+@pytest.mark.slow
+def test_a_split_that_traces_but_fails_when_run_exports_stage_modules(tmp_path: Path) -> None:
+    """Issue 32's untied Mistral: torch's pipeline() traces it at model.layers.2, but its stage 0
+    expects an input the schedule never feeds it (under torchrun: StopIteration in
+    torch/fx/interpreter.py). Running the stages in-process finds it; export writes pipeplan's
+    stage modules, which ran, and says why."""
+    model = str(FIXTURES / "export" / "mistral_untied.py")
+    profile_model(model, batch_size=8, warmup=0, repeats=1, threads=1).save(tmp_path / "m.json")
+    run_cli(
+        "partition", str(tmp_path / "m.json"), "--topology", "local-cpu", "--for", "pipelining",
+        "--microbatches", "4", "-o", str(tmp_path / "p.json"),
+    )  # fmt: skip
+    output = run_cli("export", str(tmp_path / "p.json"), "--to", "pipelining", "--model", model)
+    assert "# Stages: pipeplan's stage modules in PipelineStage, since torch's pipeline() split at " in output
+    assert " fails when run: stage 0 fails on the 1 input(s) torch feeds it (RuntimeError: " in output
+    assert "# Checked: every stage ran forward and backward on one micro-batch" in output
+    assert "TIED = {}" in output

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import torch
 
 from pipeplan.capture.torch_split import outermost_split_point, split_faults, torch_pipe
 from pipeplan.errors import InputError
 from pipeplan.export.run_check import StagedModel, StageRunError, check_staged, traced_staged
-from pipeplan.export.snippets import split_spec_python, stage_modules_python
+from pipeplan.export.snippets import PipeliningExport
 from pipeplan.export.stage_modules import split_graph, staged_loss, tied_parameters
 from pipeplan.export.structure import (
     SCHEDULE_CLASSES,
@@ -29,52 +28,6 @@ from pipeplan.schedules import build_schedule, unit_clock
 __all__ = ["PipeliningExport", "action_table_csv", "check_torch_split", "export_pipelining", "split_points"]
 
 _CSV_KINDS = ("F", "B", "I", "W")  # pipeplan action kinds with a torch counterpart of the same letter
-
-
-SPLITS = ("split_spec", "stage_modules")  # PipeliningExport.split: how each rank gets its stage
-
-
-@dataclass(frozen=True)
-class PipeliningExport:
-    """A plan as torch.distributed.pipelining runs it: split points, schedule class, CSV.
-
-    ``split``: ``split_spec`` (torch's own ``pipeline()`` split at ``split_points``) or
-    ``stage_modules`` (pipeplan's stage modules, each in torch's manual ``PipelineStage``);
-    ``reason`` says why, ``checked`` what running the stages in-process showed.
-    """
-
-    model: str
-    schedule: str  # pipeplan's name
-    schedule_class: str  # torch.distributed.pipelining class name
-    stages: int  # model stages (virtual stages included)
-    ranks: int  # pipeline ranks; stage q runs on rank q % ranks
-    batch_size: int  # samples per minibatch (one schedule.step)
-    microbatches: int
-    split_points: tuple[
-        str, ...
-    ]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING); layer names for stage_modules
-    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each stage, in order
-    plan_ranks: tuple[int, ...]  # global rank the plan gave each pipeline position
-    csv: str  # the plan's action table, compute-only CSV
-    split: str = "split_spec"  # one of SPLITS
-    reason: str = ""  # one line: why this split
-    checked: str = ""  # one line: what the in-process run of the stages gave ("" when not run)
-    stage_of_layer: tuple[int, ...] = ()  # stage_modules: each layer's stage
-    input_layout: tuple[tuple[str, object], ...] = ()  # stage_modules: the model's inputs (InputLayout)
-    fingerprint: str = ""  # stage_modules: the plan's model fingerprint
-    leaf_modules: tuple[str, ...] = ()
-    opaque_modules: tuple[str, ...] = ()
-    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding a copy
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["microbatch_size"] = self.batch_size // self.microbatches
-        out["python"] = self.python()
-        return {"schema": "pipeplan.export.pipelining/1", **out}
-
-    def python(self) -> str:
-        """A snippet to paste: ``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device)``."""
-        return split_spec_python(self) if self.split == "split_spec" else stage_modules_python(self)
 
 
 # --------------------------------------------------------------------------- split points

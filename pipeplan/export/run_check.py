@@ -223,6 +223,10 @@ def _source(arg: Any, k: int, index: dict[str, int]) -> Source:
     if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
         position = int(str(node.args[1]))
         node = node.args[0]
+    if isinstance(node, fx.Node) and node.op == "placeholder":
+        raise StageRunError(
+            f"stage {k} of torch's split reads model input {node.name}, which the schedule feeds to stage 0 alone"
+        )
     if not isinstance(node, fx.Node) or node.op != "call_module":
         what = node.op if isinstance(node, fx.Node) else type(node).__name__
         raise StageRunError(

@@ -1,4 +1,4 @@
-"""The Python an export writes for torch.distributed.pipelining: one snippet per way of splitting.
+"""``PipeliningExport`` and the Python it writes for torch.distributed.pipelining: one snippet per way of splitting.
 
 Both define ``N_STAGES``, ``RANKS``, ``N_MICROBATCHES``, ``build_stages(model,
 example_microbatch, rank, device, group=None)`` (this rank's ``PipelineStage`` objects),
@@ -13,14 +13,57 @@ ones in the batch's order (``ModelInputs.tensors``).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from pipeplan.export.structure import MULTI_STAGE_CLASSES
 
-if TYPE_CHECKING:
-    from pipeplan.export.pipelining import PipeliningExport
+__all__ = ["SPLITS", "PipeliningExport"]
 
-__all__: list[str] = []
+SPLITS = ("split_spec", "stage_modules")  # PipeliningExport.split: how each rank gets its stage
+
+
+@dataclass(frozen=True)
+class PipeliningExport:
+    """A plan as torch.distributed.pipelining runs it: split points, schedule class, CSV.
+
+    ``split``: ``split_spec`` (torch's own ``pipeline()`` split at ``split_points``) or
+    ``stage_modules`` (pipeplan's stage modules, each in torch's manual ``PipelineStage``);
+    ``reason`` says why, ``checked`` what running the stages in-process showed.
+    """
+
+    model: str
+    schedule: str  # pipeplan's name
+    schedule_class: str  # torch.distributed.pipelining class name
+    stages: int  # model stages (virtual stages included)
+    ranks: int  # pipeline ranks; stage q runs on rank q % ranks
+    batch_size: int  # samples per minibatch (one schedule.step)
+    microbatches: int
+    split_points: tuple[
+        str, ...
+    ]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING); layer names for stage_modules
+    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each stage, in order
+    plan_ranks: tuple[int, ...]  # global rank the plan gave each pipeline position
+    csv: str  # the plan's action table, compute-only CSV
+    split: str = "split_spec"  # one of SPLITS
+    reason: str = ""  # one line: why this split
+    checked: str = ""  # one line: what the in-process run of the stages gave ("" when not run)
+    stage_of_layer: tuple[int, ...] = ()  # stage_modules: each layer's stage
+    input_layout: tuple[tuple[str, object], ...] = ()  # stage_modules: the model's inputs (InputLayout)
+    fingerprint: str = ""  # stage_modules: the plan's model fingerprint
+    leaf_modules: tuple[str, ...] = ()
+    opaque_modules: tuple[str, ...] = ()
+    tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding a copy
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["microbatch_size"] = self.batch_size // self.microbatches
+        out["python"] = self.python()
+        return {"schema": "pipeplan.export.pipelining/1", **out}
+
+    def python(self) -> str:
+        """A snippet to paste: ``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device)``."""
+        return split_spec_python(self) if self.split == "split_spec" else stage_modules_python(self)
 
 
 def _header(made: PipeliningExport, imports: str) -> str:
