@@ -219,6 +219,34 @@ def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path)
         assert record["parameters_by_rank"] == [sorted(names) for names in held]
 
 
+@pytest.mark.multiprocess
+def test_tied_stage_modules_train_under_torchrun_with_identical_copies(tmp_path: Path) -> None:
+    """tied.py's head reuses the embedding weight; cut between them, the export writes pipeplan's
+    stage modules whose copies' gradients are summed: under torchrun (schedule class and CSV
+    table) the losses are pipeplan run's and the two ranks' copies end identical."""
+    plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=4, microbatches=2)
+    plan.save(tmp_path / "plan.json")
+    for name in ("split.py", "schedule.csv"):
+        result = invoke(
+            str(tmp_path / "plan.json"), "--to", "pipelining", "--model", TIED, "-o", str(tmp_path / name)
+        )
+        assert result.exit_code == 0, result.output
+    assert "from pipeplan.export.stage_modules import" in (tmp_path / "split.py").read_text()
+    common = [str(TRAIN_SCRIPT), "split.py", "--model", TIED, "--batch-size", "4", "--steps", str(STEPS)]
+    torchrun([*common, "--lr", "0.5", "--losses", "by_class.json"], cwd=tmp_path)
+    torchrun([*common, "--lr", "0.5", "--csv", "schedule.csv", "--losses", "by_csv.json"], cwd=tmp_path)
+    run = ["-m", "pipeplan", "run", "plan.json", "--model", TIED, "--steps", str(STEPS), "--lr", "0.5"]
+    torchrun([*run, "--metrics", "metrics.json", "--no-progress"], cwd=tmp_path)
+    ours = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-4  # training moved the weights
+    for run_name in ("by_class.json", "by_csv.json"):
+        record = json.loads((tmp_path / run_name).read_text())
+        assert record["losses"] == pytest.approx(ours, rel=1e-5, abs=1e-6), run_name
+        # both ranks hold the tied weight, and their copies stayed identical
+        assert all("wte.weight" in names for names in record["parameters_by_rank"])
+        assert record["tied_spread"] == {"wte.weight": 0.0}, run_name
+
+
 def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:
     plan = Plan.load(mlp_plan / "plan.json")
     result = invoke(str(mlp_plan / "plan.json"), "--to", "torchtitan", "--model", "mlp")
