@@ -114,7 +114,7 @@ def split_spec_python(made: PipeliningExport) -> str:
         _header(
             made, f"from torch.distributed.pipelining import SplitPoint, pipeline, {made.schedule_class}\n"
         )
-        + f"\nSPLIT_SPEC = {{{spec}}}\n"
+        + f"SPLIT_SPEC = {{{spec}}}\n"
         + _constants(made)
         + "\n\n"
         "def build_stages(model, example_microbatch, rank, device, group=None):\n"
@@ -147,7 +147,6 @@ def stage_modules_python(made: PipeliningExport) -> str:
             "    staged_loss,\n"
             ")\n",
         )
-        + "\n"
         + _constants(made)
         + f"STAGE_OF_LAYER = {made.stage_of_layer!r}\n"
         + f"INPUT_LAYOUT = {made.input_layout!r}\n"
