@@ -6,10 +6,13 @@ and refuses a plan that breaks them). A *boundary* c (1 <= c < N) is the cut bef
 layer c of the profile's layer order; both engines run contiguous stages, so a plan for
 them cuts at boundaries only (prefixes of the layer order). Boundary c is expressible:
 
-- by both when no parameter is used on both sides of it (a tied weight: the engines
-  copy it into each stage, or keep it on one), and when the layers before it read every
-  model input (both feed the model's inputs to the first stage only: torch's first stage
-  takes exactly the inputs its own graph reads; ``_inputs_blocked``);
+- by both when the layers before it read every model input (both feed the model's inputs
+  to the first stage only: torch's first stage takes exactly the inputs its own graph
+  reads; ``_inputs_blocked``);
+- by **torchtitan** only when no parameter is used on both sides of it (torchtitan keeps
+  a module on one stage); a tied weight does not block **pipelining**: its export holds a
+  copy on each stage using it and sums their gradients before each optimizer step
+  (``pipeplan.export.stage_modules.all_reduce_tied``), so the copies stay equal;
 - by **pipelining** when layer c is a module called once per forward pass
   (``SplitPoint.BEGINNING`` splits before every call of the module it names) and torch's
   own split can cut there as the layer order does (``Profile.pipelining_blocked``: the
@@ -182,7 +185,8 @@ def target_cuts(profile: Profile, target: str) -> TargetCuts:
         types = {module.name: module.type for module in profile.modules}
         containers = frozenset(module.name for module in profile.modules if module.container)
         blocked, refusal = _torchtitan_blocked(profile, calls, types, containers)
-    for c, reason in (*_inputs_blocked(profile).items(), *_shared_parameters(profile).items()):
+    shared = _shared_parameters(profile) if target == "torchtitan" else {}
+    for c, reason in (*_inputs_blocked(profile).items(), *shared.items()):
         blocked.setdefault(c, reason)
     n = len(profile.layers)
     allowed = tuple(c for c in range(1, n) if c not in blocked) if not refusal else ()

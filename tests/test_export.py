@@ -219,6 +219,34 @@ def test_exported_split_runs_on_pipelining_with_pipeplans_losses(mlp_plan: Path)
         assert record["parameters_by_rank"] == [sorted(names) for names in held]
 
 
+@pytest.mark.multiprocess
+def test_tied_stage_modules_train_under_torchrun_with_identical_copies(tmp_path: Path) -> None:
+    """tied.py's head reuses the embedding weight; cut between them, the export writes pipeplan's
+    stage modules whose copies' gradients are summed: under torchrun (schedule class and CSV
+    table) the losses are pipeplan run's and the two ranks' copies end identical."""
+    plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "1f1b-flush", batch_size=4, microbatches=2)
+    plan.save(tmp_path / "plan.json")
+    for name in ("split.py", "schedule.csv"):
+        result = invoke(
+            str(tmp_path / "plan.json"), "--to", "pipelining", "--model", TIED, "-o", str(tmp_path / name)
+        )
+        assert result.exit_code == 0, result.output
+    assert "from pipeplan.export.stage_modules import" in (tmp_path / "split.py").read_text()
+    common = [str(TRAIN_SCRIPT), "split.py", "--model", TIED, "--batch-size", "4", "--steps", str(STEPS)]
+    torchrun([*common, "--lr", "0.5", "--losses", "by_class.json"], cwd=tmp_path)
+    torchrun([*common, "--lr", "0.5", "--csv", "schedule.csv", "--losses", "by_csv.json"], cwd=tmp_path)
+    run = ["-m", "pipeplan", "run", "plan.json", "--model", TIED, "--steps", str(STEPS), "--lr", "0.5"]
+    torchrun([*run, "--metrics", "metrics.json", "--no-progress"], cwd=tmp_path)
+    ours = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    assert max(abs(loss - ours[0]) for loss in ours[1:]) > 1e-4  # training moved the weights
+    for run_name in ("by_class.json", "by_csv.json"):
+        record = json.loads((tmp_path / run_name).read_text())
+        assert record["losses"] == pytest.approx(ours, rel=1e-5, abs=1e-6), run_name
+        # both ranks hold the tied weight, and their copies stayed identical
+        assert all("wte.weight" in names for names in record["parameters_by_rank"])
+        assert record["tied_spread"] == {"wte.weight": 0.0}, run_name
+
+
 def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:
     plan = Plan.load(mlp_plan / "plan.json")
     result = invoke(str(mlp_plan / "plan.json"), "--to", "torchtitan", "--model", "mlp")
@@ -229,6 +257,28 @@ def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:
     assert section["pipeline_parallel_degree"] == 2
     assert section["pipeline_parallel_schedule"] == "1F1B"
     assert section["pipeline_parallel_microbatch_size"] * 4 == plan.batch_size
+
+
+def test_torchtitan_fragment_loads_into_torchtitans_own_config(mlp_plan: Path) -> None:
+    """Where torchtitan is installed (0.3.0 checked; not a test dependency: it pulls datasets,
+    wandb, tensorboard), the fragment is a valid ``ParallelismConfig`` of its config module,
+    read from its source without importing the package (which imports its trainer's deps)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtitan is not installed")
+    source = Path(list(spec.submodule_search_locations)[0]) / "config" / "configs.py"
+    loaded = importlib.util.spec_from_file_location("torchtitan_configs", source)
+    assert loaded is not None and loaded.loader is not None
+    configs = importlib.util.module_from_spec(loaded)
+    sys.modules["torchtitan_configs"] = configs  # dataclasses look their module up
+    loaded.loader.exec_module(configs)
+    result = invoke(str(mlp_plan / "plan.json"), "--to", "torchtitan", "--model", "mlp")
+    section = tomllib.loads(result.output)["parallelism"]
+    parallelism = configs.ParallelismConfig(**section)  # an unknown key raises TypeError
+    assert parallelism.module_fqns_per_model_part == section["module_fqns_per_model_part"]
+    assert parallelism.pipeline_parallel_degree == 2
 
 
 # --------------------------------------------------------------------------- torchtitan units
@@ -429,16 +479,32 @@ def test_refuses_fewer_microbatches_than_stages_for_1f1b(tmp_path: Path) -> None
     )
 
 
-@pytest.mark.parametrize("target", ["pipelining", "torchtitan"])
-def test_refuses_a_parameter_shared_by_two_stages(tmp_path: Path, target: str) -> None:
+def test_refuses_a_parameter_shared_by_two_stages_for_torchtitan(tmp_path: Path) -> None:
     # tied.py: the head reuses the embedding's weight; layers 0 wte .. 4 head
     plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "gpipe", batch_size=4, microbatches=2)
-    assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", TIED)) == (
+    assert refusal(invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", TIED)) == (
         "parameter wte.weight is shared by layer 0 (wte) in stage 0, layer 4 (head) in stage 1: "
         "torch.distributed.pipelining copies it into each stage and trains the copies apart, torchtitan "
         "keeps it on one stage; a plan that puts every layer using it in one stage carries over; "
-        f"`pipeplan partition PROFILE --for {target}` plans only such cuts"
+        "`pipeplan partition PROFILE --for torchtitan` plans only such cuts"
     )
+
+
+def test_exports_stage_modules_that_sum_a_tied_gradient(tmp_path: Path) -> None:
+    # the same cut for pipelining: pipeplan's stage modules, the tied copies' gradients summed
+    plan = make_plan(TIED, [[0, 1], [2, 3, 4]], [1, 1], "gpipe", batch_size=4, microbatches=2)
+    result = invoke(
+        saved(plan, tmp_path), "--to", "pipelining", "--model", TIED, "-o", str(tmp_path / "s.py")
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == (
+        "stages: pipeplan's stage modules in PipelineStage, since parameter wte.weight is used by stages "
+        "0, 1 (tied), whose copies torch's pipeline() trains apart; the export sums their gradients"
+    )
+    assert result.output.splitlines()[2].startswith("checked: every stage ran forward and backward")
+    snippet = (tmp_path / "s.py").read_text()
+    assert 'TIED = {\n    "wte.weight": (0, 1),\n}' in snippet
+    assert "STAGE_OF_LAYER = (0, 0, 1, 1, 1)" in snippet
 
 
 def test_refuses_another_model_and_a_wrong_format(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "pipelining_split",
     "recorded_split",
     "split_faults",
+    "torch_pipe",
     "trace_torch_split",
 ]
 
@@ -87,8 +88,8 @@ def outermost_split_point(layer_names: Sequence[str], calls: dict[str, int], fir
     return point
 
 
-def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[str]) -> TorchSplit:
-    """Trace ``pipeline(model, ...)`` with a cut before each module of ``points`` and read its pieces.
+def torch_pipe(model: nn.Module, inputs: ModelInputs, points: Sequence[str]) -> Any:
+    """``pipeline(model, ...)`` traced with a cut before each module of ``points`` (torch's ``Pipe``).
 
     torch marks the cuts by replacing each named module's ``forward``; they are put back
     afterwards, so ``model`` is left as it was. Raises what ``pipeline()`` raises (the
@@ -133,6 +134,13 @@ def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[st
                 module.__dict__.pop("forward", None)
             else:
                 module.forward = forward
+    return pipe
+
+
+def trace_torch_split(model: nn.Module, inputs: ModelInputs, points: Sequence[str]) -> TorchSplit:
+    """Trace ``pipeline(model, ...)`` with a cut before each module of ``points`` and read its pieces
+    (``torch_pipe``). Raises what ``pipeline()`` raises. O(graph nodes)."""
+    pipe = torch_pipe(model, inputs, points)
     graph = pipe.split_gm.graph
     calls = [node for node in graph.nodes if node.op == "call_module"]
     piece_of = {node.name: k for k, node in enumerate(calls)}

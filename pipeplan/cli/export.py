@@ -73,7 +73,10 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
     """Export PLAN for torch.distributed.pipelining, torchtitan or Megatron-LM.
 
     pipelining: split points (SplitPoint.BEGINNING module names), schedule class and
-    micro-batches, as a Python snippet or JSON; csv: the plan's own action table in
+    micro-batches, as a Python snippet or JSON; where torch's own pipeline() split does
+    not run the plan (it fails to trace or to run, tied weights, keyword inputs), pipeplan's
+    stage modules in torch's PipelineStage instead; every stage is run once in-process
+    before writing; csv: the plan's own action table in
     torch.distributed.pipelining's CSV schedule format. torchtitan: a [parallelism] TOML
     fragment. megatron: pretrain_gpt.py's parallelism arguments (the pipeline layout). A plan these engines cannot run as planned (1F1B-RR/2BW, replicated
     stages, a cut inside what the engine keeps whole, shared parameters) is refused
@@ -126,7 +129,9 @@ def export(plan_path: str, target: str, model_path: str, fmt: str | None, output
         }[chosen]
         summary = (
             f"{pipelining.stages} stages on {pipelining.ranks} ranks, {pipelining.schedule_class}, "
-            f"{pipelining.microbatches} micro-batches; split points: {', '.join(pipelining.split_points)}"
+            f"{pipelining.microbatches} micro-batches; split points: {', '.join(pipelining.split_points)}\n"
+            f"stages: {pipelining.reason}"
+            + (f"\nchecked: {pipelining.checked}" if pipelining.checked else "")
         )
     else:
         titan = made

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import csv
 import io
-import json
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import replace
 
-from pipeplan.capture.torch_split import outermost_split_point, split_faults
+import torch
+
+from pipeplan.capture.torch_split import outermost_split_point, split_faults, torch_pipe
 from pipeplan.errors import InputError
+from pipeplan.export.run_check import StagedModel, StageRunError, check_staged, traced_staged
+from pipeplan.export.snippets import PipeliningExport
+from pipeplan.export.stage_modules import split_graph, staged_loss, tied_parameters
 from pipeplan.export.structure import (
-    MULTI_STAGE_CLASSES,
     SCHEDULE_CLASSES,
     CutError,
+    ModelAtHand,
     ModelStructure,
     check_exportable,
     positions,
@@ -25,65 +28,6 @@ from pipeplan.schedules import build_schedule, unit_clock
 __all__ = ["PipeliningExport", "action_table_csv", "check_torch_split", "export_pipelining", "split_points"]
 
 _CSV_KINDS = ("F", "B", "I", "W")  # pipeplan action kinds with a torch counterpart of the same letter
-
-
-@dataclass(frozen=True)
-class PipeliningExport:
-    """A plan as torch.distributed.pipelining runs it: split points, schedule class, CSV."""
-
-    model: str
-    schedule: str  # pipeplan's name
-    schedule_class: str  # torch.distributed.pipelining class name
-    stages: int  # model stages (virtual stages included)
-    ranks: int  # pipeline ranks; stage q runs on rank q % ranks
-    batch_size: int  # samples per minibatch (one schedule.step)
-    microbatches: int
-    split_points: tuple[str, ...]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING)
-    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each stage, in order
-    plan_ranks: tuple[int, ...]  # global rank the plan gave each pipeline position
-    csv: str  # the plan's action table, compute-only CSV
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["microbatch_size"] = self.batch_size // self.microbatches
-        out["python"] = self.python()
-        return {"schema": "pipeplan.export.pipelining/1", **out}
-
-    def python(self) -> str:
-        """A snippet to paste: ``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device)``."""
-        spec = ", ".join(f"{json.dumps(name)}: SplitPoint.BEGINNING" for name in self.split_points)
-        multi = self.schedule_class in MULTI_STAGE_CLASSES
-        build = (
-            f"    stages = [pipe.build_stage(s, device, group) for s in range(rank, pipe.num_stages, {self.ranks})]\n"
-            f"    schedule = {self.schedule_class}(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
-            if multi
-            else "    stages = [pipe.build_stage(rank, device, group)]\n"
-            f"    schedule = {self.schedule_class}(stages[0], n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
-        )
-        size = self.batch_size // self.microbatches
-        return (
-            f"# pipeplan export --to pipelining: {self.model}, {self.stages} stages on {self.ranks} ranks,\n"
-            f"# {self.schedule} = {self.schedule_class}, {self.microbatches} micro-batches of {size} samples\n"
-            f"# per step of {self.batch_size} samples. Run on {self.ranks} ranks "
-            f"(torchrun --nproc-per-node {self.ranks}).\n"
-            f"from torch.distributed.pipelining import SplitPoint, pipeline, {self.schedule_class}\n"
-            "\n"
-            f"SPLIT_SPEC = {{{spec}}}\n"
-            f"N_MICROBATCHES = {self.microbatches}\n"
-            "\n"
-            "\n"
-            "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
-            f'    """(schedule, this rank\'s stage modules: give their parameters to the optimizer);\n'
-            f'    example_microbatch: a tuple of the model\'s inputs for one micro-batch ({size} samples)."""\n'
-            "    pipe = pipeline(model, mb_args=example_microbatch, split_spec=SPLIT_SPEC)\n"
-            f"{build}"
-            "    return schedule, [stage.submod for stage in stages]\n"
-            "\n"
-            "# The plan's own action order instead (pipeplan export ... --format csv -o schedule.csv):\n"
-            "#   from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime\n"
-            "#   schedule = _PipelineScheduleRuntime(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
-            '#   schedule._load_csv("schedule.csv")\n'
-        )
 
 
 # --------------------------------------------------------------------------- split points
@@ -217,7 +161,14 @@ def action_table_csv(plan: Plan) -> str:
 
 
 def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport:
-    """The plan for torch.distributed.pipelining; ``InputError`` (one line) when it does not carry over."""
+    """The plan for torch.distributed.pipelining; ``InputError`` (one line) when it does not carry over.
+
+    With the model at hand (``structure.at_hand``), torch's own ``SPLIT_SPEC`` split is
+    written where ``pipeline()`` expresses the plan's stages and its stages, run once
+    in-process (``run_check``), equal the whole model; else pipeplan's stage modules,
+    run the same way first. Without it, the split points after the checks from the
+    structure alone.
+    """
     degree = tensor_parallel_degree(plan)
     if degree > 1:
         raise InputError(
@@ -225,11 +176,10 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
             f"runs one device per stage, without tensor parallelism; export --to torchtitan "
             f"(tensor_parallel_degree) or re-plan with --tensor-parallel 1"
         )
-    stage_of = check_exportable(plan, structure)
-    points = split_points(structure, stage_of)
-    check_torch_split(plan, structure, points)
+    at_hand = structure.at_hand
+    stage_of = check_exportable(plan, structure, shared=at_hand is not None)
     ranks = positions(plan)
-    return PipeliningExport(
+    base = PipeliningExport(
         model=plan.model,
         schedule=plan.schedule,
         schedule_class=SCHEDULE_CLASSES[plan.schedule],
@@ -237,8 +187,116 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         ranks=ranks,
         batch_size=plan.batch_size,
         microbatches=plan.microbatches,
-        split_points=points,
+        split_points=(),
         stage_layers=tuple(tuple(structure.layer_names[i] for i in sorted(s.layers)) for s in plan.stages),
         plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
         csv=action_table_csv(plan),
+        reason="torch's pipeline() split at the split points",
     )
+    if at_hand is None:
+        points = split_points(structure, stage_of)
+        check_torch_split(plan, structure, points)
+        return replace(base, split_points=points)
+    try:
+        points = split_points(structure, stage_of)
+        fault, loss = _split_spec_fault(plan, structure, at_hand, stage_of, points)
+    except InputError as exc:
+        points, fault = (), str(exc)
+    if fault is None:
+        return replace(
+            base,
+            split_points=points,
+            reason="torch's own pipeline() split (SPLIT_SPEC): it traces the model and its stages ran",
+            checked=_checked(loss),
+        )
+    return _stage_modules_export(base, at_hand, stage_of, fault)
+
+
+def _checked(loss: float) -> str:
+    return (
+        f"every stage ran forward and backward on one micro-batch in-process, chained as torch "
+        f"chains them: loss {loss:.6g} and every gradient equal to the whole model's"
+    )
+
+
+def _split_spec_fault(
+    plan: Plan, structure: ModelStructure, at_hand: ModelAtHand, stage_of: list[int], points: tuple[str, ...]
+) -> tuple[str | None, float]:
+    """(why torch's own split would not run the plan, None when it does; the loss its stages
+    gave). Raises ``InputError`` for a fault found before running."""
+    if not at_hand.inputs.positional:
+        return "the model takes keyword or non-tensor inputs, which pipeline()'s stage 0 is not fed", 0.0
+    stages_of: dict[str, set[int]] = {}
+    for layer, names in enumerate(structure.layer_parameters):
+        for name in names:
+            stages_of.setdefault(name, set()).add(stage_of[layer])
+    tied = sorted(name for name, held in stages_of.items() if len(held) > 1)
+    if tied:
+        held = ", ".join(map(str, sorted(stages_of[tied[0]])))
+        return (
+            f"parameter {tied[0]} is used by stages {held} (tied), whose copies torch's pipeline() "
+            f"trains apart; the export sums their gradients",
+            0.0,
+        )
+    check_torch_split(plan, structure, points)
+    try:
+        return None, _run_split_spec(at_hand, points)
+    except StageRunError as exc:
+        return f"torch's pipeline() split at {', '.join(points)} fails when run: {exc}", 0.0
+
+
+def _run_split_spec(at_hand: ModelAtHand, points: tuple[str, ...]) -> float:
+    pipe = torch_pipe(at_hand.model, at_hand.inputs, points)
+    staged = traced_staged(pipe, at_hand.model, len(at_hand.inputs.args))
+    return check_staged(
+        staged, at_hand.model, at_hand.inputs, tuple(at_hand.inputs.args), at_hand.target, at_hand.loss_fn
+    )
+
+
+def _stage_modules_export(
+    base: PipeliningExport, at_hand: ModelAtHand, stage_of: list[int], fault: str
+) -> PipeliningExport:
+    """pipeplan's stage modules, run once in-process first; ``InputError`` (one line) when they fail."""
+    modules = split_graph(at_hand.graph, stage_of)
+    staged = StagedModel(
+        stages=tuple(modules),
+        sources=((), *(tuple((m.index - 1, i) for i in range(len(m.input_names))) for m in modules[1:])),
+        parameters=tuple(m.qualified_parameters() for m in modules),
+    )
+    inputs = at_hand.inputs
+    try:
+        loss = check_staged(
+            staged,
+            at_hand.model,
+            inputs,
+            inputs.tensors(),
+            at_hand.target,
+            at_hand.loss_fn,
+            staged_loss(modules, at_hand.loss_fn),
+        )
+    except StageRunError as exc:
+        raise InputError(
+            f"{base.model}: pipeplan's stage modules fail when run as torch.distributed.pipelining runs them: {exc}"
+        ) from exc
+    layout = tuple(
+        (name, None if isinstance(value, torch.Tensor) else value)
+        for name, value in (*((str(i), v) for i, v in enumerate(inputs.args)), *inputs.kwargs.items())
+    )
+    names = [layer.name for layer in at_hand.graph.layers]
+    return replace(
+        base,
+        split="stage_modules",
+        split_points=tuple(names[i] for i in range(1, len(names)) if stage_of[i] != stage_of[i - 1]),
+        reason=f"pipeplan's stage modules in PipelineStage, since {_lower(fault)}",
+        checked=_checked(loss),
+        stage_of_layer=tuple(stage_of),
+        input_layout=layout,
+        fingerprint=at_hand.graph.fingerprint,
+        leaf_modules=at_hand.leaf_modules,
+        opaque_modules=at_hand.opaque_modules,
+        tied=tied_parameters(modules),
+    )
+
+
+def _lower(text: str) -> str:
+    return text[:1].lower() + text[1:]

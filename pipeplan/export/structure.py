@@ -28,20 +28,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pipeplan.capture import LayerGraph
+    from pipeplan.model_inputs import ModelInputs
+
 __all__ = [
     "SCHEDULE_CLASSES",
     "TARGETS",
     "TORCHTITAN_SCHEDULES",
     "CutError",
+    "ModelAtHand",
     "ModelStructure",
     "check_exportable",
     "check_plan",
+    "check_shared_parameters",
     "model_structure",
     "positions",
     "tensor_parallel_degree",
@@ -68,6 +77,21 @@ class CutError(InputError):
 
 
 @dataclass(frozen=True)
+class ModelAtHand:
+    """The plan's model as export builds it, to run the stages it writes: the model, its
+    layer graph (captured on one micro-batch, as ``pipeplan run`` captures it), that
+    micro-batch's inputs and targets, and the model file's loss."""
+
+    model: nn.Module
+    graph: LayerGraph
+    inputs: ModelInputs
+    target: Any
+    loss_fn: Callable[[Any, Any], Any]
+    leaf_modules: tuple[str, ...]
+    opaque_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelStructure:
     """What an engine's split sees of a model, indexed like the plan's layers.
 
@@ -77,7 +101,8 @@ class ModelStructure:
     ``containers``: the modules that are ``nn.ModuleList`` / ``nn.ModuleDict``;
     ``calls``: module name -> how many times one forward pass calls it (a container: 0);
     ``trace``: split points -> torch.distributed.pipelining's own split of the model there
-    (``pipeline()`` traced in-process), None when the model is not at hand.
+    (``pipeline()`` traced in-process), None when the model is not at hand;
+    ``at_hand``: the model itself, to run the stages (None: the checks from the structure alone).
     """
 
     layer_names: tuple[str, ...]
@@ -86,6 +111,7 @@ class ModelStructure:
     containers: frozenset[str]
     calls: dict[str, int]
     trace: Callable[[tuple[str, ...]], TorchSplit] | None = field(default=None, compare=False, repr=False)
+    at_hand: ModelAtHand | None = field(default=None, compare=False, repr=False)
 
     def is_module(self, name: str) -> bool:
         return bool(name) and name in self.modules
@@ -111,7 +137,7 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
     model_file = load_model_file(resolve_model_path(model_path))
     torch.manual_seed(0)
     model = model_file.build()
-    sample_inputs, _ = model_file.batch(max(1, plan.batch_size // plan.microbatches), seed=0)
+    sample_inputs, sample_target = model_file.batch(max(1, plan.batch_size // plan.microbatches), seed=0)
     leaf_modules = plan.leaf_modules if plan.leaf_modules is not None else model_file.leaf_modules
     opaque_modules = plan.opaque_modules if plan.opaque_modules is not None else model_file.opaque_modules
     graph = build_layer_graph(model, sample_inputs, leaf_modules, opaque_modules)
@@ -129,6 +155,15 @@ def model_structure(model_path: str, plan: Plan) -> ModelStructure:
         containers=frozenset(record.name for record in records if record.container),
         calls={record.name: record.calls for record in records},
         trace=lambda points: trace_torch_split(model, sample_inputs, points),
+        at_hand=ModelAtHand(
+            model=model,
+            graph=graph,
+            inputs=sample_inputs,
+            target=sample_target,
+            loss_fn=model_file.loss_fn,
+            leaf_modules=tuple(leaf_modules),
+            opaque_modules=tuple(opaque_modules),
+        ),
     )
 
 
@@ -172,14 +207,16 @@ def check_plan(plan: Plan) -> None:
     _check_microbatches(plan)
 
 
-def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
+def check_exportable(plan: Plan, structure: ModelStructure, shared: bool = False) -> list[int]:
     """``check_plan``, then the checks that need the model; return each layer's stage.
 
-    Raises ``InputError`` (one line) when a parameter is used by two stages. O(layers).
+    Raises ``InputError`` (one line) when a parameter is used by two stages, unless
+    ``shared`` (the export keeps tied copies equal itself). O(layers).
     """
     check_plan(plan)
     stage_of = plan.stage_of_layers(len(structure.layer_names))
-    _check_shared_parameters(structure, stage_of)
+    if not shared:
+        check_shared_parameters(structure, stage_of)
     return stage_of
 
 
@@ -228,7 +265,7 @@ def _check_microbatches(plan: Plan) -> None:
             )
 
 
-def _check_shared_parameters(structure: ModelStructure, stage_of: list[int]) -> None:
+def check_shared_parameters(structure: ModelStructure, stage_of: list[int]) -> None:
     users: dict[str, dict[int, int]] = {}  # parameter -> stage -> first layer using it there
     for layer, names in enumerate(structure.layer_parameters):
         for name in names:
