@@ -29,7 +29,7 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.measure import Progress, backward_to_inputs, loss_backward
+from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     count_saved,
@@ -349,7 +349,7 @@ def _layer_profile(
         saved_bytes=saved,
         forward_ms_spread=timed.forward.spread,
         backward_ms_spread=timed.backward.spread,
-        backward_input_ms=min(timed.backward_input.median, timed.backward.median),
+        backward_input_ms=input_grad_part(timed.backward.median, timed.backward_input.median, params),
         model_inputs=tuple(node.model_inputs),
         reused_from=-1 if timed.index == position else timed.index,
         parameters=names,

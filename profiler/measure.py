@@ -51,6 +51,7 @@ __all__ = [
     "Measurements",
     "run_pass",
     "backward_to_inputs",
+    "input_grad_part",
     "time_step",
     "step_saved_bytes",
     "measure_stages",
@@ -90,10 +91,13 @@ class LayerMeasurement:
 
     @property
     def backward_input_ms(self) -> float | None:
-        """The input gradient's ms, at most the whole backward's median; None where not measured."""
+        """The input gradient's ms, at most the whole backward's median; None where not measured.
+
+        A layer without parameters has no weight gradient: its whole backward is the input's
+        (not the input-only pass's median, which differs from the whole one by noise alone)."""
         if self.backward_input is None:
             return None
-        return min(self.backward_input.median, self.backward.median)
+        return input_grad_part(self.backward.median, self.backward_input.median, self.param_bytes)
 
 
 @dataclass
@@ -237,6 +241,15 @@ def run_pass(
     sample.backward_ms = [read(t) for t in sample.backward_ms]
     sample.loss_ms = read(sample.loss_ms)
     return sample
+
+
+def input_grad_part(backward_ms: float, input_only_ms: float, param_bytes: int) -> float:
+    """A layer's input-gradient ms from its whole backward and its input-only backward medians.
+
+    >>> input_grad_part(2.0, 1.2, 64), input_grad_part(2.0, 2.5, 64), input_grad_part(2.0, 1.2, 0)
+    (1.2, 2.0, 2.0)
+    """
+    return backward_ms if param_bytes == 0 else min(input_only_ms, backward_ms)
 
 
 def backward_to_inputs(

@@ -50,7 +50,7 @@ def test_measured_split_puts_an_embeddings_backward_in_its_weights() -> None:
         assert layer.backward_input_ms is not None and 0.0 <= layer.backward_input_ms <= layer.backward_ms
     # one GEMM of two, the other (grad_y.T @ x: 8 MiB written from 32 rows) memory-bound
     assert 0.03 < _share(linear.backward_input_ms, linear.backward_ms) < 0.9
-    assert relu.backward_input_ms == pytest.approx(relu.backward_ms, rel=0.6)  # no weights: all "I"
+    assert relu.backward_input_ms == relu.backward_ms  # no weights: all "I"
 
 
 @pytest.mark.slow
