@@ -24,7 +24,7 @@ from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
-from pipeplan.schedules import Schedule, build_schedule, schedule_kind, v_segment, warmup_forwards
+from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
@@ -149,7 +149,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     if -1 in stage_of:
         raise InputError(f"plan leaves layer {stage_of.index(-1)} of the profile in no stage")
     # every stage hands something to the next one along the layers (at least the order of the pipeline)
-    order = _pipeline_order(plan)
+    order = list(plan.pipeline_order())
     cut: dict[tuple[int, int], int] = dict.fromkeys(zip(order, order[1:]), 0)
     sent: set[tuple[int, int]] = set()
     for consumer in profile.layers:
@@ -183,16 +183,6 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     return out
 
 
-def _pipeline_order(plan: Plan) -> list[int]:
-    """The plan's model stages in the order the layers run through them: 0, 1, ..., or the V
-    of a V-shaped schedule (``v_segment``)."""
-    stages = range(len(plan.stages))
-    if not schedule_kind(plan.schedule).v_shape:
-        return list(stages)
-    positions = plan_positions(plan)
-    return sorted(stages, key=lambda q: v_segment(q, positions))
-
-
 def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> list[StageCosts]:
     """Costs when no profile is at hand: the plan's per-stage figures.
 
@@ -202,7 +192,7 @@ def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> li
     is the plan's ``allreduce_ms``. Parameters and activations are not in a plan, so
     memory is the plan's own prediction.
     """
-    order = _pipeline_order(plan)
+    order = list(plan.pipeline_order())
     after = dict(zip(order, order[1:]))
     out = []
     for stage in plan.stages:
