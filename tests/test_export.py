@@ -366,7 +366,7 @@ def test_refuses_1f1b_rr(tmp_path: Path, target: str) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", MLP)) == (
         "plan schedule 1F1B-RR (PipeDream weight stashing, no flush) does not carry over: "
         "torch.distributed.pipelining and torchtitan run flush schedules only (1f1b-flush, gpipe, "
-        "interleaved-1f1b, zb-h1); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+        "interleaved-1f1b, zb-h1, zb-v); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
     )
 
 
@@ -520,6 +520,38 @@ def test_action_table_of_chunked_and_split_backward_schedules(
         {r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s % ranks, num_stages=stages
     )
     _simulate_comms_compute(lowered, lambda s: s % ranks, stages)
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 4), (2, 2), (4, 8), (4, 5)])
+def test_zbv_table_is_torchs_own_zbv_order_in_a_v(ranks: int, microbatches: int) -> None:
+    """zb-v's chunk 1 on rank r is torch's stage 2 * ranks - 1 - r; each rank's compute order is
+    the one ScheduleZBVZeroBubble computes itself; torch validates the V and dry-runs it."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleZBVZeroBubble,
+        _Action,
+        _add_send_recv,
+        _simulate_comms_compute,
+        _validate_schedule,
+    )
+
+    stages = 2 * ranks
+    plan = SimpleNamespace(
+        schedule="zb-v", virtual_stages=2, stages=[None] * stages, microbatches=microbatches
+    )
+    rows = list(csv.reader(io.StringIO(action_table_csv(plan))))  # type: ignore[arg-type]
+    actions = {rank: [_Action.from_str(cell) for cell in row] for rank, row in enumerate(rows)}
+    v = {s: s if s < ranks else stages - 1 - s for s in range(stages)}
+    assert _validate_schedule(actions, ranks, stages, microbatches) == v
+    compute = {rank: [a for a in row if a is not None] for rank, row in actions.items()}
+    torch_zbv = object.__new__(ScheduleZBVZeroBubble)  # its order alone, without stages or a group
+    torch_zbv.pp_group_size, torch_zbv.num_stages, torch_zbv._n_microbatches = ranks, stages, microbatches
+    for rank in range(ranks):
+        theirs = [a for a in torch_zbv._calculate_single_rank_operations(rank) if a is not None]
+        assert [str(a) for a in compute[rank]] == [str(a) for a in theirs]
+    lowered = _add_send_recv(
+        {r: list(row) for r, row in compute.items()}, stage_to_rank=v.get, num_stages=stages
+    )
+    _simulate_comms_compute(lowered, v.get, stages)
 
 
 def test_action_table_lines_up_by_unit_step() -> None:

@@ -65,7 +65,7 @@ def train_pipelined(
     device = torch.device("cpu")
     if csv:
         pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
-        stages = [pipe.build_stage(s, device) for s in range(rank, pipe.num_stages, world)]
+        stages = [pipe.build_stage(s, device) for s in split.stage_ids(rank, pipe.num_stages)]
         schedule = _PipelineScheduleRuntime(
             stages, n_microbatches=split.N_MICROBATCHES, loss_fn=model_file.loss_fn
         )
@@ -77,7 +77,8 @@ def train_pipelined(
     # a stage of parameter-free layers (an activation, a pooling) has nothing to step
     optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
     first = rank == 0
-    last = rank == (len(split.SPLIT_SPEC)) % world  # the last stage, len(SPLIT_SPEC) + 1 stages in all
+    # the rank of the last stage (len(SPLIT_SPEC) + 1 stages in all): rank 0 in a V
+    last = len(split.SPLIT_SPEC) in split.stage_ids(rank, len(split.SPLIT_SPEC) + 1)
     losses: list[float] = []
     microbatches: list[int] = []
     for inputs, targets in batches:

@@ -16,11 +16,12 @@ from pipeplan.export.structure import (
     CutError,
     ModelStructure,
     check_exportable,
+    engine_stages,
     positions,
     tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
-from pipeplan.schedules import build_schedule, unit_clock
+from pipeplan.schedules import build_schedule, schedule_kind, unit_clock
 
 __all__ = ["PipeliningExport", "action_table_csv", "check_torch_split", "export_pipelining", "split_points"]
 
@@ -35,13 +36,15 @@ class PipeliningExport:
     schedule: str  # pipeplan's name
     schedule_class: str  # torch.distributed.pipelining class name
     stages: int  # model stages (virtual stages included)
-    ranks: int  # pipeline ranks; stage q runs on rank q % ranks
+    ranks: int  # pipeline ranks; stage q runs on rank q % ranks (in a V: ``stage_style``)
     batch_size: int  # samples per minibatch (one schedule.step)
     microbatches: int
     split_points: tuple[str, ...]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING)
-    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each stage, in order
+    stage_layers: tuple[tuple[str, ...], ...]  # layer names of each (torch) stage, in order
     plan_ranks: tuple[int, ...]  # global rank the plan gave each pipeline position
     csv: str  # the plan's action table, compute-only CSV
+    # torch's stages of rank r: "loop" r, r + ranks, ...; "v" r and 2 * ranks - 1 - r (ZBV)
+    stage_style: str = "loop"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -53,23 +56,40 @@ class PipeliningExport:
         """A snippet to paste: ``build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device)``."""
         spec = ", ".join(f"{json.dumps(name)}: SplitPoint.BEGINNING" for name in self.split_points)
         multi = self.schedule_class in MULTI_STAGE_CLASSES
+        mine = (
+            "(rank, num_stages - 1 - rank)  # a V: the first and the mirrored stage"
+            if self.stage_style == "v"
+            else f"tuple(range(rank, num_stages, {self.ranks}))"
+        )
         build = (
-            f"    stages = [pipe.build_stage(s, device, group) for s in range(rank, pipe.num_stages, {self.ranks})]\n"
+            "    stages = [pipe.build_stage(s, device, group) for s in stage_ids(rank, pipe.num_stages)]\n"
             f"    schedule = {self.schedule_class}(stages, n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
             if multi
             else "    stages = [pipe.build_stage(rank, device, group)]\n"
             f"    schedule = {self.schedule_class}(stages[0], n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)\n"
         )
         size = self.batch_size // self.microbatches
+        caveat = (
+            "# torch 2.13: a rank's two adjacent stages (the V's turn) exchange warm-up messages with\n"
+            '# the rank itself, which gloo refuses ("Pair is not connected"): run it on NCCL.\n'
+            if self.stage_style == "v"
+            else ""
+        )
         return (
             f"# pipeplan export --to pipelining: {self.model}, {self.stages} stages on {self.ranks} ranks,\n"
             f"# {self.schedule} = {self.schedule_class}, {self.microbatches} micro-batches of {size} samples\n"
             f"# per step of {self.batch_size} samples. Run on {self.ranks} ranks "
             f"(torchrun --nproc-per-node {self.ranks}).\n"
+            f"{caveat}"
             f"from torch.distributed.pipelining import SplitPoint, pipeline, {self.schedule_class}\n"
             "\n"
             f"SPLIT_SPEC = {{{spec}}}\n"
             f"N_MICROBATCHES = {self.microbatches}\n"
+            "\n"
+            "\n"
+            "def stage_ids(rank, num_stages):\n"
+            '    """The stages this rank builds, as the schedule class places them."""\n'
+            f"    return {mine}\n"
             "\n"
             "\n"
             "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
@@ -161,8 +181,9 @@ def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, 
             f"torch.distributed.pipelining's pipeline() made {len(split.pieces)} stages of "
             f"{plan.model} split at {', '.join(points)}, the plan has {len(plan.stages)}"
         )
+    engine = engine_stages(plan)
     owner = {
-        name: stage.index
+        name: engine[stage.index]
         for stage in plan.stages
         for i in stage.layers
         for name in structure.layer_parameters[i]
@@ -190,13 +211,15 @@ def action_table_csv(plan: Plan) -> str:
     """The plan's actions for one step (one minibatch) as torch's compute-only CSV.
 
     Row r lists pipeline rank r's actions in order, ``f"{stage}{kind}{microbatch}"`` with
-    stage = chunk * ranks + r; empty cells are idle unit steps of pipeplan's clock, so the
+    stage torch's index of model stage chunk * ranks + r (``engine_stages``: the same, but in
+    a V chunk 1 of rank r is torch's stage 2 * ranks - 1 - r); empty cells are idle unit steps of pipeplan's clock, so the
     rows line up by time as torch's own tables do. The optimizer step ("S") is the
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = positions(plan)
     schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
     clock = unit_clock(schedule)
+    engine = engine_stages(plan)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for rank in range(ranks):
@@ -207,7 +230,7 @@ def action_table_csv(plan: Plan) -> str:
             if action.kind not in _CSV_KINDS:
                 raise InputError(f"plan action {action} has no torch.distributed.pipelining counterpart")
             row += [""] * (step - len(row))
-            stage = action.chunk * ranks + rank
+            stage = engine[action.chunk * ranks + rank]
             row.append(f"{stage}{action.kind}{action.microbatch}")
         writer.writerow(row)
     return buffer.getvalue()
@@ -238,7 +261,11 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         batch_size=plan.batch_size,
         microbatches=plan.microbatches,
         split_points=points,
-        stage_layers=tuple(tuple(structure.layer_names[i] for i in sorted(s.layers)) for s in plan.stages),
+        stage_layers=tuple(
+            tuple(structure.layer_names[i] for i in sorted(plan.stages[q].layers))
+            for q in plan.pipeline_order()
+        ),
+        stage_style="v" if schedule_kind(plan.schedule).v_shape else "loop",
         plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
         csv=action_table_csv(plan),
     )

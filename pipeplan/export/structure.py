@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
-from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind, v_segment
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -42,6 +42,7 @@ __all__ = [
     "ModelStructure",
     "check_exportable",
     "check_plan",
+    "engine_stages",
     "model_structure",
     "positions",
     "tensor_parallel_degree",
@@ -172,21 +173,33 @@ def check_plan(plan: Plan) -> None:
     _check_microbatches(plan)
 
 
+def engine_stages(plan: Plan) -> dict[int, int]:
+    """Model stage -> the engines' stage index: the place along the layers, as both number
+    their stages (the same index, except in a V: zb-v's model stage P + i is torch's stage
+    2P - 1 - i, on rank i as ``ScheduleZBVZeroBubble`` places it)."""
+    stages = len(plan.stages)
+    ranks = stages // plan.virtual_stages
+    v_shape = schedule_kind(plan.schedule).v_shape
+    return {q: v_segment(q, ranks) if v_shape else q for q in range(stages)}
+
+
 def check_exportable(plan: Plan, structure: ModelStructure) -> list[int]:
-    """``check_plan``, then the checks that need the model; return each layer's stage.
+    """``check_plan``, then the checks that need the model; return each layer's engine stage
+    (``engine_stages``).
 
     Raises ``InputError`` (one line) when a parameter is used by two stages. O(layers).
     """
     check_plan(plan)
     layers = len(structure.layer_names)
     stage_of = [-1] * layers
+    engine = engine_stages(plan)
     for stage in plan.stages:
         for layer in stage.layers:
             if not 0 <= layer < layers:
                 raise InputError(
                     f"plan stage {stage.index} names layer {layer}, the model has {layers} layers"
                 )
-            stage_of[layer] = stage.index
+            stage_of[layer] = engine[stage.index]
     if -1 in stage_of:
         raise InputError(f"plan assigns no stage to layer {stage_of.index(-1)} (model has {layers} layers)")
     _check_shared_parameters(structure, stage_of)
@@ -229,7 +242,7 @@ def _check_microbatches(plan: Plan) -> None:
             f"plan runs {m} micro-batch(es) per minibatch on {stages} stages: {cls} needs at "
             f"least one per stage; re-plan with `--microbatches {stages}` (or more)"
         )
-    if engine.multi_stage:
+    if engine.multi_stage and not schedule_kind(plan.schedule).v_shape:  # ZBV pads, needs no rounds
         rounds = max(1, m // ranks)
         if m % rounds:
             raise InputError(
