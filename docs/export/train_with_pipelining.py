@@ -57,6 +57,8 @@ def train_pipelined(
     (every rank's stage parameter names); an empty dict elsewhere.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the snippet's stage placement (a loop, or zb-v's V); snippets from before it: a loop
+    stage_ids = getattr(split, "stage_ids", lambda r, n: tuple(range(r, n, world)))
     model_file = load_model_file(resolve_model_path(model_path))
     torch.manual_seed(seed)
     model = model_file.build()
@@ -65,7 +67,7 @@ def train_pipelined(
     device = torch.device("cpu")
     if csv:
         pipe = pipeline(model, mb_args=example, split_spec=split.SPLIT_SPEC)
-        stages = [pipe.build_stage(s, device) for s in split.stage_ids(rank, pipe.num_stages)]
+        stages = [pipe.build_stage(s, device) for s in stage_ids(rank, pipe.num_stages)]
         schedule = _PipelineScheduleRuntime(
             stages, n_microbatches=split.N_MICROBATCHES, loss_fn=model_file.loss_fn
         )
@@ -78,7 +80,7 @@ def train_pipelined(
     optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
     first = rank == 0
     # the rank of the last stage (len(SPLIT_SPEC) + 1 stages in all): rank 0 in a V
-    last = len(split.SPLIT_SPEC) in split.stage_ids(rank, len(split.SPLIT_SPEC) + 1)
+    last = len(split.SPLIT_SPEC) in stage_ids(rank, len(split.SPLIT_SPEC) + 1)
     losses: list[float] = []
     microbatches: list[int] = []
     for inputs, targets in batches:
