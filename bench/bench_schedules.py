@@ -1,5 +1,9 @@
 """Every schedule on measured CPU profiles: predicted time, bubble and peak memory per rank.
 
+``--gloo STEPS``: instead, every schedule of ``bench/deep_mlp.py`` trained on 4 local gloo
+ranks, measured time per minibatch against predicted. ``--sail``: only pipeplan's simulated
+bubbles beside sail-sg/zero-bubble's published formulas.
+
 Three models profiled on this CPU (one thread; the bundled GPT, a small Hugging Face Llama
 ``bench/llama_small.py``, the bundled ResNet), each planned with every schedule of the
 registry on 4 and 8 simulated ranks (straight pipelines, 10 GB/s links, 2 x ranks
@@ -11,11 +15,13 @@ again with the backward's halves assumed 50/50, as before they were measured: th
 
     python bench/bench_schedules.py --out bench/results/schedules.json
     python bench/bench_schedules.py --models gpt --ranks 4
+    python bench/bench_schedules.py --gloo 30 --out bench/results/schedules-gloo.json
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -184,6 +190,57 @@ def sail_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gloo_runs(folder: Path, steps: int) -> list[dict]:
+    """Every schedule of ``bench/deep_mlp.py`` (batch 128, profiled here) planned on 4 ranks and
+    trained under torchrun on 4 local gloo ranks (one thread each): measured time per
+    minibatch (``pipeplan run``'s steady period) against the plan's prediction."""
+    sys.path.insert(0, str(HERE))
+    from launch import torchrun_pipeplan  # bench/launch.py
+
+    model = Model("deep_mlp", str(HERE / "deep_mlp.py"), 128)
+    profile = measured_profile(model, folder)
+    out = []
+    for name in SCHEDULE_NAMES:
+        plan = plan_schedule(profile, 4, name)
+        if isinstance(plan, str):
+            out.append({"schedule": name, "refused": plan})
+            continue
+        path = folder / f"plan-{name}.json"
+        plan.save(path)
+        run_args = [str(path), "--model", model.model, "--steps", str(steps), "--no-progress"]
+        metrics, _ = torchrun_pipeplan(
+            4, run_args, folder / f"metrics-{name}.json", threads=1, timeout_s=600, what=name
+        )
+        measured, predicted = metrics["time_per_minibatch_ms"], metrics["predicted_time_per_minibatch_ms"]
+        out.append(
+            {
+                "schedule": name,
+                "microbatches": plan.microbatches,
+                "measured_ms": measured,
+                "predicted_ms": predicted,
+                "ratio": measured / predicted,
+            }
+        )
+        print(f"{name}: measured {measured:.2f} ms, predicted {predicted:.2f} ms per minibatch", flush=True)
+    return out
+
+
+def gloo_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| schedule | M | measured ms/minibatch | predicted | measured / predicted |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['schedule']} | | refused: {r['refused']} | | |")
+        else:
+            lines.append(
+                f"| {r['schedule']} | {r['microbatches']} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} "
+                f"| {r['ratio']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/schedules.json")
@@ -195,7 +252,19 @@ def main() -> None:
     parser.add_argument(
         "--sail", action="store_true", help="only sail-sg/zero-bubble's comparison of bubbles"
     )
+    parser.add_argument(
+        "--gloo",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="only the runs on 4 gloo ranks, of STEPS steps each",
+    )
     args = parser.parse_args()
+    if args.gloo:
+        runs = gloo_runs(Path(args.profiles), args.gloo)
+        print(gloo_markdown(runs))
+        write_json_atomic(args.out, {"schema": "pipeplan.bench.schedules/1", "gloo": runs})
+        return
     sail = sail_comparison()
     print(sail_markdown(sail))
     print()
