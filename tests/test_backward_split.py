@@ -33,6 +33,7 @@ def _share(layer_backward_input: float | None, backward: float) -> float:
     return layer_backward_input / backward
 
 
+@pytest.mark.timing
 def test_measured_split_puts_an_embeddings_backward_in_its_weights() -> None:
     """An embedding of token ids and a Linear on the model input need no input gradient: their
     whole backward is "W"; a Linear on a hidden value has both, a ReLU is all "I"."""
