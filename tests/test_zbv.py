@@ -89,3 +89,21 @@ def test_v_placement_mirrors_the_layers_and_runs_without_a_bubble() -> None:
     assert result["1f1b-flush"].time_per_minibatch_ms == pytest.approx(16.5, rel=1e-12)
     first = result["1f1b-flush"].device_memory_bytes[0]
     assert result["zb-v"].device_memory_bytes == (first,) * 4
+
+
+def test_auto_chooses_zb_v_among_the_flush_schedules_when_it_pays() -> None:
+    """`--schedule auto` over the exact-gradient schedules on 16 equal layers (F = I = W) and
+    4 devices: zb-v reaches the ideal 12 ms at 8 micro-batches, which no other flush
+    schedule does at any count tried, so it is chosen; every zb-v candidate has v = 2."""
+    from pipeplan.planner.auto import search
+
+    profile = make_profile([1.0] * 16, param_bytes=1000, saved_bytes=2**20)
+    found = search(
+        profile,
+        make_topology(per_server=4, servers=1),
+        PartitionOptions(straight=True),
+        ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "zb-v"),
+    )
+    assert found.plan.schedule == "zb-v" and found.plan.virtual_stages == 2
+    assert found.plan.predicted.time_per_minibatch_ms == pytest.approx(12.0, rel=1e-9)
+    assert {c.virtual_stages for c in found.candidates if c.schedule == "zb-v"} == {2}
