@@ -231,6 +231,32 @@ def test_torchtitan_fragment_of_the_planned_mlp(mlp_plan: Path) -> None:
     assert section["pipeline_parallel_microbatch_size"] * 4 == plan.batch_size
 
 
+def test_zbv_plan_exports_in_torchs_v_order(tmp_path: Path) -> None:
+    """A zb-v plan on 2 ranks: model stage 2 (chunk 1 of rank 0) holds the last layer, torch's
+    stage 3; both engines get the stages along the layers and rank r builds (r, 3 - r)."""
+    plan = make_plan(
+        MLP, [[0, 1], [2], [5], [3, 4]], [1] * 4, "zb-v", batch_size=8, microbatches=4, virtual_stages=2
+    )
+    path = saved(plan, tmp_path)
+    result = invoke(path, "--to", "torchtitan", "--model", MLP)
+    assert result.exit_code == 0, result.output
+    section = tomllib.loads(result.output)["parallelism"]
+    assert section["module_fqns_per_model_part"] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
+    assert (
+        section["pipeline_parallel_schedule"] == "ZBVZeroBubble" and section["pipeline_parallel_degree"] == 2
+    )
+    exported = invoke(path, "--to", "pipelining", "--model", MLP, "-o", str(tmp_path / "split.json"))
+    assert exported.exit_code == 0, exported.output
+    meta = json.loads((tmp_path / "split.json").read_text())
+    assert meta["schedule_class"] == "ScheduleZBVZeroBubble" and meta["stage_style"] == "v"
+    assert meta["split_points"] == ["2", "3", "5"]
+    assert meta["stage_layers"] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
+    namespace: dict = {}
+    exec(compile(meta["python"], "split.py", "exec"), namespace)
+    assert [namespace["stage_ids"](rank, 4) for rank in range(2)] == [(0, 3), (1, 2)]
+    assert meta["csv"].splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0")  # rank 0: stage 0, then 3
+
+
 # --------------------------------------------------------------------------- torchtitan units
 
 
