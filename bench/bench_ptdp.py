@@ -78,13 +78,13 @@ def megatron_cluster(gpus: int) -> Topology:
 
 
 # the schedules searched: those that train as Megatron does (every minibatch's exact gradient,
-# a flush), one model chunk per device. Left out: interleaved-1f1b (pipeplan plans it without
-# replicas, d = 1: no plan on 32+ GPUs for these layer counts), 1f1b-rr and 2bw (they change
-# the training algorithm), and zb-h1, whose simulation splits every backward into halves of
-# input and weight gradients (simulate.INPUT_GRAD_SHARE) where, with full recomputation,
-# the input part is two thirds (the forward again and the input gradient): it would
-# understate zb-h1's bubble
-SCHEDULES = ("1f1b-flush", "gpipe")
+# a flush), one model chunk per device: 1F1B, GPipe and ZB-H1 (its backward split into the
+# input and weight gradients the estimated profile derives from FLOPs, the recomputed forward
+# in the input half: 75% of a block's backward at h = 4096, s = 2048; pipeplan runs it without
+# tensor parallelism, so the planner offers it at t = 1 only). Left out: interleaved-1f1b
+# (pipeplan plans it without replicas, d = 1: no plan on 32+ GPUs for these layer counts),
+# 1f1b-rr and 2bw (they change the training algorithm)
+SCHEDULES = ("1f1b-flush", "gpipe", "zb-h1")
 
 
 def plan_row(

@@ -27,7 +27,11 @@ from pipeplan.errors import InputError
 from pipeplan.fields import check_fields
 from pipeplan.jsonio import read_json, write_json_atomic
 from pipeplan.precision import Precision
-from pipeplan.schedules.kinds import SCHEDULE_NAMES  # the names a plan may carry (the registry's)
+from pipeplan.schedules.actions import v_segment
+from pipeplan.schedules.kinds import (
+    SCHEDULE_NAMES,
+    schedule_kind,
+)  # the names a plan may carry (the registry's)
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 __all__ = [
@@ -141,6 +145,15 @@ class Plan:
     @property
     def precision(self) -> Precision:
         return Precision(self.dtype, self.master_dtype)
+
+    def pipeline_order(self) -> tuple[int, ...]:
+        """The model stages in the order the layers run through them: 0, 1, ..., or, for a
+        V-shaped schedule (zb-v), 0 .. P-1 then 2P-1 down to P (``v_segment``)."""
+        stages = range(len(self.stages))
+        if not schedule_kind(self.schedule).v_shape:
+            return tuple(stages)
+        positions = len(self.stages) // self.virtual_stages
+        return tuple(sorted(stages, key=lambda q: v_segment(q, positions)))
 
     def stage_of_rank(self, rank: int) -> tuple[int, int]:
         """(stage index, replica index) that global ``rank`` runs."""

@@ -6,7 +6,9 @@ Times are milliseconds for one minibatch of ``batch_size`` samples; sizes are by
 Stored as JSON with ``"schema": "pipeplan.profile/2"``; version 1 files (without the
 tensor-parallel fields and ``estimated``) still load, and so do /2 files without the
 optional fields of a meta-device profile (``build``, ``step_not_measured``,
-``optimizer_sample_bytes``, ``LayerProfile.reused_from``) or ``master_dtype``.
+``optimizer_sample_bytes``, ``LayerProfile.reused_from``) or ``master_dtype``, or
+``LayerProfile.backward_input_ms`` (the input gradient's part of the backward; where
+absent, ``input_grad_ms`` assumes half).
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -44,6 +46,7 @@ __all__ = [
     "Profile",
     "MAX_MS",
     "MAX_BYTES",
+    "ASSUMED_INPUT_GRAD_SHARE",
 ]
 
 PROFILE_SCHEMA = "pipeplan.profile/2"
@@ -51,6 +54,8 @@ OLDER_PROFILE_SCHEMAS = ("pipeplan.profile/1",)  # still load (new fields take d
 # Bounds that no real measurement reaches; beyond them sums lose meaning (1e308 ms)
 MAX_MS = 1e9  # 11.6 days for one layer's forward on one minibatch
 MAX_BYTES = 2**60  # 1 EiB
+# of a backward, the input gradient's part where a profile did not measure it (the rest: weights)
+ASSUMED_INPUT_GRAD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,18 @@ class LayerProfile:
     # from its producers' ``output_bytes`` (``planner.recompute.kept_bytes``). Recomputing
     # costs the layer's forward again in backward (``forward_ms``).
     recompute_kept_bytes: int = -1
+    # of backward_ms, the input gradient's part ("B" of a zero-bubble schedule; the rest,
+    # the weight gradient, is "W"): measured as a backward to the layer's inputs alone
+    # (``torch.autograd.grad``), or derived from FLOPs in a what-if profile; None: not
+    # measured (profiles before it was), read ``input_grad_ms``: assumed half
+    backward_input_ms: float | None = None
+
+    @property
+    def input_grad_ms(self) -> float:
+        """The input gradient's ms: ``backward_input_ms``, or half the backward where not measured."""
+        if self.backward_input_ms is None:
+            return self.backward_ms * ASSUMED_INPUT_GRAD_SHARE
+        return self.backward_input_ms
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -198,6 +215,12 @@ class Profile:
         return self.sum_layers_ms / self.step_ms if self.step_ms > 0 else math.nan
 
     @property
+    def input_grad_measured(self) -> bool:
+        """Whether every layer with a backward has its input-gradient part (``backward_input_ms``);
+        where not, the simulator assumes half of that layer's backward (``ASSUMED_INPUT_GRAD_SHARE``)."""
+        return all(layer.backward_input_ms is not None for layer in self.layers if layer.backward_ms > 0)
+
+    @property
     def is_chain(self) -> bool:
         return all(layer.inputs in ((), (layer.index - 1,)) for layer in self.layers)
 
@@ -285,6 +308,12 @@ def validate(profile: Profile) -> None:
                 getattr(layer, name),
                 getattr(layer, name[len("tp_split_") :]),
                 f"profile layer {layer.index} ({layer.name}): {name}",
+            )
+        if layer.backward_input_ms is not None:
+            _check_amount(
+                layer.backward_input_ms,
+                layer.backward_ms,
+                f"profile layer {layer.index} ({layer.name}): backward_input_ms",
             )
         _check_amount(
             layer.largest_param_bytes,

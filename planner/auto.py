@@ -90,7 +90,8 @@ def candidate_shapes(
 
     Schedules of whole minibatches try M = 1 only; virtual-stage schedules each v of
     ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with micro-batch counts
-    that are multiples of the device count (Megatron's rule).
+    that are multiples of the device count (Megatron's rule); V-shaped ones (zb-v) v = 2
+    with every count.
     """
     counts = _counts(options, batch_size, world_size)
     out: list[tuple[str, int, int | None]] = []
@@ -99,6 +100,8 @@ def candidate_shapes(
             continue
         if kind.whole_minibatches:
             out.append((name, 1, 1))
+        elif kind.v_shape:  # two chunks in a V; any micro-batch count
+            out += [(name, m, 2) for m in counts if options.virtual_stages in (None, 2)]
         elif kind.virtual_stages:
             virtuals = [options.virtual_stages] if options.virtual_stages else list(VIRTUAL_CANDIDATES)
             out += [(name, m, v) for v in virtuals for m in counts if m % world_size == 0]

@@ -1,9 +1,10 @@
-"""Planning ``interleaved-1f1b``: the planner picks v and the chunk boundaries.
+"""Planning ``interleaved-1f1b`` and ``zb-v``: the planner picks v and the chunk boundaries.
 
 With p pipeline positions (one device each, in rank order) and v chunks per device, the
 layer chain (the profile's topological order) is cut into v * p contiguous chunks of
 balanced compute (``balanced_cuts``: the smallest largest chunk); chunk q runs on
-position q % p. Each v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
+position q % p. ZB-V (v = 2 in a V): model stage q = c * p + i runs piece i for c = 0
+and piece 2p - 1 - i for c = 1, the layers mirrored around the middle. Each v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
 fastest plan that fits device memory (the sum over a device's chunks, with the
 registry's activations in flight per chunk) is kept.
 """
@@ -22,7 +23,7 @@ from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
 from pipeplan.profile import Profile
-from pipeplan.schedules import schedule_kind
+from pipeplan.schedules import schedule_kind, v_segment
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 
@@ -90,13 +91,16 @@ def interleaved_plan(
     replicas = (1,) * positions
     rank_of = list(ranks) if ranks is not None else list(range(positions))
     device_bytes = [0.0] * positions
+    segment = _segments(options.schedule, positions, chunks)  # model stage -> its piece of the layers
+    stage_at = {piece: q for q, piece in enumerate(segment)}
     stages = []
     for q in range(chunks):
         i, c = q % positions, q // positions
-        start, end = cuts[q], cuts[q + 1]
+        start, end = cuts[segment[q]], cuts[segment[q] + 1]
         comm = 0.0
-        if q + 1 < chunks:
-            level = topology.levels[topology.level_joining(rank_of[i], rank_of[(q + 1) % positions])]
+        if segment[q] + 1 < chunks:
+            after = stage_at[segment[q] + 1] % positions
+            level = topology.levels[topology.level_joining(rank_of[i], rank_of[after])]
             comm = float(transfer_ms(arrays.cut_bytes[end], level.bandwidth_bytes_per_s, level.latency_ms))
         memory, versions, in_flight = plan_stage_memory(
             options.schedule,
@@ -110,7 +114,7 @@ def interleaved_plan(
             chunk=c,
             precision=arrays.precision,
             largest_param_bytes=max(
-                arrays.largest(cuts[k], cuts[k + 1]) for k in range(i, chunks, positions)
+                arrays.largest(cuts[segment[k]], cuts[segment[k] + 1]) for k in range(i, chunks, positions)
             ),
         )
         device_bytes[i] += memory
@@ -136,6 +140,18 @@ def interleaved_plan(
     return plan, int(max(device_bytes))
 
 
+def _segments(schedule: str, positions: int, chunks: int) -> list[int]:
+    """The piece of the layer chain each model stage runs: q itself, or its place in a V
+    (``v_segment``: position i holds pieces i and 2p - 1 - i) for a V-shaped schedule.
+
+    >>> _segments("zb-v", 2, 4), _segments("interleaved-1f1b", 2, 4)
+    ([0, 1, 3, 2], [0, 1, 2, 3])
+    """
+    if schedule_kind(schedule).v_shape:
+        return [v_segment(q, positions) for q in range(chunks)]
+    return list(range(chunks))
+
+
 def partition_interleaved(profile: Profile, topology: Topology, options: PartitionOptions) -> Plan:
     """The fastest interleaved plan that fits, over v (``options.virtual_stages`` or the candidates).
 
@@ -154,7 +170,8 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
             f"{arrays.layers} layers)"
         )
     wanted = options.virtual_stages
-    virtuals = [wanted] if wanted else [v for v in VIRTUAL_CANDIDATES if v * positions <= arrays.layers]
+    candidates = (2,) if kind.v_shape else VIRTUAL_CANDIDATES
+    virtuals = [wanted] if wanted else [v for v in candidates if v * positions <= arrays.layers]
     kind.check((1,) * positions, options.microbatches, max(virtuals))
     if wanted and wanted * positions > arrays.layers:
         raise InputError(

@@ -24,7 +24,7 @@ from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
 from pipeplan.planner.recompute import gain_bytes
-from pipeplan.profile import Profile
+from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.topology import Topology
@@ -37,6 +37,8 @@ __all__ = [
     "SimResult",
     "stage_costs",
     "stage_costs_from_plan",
+    "input_grad_ms",
+    "backward_split_note",
     "link_time_ms",
     "allreduce_ms",
     "default_minibatches",
@@ -52,7 +54,7 @@ class SimulationTooLarge(InputError):
     """The plan needs more than ``MAX_UNITS`` simulated tasks."""
 
 
-INPUT_GRAD_SHARE = 0.5  # of a backward, the part an "I" takes (the rest is its "W")
+INPUT_GRAD_SHARE = ASSUMED_INPUT_GRAD_SHARE  # of a backward, an "I"'s part where not measured
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ class StageCosts:
     # activation recomputation (planner.recompute): saved bytes of the stage's largest
     # recomputable layer, one minibatch (re-materialised one micro-batch at a time); 0: none
     recompute_peak_bytes: int = 0
+    # of backward_ms, the input gradients' part (a split backward's "I"; the rest is "W"):
+    # the layers' measured parts (half for a layer not measured); None: INPUT_GRAD_SHARE of it
+    backward_input_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,8 +152,9 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
             stage_of[layer] = stage.index
     if -1 in stage_of:
         raise InputError(f"plan leaves layer {stage_of.index(-1)} of the profile in no stage")
-    # every stage hands something to the next one (at least the order of the pipeline)
-    cut: dict[tuple[int, int], int] = {(s, s + 1): 0 for s in range(len(plan.stages) - 1)}
+    # every stage hands something to the next one along the layers (at least the order of the pipeline)
+    order = list(plan.pipeline_order())
+    cut: dict[tuple[int, int], int] = dict.fromkeys(zip(order, order[1:]), 0)
     sent: set[tuple[int, int]] = set()
     for consumer in profile.layers:
         for producer in consumer.inputs:
@@ -185,6 +191,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                     (layer.saved_bytes for layer in layers if recomputed and gains[layer.index] > 0),
                     default=0,
                 ),
+                backward_input_ms=sum(layer.input_grad_ms for layer in layers),
             )
         )
     return out
@@ -195,22 +202,24 @@ def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> li
 
     Splits ``compute_ms`` into forward : backward as ``forward_fraction`` (backward about
     twice the forward), and turns ``communication_ms`` (activations out + gradients
-    back) into bytes at the bandwidth joining the stage to the next one; the all-reduce
+    back) into bytes at the bandwidth joining the stage to the next one along the layers; the all-reduce
     is the plan's ``allreduce_ms``. Parameters and activations are not in a plan, so
     memory is the plan's own prediction.
     """
+    order = list(plan.pipeline_order())
+    after = dict(zip(order, order[1:]))
     out = []
     for stage in plan.stages:
         sends: tuple[tuple[int, int], ...] = ()
-        if stage.index + 1 < len(plan.stages):
-            nxt = plan.stages[stage.index + 1]
+        if stage.index in after:
+            nxt = plan.stages[after[stage.index]]
             joining = plan.topology.level_joining(stage.ranks[0], nxt.ranks[0])
             size = 0
             if joining >= 0:
                 level = plan.topology.levels[joining]
                 one_way_ms = max(0.0, stage.communication_ms / 2.0 - level.latency_ms)
                 size = int(one_way_ms * level.bandwidth_bytes_per_s / 1e3)
-            sends = ((stage.index + 1, size),)
+            sends = ((nxt.index, size),)
         out.append(
             StageCosts(
                 forward_ms=stage.compute_ms * forward_fraction,
@@ -305,8 +314,43 @@ def simulation_shape(
     return name, micro, virtual
 
 
+def input_grad_ms(costs: StageCosts) -> float:
+    """A stage's input-gradient ms per minibatch ("I"; "W" is the rest of ``backward_ms``):
+    its layers' measured parts, or ``INPUT_GRAD_SHARE`` of the backward without a profile.
+
+    >>> input_grad_ms(StageCosts(1.0, 4.0, 0, 0, (), backward_input_ms=3.0)), input_grad_ms(StageCosts(1.0, 4.0, 0, 0, ()))
+    (3.0, 2.0)
+    """
+    if costs.backward_input_ms is None:
+        return costs.backward_ms * INPUT_GRAD_SHARE
+    return min(costs.backward_input_ms, costs.backward_ms)
+
+
+def backward_split_note(profile: Profile | None) -> str:
+    """One line saying where a split backward's "I" and "W" times come from, for the CLIs.
+
+    >>> backward_split_note(None)
+    'split backward: input / weight gradients assumed 50/50 of each backward (no profile)'
+    """
+    share = f"{INPUT_GRAD_SHARE * 100:.0f}/{(1 - INPUT_GRAD_SHARE) * 100:.0f}"
+    if profile is None:
+        return f"split backward: input / weight gradients assumed {share} of each backward (no profile)"
+    timed = [layer for layer in profile.layers if layer.backward_ms > 0]
+    missing = sum(layer.backward_input_ms is None for layer in timed)
+    backward = sum(layer.backward_ms for layer in timed)
+    inputs = sum(layer.input_grad_ms for layer in timed)
+    whole = f"input gradients {inputs:.3f} ms of the backward's {backward:.3f} ms per minibatch"
+    if missing == 0:
+        how = "estimated from FLOPs" if profile.estimated else "measured"
+        return f"split backward: {whole} ({how} per layer)"
+    return (
+        f"split backward: {whole}; ASSUMED {share} for {missing} of {len(timed)} layers "
+        "(the profile did not measure them: profile again to measure the split)"
+    )
+
+
 def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Durations:
-    """Per micro-batch durations of every model stage; I and W split B as ``INPUT_GRAD_SHARE``.
+    """Per micro-batch durations of every model stage; I and W split B as ``input_grad_ms``.
     The replicas all-reduce gradients in the plan's gradient dtype (``Precision.gradient_ratio``:
     float32 gradients of bf16 weights under mixed precision)."""
     ranks = [stage.ranks for stage in plan.stages]
@@ -320,8 +364,8 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
     return Durations(
         forward_ms=tuple(c.forward_ms / microbatches for c in costs),
         backward_ms=tuple(c.backward_ms / microbatches for c in costs),
-        backward_input_ms=tuple(c.backward_ms * INPUT_GRAD_SHARE / microbatches for c in costs),
-        backward_weight_ms=tuple(c.backward_ms * (1.0 - INPUT_GRAD_SHARE) / microbatches for c in costs),
+        backward_input_ms=tuple(input_grad_ms(c) / microbatches for c in costs),
+        backward_weight_ms=tuple((c.backward_ms - input_grad_ms(c)) / microbatches for c in costs),
         allreduce_ms=tuple(reduce),
         step_ms=tuple(c.step_ms for c in costs),
         sends=tuple(tuple((t, b / microbatches) for t, b in c.sends) for c in costs),

@@ -108,6 +108,22 @@ def group_topology(topology: Topology, t: int) -> Topology:
     return replace(topology, levels=(replace(inner, count=inner.count // t),) + outer)
 
 
+def _input_grad_after_split(layer: LayerProfile, backward_ms: float, divisor: float) -> float | None:
+    """The split layer's input-gradient ms out of its new ``backward_ms`` (None: not measured).
+
+    Its weight gradients ("W") are those of split weights, so they divide by t (x efficiency)
+    like the split part they belong to; where W exceeds that part (it cannot, measured on
+    the same layer, unless by noise) the layer keeps its input share of the backward.
+    ``divisor``: t x ``tp_efficiency``."""
+    if layer.backward_input_ms is None:
+        return None
+    weight_ms = layer.backward_ms - layer.backward_input_ms
+    if weight_ms <= layer.tp_split_backward_ms and layer.tp_split_backward_ms > 0:
+        return max(0.0, min(backward_ms, backward_ms - weight_ms / divisor))
+    share = layer.backward_input_ms / layer.backward_ms if layer.backward_ms > 0 else 0.0
+    return min(backward_ms, backward_ms * share)
+
+
 def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
     """What one rank of a ``t``-way group pays per layer (module docstring). O(layers)."""
     if t == 1:
@@ -124,6 +140,12 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
             layers.append(layer)
             continue
         ar = allreduce(layer.tp_allreduce_bytes) if layer.tp_allreduce_bytes else 0.0
+        backward_ms = (
+            layer.backward_ms
+            - layer.tp_split_backward_ms
+            + layer.tp_split_backward_ms / (t * eff)
+            + layer.tp_backward_allreduces * ar
+        )
         layers.append(
             replace(
                 layer,
@@ -131,10 +153,8 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
                 - layer.tp_split_forward_ms
                 + layer.tp_split_forward_ms / (t * eff)
                 + layer.tp_forward_allreduces * ar,
-                backward_ms=layer.backward_ms
-                - layer.tp_split_backward_ms
-                + layer.tp_split_backward_ms / (t * eff)
-                + layer.tp_backward_allreduces * ar,
+                backward_ms=backward_ms,
+                backward_input_ms=_input_grad_after_split(layer, backward_ms, t * eff),
                 param_bytes=layer.param_bytes
                 - layer.tp_split_param_bytes
                 + math.ceil(layer.tp_split_param_bytes / t),

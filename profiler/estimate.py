@@ -21,7 +21,9 @@ and a layer's time is the sum of its kernels':
 
 with the FLOPs of Narayanan et al. (SC'21, eq. 3: per block and token 24 h^2 + 4 s h
 forward, twice that backward; the head 2 h V forward). A backward kernel pair costs
-twice its forward. Full activation
+twice its forward: of a GEMM's backward, half is the input gradient and half the weight
+gradient (``backward_input_ms``: a zero-bubble schedule's "I" is everything but the
+weight GEMMs, with the recomputed forward; the embedding's backward is all "W"). Full activation
 recomputation (the paper's setting, ``recompute=True``) keeps only each block's input for
 backward and runs its forward again inside the backward. Sizes follow Korthikanti et al.
 (2022): a block saves s b h (34 + 5 a s / h) bytes without recomputation, of which
@@ -238,6 +240,7 @@ def _embedding(shape: GPTShape, tokens: int, run: _Rates, size: _Bytes) -> Layer
         tokens * h * ELEMENT_BYTES,
         size((shape.vocab + shape.seq_len) * h),
         tokens * 8,
+        backward_input_ms=0.0,  # token ids take no gradient: the whole backward is the tables' "W"
         model_inputs=(0,),
         tp_units=shape.vocab,
         tp_split_param_bytes=size(shape.vocab * h),
@@ -269,6 +272,10 @@ def _block(
         saved = int(tokens * h * (34 + 5 * a * s / h))
         split_saved = int(tokens * h * (24 + 5 * a * s / h))
     params = size(12 * h * h + 13 * h)
+    # "W": the four weight GEMMs' gradients (grad_y.T @ x, as many FLOPs as their forward);
+    # "I" is the rest: the input GEMMs, attention (no weights), the elementwise kernels, and
+    # under recomputation the forward run again before them
+    weight_ms = run.ms(tokens * 24.0 * h * h, 0.0)
     return LayerProfile(
         index,
         f"blocks.{index - 1}",
@@ -282,6 +289,7 @@ def _block(
         tp_units=a,
         tp_split_forward_ms=split_f,
         tp_split_backward_ms=split_b,
+        backward_input_ms=split_b + repeated_b - weight_ms,
         tp_split_param_bytes=size(12 * h * h + 7 * h),
         tp_split_saved_bytes=split_saved,
         tp_allreduce_bytes=activation,
@@ -312,6 +320,7 @@ def _head(shape: GPTShape, tokens: int, run: _Rates, index: int, size: _Bytes) -
         tp_units=v,
         tp_split_forward_ms=split_f,
         tp_split_backward_ms=split_b,
+        backward_input_ms=split_b + repeated_b - run.ms(2.0 * tokens * h * v, 0.0),  # less the weight GEMM
         tp_split_param_bytes=size(v * h),
         tp_split_saved_bytes=tokens * v * ELEMENT_BYTES,
         tp_allreduce_bytes=tokens * h * ELEMENT_BYTES,

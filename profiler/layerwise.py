@@ -29,7 +29,7 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.measure import Progress, loss_backward
+from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     count_saved,
@@ -62,6 +62,7 @@ class _Timed:
     index: int
     forward: Stats
     backward: Stats
+    backward_input: Stats  # the backward to the layer's inputs alone (measure.backward_to_inputs)
 
 
 def measure_layerwise(
@@ -268,28 +269,40 @@ def time_layer(
 
     differentiable = [t for t in tensors_in(list(first)) if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = [torch.randn_like(t) for t in differentiable]
-    forward, backward = [], []
+    forward, backward, backward_input = [], [], []
     for iteration in range(warmup + repeats):
-        with torch.enable_grad():
-            timer.start()
-            outputs = _run(stage, args)
-            forward_ms = read(timer.stop())
-            heads = [t for t in tensors_in(list(outputs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            backward_ms = 0.0
-            if heads:
+        # each measured round times the whole backward, then (on a fresh forward) the
+        # backward to the layer's inputs alone
+        for input_only in (False, True) if iteration >= warmup else (False,):
+            with torch.enable_grad():
                 timer.start()
-                torch.autograd.backward(heads, grads[: len(heads)])
-                backward_ms = read(timer.stop())
-        del outputs, heads
-        for parameter in stage.module.parameters():
-            parameter.grad = None
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                arg.grad = None
-        if iteration >= warmup:
-            forward.append(forward_ms)
-            backward.append(backward_ms)
-    return _Timed(position, robust_stats(forward), robust_stats(backward))
+                outputs = _run(stage, args)
+                forward_ms = read(timer.stop())
+                heads = [
+                    t for t in tensors_in(list(outputs)) if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                backward_ms = 0.0
+                if heads:
+                    timer.start()
+                    if input_only:
+                        backward_to_inputs(heads, grads[: len(heads)], tensors_in(list(args)))
+                    else:
+                        torch.autograd.backward(heads, grads[: len(heads)])
+                    backward_ms = read(timer.stop())
+            del outputs, heads
+            for parameter in stage.module.parameters():
+                parameter.grad = None
+            for arg in tensors_in(list(args)):
+                if isinstance(arg, torch.Tensor):
+                    arg.grad = None
+            if iteration < warmup:
+                continue
+            if input_only:
+                backward_input.append(backward_ms)
+            else:
+                forward.append(forward_ms)
+                backward.append(backward_ms)
+    return _Timed(position, robust_stats(forward), robust_stats(backward), robust_stats(backward_input))
 
 
 def _time_loss(
@@ -338,6 +351,7 @@ def _layer_profile(
         saved_bytes=saved,
         forward_ms_spread=timed.forward.spread,
         backward_ms_spread=timed.backward.spread,
+        backward_input_ms=input_grad_part(timed.backward.median, timed.backward_input.median, params),
         model_inputs=tuple(node.model_inputs),
         reused_from=-1 if timed.index == position else timed.index,
         parameters=names,

@@ -50,6 +50,8 @@ __all__ = [
     "PassSample",
     "Measurements",
     "run_pass",
+    "backward_to_inputs",
+    "input_grad_part",
     "time_step",
     "step_saved_bytes",
     "measure_stages",
@@ -86,11 +88,25 @@ class LayerMeasurement:
     largest_param_bytes: int = 0
     # bytes of its input tensors: what it keeps for backward under torch.utils.checkpoint
     kept_bytes: int = -1
+    # ms of the backward to the layer's inputs alone (``input_only`` passes); None: not measured
+    backward_input: Stats | None = None
+
+    @property
+    def backward_input_ms(self) -> float | None:
+        """The input gradient's ms, at most the whole backward's median; None where not measured.
+
+        A layer without parameters has no weight gradient: its whole backward is the input's
+        (not the input-only pass's median, which differs from the whole one by noise alone)."""
+        if self.backward_input is None:
+            return None
+        return input_grad_part(self.backward.median, self.backward_input.median, self.param_bytes)
 
 
 @dataclass
 class PassSample:
-    """One layer-by-layer training step: per-layer times (ms) and, when counted, bytes."""
+    """One layer-by-layer training step: per-layer times (ms) and, when counted, bytes.
+
+    In an ``input_only`` pass ``backward_ms`` holds each layer's backward to its inputs alone."""
 
     forward_ms: list[float]
     backward_ms: list[float]
@@ -165,12 +181,15 @@ def run_pass(
     loss_fn: Callable[[Any, Any], Any],
     timer: Timer,
     count_bytes: bool = False,
+    input_only: bool = False,
 ) -> PassSample:
     """Forward layer by layer, the loss, then backward layer by layer in reverse (all timed).
 
     With ``count_bytes``, a layer's saved bytes are the storages autograd saves during its
     forward that no earlier layer saved (a layer's output saved again as the next layer's
-    input counts once), so the layers sum to the whole forward's figure.
+    input counts once), so the layers sum to the whole forward's figure. With
+    ``input_only``, each layer's backward runs to its inputs alone (``backward_to_inputs``:
+    the input gradient "B" of a zero-bubble schedule, without the weight gradient "W").
     """
     import torch
 
@@ -179,6 +198,7 @@ def run_pass(
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     produced: list[tuple[object, ...]] = []
+    args_of: list[tuple[object, ...]] = []  # each layer's inputs (for ``input_only``)
     # one counter for the whole pass: a storage counts in the first layer that saves it
     counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
     with torch.enable_grad():
@@ -196,6 +216,7 @@ def run_pass(
                 outputs = _run(stage, args)
                 sample.forward_ms[position] = timer.stop()
             produced.append(outputs)
+            args_of.append(args if input_only else ())
             values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
@@ -213,14 +234,46 @@ def run_pass(
             for name in stage.output_names:  # free the gradients as soon as they are used,
                 values[name] = None  # as a whole-model backward would
             if pairs:
+                heads, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 timer.start()
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if input_only:
+                    backward_to_inputs(heads, grads, _leaves(list(args_of[position])))
+                else:
+                    torch.autograd.backward(heads, grads)
                 sample.backward_ms[position] = timer.stop()
+            args_of[position] = ()
             del pairs
     sample.forward_ms = [read(t) for t in sample.forward_ms]
     sample.backward_ms = [read(t) for t in sample.backward_ms]
     sample.loss_ms = read(sample.loss_ms)
     return sample
+
+
+def input_grad_part(backward_ms: float, input_only_ms: float, param_bytes: int) -> float:
+    """A layer's input-gradient ms from its whole backward and its input-only backward medians.
+
+    >>> input_grad_part(2.0, 1.2, 64), input_grad_part(2.0, 2.5, 64), input_grad_part(2.0, 1.2, 0)
+    (1.2, 2.0, 2.0)
+    """
+    return backward_ms if param_bytes == 0 else min(input_only_ms, backward_ms)
+
+
+def backward_to_inputs(
+    heads: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[object]
+) -> None:
+    """Backward from ``heads`` to the floating ``inputs`` that need a gradient, accumulated in
+    their ``.grad``; no weight gradient is computed (autograd runs only the work that reaches
+    the inputs: a Linear's ``grad_y @ W``, not ``grad_y.T @ x``). A layer whose inputs need
+    none (an embedding of token ids) does nothing."""
+    import torch
+
+    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not wanted:
+        return
+    found = torch.autograd.grad(list(heads), wanted, list(grads), allow_unused=True)
+    for x, g in zip(wanted, found):
+        if g is not None:
+            x.grad = g if x.grad is None else x.grad + g
 
 
 def _clear_grads(model: StepModel) -> None:
@@ -337,7 +390,9 @@ def measure_stages(
     """Per-layer measurements and the whole step, over ``repeats`` passes after ``warmup``.
 
     Each pass runs the step layer by layer and then the whole model, so a change in the
-    machine's load affects both alike and their ratio stays meaningful.
+    machine's load affects both alike and their ratio stays meaningful; each measured pass
+    is followed by one whose backwards stop at the layers' inputs (``run_pass(input_only=True)``),
+    which gives every layer's input-gradient part of its backward.
     """
     total = 1 + warmup + repeats
     _clear_grads(model)
@@ -346,6 +401,7 @@ def measure_stages(
     if progress is not None:
         progress(1, total, "counting bytes")
     samples: list[PassSample] = []
+    input_samples: list[PassSample] = []
     steps: list[float] = []
     for iteration in range(warmup + repeats):
         _clear_grads(model)
@@ -354,6 +410,8 @@ def measure_stages(
         if iteration >= warmup:
             samples.append(sample)
             steps.append(step)
+            _clear_grads(model)
+            input_samples.append(run_pass(stages, inputs, targets, loss_fn, timer, input_only=True))
         if progress is not None:
             progress(2 + iteration, total, "warm-up" if iteration < warmup else "measuring")
     _clear_grads(model)
@@ -366,6 +424,9 @@ def measure_stages(
             saved_bytes=counted.saved_bytes[position],
             largest_param_bytes=largest_param_bytes(stage.module.parameters()),
             kept_bytes=counted.kept_bytes[position],
+            backward_input=(
+                robust_stats([s.backward_ms[position] for s in input_samples]) if input_samples else None
+            ),
         )
         for position, stage in enumerate(stages)
     ]
@@ -428,6 +489,7 @@ def measure_layers(
             parameters=tuple(sorted(set(stage.parameter_names.values()))),
             largest_param_bytes=layer.largest_param_bytes,
             recompute_kept_bytes=layer.kept_bytes,
+            backward_input_ms=layer.backward_input_ms,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

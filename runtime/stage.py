@@ -34,12 +34,12 @@ i, i+P, ...). ``stage`` is the rank's first chunk, ``chunks`` all of them;
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from pipeplan.capture import MODEL_OUTPUT, StageModule, build_layer_graph
+from pipeplan.capture import MODEL_OUTPUT, LayerGraph, StageModule, build_layer_graph
 from pipeplan.capture.checkpointed import checkpoint_layers
 from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.errors import InputError
@@ -124,6 +124,28 @@ class PipelineSpec:
         }
 
 
+def split_in_pipeline_order(graph: LayerGraph, plan: Plan) -> list[StageModule]:
+    """The plan's stage modules, by model stage. The graph splits in the order the layers run
+    through the stages (``Plan.pipeline_order``: a V's model stage P holds the last layers),
+    and the pieces take back their model stages' ids (their producers and consumers too)."""
+    order = plan.pipeline_order()
+    owner = stage_of_layers(plan, len(graph))
+    if order == tuple(range(len(order))):
+        return graph.split(owner)
+    place = {q: k for k, q in enumerate(order)}
+    pieces = graph.split([place[q] for q in owner])
+    out = [
+        replace(
+            piece,
+            index=order[piece.index],
+            producers={name: order[p] if p >= 0 else p for name, p in piece.producers.items()},
+            consumers={name: tuple(order[c] for c in cs) for name, cs in piece.consumers.items()},
+        )
+        for piece in pieces
+    ]
+    return sorted(out, key=lambda piece: piece.index)
+
+
 def stage_of_layers(plan: Plan, layers: int) -> list[int]:
     """Stage id of each of the model's ``layers`` layers; ``InputError`` on a mismatch."""
     return plan.stage_of_layers(layers)
@@ -169,7 +191,7 @@ def build_pipeline(
                 f"{model_file.path} does not match the plan: model fingerprint {graph.fingerprint}, "
                 f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
             )
-        modules = graph.split(stage_of_layers(plan, len(graph)))  # names by identity: the stand-ins
+        modules = split_in_pipeline_order(graph, plan)  # names by identity: the stand-ins
         modules = [  # the plan's recomputed layers under torch.utils.checkpoint
             checkpoint_layers(graph, module, stage.recompute_layers)
             for module, stage in zip(modules, plan.stages)

@@ -72,6 +72,8 @@ FOREIGN_OPTIONS = {
     "--depths",  # bench/bench_memory.py
     "--shapes",  # bench/bench_planner.py
     "--no-pipedream",  # bench/bench_planner.py
+    "--sail",  # bench/bench_schedules.py
+    "--gloo",  # bench/bench_schedules.py
     "--csv",  # docs/export/train_with_pipelining.py
     "--logdir",  # tensorboard
     *MEGATRON_OPTIONS,  # Megatron-LM, as `pipeplan export --to megatron` writes them

@@ -281,6 +281,32 @@ def test_torchtitan_fragment_loads_into_torchtitans_own_config(mlp_plan: Path) -
     assert parallelism.pipeline_parallel_degree == 2
 
 
+def test_zbv_plan_exports_in_torchs_v_order(tmp_path: Path) -> None:
+    """A zb-v plan on 2 ranks: model stage 2 (chunk 1 of rank 0) holds the last layer, torch's
+    stage 3; both engines get the stages along the layers and rank r builds (r, 3 - r)."""
+    plan = make_plan(
+        MLP, [[0, 1], [2], [5], [3, 4]], [1] * 4, "zb-v", batch_size=8, microbatches=4, virtual_stages=2
+    )
+    path = saved(plan, tmp_path)
+    result = invoke(path, "--to", "torchtitan", "--model", MLP)
+    assert result.exit_code == 0, result.output
+    section = tomllib.loads(result.output)["parallelism"]
+    assert section["module_fqns_per_model_part"] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
+    assert (
+        section["pipeline_parallel_schedule"] == "ZBVZeroBubble" and section["pipeline_parallel_degree"] == 2
+    )
+    exported = invoke(path, "--to", "pipelining", "--model", MLP, "-o", str(tmp_path / "split.json"))
+    assert exported.exit_code == 0, exported.output
+    meta = json.loads((tmp_path / "split.json").read_text())
+    assert meta["schedule_class"] == "ScheduleZBVZeroBubble" and meta["stage_style"] == "v"
+    assert meta["split_points"] == ["2", "3", "5"]
+    assert meta["stage_layers"] == [["0", "1"], ["2"], ["3", "4"], ["5"]]
+    namespace: dict = {}
+    exec(compile(meta["python"], "split.py", "exec"), namespace)
+    assert [namespace["stage_ids"](rank, 4) for rank in range(2)] == [(0, 3), (1, 2)]
+    assert meta["csv"].splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0")  # rank 0: stage 0, then 3
+
+
 # --------------------------------------------------------------------------- torchtitan units
 
 
@@ -416,7 +442,7 @@ def test_refuses_1f1b_rr(tmp_path: Path, target: str) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", MLP)) == (
         "plan schedule 1F1B-RR (PipeDream weight stashing, no flush) does not carry over: "
         "torch.distributed.pipelining and torchtitan run flush schedules only (1f1b-flush, gpipe, "
-        "interleaved-1f1b, zb-h1); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+        "interleaved-1f1b, zb-h1, zb-v); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
     )
 
 
@@ -586,6 +612,38 @@ def test_action_table_of_chunked_and_split_backward_schedules(
         {r: list(row) for r, row in compute.items()}, stage_to_rank=lambda s: s % ranks, num_stages=stages
     )
     _simulate_comms_compute(lowered, lambda s: s % ranks, stages)
+
+
+@pytest.mark.parametrize("ranks, microbatches", [(2, 4), (2, 2), (4, 8), (4, 5)])
+def test_zbv_table_is_torchs_own_zbv_order_in_a_v(ranks: int, microbatches: int) -> None:
+    """zb-v's chunk 1 on rank r is torch's stage 2 * ranks - 1 - r; each rank's compute order is
+    the one ScheduleZBVZeroBubble computes itself; torch validates the V and dry-runs it."""
+    from torch.distributed.pipelining.schedules import (
+        ScheduleZBVZeroBubble,
+        _Action,
+        _add_send_recv,
+        _simulate_comms_compute,
+        _validate_schedule,
+    )
+
+    stages = 2 * ranks
+    plan = SimpleNamespace(
+        schedule="zb-v", virtual_stages=2, stages=[None] * stages, microbatches=microbatches
+    )
+    rows = list(csv.reader(io.StringIO(action_table_csv(plan))))  # type: ignore[arg-type]
+    actions = {rank: [_Action.from_str(cell) for cell in row] for rank, row in enumerate(rows)}
+    v = {s: s if s < ranks else stages - 1 - s for s in range(stages)}
+    assert _validate_schedule(actions, ranks, stages, microbatches) == v
+    compute = {rank: [a for a in row if a is not None] for rank, row in actions.items()}
+    torch_zbv = object.__new__(ScheduleZBVZeroBubble)  # its order alone, without stages or a group
+    torch_zbv.pp_group_size, torch_zbv.num_stages, torch_zbv._n_microbatches = ranks, stages, microbatches
+    for rank in range(ranks):
+        theirs = [a for a in torch_zbv._calculate_single_rank_operations(rank) if a is not None]
+        assert [str(a) for a in compute[rank]] == [str(a) for a in theirs]
+    lowered = _add_send_recv(
+        {r: list(row) for r, row in compute.items()}, stage_to_rank=v.get, num_stages=stages
+    )
+    _simulate_comms_compute(lowered, v.get, stages)
 
 
 def test_action_table_lines_up_by_unit_step() -> None:

@@ -1,6 +1,6 @@
 """The newer schedules, and 1F1B-flush on uneven replicas, under torchrun (gloo on CPU).
 
-Flush schedules (interleaved-1f1b, zb-h1, 1f1b-flush) must equal single-process training; 2BW must
+Flush schedules (interleaved-1f1b, zb-h1, zb-v, 1f1b-flush) must equal single-process training; 2BW must
 equal its delayed-update rule W(t+1) = W(t) - lr * grad f(W(t-1)), emulated in one
 process. Each launch has a hard timeout.
 """
@@ -41,6 +41,10 @@ CASES = {
     "interleaved-one-rank": ("dag.py", [[0, 1, 2], [3, 4, 5]], 1, "interleaved-1f1b", 2, 2, {}),
     "zb-h1-dag": ("dag.py", [[0], [1, 2], [3], [4, 5]], 4, "zb-h1", 4, 1, {}),
     "zb-h1-tied": ("tied.py", [[0, 1], [2, 3, 4]], 2, "zb-h1", 4, 1, {"PIPEPLAN_TEST_UNTAGGED": "1"}),
+    # the V on 4 ranks: model stage q = c * 4 + i holds piece i (c = 0) or 7 - i (c = 1), so
+    # rank 0 runs the first and the last layers, rank 3 the two middle pieces back to back
+    # (a message to itself); 4 micro-batches, fewer than the 2P - 1 = 7 of a full V
+    "zb-v": ("deep.py", [[0], [1], [2], [3], [7, 8], [6], [5], [4]], 4, "zb-v", 4, 2, {}),
 }
 
 

@@ -351,10 +351,12 @@ def _kind_args(name: str, replicas: tuple[int, ...], micro: int, minibatches: in
 
 
 def _skip_connections(schedule: Schedule) -> engine.Durations:
-    """Unit durations with every model stage sending to every later one (a DAG, not a chain)."""
+    """Unit durations with every model stage sending to every later one along the layers (a DAG,
+    not a chain; later in ``Schedule.pipeline_order``: q + 1, ... or the V's)."""
     q = schedule.model_stages
     one, zero = (1.0,) * q, (0.0,) * q
-    sends = tuple(tuple((t, 1.0) for t in range(s + 1, q)) for s in range(q))
+    order = schedule.pipeline_order()
+    sends = tuple(tuple((t, 1.0) for t in order[order.index(s) + 1 :]) for s in range(q))
     return engine.Durations(one, one, one, one, zero, zero, sends)
 
 

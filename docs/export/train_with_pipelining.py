@@ -61,6 +61,8 @@ def train_pipelined(
     difference between its copies after training); an empty dict elsewhere.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    # the snippet's stage placement (a loop, or zb-v's V); snippets from before it: a loop
+    stage_ids = getattr(split, "stage_ids", lambda r, n=split.N_STAGES: tuple(range(r, n, world)))
     model_file = load_model_file(resolve_model_path(model_path))
     torch.manual_seed(seed)
     model = model_file.build()
@@ -81,7 +83,7 @@ def train_pipelined(
     # a stage of parameter-free layers (an activation, a pooling) has nothing to step
     optimizer = torch.optim.SGD(parameters, lr=lr) if parameters else None
     first = rank == 0
-    last = rank == (split.N_STAGES - 1) % world
+    last = (split.N_STAGES - 1) in stage_ids(rank, split.N_STAGES)
     losses: list[float] = []
     microbatches: list[int] = []
     for inputs, targets in batches:

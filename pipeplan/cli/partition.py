@@ -16,6 +16,7 @@ from pipeplan.schedules import (
     SCHEDULE_NAMES,
     TARGET_SCHEDULES,
     or_list,
+    schedule_kind,
 )
 
 if TYPE_CHECKING:  # typing only: keeps torch-free imports out of --help
@@ -364,6 +365,10 @@ def partition(
     unrestricted = _unrestricted(profile, topology, options) if export_target else None
     plan.save(output)
     _print_plan(plan, profile.estimated)
+    if schedule == "auto" or schedule_kind(plan.schedule).split_backward:
+        from pipeplan.planner.simulate import backward_split_note
+
+        click.echo(backward_split_note(profile))
     if export_target:
         _print_price(plan, unrestricted)
     click.echo(f"wrote {output}")

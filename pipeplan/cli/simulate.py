@@ -85,7 +85,7 @@ def simulate(
 
     from pipeplan.errors import InputError
     from pipeplan.plan import Plan
-    from pipeplan.planner.simulate import simulate_plan
+    from pipeplan.planner.simulate import backward_split_note, simulate_plan
     from pipeplan.profile import Profile
     from pipeplan.reporting.checkpoint_cost import checkpoint_summary
     from pipeplan.reporting.timeline import TIMELINE_SUFFIXES, write_timeline
@@ -104,6 +104,8 @@ def simulate(
             "(forward:backward = 1:2), memory from the plan[/]"
         )
     names = list(SCHEDULE_NAMES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
+    if any(schedule_kind(name).split_backward for name in names):
+        console.print(backward_split_note(profile), markup=False, soft_wrap=True)
     if microbatches is not None and microbatches < 1:
         raise InputError(f"--microbatches must be >= 1 (got {microbatches})")
     if timeline_path and Path(timeline_path).suffix.lower() not in TIMELINE_SUFFIXES:

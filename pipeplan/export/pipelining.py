@@ -19,11 +19,12 @@ from pipeplan.export.structure import (
     ModelAtHand,
     ModelStructure,
     check_exportable,
+    engine_stages,
     positions,
     tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
-from pipeplan.schedules import build_schedule, unit_clock
+from pipeplan.schedules import build_schedule, schedule_kind, unit_clock
 
 __all__ = ["PipeliningExport", "action_table_csv", "check_torch_split", "export_pipelining", "split_points"]
 
@@ -105,8 +106,9 @@ def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, 
             f"torch.distributed.pipelining's pipeline() made {len(split.pieces)} stages of "
             f"{plan.model} split at {', '.join(points)}, the plan has {len(plan.stages)}"
         )
+    engine = engine_stages(plan)
     owner = {
-        name: stage.index
+        name: engine[stage.index]
         for stage in plan.stages
         for i in stage.layers
         for name in structure.layer_parameters[i]
@@ -134,13 +136,15 @@ def action_table_csv(plan: Plan) -> str:
     """The plan's actions for one step (one minibatch) as torch's compute-only CSV.
 
     Row r lists pipeline rank r's actions in order, ``f"{stage}{kind}{microbatch}"`` with
-    stage = chunk * ranks + r; empty cells are idle unit steps of pipeplan's clock, so the
+    stage torch's index of model stage chunk * ranks + r (``engine_stages``: the same, but in
+    a V chunk 1 of rank r is torch's stage 2 * ranks - 1 - r); empty cells are idle unit steps of pipeplan's clock, so the
     rows line up by time as torch's own tables do. The optimizer step ("S") is the
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = positions(plan)
     schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
     clock = unit_clock(schedule)
+    engine = engine_stages(plan)
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for rank in range(ranks):
@@ -151,7 +155,7 @@ def action_table_csv(plan: Plan) -> str:
             if action.kind not in _CSV_KINDS:
                 raise InputError(f"plan action {action} has no torch.distributed.pipelining counterpart")
             row += [""] * (step - len(row))
-            stage = action.chunk * ranks + rank
+            stage = engine[action.chunk * ranks + rank]
             row.append(f"{stage}{action.kind}{action.microbatch}")
         writer.writerow(row)
     return buffer.getvalue()
@@ -188,7 +192,11 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         batch_size=plan.batch_size,
         microbatches=plan.microbatches,
         split_points=(),
-        stage_layers=tuple(tuple(structure.layer_names[i] for i in sorted(s.layers)) for s in plan.stages),
+        stage_layers=tuple(
+            tuple(structure.layer_names[i] for i in sorted(plan.stages[q].layers))
+            for q in plan.pipeline_order()
+        ),
+        stage_style="v" if schedule_kind(plan.schedule).v_shape else "loop",
         plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
         csv=action_table_csv(plan),
         reason="torch's pipeline() split at the split points",

@@ -54,6 +54,8 @@ class PipeliningExport:
     leaf_modules: tuple[str, ...] = ()
     opaque_modules: tuple[str, ...] = ()
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding a copy
+    # torch's stages of rank r: "loop" r, r + ranks, ...; "v" r and 2 * ranks - 1 - r (ZBV)
+    stage_style: str = "loop"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -75,6 +77,12 @@ def _header(made: PipeliningExport, imports: str) -> str:
         f"(torchrun --nproc-per-node {made.ranks}).\n"
         f"# Stages: {made.reason}\n"
         + (f"# Checked: {made.checked}\n" if made.checked else "")
+        + (
+            "# torch 2.13: a rank's two adjacent stages (the V's turn) exchange warm-up messages with\n"
+            '# the rank itself, which gloo refuses ("Pair is not connected"): run it on NCCL.\n'
+            if made.stage_style == "v"
+            else ""
+        )
         + f"{imports}\n"
     )
 
@@ -103,7 +111,19 @@ def _schedule(made: PipeliningExport) -> str:
 
 
 def _constants(made: PipeliningExport) -> str:
-    return f"N_STAGES = {made.stages}\nRANKS = {made.ranks}\nN_MICROBATCHES = {made.microbatches}\n"
+    mine = (
+        "(rank, num_stages - 1 - rank)  # a V: the first and the mirrored stage"
+        if made.stage_style == "v"
+        else "tuple(range(rank, num_stages, RANKS))"
+    )
+    return (
+        f"N_STAGES = {made.stages}\nRANKS = {made.ranks}\nN_MICROBATCHES = {made.microbatches}\n"
+        f"V_SHAPE = {made.stage_style == 'v'}\n"
+        "\n\n"
+        "def stage_ids(rank, num_stages=N_STAGES):\n"
+        '    """The stages this rank builds, as the schedule class places them."""\n'
+        f"    return {mine}\n"
+    )
 
 
 def split_spec_python(made: PipeliningExport) -> str:
@@ -120,7 +140,7 @@ def split_spec_python(made: PipeliningExport) -> str:
         "def build_stages(model, example_microbatch, rank, device, group=None):\n"
         f'    """This rank\'s stages; example_microbatch: the model\'s inputs for one micro-batch ({size} samples)."""\n'
         "    pipe = pipeline(model, mb_args=tuple(example_microbatch), split_spec=SPLIT_SPEC)\n"
-        "    return [pipe.build_stage(s, device, group) for s in range(rank, N_STAGES, RANKS)]\n"
+        "    return [pipe.build_stage(s, device, group) for s in stage_ids(rank)]\n"
         + _schedule(made)
         + "\n\n"
         "def stage_loss(stage_modules, loss_fn):\n"
@@ -169,7 +189,7 @@ def stage_modules_python(made: PipeliningExport) -> str:
         "            modules[s].to(device), s, N_STAGES, device,\n"
         "            input_args=examples[s][0], output_args=examples[s][1], group=group,\n"
         "        )\n"
-        "        for s in range(rank, N_STAGES, RANKS)\n"
+        "        for s in stage_ids(rank)\n"
         "    ]\n" + _schedule(made) + "\n\n"
         "def stage_loss(stage_modules, loss_fn):\n"
         '    """loss_fn on the model\'s output, rebuilt from the last stage\'s tuple of tensors."""\n'
@@ -178,5 +198,5 @@ def stage_modules_python(made: PipeliningExport) -> str:
         "def sync_tied_gradients(stage_modules, group=None):\n"
         '    """After schedule.step(), before optimizer.step(): sum each tied parameter\'s gradient over\n'
         '    the ranks holding a copy, so that the copies stay equal. Every rank calls it."""\n'
-        "    all_reduce_tied(stage_modules, TIED, RANKS, group)\n"
+        "    all_reduce_tied(stage_modules, TIED, RANKS, group, v_shape=V_SHAPE)\n"
     )

@@ -220,15 +220,29 @@ def _root(modules: Sequence[nn.Module]) -> nn.Module:
     return _Stages(modules)
 
 
+def stage_rank(stage: int, ranks: int, v_shape: bool = False) -> int:
+    """The pipeline rank torch's schedule classes run ``stage`` on: ``stage % ranks``, or in a
+    V (``ScheduleZBVZeroBubble``) rank r holds stages r and 2 * ranks - 1 - r.
+
+    >>> [stage_rank(s, 2) for s in range(4)], [stage_rank(s, 2, v_shape=True) for s in range(4)]
+    ([0, 1, 0, 1], [0, 1, 1, 0])
+    """
+    if v_shape and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
+
+
 def all_reduce_tied(
     modules: Sequence[nn.Module],
     tied: dict[str, tuple[int, ...]],
     ranks: int,
     group: dist.ProcessGroup | None,
+    v_shape: bool = False,
 ) -> None:
     """Sum each tied parameter's gradient over the pipeline ranks holding it (stage s runs on
-    pipeline rank s % ``ranks`` of ``group``). Every rank of ``group`` calls this after the
-    schedule's step and before ``optimizer.step()``; the first call makes the sub-groups."""
+    pipeline rank ``stage_rank(s, ranks, v_shape)`` of ``group``). Every rank of ``group`` calls
+    this after the schedule's step and before ``optimizer.step()``; the first call makes the
+    sub-groups."""
     held: dict[str, nn.Parameter] = {}
     groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for module in modules:
@@ -236,7 +250,7 @@ def all_reduce_tied(
             held.update(module.qualified_parameters())
             groups = module.tied_groups  # shared by this rank's stages
     for name, stages in sorted(tied.items()):
-        members = tuple(sorted({s % ranks for s in stages}))
+        members = tuple(sorted({stage_rank(s, ranks, v_shape) for s in stages}))
         if len(members) < 2:
             continue  # one rank holds every copy: the same tensor, its gradient already summed
         global_ranks = tuple(dist.get_global_rank(group, r) if group else r for r in members)

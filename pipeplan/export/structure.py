@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
-from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind
+from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind, v_segment
 
 if TYPE_CHECKING:
     from torch import nn
@@ -51,6 +51,7 @@ __all__ = [
     "check_exportable",
     "check_plan",
     "check_shared_parameters",
+    "engine_stages",
     "model_structure",
     "positions",
     "tensor_parallel_degree",
@@ -207,14 +208,26 @@ def check_plan(plan: Plan) -> None:
     _check_microbatches(plan)
 
 
+def engine_stages(plan: Plan) -> dict[int, int]:
+    """Model stage -> the engines' stage index: the place along the layers, as both number
+    their stages (the same index, except in a V: zb-v's model stage P + i is torch's stage
+    2P - 1 - i, on rank i as ``ScheduleZBVZeroBubble`` places it)."""
+    stages = len(plan.stages)
+    ranks = stages // plan.virtual_stages
+    v_shape = schedule_kind(plan.schedule).v_shape
+    return {q: v_segment(q, ranks) if v_shape else q for q in range(stages)}
+
+
 def check_exportable(plan: Plan, structure: ModelStructure, shared: bool = False) -> list[int]:
-    """``check_plan``, then the checks that need the model; return each layer's stage.
+    """``check_plan``, then the checks that need the model; return each layer's engine stage
+    (``engine_stages``).
 
     Raises ``InputError`` (one line) when a parameter is used by two stages, unless
     ``shared`` (the export keeps tied copies equal itself). O(layers).
     """
     check_plan(plan)
-    stage_of = plan.stage_of_layers(len(structure.layer_names))
+    engine = engine_stages(plan)
+    stage_of = [engine[q] for q in plan.stage_of_layers(len(structure.layer_names))]
     if not shared:
         check_shared_parameters(structure, stage_of)
     return stage_of
@@ -256,7 +269,7 @@ def _check_microbatches(plan: Plan) -> None:
             f"plan runs {m} micro-batch(es) per minibatch on {stages} stages: {cls} needs at "
             f"least one per stage; re-plan with `--microbatches {stages}` (or more)"
         )
-    if engine.multi_stage:
+    if engine.multi_stage and not schedule_kind(plan.schedule).v_shape:  # ZBV pads, needs no rounds
         rounds = max(1, m // ranks)
         if m % rounds:
             raise InputError(

@@ -8,6 +8,7 @@ from pipeplan.schedules.actions import (
     interleaved_warmup,
     noam,
     peak_in_flight,
+    v_segment,
     warmup_forwards,
 )
 from pipeplan.schedules.checks import grid, validate
@@ -55,6 +56,7 @@ __all__ = [
     "schedule_kind",
     "unit_clock",
     "validate",
+    "v_segment",
     "warmup_forwards",
     "weight_versions",
 ]

@@ -32,6 +32,7 @@ __all__ = [
     "label",
     "noam",
     "peak_in_flight",
+    "v_segment",
     "warmup_forwards",
 ]
 
@@ -78,6 +79,18 @@ def interleaved_warmup(positions: int, position: int, virtual_stages: int) -> in
     [10, 8, 6, 4]
     """
     return (positions - position - 1) * 2 + (virtual_stages - 1) * positions
+
+
+def v_segment(stage: int, positions: int) -> int:
+    """The place of model stage ``stage`` (chunk * P + position) along the layers in a V.
+
+    V placement (ZB-V): position i holds segments i and 2P - 1 - i of the 2P segments of
+    the layer chain, so model stage q < P is segment q and q = P + i is segment 2P - 1 - i.
+
+    >>> [v_segment(q, 4) for q in range(8)]
+    [0, 1, 2, 3, 7, 6, 5, 4]
+    """
+    return stage if stage < positions else 3 * positions - 1 - stage
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
@@ -156,6 +169,18 @@ class Schedule:
     microbatches: int
     actions: dict[Worker, tuple[Action, ...]]  # (position, replica) -> ordered actions
     virtual_stages: int = 1  # model chunks per device
+    v_shape: bool = False  # chunk 1 of position i holds the mirrored layers (``v_segment``)
+
+    def pipeline_order(self) -> tuple[int, ...]:
+        """Model stages in the order the layers run through them (q + 1 after q, or the V).
+
+        >>> Schedule("zb-v", (1, 1), 1, 2, {}, 2, v_shape=True).pipeline_order()
+        (0, 1, 3, 2)
+        """
+        stages = self.model_stages
+        if not self.v_shape:
+            return tuple(range(stages))
+        return tuple(sorted(range(stages), key=lambda q: v_segment(q, self.stages)))
 
     @property
     def stages(self) -> int:

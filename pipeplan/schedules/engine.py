@@ -519,8 +519,9 @@ class _Sweep:
 def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
     """Start step of every action with F, B, I and W one step each and S none.
 
-    Model stage q hands to q + 1 only, with free sends: the step clock of
-    ``grid``. Raises ``InputError`` when the order deadlocks.
+    Each model stage hands to the next one along the layers only (q + 1, or the V's next:
+    ``Schedule.pipeline_order``), with free sends: the step clock of ``grid``. Raises
+    ``InputError`` when the order deadlocks.
 
     >>> from pipeplan.schedules.kinds import build_schedule
     >>> clock = unit_clock(build_schedule("1f1b-flush", (1, 1), 1, 2))
@@ -530,7 +531,9 @@ def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
     stages = schedule.model_stages
     one = (1.0,) * stages
     zero = (0.0,) * stages
-    chain = tuple(((q + 1, 0.0),) if q + 1 < stages else () for q in range(stages))
+    order = schedule.pipeline_order()
+    after = {q: order[k + 1] for k, q in enumerate(order[:-1])}
+    chain = tuple(((after[q], 0.0),) if q in after else () for q in range(stages))
     durations = Durations(one, one, one, one, zero, zero, chain)
     first = [sum(schedule.stage_replicas[:i]) for i in range(schedule.stages)]
     ranks = [[first[i] + r for r in range(n)] for i, n in enumerate(schedule.stage_replicas)]

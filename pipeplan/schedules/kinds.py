@@ -26,6 +26,7 @@ from pipeplan.schedules.orders import (
     worker_gpipe,
     worker_interleaved,
     worker_zb_h1,
+    worker_zbv,
 )
 
 __all__ = [
@@ -103,6 +104,9 @@ class ScheduleKind:
     # schedules without weight versions (a recomputed forward must see the forward's weights)
     # and with whole backwards
     recomputes_layers: bool = False
+    # V placement (ZB-V): exactly two chunks per device, chunk 1 of position i holding the
+    # layers mirrored around the middle (``actions.v_segment``); no Megatron micro-batch rule
+    v_shape: bool = False
     default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
     default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
@@ -136,7 +140,9 @@ class ScheduleKind:
         replicas = _replicas(stage_replicas)
         if microbatches < 1 or (minibatches is not None and minibatches < 1):
             raise InputError(f"minibatches and microbatches must be >= 1 (got {minibatches}, {microbatches})")
-        if self.virtual_stages:
+        if self.v_shape and virtual_stages != 2:
+            raise InputError(f"{self.name} runs exactly 2 chunks per device in a V (got {virtual_stages})")
+        if self.virtual_stages and not self.v_shape:
             if virtual_stages < 2:
                 raise InputError(
                     f"{self.name} needs virtual stages >= 2 (got {virtual_stages}); "
@@ -147,7 +153,7 @@ class ScheduleKind:
                     f"{self.name} needs micro-batches ({microbatches}) to be a multiple of "
                     f"the {len(replicas)} pipeline positions (Megatron's rule)"
                 )
-        elif virtual_stages != 1:
+        elif not self.virtual_stages and virtual_stages != 1:
             raise InputError(
                 f"{self.name} runs one model chunk per device (got virtual stages {virtual_stages})"
             )
@@ -356,6 +362,18 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             generate=worker_zb_h1,
             engine=EngineSchedule("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", multi_stage=True),
         ),
+        ScheduleKind(
+            "zb-v",
+            "zero bubble V: two chunks per device in a V, weight gradients deferred",
+            flushes=True,
+            gradients="exact",
+            split_backward=True,
+            virtual_stages=True,
+            whole_minibatches=False,
+            generate=worker_zbv,
+            engine=EngineSchedule("ScheduleZBVZeroBubble", "ZBVZeroBubble", multi_stage=True),
+            v_shape=True,
+        ),
     )
 }
 SCHEDULE_NAMES: tuple[str, ...] = tuple(SCHEDULE_KINDS)  # the names a plan may carry, in registry order
@@ -440,4 +458,4 @@ def build_schedule(
     kind = schedule_kind(name)
     replicas = _replicas(stage_replicas)
     actions = kind.actions(replicas, minibatches, microbatches, virtual_stages)
-    return Schedule(name, replicas, minibatches, microbatches, actions, virtual_stages)
+    return Schedule(name, replicas, minibatches, microbatches, actions, virtual_stages, kind.v_shape)

@@ -255,6 +255,84 @@ def worker_zb_h1(
     return out
 
 
+def zbv_order(positions: int, position: int, microbatches: int) -> list[tuple[str, int, int]]:
+    """ZB-V's order of one device: (kind, micro-batch, chunk) of chunks 0 (model stage i) and 1 (its mirror).
+
+    Qi et al. (ICLR 2024, section 6), with the phases torch.distributed.pipelining's
+    ``ScheduleZBVZeroBubble`` also runs, for position i of P and n = max(M, 2P - 1)
+    micro-batches: warm-up 2(P - i) - 1 forwards of chunk 0, then i times (F1, F0), then
+    P - i times (F1, I1, W1); steady (F0 while any is left, I0, W0, F1, I1, W1) until chunk 1
+    has run every forward; cool-down i times (I0, I1), P - i times (I0, W0), then the
+    deferred W of chunk 1, then of chunk 0. Micro-batches >= M (the padding up to 2P - 1)
+    are dropped from every device alike. O(M + P).
+
+    >>> " ".join(f"{k}{m}c{c}" for k, m, c in zbv_order(2, 1, 3))
+    'F0c0 F0c1 F1c0 F1c1 I0c1 W0c1 F2c0 I0c0 W0c0 F2c1 I1c1 W1c1 I1c0 I2c1 I2c0 W1c0 W2c1 W2c0'
+    """
+    n = max(microbatches, 2 * positions - 1)
+    i = position
+    order: list[tuple[str, int, int]] = []
+    nxt = {("F", 0): 0, ("F", 1): 0, ("I", 0): 0, ("I", 1): 0, ("W", 0): 0, ("W", 1): 0}
+
+    def run(kind: str, chunk: int) -> None:
+        order.append((kind, nxt[(kind, chunk)], chunk))
+        nxt[(kind, chunk)] += 1
+
+    for _ in range(2 * (positions - i) - 1):
+        run("F", 0)
+    for _ in range(i):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(positions - i):
+        run("F", 1)
+        run("I", 1)
+        run("W", 1)
+    while nxt[("F", 1)] < nxt[("F", 0)] or nxt[("F", 0)] < n:
+        if nxt[("F", 0)] < n:
+            run("F", 0)
+        run("I", 0)
+        run("W", 0)
+        run("F", 1)
+        run("I", 1)
+        run("W", 1)
+    for _ in range(i):
+        run("I", 0)
+        run("I", 1)
+    for _ in range(positions - i):
+        run("I", 0)
+        run("W", 0)
+    while nxt[("W", 1)] < nxt[("I", 1)]:
+        run("W", 1)
+    while nxt[("W", 0)] < nxt[("I", 0)]:
+        run("W", 0)
+    return [(kind, m, c) for kind, m, c in order if m < microbatches]
+
+
+def worker_zbv(
+    replicas: tuple[int, ...],
+    stage: int,
+    replica: int,
+    minibatches: int,
+    microbatches: int,
+    virtual_stages: int,
+) -> list[Action]:
+    """ZB-V, per minibatch (it flushes): ``zbv_order`` of the position, then one "S".
+
+    Two chunks per device in a V: chunk 0 of position i is model stage i, chunk 1 model
+    stage P + i, which the planner fills with the layers mirrored around the middle
+    (``actions.v_segment``: segment 2P - 1 - i), so the last device's two chunks are
+    consecutive and the first device runs the first and the last layers. A replica runs the
+    units routed to it in the position's order.
+    """
+    order = zbv_order(len(replicas), stage, microbatches)
+    out: list[Action] = []
+    for k in range(minibatches):
+        local = set(_local_microbatches(replicas, stage, replica, k, microbatches))
+        out += [Action(kind, k, micro, chunk) for kind, micro, chunk in order if micro in local]
+        out.append(Action("S", k))
+    return out
+
+
 def clear_caches() -> None:
     """Drop the cached per-minibatch action tuples (keep no Actions beyond their schedule)."""
     _minibatch_actions.cache_clear()
