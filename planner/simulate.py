@@ -23,6 +23,7 @@ from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
+from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.profile import Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -66,6 +67,8 @@ class StageCosts:
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
     allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
     largest_param_bytes: int = 0  # the stage's largest parameter (its gradient temporary; planner.memory)
+    # forward / backward at measured batch sizes (planner.microbatch_time); None: proportional
+    curve: BatchCurve | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 step_ms=sum(update[i] for i in stage.layers),
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
+                curve=stage_curve(profile, stage.layers),
             )
         )
     return out
@@ -293,6 +297,8 @@ def simulation_shape(
 
 def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Durations:
     """Per micro-batch durations of every model stage; I and W split B as ``INPUT_GRAD_SHARE``.
+    A micro-batch's compute is its share of the minibatch's (``planner.microbatch_time``:
+    measured at its size where the profile has the times, else 1/M).
     The replicas all-reduce gradients in the plan's gradient dtype (``Precision.gradient_ratio``:
     float32 gradients of bf16 weights under mixed precision)."""
     ranks = [stage.ranks for stage in plan.stages]
@@ -303,11 +309,13 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
         else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
         for q, c in enumerate(costs)
     ]
+    forward = [c.forward_ms * microbatch_share(c.curve, microbatches) for c in costs]
+    backward = [c.backward_ms * microbatch_share(c.curve, microbatches, "backward") for c in costs]
     return Durations(
-        forward_ms=tuple(c.forward_ms / microbatches for c in costs),
-        backward_ms=tuple(c.backward_ms / microbatches for c in costs),
-        backward_input_ms=tuple(c.backward_ms * INPUT_GRAD_SHARE / microbatches for c in costs),
-        backward_weight_ms=tuple(c.backward_ms * (1.0 - INPUT_GRAD_SHARE) / microbatches for c in costs),
+        forward_ms=tuple(forward),
+        backward_ms=tuple(backward),
+        backward_input_ms=tuple(b * INPUT_GRAD_SHARE for b in backward),
+        backward_weight_ms=tuple(b * (1.0 - INPUT_GRAD_SHARE) for b in backward),
         allreduce_ms=tuple(reduce),
         step_ms=tuple(c.step_ms for c in costs),
         sends=tuple(tuple((t, b / microbatches) for t, b in c.sends) for c in costs),

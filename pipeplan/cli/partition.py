@@ -328,6 +328,10 @@ def partition(
     unrestricted = _unrestricted(profile, topology, options) if export_target else None
     plan.save(output)
     _print_plan(plan, profile.estimated)
+    from pipeplan.planner.reliability import prediction_warnings
+
+    for line in prediction_warnings(profile, plan):
+        click.secho(f"warning: {line}", fg="yellow")
     if export_target:
         _print_price(plan, unrestricted)
     click.echo(f"wrote {output}")
