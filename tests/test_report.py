@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
+from pipeplan.metrics import Metrics
 from pipeplan.reporting.run_vs_plan import Comparison, compare, load_report
 
 METRICS = {
@@ -126,6 +127,26 @@ def test_report_cli_prints_each_rank_memory_against_the_plan(tmp_path) -> None:
     assert out.exit_code == 0, out.output
     assert "memory per rank (CPU: the process's RSS" in out.output
     assert "128.0 MiB" in out.output and "150.0 MiB" in out.output and "1.17" in out.output  # 150 / 128
+
+
+def test_report_memory_table_shows_set_up_and_fixed_apart_from_what_the_stage_held(tmp_path) -> None:
+    memory = {
+        "memory_kind": "rss",
+        "baseline_memory_bytes": 300 << 20,
+        "overhead_memory_bytes": 40 << 20,
+        "setup_memory_bytes": 22 << 20,
+        "peak_memory_bytes": 450 << 20,
+        "predicted_memory_bytes": 128 << 20,
+    }
+    metrics = {**METRICS, "schema": "pipeplan.metrics/2", "stages": [{**METRICS["stages"][0], **memory}]}
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    assert Metrics.load(path).stages[0].held_memory_bytes == 128 << 20  # 450 - 300 - 22
+    out = CliRunner(env={"COLUMNS": "200"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    row = next(line for line in out.output.splitlines() if "22.0 MiB" in line)
+    assert "128.0 MiB" in row and "1.00" in row and "40.0 MiB" in row
+    assert "held = peak - baseline - set-up" in out.output
 
 
 def test_report_cli_error_is_one_line(tmp_path) -> None:

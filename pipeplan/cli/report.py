@@ -170,9 +170,11 @@ def _compare(metrics_path: str, console: Console) -> bool:
 
 
 def memory_table(stages: list[dict[str, Any]]) -> Any:
-    """Per rank: the plan's per-device figure against what the rank held (peak - baseline)."""
+    """Per rank: the plan's per-device figure against what the rank held for its stage
+    (peak - baseline - set-up), the set-up and the fixed part shown apart."""
     from rich.table import Table
 
+    from pipeplan.metrics import StageMetrics
     from pipeplan.units import format_bytes
 
     def size(value: int | None) -> str:
@@ -180,16 +182,27 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
 
     kinds = {s.get("memory_kind") for s in stages} - {None}
     what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
-    table = Table(title=f"memory per rank ({what}; held = peak - baseline before the stage was built)")
-    for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
+    table = Table(
+        title=f"memory per rank ({what}; held = peak - baseline - set-up; set-up: held before the first "
+        "step beyond the stage's parameters (the build, minibatches drawn ahead, communication); fixed: "
+        "of the baseline, a first step's own cost, measured on a tiny model)"
+    )
+    for column in (
+        "stage",
+        "replica",
+        "rank",
+        "planned",
+        "held",
+        "held/planned",
+        "set-up",
+        "fixed",
+        "peak",
+        "baseline",
+    ):
         table.add_column(column, justify="right")
     for s in stages:
-        peak, baseline, planned = (
-            s.get("peak_memory_bytes"),
-            s.get("baseline_memory_bytes"),
-            s.get("predicted_memory_bytes"),
-        )
-        held = None if peak is None or baseline is None else peak - baseline
+        planned = s.get("predicted_memory_bytes")
+        held = StageMetrics.from_dict(s, "stage").held_memory_bytes
         ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
         table.add_row(
             str(s["stage"]),
@@ -198,8 +211,10 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
             size(planned),
             size(held),
             ratio,
-            size(peak),
-            size(baseline),
+            size(s.get("setup_memory_bytes")),
+            size(s.get("overhead_memory_bytes")),
+            size(s.get("peak_memory_bytes")),
+            size(s.get("baseline_memory_bytes")),
         )
     return table
 
