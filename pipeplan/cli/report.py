@@ -88,7 +88,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
     """The predicted-vs-measured tables; True when a stage is flagged."""
     from rich.table import Table
 
-    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, read_metrics
+    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, explain, read_metrics
 
     metrics = read_metrics(metrics_path)
     result = compare(metrics, where=metrics_path)
@@ -164,6 +164,8 @@ def _compare(metrics_path: str, console: Console) -> bool:
         console.print(
             f"[bold red]{len(flagged)} stage replica(s) off by more than {OFF_THRESHOLD:.0%}:[/] {names}"
         )
+        for stage in flagged:
+            console.print(explain(stage), markup=False, highlight=False)
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
     return False
