@@ -54,6 +54,11 @@ class StageMetrics:
     # (GPU: torch.cuda.memory_allocated / max_memory_allocated); see pipeplan.runtime.memory_usage
     memory_kind: str | None = None
     baseline_memory_bytes: int | None = None  # before the stage was built
+    # of the baseline, the runtime's fixed part: what a warm-up step of a tiny model added (CPU)
+    overhead_memory_bytes: int | None = None
+    # what the rank held just before its first step beyond its stage's parameters and buffers
+    # (CPU: the build's leftovers, minibatches drawn ahead, communication); not the stage's
+    setup_memory_bytes: int | None = None
     peak_memory_bytes: int | None = None  # the most at any moment of the run
     predicted_memory_bytes: int | None = None  # StagePlan.memory_bytes (summed over the rank's chunks)
     # checkpoints of this rank over the run (totals; None: the run took none, or an older file)
@@ -66,10 +71,11 @@ class StageMetrics:
 
     @property
     def held_memory_bytes(self) -> int | None:
-        """What the rank held for its stage: peak - baseline (what ``predicted_memory_bytes`` predicts)."""
+        """What the rank held for its stage: peak - baseline - set-up (what ``predicted_memory_bytes``
+        predicts)."""
         if self.peak_memory_bytes is None or self.baseline_memory_bytes is None:
             return None
-        return self.peak_memory_bytes - self.baseline_memory_bytes
+        return self.peak_memory_bytes - self.baseline_memory_bytes - (self.setup_memory_bytes or 0)
 
     @classmethod
     def from_dict(cls, obj: JSONValue, where: str) -> StageMetrics:
@@ -81,6 +87,8 @@ class StageMetrics:
             raise InputError(f"{where}: memory_kind {kind!r} is not one of {', '.join(MEMORY_KINDS)}")
         for key in (
             "baseline_memory_bytes",
+            "overhead_memory_bytes",
+            "setup_memory_bytes",
             "peak_memory_bytes",
             "predicted_memory_bytes",
             "checkpoint_bytes",

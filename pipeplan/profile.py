@@ -123,6 +123,11 @@ class LayerProfile:
             return self.backward_ms * ASSUMED_INPUT_GRAD_SHARE
         return self.backward_input_ms
 
+    # forward / backward ms at each of ``Profile.timed_batch_sizes`` (medians, aligned with it;
+    # () when not measured: the planner then takes time proportional to the batch)
+    forward_ms_at: tuple[float, ...] = ()
+    backward_ms_at: tuple[float, ...] = ()
+
     @property
     def largest_tensor_bytes(self) -> int:
         """The largest parameter's bytes; the layer's whole parameter bytes where not recorded."""
@@ -200,6 +205,10 @@ class Profile:
     # entry a: why torch's own split cannot cut before layer a as the layer order does ("" where
     # it can, or where a is no such cut); () when not recorded
     pipelining_blocked: tuple[str, ...] = ()
+    # micro-batch sizes (samples, ascending, the last = batch_size) at which every layer's
+    # forward_ms_at / backward_ms_at were measured; () when not measured (older files,
+    # meta-built and imported profiles): time is then taken as proportional to the batch
+    timed_batch_sizes: tuple[int, ...] = ()
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -246,6 +255,8 @@ class Profile:
                         "inputs": tuple(layer["inputs"]),
                         "model_inputs": tuple(layer.get("model_inputs", ())),
                         "parameters": tuple(layer.get("parameters", ())),
+                        "forward_ms_at": tuple(layer.get("forward_ms_at", ())),
+                        "backward_ms_at": tuple(layer.get("backward_ms_at", ())),
                     }
                 )
                 for layer in obj["layers"]
@@ -258,6 +269,7 @@ class Profile:
                 "opaque_modules",
                 "pipelining_reach",
                 "pipelining_blocked",
+                "timed_batch_sizes",
             ):
                 if name in fields:
                     fields[name] = tuple(fields[name])
@@ -372,9 +384,39 @@ def validate(profile: Profile) -> None:
         raise InputError(
             f"profile pipelining_reach must hold {n} layer indices (-1 .. {n - 1}), one per layer"
         )
+    _validate_batch_sizes(profile)
     blocked = profile.pipelining_blocked
     if blocked and (len(blocked) != n or not all(isinstance(why, str) for why in blocked) or blocked[0]):
         raise InputError(f"profile pipelining_blocked must hold {n} strings, one per layer (the first empty)")
+
+
+def _validate_batch_sizes(profile: Profile) -> None:
+    """``timed_batch_sizes`` ascending, positive, ending at ``batch_size``; every layer's times aligned."""
+    sizes = profile.timed_batch_sizes
+    if not sizes:
+        for layer in profile.layers:
+            if layer.forward_ms_at or layer.backward_ms_at:
+                raise InputError(
+                    f"profile layer {layer.index} ({layer.name}): forward_ms_at / backward_ms_at "
+                    f"given but timed_batch_sizes is empty"
+                )
+        return
+    ascending = all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes) and all(
+        a < b for a, b in zip(sizes, sizes[1:])
+    )
+    if not ascending or sizes[-1] != profile.batch_size:
+        raise InputError(
+            f"profile timed_batch_sizes = {list(sizes)} must be positive, ascending and end at "
+            f"batch_size {profile.batch_size}"
+        )
+    for layer in profile.layers:
+        for name in ("forward_ms_at", "backward_ms_at"):
+            values = getattr(layer, name)
+            where = f"profile layer {layer.index} ({layer.name}): {name}"
+            if len(values) != len(sizes):
+                raise InputError(f"{where} holds {len(values)} times for {len(sizes)} timed_batch_sizes")
+            for value in values:
+                _check_amount(value, MAX_MS, where)
 
 
 def _validate_modules(modules: tuple[ModuleRecord, ...]) -> None:

@@ -3,7 +3,8 @@
 With 1F1B-flush or GPipe every minibatch k + 1 starts after position 0's "S" of
 minibatch k (the engine's completion, ``pipeplan.schedules.engine``): a worker of stage
 s can start its first forward no earlier than the forwards of one micro-batch through
-stages 0..s-1 (f = F / M each), then runs its ceil(M / n_s) micro-batches' forwards and
+stages 0..s-1 (f = F / M each; with times measured at micro-batch sizes, ``planner.microbatch_time``, the
+forward of one micro-batch as the simulator charges it), then runs its ceil(M / n_s) micro-batches' forwards and
 backwards, and the gradient of its last one goes back through stages s-1..0 (b = B / M
 each) before position 0 all-reduces and steps (S_0). So
 
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 
 from pipeplan.planner.costs import update_ms
 from pipeplan.planner.cuts import CutFamily
+from pipeplan.planner.microbatch_time import microbatch_share, stage_curve
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.simulate import allreduce_ms
 from pipeplan.precision import Precision
@@ -63,7 +65,7 @@ def flush_period_bound_ms(
     best, before = 0.0, 0.0
     for stage in flat:
         layers = family.stage_layers(stage.start, stage.end)
-        per_micro = sum(profile.layers[i].forward_ms + profile.layers[i].backward_ms for i in layers) / m
+        per_micro = _microbatch_ms(profile, layers, m)
         best = max(best, before + math.ceil(m / stage.replicas) * per_micro)
         before += per_micro
     first = family.stage_layers(flat[0].start, flat[0].end)
@@ -71,3 +73,14 @@ def flush_period_bound_ms(
     grads = params * Precision(profile.dtype, profile.master_dtype).gradient_ratio  # as simulate's all-reduce
     step = update_ms(profile, charged_optimizer)
     return best + allreduce_ms(topology, flat[0].ranks, grads) + sum(step[i] for i in first)
+
+
+def _microbatch_ms(profile: Profile, layers: Sequence[int], microbatches: int) -> float:
+    """Forward + backward ms of one micro-batch through ``layers``, as ``planner.simulate``
+    charges it (``planner.microbatch_time``). O(layers x measured sizes)."""
+    curve = stage_curve(profile, layers)
+    forward = sum(profile.layers[i].forward_ms for i in layers)
+    backward = sum(profile.layers[i].backward_ms for i in layers)
+    return forward * microbatch_share(curve, microbatches) + backward * microbatch_share(
+        curve, microbatches, "backward"
+    )

@@ -23,6 +23,7 @@ from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
+from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
@@ -75,6 +76,8 @@ class StageCosts:
     # of backward_ms, the input gradients' part (a split backward's "I"; the rest is "W"):
     # the layers' measured parts (half for a layer not measured); None: INPUT_GRAD_SHARE of it
     backward_input_ms: float | None = None
+    # forward / backward at measured batch sizes (planner.microbatch_time); None: proportional
+    curve: BatchCurve | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                     default=0,
                 ),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
+                curve=stage_curve(profile, stage.layers),
             )
         )
     return out
@@ -326,6 +330,11 @@ def input_grad_ms(costs: StageCosts) -> float:
     return min(costs.backward_input_ms, costs.backward_ms)
 
 
+def _input_share(costs: StageCosts) -> float:
+    """The input gradient's share of the stage's backward (``input_grad_ms``)."""
+    return input_grad_ms(costs) / costs.backward_ms if costs.backward_ms > 0 else INPUT_GRAD_SHARE
+
+
 def backward_split_note(profile: Profile | None) -> str:
     """One line saying where a split backward's "I" and "W" times come from, for the CLIs.
 
@@ -351,6 +360,8 @@ def backward_split_note(profile: Profile | None) -> str:
 
 def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Durations:
     """Per micro-batch durations of every model stage; I and W split B as ``input_grad_ms``.
+    A micro-batch's compute is its share of the minibatch's (``planner.microbatch_time``:
+    measured at its size where the profile has the times, else 1/M).
     The replicas all-reduce gradients in the plan's gradient dtype (``Precision.gradient_ratio``:
     float32 gradients of bf16 weights under mixed precision)."""
     ranks = [stage.ranks for stage in plan.stages]
@@ -361,11 +372,13 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
         else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
         for q, c in enumerate(costs)
     ]
+    forward = [c.forward_ms * microbatch_share(c.curve, microbatches) for c in costs]
+    backward = [c.backward_ms * microbatch_share(c.curve, microbatches, "backward") for c in costs]
     return Durations(
-        forward_ms=tuple(c.forward_ms / microbatches for c in costs),
-        backward_ms=tuple(c.backward_ms / microbatches for c in costs),
-        backward_input_ms=tuple(input_grad_ms(c) / microbatches for c in costs),
-        backward_weight_ms=tuple((c.backward_ms - input_grad_ms(c)) / microbatches for c in costs),
+        forward_ms=tuple(forward),
+        backward_ms=tuple(backward),
+        backward_input_ms=tuple(b * _input_share(c) for b, c in zip(backward, costs)),
+        backward_weight_ms=tuple(b * (1.0 - _input_share(c)) for b, c in zip(backward, costs)),
         allreduce_ms=tuple(reduce),
         step_ms=tuple(c.step_ms for c in costs),
         sends=tuple(tuple((t, b / microbatches) for t, b in c.sends) for c in costs),

@@ -12,6 +12,7 @@ from pipeplan.model_inputs import ModelInputs
 from pipeplan.modelfile import BUNDLED_MODELS, ModelFile, load_model_file, resolve_model_path
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
+from pipeplan.profiler.batch_sizes import measure_smaller_sizes, with_size_times
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
 from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
 from pipeplan.profiler.memory import output_bytes
@@ -245,6 +246,17 @@ def _profile(
         layers, measured = measure_layers(
             graph, inputs.tensors(), targets, model_file.loss_fn, timer, warmup, repeats, progress
         )
+
+    def draw(size: int) -> tuple[ModelInputs, object]:
+        return prepare_batch(*model_file.batch(size, seed=0), torch_device, torch_dtype)
+
+    with memory_step("the layers were measured at smaller batch sizes (--build eager)", whole):
+        smaller = measure_smaller_sizes(
+            draw, model_file.loss_fn, network, graph, leaves, batch_size, timer, repeats, progress
+        )
+    if smaller.note and progress is not None:
+        progress(0, 1, smaller.note)
+    layers = with_size_times(layers, smaller, batch_size)
     from pipeplan.profiler.tensor_split import split_fields
 
     layers = split_fields(
@@ -289,6 +301,7 @@ def _profile(
         pipelining_blocked=blocked,
         build="eager",
         master_dtype=Precision.for_dtype(dtype).master_dtype,
+        timed_batch_sizes=(*smaller.batch_sizes, batch_size),
     )
 
 

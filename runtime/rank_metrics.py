@@ -209,6 +209,8 @@ def write_outputs(
                 predicted_weight_versions=chunks[0].weight_versions,
                 memory_kind=r.memory.kind if r.memory is not None else None,
                 baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,
+                overhead_memory_bytes=r.memory.overhead_bytes if r.memory is not None else None,
+                setup_memory_bytes=r.memory.setup_bytes if r.memory is not None else None,
                 peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
                 predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
                 **_checkpoint_fields(r),

@@ -209,7 +209,8 @@ def _prepare(config: RunConfig) -> Prepared:
                 f"{config.microbatches} micro-batches"
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
-        meter = MemoryMeter(env.device)  # the baseline: imports done, nothing of the model built
+        # the baseline: imports done, a tiny step taken (the fixed costs), nothing of the model built
+        meter = MemoryMeter(env.device, config.optimizer)
         with memory_step(
             f"rank {env.rank} built its stage (--build {config.build.mode})",
             "with --build meta each rank materialises only its own layers; or plan more stages",
@@ -551,6 +552,7 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
     if any(MODEL_OUTPUT in c.output_names or min(c.producers.values(), default=0) < 0 for c in spec.chunks):
         data.draw_ahead(dict.fromkeys(a.minibatch + offset for a in actions if a.kind == "F"))
     dist.barrier()
+    prepared.meter.steps_begin(_tensor_bytes(module))
     recorder.start()
     progress.start()
     checkpointer.start()
@@ -576,6 +578,14 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         checkpointer.auto.predicted_overhead_pct if checkpointer.auto is not None else None,
         step_end.first_step_ms,
     )
+
+
+def _tensor_bytes(module: nn.Module | None) -> int:
+    """Bytes of the distinct parameters and buffers of ``module`` (0 for an idle rank)."""
+    if module is None:
+        return 0
+    seen = {id(t): t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers())}
+    return sum(seen.values())
 
 
 def _loader_keys(data: BatchSource, period: int, replicas: int) -> Callable[[int], dict[str, Any]]:

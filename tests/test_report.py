@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
+from pipeplan.metrics import Metrics
 from pipeplan.reporting.run_vs_plan import Comparison, compare, load_report
 
 METRICS = {
@@ -126,6 +127,53 @@ def test_report_cli_prints_each_rank_memory_against_the_plan(tmp_path) -> None:
     assert out.exit_code == 0, out.output
     assert "memory per rank (CPU: the process's RSS" in out.output
     assert "128.0 MiB" in out.output and "150.0 MiB" in out.output and "1.17" in out.output  # 150 / 128
+
+
+def test_report_memory_table_shows_set_up_and_fixed_apart_from_what_the_stage_held(tmp_path) -> None:
+    memory = {
+        "memory_kind": "rss",
+        "baseline_memory_bytes": 300 << 20,
+        "overhead_memory_bytes": 40 << 20,
+        "setup_memory_bytes": 22 << 20,
+        "peak_memory_bytes": 450 << 20,
+        "predicted_memory_bytes": 128 << 20,
+    }
+    metrics = {**METRICS, "schema": "pipeplan.metrics/2", "stages": [{**METRICS["stages"][0], **memory}]}
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    assert Metrics.load(path).stages[0].held_memory_bytes == 128 << 20  # 450 - 300 - 22
+    out = CliRunner(env={"COLUMNS": "200"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    row = next(line for line in out.output.splitlines() if "22.0 MiB" in line)
+    assert "128.0 MiB" in row and "1.00" in row and "40.0 MiB" in row
+    assert "held = peak - baseline - set-up" in out.output
+
+
+def test_a_flagged_stage_says_which_part_is_off_and_what_to_do() -> None:
+    from pipeplan.reporting.run_vs_plan import StageComparison, explain
+
+    def stage(measured: float, compute: float, wait: float) -> StageComparison:
+        return StageComparison(1, 0, 2, Comparison(10.0, measured), Comparison(8.0, compute), wait)
+
+    slow = explain(stage(13.0, 12.0, 1.0))  # compute 1.50x its 8 ms
+    assert slow.startswith(
+        "stage 1 replica 0 (rank 2): 1.30x its predicted 10.00 ms/minibatch; its compute is off, 1.50x"
+    )
+    assert "--threads" in slow and "--trace" in slow
+    waiting = explain(stage(13.0, 8.4, 4.0))  # compute 1.05x, 4 ms waiting
+    assert "its compute is within 20% (1.05x), it waits 4.00 ms/minibatch: for a slower neighbour" in waiting
+    other = explain(stage(13.0, 8.4, 0.5))  # 4.1 ms neither compute nor waiting
+    assert "4.10 ms/minibatch go neither to compute nor to waiting" in other
+
+
+def test_report_cli_explains_each_flagged_stage(tmp_path) -> None:
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(METRICS))
+    out = CliRunner(env={"COLUMNS": "300"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert (
+        "stage 1 replica 0 (rank 2): 1.30x its predicted 10.00 ms/minibatch; its compute is off, 1.25x"
+        in out.output
+    )
 
 
 def test_report_cli_error_is_one_line(tmp_path) -> None:

@@ -369,6 +369,10 @@ def partition(
         from pipeplan.planner.simulate import backward_split_note
 
         click.echo(backward_split_note(profile))
+    from pipeplan.planner.reliability import prediction_warnings
+
+    for line in prediction_warnings(profile, plan):
+        click.secho(f"warning: {line}", fg="yellow")
     if export_target:
         _print_price(plan, unrestricted)
     click.echo(f"wrote {output}")

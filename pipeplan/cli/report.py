@@ -89,7 +89,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
     """The predicted-vs-measured tables; True when a stage is flagged."""
     from rich.table import Table
 
-    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, read_metrics
+    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, explain, read_metrics
 
     metrics = read_metrics(metrics_path)
     result = compare(metrics, where=metrics_path)
@@ -167,6 +167,8 @@ def _compare(metrics_path: str, console: Console) -> bool:
         console.print(
             f"[bold red]{len(flagged)} stage replica(s) off by more than {OFF_THRESHOLD:.0%}:[/] {names}"
         )
+        for stage in flagged:
+            console.print(explain(stage), markup=False, highlight=False)
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
     return False
@@ -192,9 +194,11 @@ def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
 
 
 def memory_table(stages: list[dict[str, Any]]) -> Any:
-    """Per rank: the plan's per-device figure against what the rank held (peak - baseline)."""
+    """Per rank: the plan's per-device figure against what the rank held for its stage
+    (peak - baseline - set-up), the set-up and the fixed part shown apart."""
     from rich.table import Table
 
+    from pipeplan.metrics import StageMetrics
     from pipeplan.units import format_bytes
 
     def size(value: int | None) -> str:
@@ -202,16 +206,27 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
 
     kinds = {s.get("memory_kind") for s in stages} - {None}
     what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
-    table = Table(title=f"memory per rank ({what}; held = peak - baseline before the stage was built)")
-    for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
+    table = Table(
+        title=f"memory per rank ({what}; held = peak - baseline - set-up; set-up: held before the first "
+        "step beyond the stage's parameters (the build, minibatches drawn ahead, communication); fixed: "
+        "of the baseline, a first step's own cost, measured on a tiny model)"
+    )
+    for column in (
+        "stage",
+        "replica",
+        "rank",
+        "planned",
+        "held",
+        "held/planned",
+        "set-up",
+        "fixed",
+        "peak",
+        "baseline",
+    ):
         table.add_column(column, justify="right")
     for s in stages:
-        peak, baseline, planned = (
-            s.get("peak_memory_bytes"),
-            s.get("baseline_memory_bytes"),
-            s.get("predicted_memory_bytes"),
-        )
-        held = None if peak is None or baseline is None else peak - baseline
+        planned = s.get("predicted_memory_bytes")
+        held = StageMetrics.from_dict(s, "stage").held_memory_bytes
         ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
         table.add_row(
             str(s["stage"]),
@@ -220,8 +235,10 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
             size(planned),
             size(held),
             ratio,
-            size(peak),
-            size(baseline),
+            size(s.get("setup_memory_bytes")),
+            size(s.get("overhead_memory_bytes")),
+            size(s.get("peak_memory_bytes")),
+            size(s.get("baseline_memory_bytes")),
         )
     return table
 

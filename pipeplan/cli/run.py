@@ -119,3 +119,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"period {ms(summary['time_per_minibatch_ms'])} ms/minibatch "
         f"(predicted {ms(summary['predicted_time_per_minibatch_ms'])} ms)"
     )
+    from pipeplan.errors import InputError
+    from pipeplan.reporting.run_vs_plan import compare, explain
+
+    try:
+        flagged = compare(summary, "run").flagged
+    except InputError:  # a figure the comparison refuses (no steady period): nothing to explain
+        flagged = ()
+    for stage in flagged:
+        console.print(explain(stage), style="red", markup=False, highlight=False)

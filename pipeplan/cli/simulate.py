@@ -101,8 +101,13 @@ def simulate(
     if profile is None:
         console.print(
             "[yellow]no --profile: costs from the plan's per-stage figures "
-            "(forward:backward = 1:2), memory from the plan[/]"
+            "(forward:backward = 1:2, a micro-batch's time proportional to its samples), memory from the plan[/]"
         )
+    else:
+        from pipeplan.planner.reliability import prediction_warnings
+
+        for line in prediction_warnings(profile, plan):
+            console.print(f"warning: {line}", style="yellow", markup=False, soft_wrap=True)
     names = list(SCHEDULE_NAMES) if "all" in schedules else list(dict.fromkeys(schedules or [plan.schedule]))
     if any(schedule_kind(name).split_backward for name in names):
         console.print(backward_split_note(profile), markup=False, soft_wrap=True)

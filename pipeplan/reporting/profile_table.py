@@ -6,7 +6,7 @@ from typing import Any
 
 from pipeplan.profile import Profile
 
-__all__ = ["format_bytes", "format_ms", "profile_table", "summary_lines"]
+__all__ = ["format_bytes", "format_ms", "profile_table", "summary_lines", "batch_size_lines"]
 
 
 def format_bytes(count: int) -> str:
@@ -106,6 +106,7 @@ def summary_lines(profile: Profile) -> list[str]:
             else []
         )
         + _split_lines(profile)
+        + batch_size_lines(profile)
         + (
             [
                 f"capture: {profile.capture}, {len(profile.layers)} layers"
@@ -143,4 +144,25 @@ def _split_lines(profile: Profile) -> list[str]:
         f"({measured}); parameters {format_bytes(sum(l.tp_split_param_bytes for l in split))} of "
         f"{format_bytes(sum(l.param_bytes for l in split))} split, saved "
         f"{format_bytes(sum(l.tp_split_saved_bytes for l in split))} of {format_bytes(sum(l.saved_bytes for l in split))}"
+    ]
+
+
+def batch_size_lines(profile: Profile) -> list[str]:
+    """The sum of the layers at each measured batch size against the proportional model, or
+    that a micro-batch's time is taken as proportional to its size (no sizes measured)."""
+    sizes = profile.timed_batch_sizes
+    if len(sizes) < 2:
+        return [
+            "not timed at smaller batch sizes: the planner takes a micro-batch's time as "
+            "proportional to its samples"
+        ]
+    sums = [
+        sum(layer.forward_ms_at[k] + layer.backward_ms_at[k] for layer in profile.layers)
+        for k in range(len(sizes))
+    ]
+    proportional = sums[-1] * sizes[0] / sizes[-1]
+    return [
+        "sum of layers at batch "
+        + ", ".join(f"{b}: {ms:.3f} ms" for b, ms in zip(sizes, sums))
+        + f" (proportional to the batch, {sizes[0]} sample(s) would take {proportional:.3f} ms)"
     ]

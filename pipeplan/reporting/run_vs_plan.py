@@ -25,6 +25,7 @@ __all__ = [
     "read_metrics",
     "compare",
     "load_report",
+    "explain",
 ]
 
 OFF_THRESHOLD = 0.20  # flag a measurement more than 20 % away from its prediction
@@ -134,3 +135,40 @@ def compare(metrics: Metrics | Mapping[str, Any], where: str = "metrics") -> Met
 def load_report(path: str | os.PathLike[str]) -> MetricsReport:
     """``compare(read_metrics(path))``."""
     return compare(read_metrics(path), where=str(path))
+
+
+def explain(stage: StageComparison) -> str:
+    """One line for a stage off its prediction: which part is off (its compute, its waiting,
+    or the rest of its period) and what the user can do."""
+    period, compute = stage.time_per_minibatch, stage.compute
+    head = f"stage {stage.stage} replica {stage.replica} (rank {stage.rank})"
+    if period.ratio is not None and period.predicted_ms is not None:
+        head += f": {period.ratio:.2f}x its predicted {period.predicted_ms:.2f} ms/minibatch"
+    if compute.off and compute.ratio is not None and compute.predicted_ms is not None:
+        measured = f"{compute.measured_ms:.2f} vs {compute.predicted_ms:.2f} ms"
+        if compute.ratio > 1:
+            return (
+                f"{head}; its compute is off, {compute.ratio:.2f}x ({measured}): its layers run slower "
+                f"here than profiled. Profile with the run's conditions (an idle machine, the run's "
+                f"--threads), check the profile's layers-vs-step ratio (pipeplan profile prints it), "
+                f"and compare the stage's trace (--trace) with its layers' profiled times"
+            )
+        return (
+            f"{head}; its compute is off, {compute.ratio:.2f}x ({measured}): its layers run faster "
+            f"here than profiled. Profile again on this machine with the run's --threads"
+        )
+    measured_period = period.measured_ms or 0.0
+    wait = stage.wait_ms or 0.0
+    rest = measured_period - (compute.measured_ms or 0.0) - wait
+    within = f"its compute is within {OFF_THRESHOLD:.0%}" + (
+        f" ({compute.ratio:.2f}x)" if compute.ratio is not None else ""
+    )
+    if wait >= rest:
+        return (
+            f"{head}; {within}, it waits {wait:.2f} ms/minibatch: for a slower neighbour or the "
+            f"network. Look at the stage whose compute is off, or at the links in the trace (--trace)"
+        )
+    return (
+        f"{head}; {within}, and {rest:.2f} ms/minibatch go neither to compute nor to waiting "
+        f"(the optimizer step, weight copies, sends): see them in the trace (--trace)"
+    )

@@ -1,0 +1,54 @@
+"""What makes a plan's predicted time unreliable, known before it runs (``partition``, ``simulate``).
+
+The prediction adds the profile's layer times up per stage; it holds when the layers
+measured one by one add up to the whole step, when their readings are steady, and when a
+micro-batch's time is known at its size. Each warning is one line that says which of these
+fails, by how much, and what to do.
+"""
+
+from __future__ import annotations
+
+from pipeplan.plan import Plan
+from pipeplan.planner.microbatch_time import PROPORTIONAL_NOTE, microbatch_share, stage_curve
+from pipeplan.profile import Profile
+
+__all__ = ["RATIO_BAND", "SPREAD_LIMIT", "PER_CALL_LIMIT", "prediction_warnings"]
+
+RATIO_BAND = (0.8, 1.25)  # sum of layers over the whole step outside this: stages mispredicted
+SPREAD_LIMIT = 0.2  # summed interquartile range over summed medians above this: a noisy profile
+PER_CALL_LIMIT = 1.5  # a micro-batch over this many times its proportional share: per-call costs
+
+
+def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
+    """One line per reason the predicted time of ``plan`` may not hold. O(layers x sizes)."""
+    out: list[str] = []
+    ratio = profile.layers_vs_step_ratio
+    if ratio == ratio and not RATIO_BAND[0] <= ratio <= RATIO_BAND[1]:  # not nan
+        out.append(
+            f"the layers timed one by one sum to {ratio:.2f}x the measured whole step "
+            f"({profile.sum_layers_ms:.3f} ms vs {profile.step_ms:.3f} ms): stage times may be off by as "
+            f"much; profile again on an idle machine, or with --leaf-modules to time larger layers"
+        )
+    medians = profile.sum_layers_ms
+    spread = sum(layer.forward_ms_spread + layer.backward_ms_spread for layer in profile.layers)
+    if medians > 0 and spread / medians > SPREAD_LIMIT:
+        out.append(
+            f"the profile's readings vary by {spread / medians:.0%} of their medians (interquartile "
+            f"ranges summed): profile again on an idle machine or with more --repeats"
+        )
+    micro = plan.microbatches
+    if micro > 1 and not profile.timed_batch_sizes:
+        out.append(PROPORTIONAL_NOTE)
+    elif micro > 1:
+        curve = stage_curve(profile, range(len(profile.layers)))
+        forward = sum(layer.forward_ms for layer in profile.layers)
+        backward = sum(layer.backward_ms for layer in profile.layers)
+        one = forward * microbatch_share(curve, micro) + backward * microbatch_share(curve, micro, "backward")
+        whole = one * micro / medians if medians > 0 else 1.0  # over the proportional share
+        if whole > PER_CALL_LIMIT:
+            out.append(
+                f"a micro-batch of {profile.batch_size / micro:g} samples takes {whole:.1f}x its "
+                f"proportional share of the minibatch (measured: per-call costs); the prediction "
+                f"includes it, fewer micro-batches (or --schedule auto) spend less of it"
+            )
+    return out
