@@ -77,6 +77,8 @@ class LayerArrays:
     precision: Precision = Precision()
     # per layer (not summed): its largest parameter's bytes (``LayerProfile.largest_tensor_bytes``)
     largest_param_bytes: np.ndarray | None = None
+    # per layer (not summed): its parameter bytes (FSDP's gathered layer, planner.sharding)
+    layer_param_bytes: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -237,6 +239,7 @@ def layer_arrays(
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
         largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
+        layer_param_bytes=np.array([layer.param_bytes for layer in layers], dtype=np.float64),
     )
 
 
@@ -272,6 +275,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         family=family,
         precision=Precision(profile.dtype, profile.master_dtype),
         largest_param_bytes=np.array([layer.largest_tensor_bytes for layer in layers], dtype=np.float64),
+        layer_param_bytes=np.array([layer.param_bytes for layer in layers], dtype=np.float64),
     )
 
 

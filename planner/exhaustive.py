@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
-from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.options import planned_shard_modes
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, stage_figures
 from pipeplan.planner.placement import flatten
+from pipeplan.planner.shard_choice import stage_shard
 from pipeplan.profile import Profile
 from pipeplan.topology import Topology
 
@@ -78,22 +79,18 @@ def evaluate(
     if options.max_stages is not None and len(flat) > options.max_stages:
         return math.inf
     replicas = [stage.replicas for stage in flat]
-    if options.memory_check:
-        for q, stage in enumerate(flat):
-            memory, _, _ = plan_stage_memory(
-                options.schedule,
-                replicas,
-                q,
-                arrays.params(stage.start, stage.end),
-                arrays.saved(stage.start, stage.end),
-                options.optimizer,
-                options.microbatches,
-                precision=arrays.precision,
-                largest_param_bytes=arrays.largest(stage.start, stage.end),
-            )
-            if memory > topology.device.memory_bytes:
-                return math.inf
-    return max(figure[3] for figure in stage_figures(flat, arrays, topology, options))
+    limit = topology.device.memory_bytes if options.memory_check else None
+    modes = planned_shard_modes(options)
+    times = []
+    for q, (stage, figure) in enumerate(zip(flat, stage_figures(flat, arrays, topology, options))):
+        shard = stage_shard(
+            stage, q, replicas, arrays, topology, options.schedule, options.optimizer,
+            options.microbatches, modes, figure, limit,
+        )  # fmt: skip
+        if limit is not None and shard.memory_bytes > limit:
+            return math.inf
+        times.append(shard.figures[3])
+    return max(times)
 
 
 def exhaustive_best(

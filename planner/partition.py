@@ -22,11 +22,13 @@ from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
-from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory, stage_memory_bytes
-from pipeplan.planner.options import PartitionOptions, charged_optimizer
+from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.options import PartitionOptions, charged_optimizer, planned_shard_modes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
+from pipeplan.planner.shard_choice import stage_shard
+from pipeplan.planner.sharding import shard_memory_bytes
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 from pipeplan.planner.uniform import uniform_trees
@@ -71,18 +73,27 @@ def _least_in_flight_of(schedule: str, micro: int, world_size: int) -> float:
 
 def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOptions) -> list[float]:
     """Each layer's bytes on one device even in the most favourable position (one weight
-    version, the last stage's activations in flight): no stage holding it needs less."""
+    version, the last stage's activations in flight, the most sharing replicas of level 1
+    in its least hungry shard mode): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
+    most = topology.levels[0].count
+    modes = ("none",) + (planned_shard_modes(options) if most > 1 else ())
     return [
-        stage_memory_bytes(
-            float(layer.param_bytes),
-            float(layer.saved_bytes),
-            1,
-            least_in_flight,
-            options.optimizer,
-            precision,
-            gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches, precision),
+        min(
+            shard_memory_bytes(
+                mode,
+                float(layer.param_bytes),
+                float(layer.saved_bytes),
+                1,
+                least_in_flight,
+                options.optimizer,
+                precision,
+                most,
+                gradient_temporary_bytes(float(layer.largest_tensor_bytes), options.microbatches, precision),
+                float(layer.param_bytes),
+            )
+            for mode in modes
         )
         for layer in profile.layers
     ]
@@ -145,6 +156,7 @@ def _solve_pipeplan(
         flush_in_flight(options, arrays.layers, topology.world_size),
         arrays.precision,
         microbatches=options.microbatches,
+        shard=planned_shard_modes(options),
     )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
@@ -340,9 +352,16 @@ def _partition_at_tensor_degree(
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
+    if t > 1 and options.shard not in ("auto", "none"):
+        raise InputError(
+            f"--shard {options.shard} with tensor-parallel degree {t}: tensor-parallel stages are not sharded"
+        )
     try:
         grouped = _partition_pipeline(
-            tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options, beat_ms
+            tp.split_profile(profile, topology, t),
+            tp.group_topology(topology, t),
+            replace(options, shard="none") if t > 1 else options,
+            beat_ms,
         )
     except InfeasibleError as exc:
         raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
@@ -461,18 +480,23 @@ def _tree_plan(
     kind.check(replicas, options.microbatches)
     figures = stage_figures(flat, arrays, topology, options, single_nodes)
     stages = []
-    for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
-        memory, versions, in_flight = plan_stage_memory(
-            options.schedule,
-            replicas,
+    limit = topology.device.memory_bytes if options.memory_check and model.checks_memory else None
+    for q, (stage, figure) in enumerate(zip(flat, figures)):
+        shard = stage_shard(
+            stage,
             q,
-            arrays.params(stage.start, stage.end),
-            arrays.saved(stage.start, stage.end),
+            replicas,
+            arrays,
+            topology,
+            options.schedule,
             options.optimizer,
             options.microbatches,
-            precision=arrays.precision,
-            largest_param_bytes=arrays.largest(stage.start, stage.end),
+            planned_shard_modes(options),
+            figure,
+            limit,
         )
+        compute, allreduce, comm, stage_time = shard.figures
+        memory, versions, in_flight = shard.memory_bytes, shard.versions, shard.in_flight
         if options.memory_check and model.checks_memory and memory > topology.device.memory_bytes:
             raise InfeasibleError(
                 f"no plan fits in {format_bytes(topology.device.memory_bytes)} per device with schedule "
@@ -495,6 +519,8 @@ def _tree_plan(
                 memory_bytes=memory,
                 weight_versions=versions,
                 in_flight=int(math.ceil(in_flight)),
+                shard=shard.mode,
+                shard_degree=shard.degree,
             )
         )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)

@@ -23,6 +23,7 @@ from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
+from pipeplan.planner.sharding import stage_sync_ms
 from pipeplan.profile import Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -301,6 +302,8 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
         c.allreduce_ms
         if c.allreduce_ms is not None
         else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
+        if plan.stages[q].shard == "none"
+        else stage_sync_ms(plan, q, c.param_bytes)
         for q, c in enumerate(costs)
     ]
     return Durations(
@@ -406,7 +409,8 @@ def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, recor
 def _one_lane(plan: Plan) -> Plan:
     """``plan`` cut to replica 0 of every stage (its first rank), for ``_lanes``."""
     stages = tuple(
-        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1) for stage in plan.stages
+        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1, shard="none", shard_degree=1)
+        for stage in plan.stages
     )
     return replace(plan, stages=stages)
 

@@ -94,6 +94,11 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
     )
 
 
+def shard_text(stage: StagePlan) -> str:
+    """``zero1/2`` (mode / replicas sharing) or ``none``."""
+    return "none" if stage.shard == "none" else f"{stage.shard}/{stage.shard_degree}"
+
+
 def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -106,6 +111,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     degree = plan.stages[0].tensor_parallel
     if degree > 1:
         shape += f", tensor-parallel {degree}"
+    sharded = any(stage.shard != "none" for stage in plan.stages)
     table = Table(
         title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
         f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
@@ -120,6 +126,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         "all-reduce",
         "busy/minibatch",
         "memory",
+        *(["shard"] if sharded else []),
     ):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
@@ -136,6 +143,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
             format_ms(stage.allreduce_ms),
             format_ms(stage.time_per_minibatch_ms),
             format_bytes(stage.memory_bytes),
+            *([shard_text(stage)] if sharded else []),
         )
     console = Console()
     console.print(table)
@@ -235,6 +243,15 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     help="Tensor-parallel degree t of every stage (devices of the innermost level per replica), or auto: the planner picks among those the profile's splitting layers and the topology allow.",
 )
 @click.option(
+    "--shard",
+    type=click.Choice(["auto", "none", "zero1", "zero2", "fsdp"]),
+    default="auto",
+    show_default=True,
+    help="How a stage's replicas on one unit of the innermost level shard: none, zero1 (optimizer "
+    "state / d), zero2 (+ gradients and masters / d), fsdp (+ parameters / d, gathered per layer); "
+    "auto: per stage the fastest that fits among those `pipeplan run` runs (none, zero1), less sharding on ties.",
+)
+@click.option(
     "--memory-check/--no-memory-check",
     default=True,
     show_default=True,
@@ -268,6 +285,7 @@ def partition(
     virtual_stages: int | None,
     uniform: bool | None,
     tensor_parallel: str,
+    shard: str,
     memory_check: bool,
     activation_compression: float | None,
     batch_size: int,
@@ -316,6 +334,7 @@ def partition(
         virtual_stages=virtual_stages,
         tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
         uniform=uniform,
+        shard=shard,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

@@ -10,6 +10,7 @@ import numpy as np
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
+from pipeplan.planner.sharding import replica_microbatches, sync_floor_factor, sync_floor_ms
 from pipeplan.precision import Precision
 from pipeplan.schedules import DEFAULT_SCHEDULE, schedule_kind
 from pipeplan.topology import Topology
@@ -26,10 +27,13 @@ __all__ = [
     "DPSolution",
     "StageNode",
     "device_need_bytes",
+    "device_versions",
+    "level_sync_floor",
     "device_table",
     "device_time",
     "longest_prefix",
     "nested_states",
+    "sharding",
     "table_entry",
 ]
 
@@ -58,6 +62,9 @@ class DPSettings:
     # micro-batches per minibatch: more than one charges each stage's gradient temporary
     # (planner.memory.gradient_temporary_bytes)
     microbatches: int = 1
+    # modes a stage replicated on d > 1 devices of level 1 may shard its replicas in
+    # (planner.sharding; the DP takes the fastest that fits, per stage: planner.dp.sharded)
+    shard: tuple[str, ...] = ("none",)
 
 
 @dataclass(frozen=True)
@@ -173,9 +180,20 @@ class DPContext:
         if key not in self.allreduce:
             lv = self.levels[level - 1]
             columns = min(self.width[level], self.span) + 1
-            self.allreduce[key] = ring_allreduce_ms(
-                self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
-            )
+            if level == 1 and sharding(self.settings):  # the least sync of any mode: a bound
+                self.allreduce[key] = sync_floor_ms(
+                    self.settings.shard,
+                    self.params[:columns],
+                    units,
+                    lv.bandwidth_bytes_per_s,
+                    lv.latency_ms,
+                    self.arrays.precision,
+                    replica_microbatches(self.settings.schedule, self.settings.microbatches, units),
+                )
+            else:
+                self.allreduce[key] = ring_allreduce_ms(
+                    self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
+                )
         return self.allreduce[key]
 
 
@@ -237,13 +255,14 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
             ends = starts + lengths
             compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
             grads = arrays.sync_range(starts, ends)
-            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
+            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms) * floor
             return (
                 np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
             )
 
         return test
 
+    floor = level_sync_floor(ctx.settings, top)
     longest = np.minimum(ctx.band, n - starts)
     return [0] + [longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
 
@@ -301,18 +320,32 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
+def sharding(settings: DPSettings) -> bool:
+    """Whether replicated level-1 stages may shard (``planner.dp.sharded``)."""
+    return settings.shard != ("none",)
+
+
+def level_sync_floor(settings: DPSettings, level: int) -> float:
+    """Scale of the ring all-reduce that bounds a stage's sync at ``level`` from below: below 1
+    only at level 1 when sharding may send less (``planner.sharding.sync_floor_factor``)."""
+    if level != 1 or not sharding(settings):
+        return 1.0
+    return sync_floor_factor(settings.shard, settings.precision)
+
+
+def device_versions(settings: DPSettings, tau: int) -> tuple[int, float]:
+    """(weight versions, minibatches of activations in flight) the DP charges a device at ``tau``."""
+    if _tracks_tau(settings):
+        return tau + 1, float(tau + 1)
+    return schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
+
+
 def device_need_bytes(
     settings: DPSettings, params: np.ndarray, saved: np.ndarray, tau: int, largest: np.ndarray
 ) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
     parameters are ``largest``, at ``tau``."""
-    if _tracks_tau(settings):
-        versions, in_flight = tau + 1, float(tau + 1)
-    else:
-        versions, in_flight = (
-            schedule_kind(settings.schedule).weight_versions((1,), 0),
-            settings.flush_in_flight,
-        )
+    versions, in_flight = device_versions(settings, tau)
     return (
         params * parameter_copies(versions, settings.optimizer, settings.precision)
         + saved * in_flight

@@ -1,0 +1,137 @@
+"""Sharded data parallelism of a stage's replicas in the planner (``planner.sharding``)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.planner.exhaustive import exhaustive_best
+from pipeplan.planner.partition import PartitionOptions, partition
+from pipeplan.planner.sharding import shard_memory_bytes, shard_modes, shard_sync_ms
+from pipeplan.precision import Precision
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.topology import DeviceSpec, Level, Topology
+
+
+def _chain(params: list[int], saved: int = 1000, dtype: str = "float32") -> Profile:
+    layers = tuple(
+        LayerProfile(
+            i, f"l{i}", "Linear", (i - 1,) if i else (), 1.0, 2.0, 100, p, saved, largest_param_bytes=p
+        )
+        for i, p in enumerate(params)
+    )
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    return replace(profile, dtype="bfloat16", master_dtype="float32") if dtype == "bfloat16" else profile
+
+
+def test_memory_per_replica_under_each_mode():
+    # bf16 compute, float32 masters, Adam: 18 bytes per parameter unsharded (Megatron's figure);
+    # per compute byte 9; zero1 divides the 8 bytes of moments, zero2 also masters and gradients
+    mixed = Precision("bfloat16", "float32")
+    p = 1000.0  # compute-dtype bytes: 500 parameters
+    got = [shard_memory_bytes(m, p, 0.0, 1, 0, "adam", mixed, 4) for m in ("none", "zero1", "zero2", "fsdp")]
+    assert got == [9000.0, 9000.0 - 4 * 1000 * 0.75, 1000.0 + 8000.0 / 4, 8000.0 / 4]
+    # fsdp gathers the largest layer and the next one (at most the whole stage)
+    assert (
+        shard_memory_bytes("fsdp", p, 0.0, 1, 0, "adam", mixed, 4, largest_layer_bytes=300.0)
+        == 2000.0 + 600.0
+    )
+    # float32 without masters: the shard of the weights is kept beside the gathered copy
+    assert shard_memory_bytes("zero2", p, 0.0, 1, 0, "sgd", Precision(), 2) == 1000.0 + 2 * 1000.0 / 2
+
+
+def test_collectives_priced_on_the_replica_links():
+    mixed = Precision("bfloat16", "float32")
+    # 1 MB of bf16 weights, 2 MB of float32 gradients, 2 replicas on 1 GB/s
+    ar = 2 * 0.5 * 2e6 / 1e9 * 1e3  # ring all-reduce: 2 ms
+    assert shard_sync_ms("none", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(ar)
+    assert shard_sync_ms("zero1", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(1.5 * ar)
+    # per micro-batch: reduce-scatter of gradients + one (zero2) or two (fsdp) all-gathers
+    assert shard_sync_ms("zero2", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(3 * 0.5 * (2e6 + 1e6) / 1e6)
+    assert shard_sync_ms("fsdp", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(3 * 0.5 * (2e6 + 2e6) / 1e6)
+
+
+def test_schedules_refuse_what_they_cannot_combine_with():
+    with pytest.raises(InputError, match="--shard fsdp with schedule 1f1b-rr: .*weight versions"):
+        shard_modes("fsdp", "1f1b-rr")
+    assert shard_modes("auto", "1f1b-rr") == ("none", "zero1")
+    assert shard_modes("auto", "gpipe") == ("none", "zero1")  # what `pipeplan run` runs
+    assert shard_modes("fsdp", "gpipe") == ("fsdp",)
+    with pytest.raises(InputError, match="--shard 'zero3' is not one of"):
+        PartitionOptions(shard="zero3").validate()
+
+
+def _two_devices(memory: int) -> Topology:
+    return Topology("t", DeviceSpec("d", memory), (Level("host", 2, 1e9),))
+
+
+def test_zero1_makes_a_plan_fit_that_none_cannot():
+    # one layer of 10,000 float32 bytes, Adam: 40,000 bytes unsharded, 30,000 with zero1 on 2
+    profile = _chain([10_000], saved=0)
+    topo = _two_devices(35_000)
+    with pytest.raises(InfeasibleError, match="no plan fits"):
+        partition(profile, topo, PartitionOptions(schedule="gpipe", optimizer="adam", shard="none"))
+    plan = partition(profile, topo, PartitionOptions(schedule="gpipe", optimizer="adam"))
+    (stage,) = plan.stages
+    assert (stage.replicas, stage.shard, stage.shard_degree) == (2, "zero1", 2)
+    assert stage.memory_bytes == 30_000  # 10,000 weights + 10,000 gradient + 2 x 10,000 / 2 moments
+    roomy = partition(profile, _two_devices(10**9), PartitionOptions(schedule="gpipe", optimizer="adam"))
+    assert roomy.stages[0].shard == "none"  # fits unsharded and zero1 sends more: none
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(1, 4))
+    params = [draw(st.integers(0, 6000)) for _ in range(n)]
+    layers = tuple(
+        LayerProfile(
+            i,
+            f"l{i}",
+            "x",
+            (i - 1,) if i else (),
+            draw(st.floats(0.1, 5)),
+            draw(st.floats(0.1, 5)),
+            draw(st.integers(0, 4000)),
+            p,
+            draw(st.integers(0, 3000)),
+            largest_param_bytes=draw(st.integers(0, p)),
+        )  # fmt: skip
+        for i, p in enumerate(params)
+    )
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    if draw(st.booleans()):
+        profile = replace(profile, dtype="bfloat16", master_dtype="float32")
+    counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
+    levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
+    memory = draw(st.sampled_from([10**9, 60_000, 30_000, 15_000]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b-flush", "1f1b-rr"]))
+    modes = ["auto", "none", "zero1"] + (["zero2", "fsdp"] if schedule != "1f1b-rr" else [])
+    options = PartitionOptions(
+        schedule=schedule,
+        optimizer=draw(st.sampled_from(["sgd", "adam"])),
+        microbatches=1 if schedule == "1f1b-rr" else draw(st.sampled_from([1, 2, 4])),
+        shard=draw(st.sampled_from(modes)),
+        straight=draw(st.booleans()),
+    )
+    return profile, Topology("t", DeviceSpec("d", memory), levels), options
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_dp_with_sharding_equals_exhaustive(case):
+    """The DP and the brute force agree on every shard request, memory and precision."""
+    profile, topology, options = case
+    best, _ = exhaustive_best(profile, topology, options)
+    try:
+        plan = partition(profile, topology, options)
+    except InfeasibleError:
+        assert best == math.inf
+        return
+    assert plan.predicted.stage_bound_ms == pytest.approx(best, rel=1e-9)
+    for stage in plan.stages:
+        assert stage.memory_bytes <= topology.device.memory_bytes
+        if options.shard not in ("auto", "none") and stage.shard_degree > 1:
+            assert stage.shard == options.shard
