@@ -96,6 +96,7 @@ from pipeplan.runtime.rank_metrics import (
 from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
 from pipeplan.runtime.run_record import digests, write_record
+from pipeplan.runtime.sharding import check_shard, shard_group
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.runtime.sync import GradSync, make_grad_sync
@@ -209,6 +210,7 @@ def _prepare(config: RunConfig) -> Prepared:
                 f"{config.microbatches} micro-batches"
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
+        check_shard(config.plan, model_file.make_optimizer is not None)
         meter = MemoryMeter(env.device)  # the baseline: imports done, nothing of the model built
         with memory_step(
             f"rank {env.rank} built its stage (--build {config.build.mode})",
@@ -373,6 +375,7 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
         timeout_s=config.timeout_s,
         meshes=meshes,
     )
+    shards = shard_group(config.plan, env.rank, config.timeout_s)[0]  # collective: after sync's groups
     precision = config.precision  # the plan's (its profile's dtype), or --dtype
     dtype = getattr(torch, precision.dtype)  # compute: weights the layers run on, activations
     master = getattr(torch, precision.master_dtype) if precision.mixed and precision.master_dtype else None
@@ -389,7 +392,7 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
         for chunk, splits in zip(spec.chunks, spec.tp_splits):
             parallelize_stage(chunk.module, splits, own_mesh["tensor"])
         tp_context = partial(compute_context, env.device.split(":")[0])
-    optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
+    optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module, shards)
     tensor_mesh = (
         own_mesh["tensor"]  # checkpoints gather split tensors over it
         if own_mesh is not None and spec.tensor_parallel[spec.stage_index] > 1

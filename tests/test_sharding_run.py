@@ -1,0 +1,85 @@
+"""`pipeplan run` of sharded replicas (zero1: torch's ZeroRedundancyOptimizer), gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures" / "runtime"
+sys.path.insert(0, str(FIXTURES))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from plans import make_plan  # noqa: E402
+from reference import train_reference  # noqa: E402
+from test_run_torchrun import assert_params_match, launch_plain, records  # noqa: E402
+
+from pipeplan.errors import InputError  # noqa: E402
+from pipeplan.plan import Plan  # noqa: E402
+from pipeplan.runtime.sharding import check_shard  # noqa: E402
+
+MODEL = str(FIXTURES / "mlp.py")
+LR = 0.01
+
+
+def _sharded(plan: Plan, mode: str) -> Plan:
+    return replace(plan, stages=tuple(replace(s, shard=mode, shard_degree=s.replicas) for s in plan.stages))
+
+
+def test_run_refuses_what_it_does_not_run_in_one_line() -> None:
+    plan = make_plan(MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2)
+    with pytest.raises(
+        InputError, match=r"^plan stage 0 shards its replicas fsdp: pipeplan run runs none and zero1"
+    ):
+        check_shard(_sharded(plan, "fsdp"), custom_optimizer=False)
+    with pytest.raises(InputError, match="make_optimizer builds its own optimizer"):
+        check_shard(_sharded(plan, "zero1"), custom_optimizer=True)
+    check_shard(_sharded(plan, "zero1"), custom_optimizer=False)
+
+
+def _run(tmp: Path, plan: str, ranks: int, steps: int, rec: str, *extra: str) -> None:
+    procs = launch_plain(
+        ranks,
+        [str(tmp / plan), "--model", MODEL, "--lr", str(LR), "--no-progress", "--steps", str(steps),
+         "--record", str(tmp / rec), "--checkpoint-dir", str(tmp / "ckpt"), *extra],
+        {},
+    )  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * ranks, [o[1][-2000:] for o in outs]
+
+
+@pytest.mark.multiprocess
+def test_zero1_trains_as_unsharded_holds_half_the_state_and_resumes_unsharded(tmp_path: Path) -> None:
+    """One stage on 2 replicas, Adam: zero1 trains allclose to one process, each rank holds
+    about half of Adam's state (ZeroRedundancyOptimizer's greedy split by size), and its
+    checkpoint resumes under an unsharded 2-stage plan, ending where 4 uninterrupted steps end."""
+    whole = make_plan(
+        MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
+    )
+    _sharded(whole, "zero1").save(tmp_path / "zero1.json")
+    make_plan(
+        MODEL, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
+    ).save(tmp_path / "two.json")
+    _run(tmp_path, "zero1.json", 2, 2, "rec-zero1", "--checkpoint-every", "1")
+    reference, _ = train_reference(MODEL, 2, 8, LR, optimizer="adam")
+    recs = records(tmp_path / "rec-zero1")
+    assert_params_match({0: recs[0]}, reference)  # each replica holds every parameter
+    assert_params_match({1: recs[1]}, reference)
+    # Adam's state (2 float32 moments + a step per parameter) split over the 2 ranks
+    params = reference
+    full = sum(2 * p.numel() * 4 + 4 for p in params.values())
+    held = [recs[r]["optimizer_state_bytes"] for r in (0, 1)]
+    assert sum(held) == full
+    largest = max(2 * p.numel() * 4 + 4 for p in params.values())
+    assert all(full / 2 - largest <= h <= full / 2 + largest for h in held), (held, full)
+    _run(tmp_path, "two.json", 2, 4, "rec-two", "--resume", "--metrics", str(tmp_path / "m.json"))
+    reference4, losses4 = train_reference(MODEL, 4, 8, LR, optimizer="adam")
+    assert_params_match(records(tmp_path / "rec-two"), reference4)
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert metrics["first_step"] == 2
+    assert metrics["losses"] == pytest.approx(losses4[2:], rel=1e-5)
+    # unsharded, one rank holds the whole state of its stage's parameters
+    assert sum(r["optimizer_state_bytes"] for r in records(tmp_path / "rec-two").values()) == full
