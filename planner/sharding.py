@@ -40,7 +40,7 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.costs import Elementwise, ring_allreduce_ms
-from pipeplan.planner.memory import optimizer_states
+from pipeplan.planner.memory import optimizer_states, stage_memory_bytes
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 
@@ -55,6 +55,7 @@ __all__ = [
     "shard_sync_ms",
     "sync_floor_factor",
     "sync_floor_ms",
+    "stage_shard_memory",
     "stage_sync_ms",
 ]
 
@@ -245,3 +246,38 @@ def stage_sync_ms(plan: Plan, q: int, param_bytes: float) -> float:
             )
         )
     return sync
+
+
+def stage_shard_memory(
+    plan: Plan,
+    q: int,
+    param_bytes: float,
+    saved_bytes: float,
+    versions: float,
+    in_flight: float,
+    temporary_bytes: float,
+) -> float:
+    """Bytes one replica of stage ``q`` of ``plan`` keeps under its shard mode (the
+    simulator's per-stage memory). fsdp's gathered layers are charged as the whole stage's
+    parameters (an upper bound: the simulator's costs have no per-layer parameter bytes)."""
+    stage = plan.stages[q] if q < len(plan.stages) else None
+    mode = stage.shard if stage is not None else "none"
+    if mode == "none":
+        return stage_memory_bytes(
+            param_bytes, saved_bytes, versions, in_flight, plan.optimizer, plan.precision, temporary_bytes
+        )
+    assert stage is not None
+    return float(
+        shard_memory_bytes(
+            mode,
+            param_bytes,
+            saved_bytes,
+            versions,
+            in_flight,
+            plan.optimizer,
+            plan.precision,
+            stage.shard_degree,
+            temporary_bytes,
+            param_bytes / 2.0,
+        )
+    )

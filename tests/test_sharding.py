@@ -135,3 +135,70 @@ def test_dp_with_sharding_equals_exhaustive(case):
         assert stage.memory_bytes <= topology.device.memory_bytes
         if options.shard not in ("auto", "none") and stage.shard_degree > 1:
             assert stage.shard == options.shard
+
+
+def test_partition_simulate_and_report_show_each_stages_sharding(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeplan.cli import cli
+    from pipeplan.cli.report import memory_table
+    from pipeplan.plan import Plan
+
+    _chain([10_000], saved=0).save(tmp_path / "profile.json")
+    topo = tmp_path / "t.yaml"
+    topo.write_text(
+        "name: t\ndevice: {name: a, memory: 35000 B}\nlevels:\n  - {name: s, count: 2, bandwidth: 1 GB/s}\n"
+    )
+    common = ["partition", str(tmp_path / "profile.json"), "--topology", str(topo), "--optimizer", "adam"]
+    refused = CliRunner().invoke(cli, [*common, "--schedule", "gpipe", "--shard", "none"])
+    assert refused.exit_code == 2 and "error: no plan fits" in refused.output
+    bad = CliRunner().invoke(cli, [*common, "--schedule", "1f1b-rr", "--shard", "fsdp"])
+    assert bad.exit_code == 2 and "error: --shard fsdp with schedule 1f1b-rr:" in bad.output
+    assert "Traceback" not in bad.output
+    out = tmp_path / "plan.json"
+    wide = {"COLUMNS": "200"}
+    result = CliRunner().invoke(cli, [*common, "--schedule", "gpipe", "-o", str(out)], env=wide)
+    assert result.exit_code == 0, result.output
+    assert "shard" in result.output and "zero1/2" in result.output
+    plan = Plan.load(out)
+    assert (plan.stages[0].shard, plan.stages[0].shard_degree, plan.stages[0].memory_bytes) == (
+        "zero1",
+        2,
+        30_000,
+    )
+    simulated = CliRunner().invoke(
+        cli, ["simulate", str(out), "--profile", str(tmp_path / "profile.json")], env=wide
+    )
+    assert simulated.exit_code == 0, simulated.output
+    assert "zero1/2" in simulated.output
+    from pipeplan.planner.simulate import simulate_plan
+
+    sim = simulate_plan(plan, _chain([10_000], saved=0))
+    assert sim.stages[0].memory_bytes == 30_000  # the simulator charges the plan's sharded figure
+    # and its sync: all-reduce (2 x 1/2 x 10,000 B) + all-gather (1/2 x 10,000 B) at 1 GB/s
+    assert plan.stages[0].allreduce_ms == pytest.approx(15_000 / 1e9 * 1e3)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(memory_table([{"stage": 0, "replica": 0, "rank": 0}], [s.__dict__ for s in plan.stages]))
+    assert "zero1/2" in console.export_text()
+
+
+def test_old_plans_load_unsharded_and_bad_shards_are_one_line(tmp_path):
+    import json
+
+    from pipeplan.plan import Plan
+
+    _chain([10_000], saved=0).save(tmp_path / "profile.json")
+    plan = partition(_chain([10_000], saved=0), _two_devices(10**9), PartitionOptions(schedule="gpipe"))
+    data = plan.to_dict()
+    for stage in data["stages"]:
+        stage.pop("shard"), stage.pop("shard_degree")  # a plan written before sharding
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert {(s.shard, s.shard_degree) for s in Plan.load(tmp_path / "old.json").stages} == {("none", 1)}
+    data["stages"][0].update(shard="zero1", shard_degree=3)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(
+        InputError, match="plan stage 0: shard_degree 3 must be an integer >= 1 dividing its 2 replicas"
+    ):
+        Plan.load(tmp_path / "bad.json")

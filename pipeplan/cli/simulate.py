@@ -167,6 +167,9 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches",
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
+    from pipeplan.cli.partition import shard_text
+
+    sharded = any(stage.shard != "none" for stage in plan.stages)
     for header in (
         "stage",
         "repl",
@@ -177,6 +180,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         "link ms",
         "memory GiB",
         "in flight",
+        *(["shard"] if sharded else []),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -194,6 +198,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             f"{sim.comm_ms:.3f}",
             memory,
             f"{sim.in_flight:g}",
+            *([shard_text(stage)] if sharded else []),
         )
     return table
 
