@@ -61,8 +61,9 @@ __all__ = [
 
 SHARD_MODES = ("none", "zero1", "zero2", "fsdp")  # least sharding first: ties keep the earlier
 SHARD_CHOICES = ("auto",) + SHARD_MODES
-# what ``pipeplan run`` runs, and so what ``auto`` chooses among (zero2 and fsdp are planned
-# when asked for by name; ``pipeplan run`` refuses them: docs/planner.md)
+# what ``pipeplan run`` runs under every schedule and precision, and so what ``auto`` chooses
+# among; zero2 and fsdp are planned when asked for by name (``pipeplan run`` runs them for
+# float32 flush schedules: pipeplan.runtime.sharding)
 RUN_MODES = ("none", "zero1")
 
 

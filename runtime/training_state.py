@@ -28,7 +28,7 @@ from pipeplan.runtime.checkpoint.persist import Persister
 from pipeplan.runtime.checkpoint.split import group_rng_states
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_identity import RunIdentity
-from pipeplan.runtime.sharding import local_optimizer, shard_optimizer
+from pipeplan.runtime.sharding import FSDP_MODES, local_optimizer, shard_optimizer
 from pipeplan.runtime.stage import PipelineSpec
 
 if TYPE_CHECKING:
@@ -237,13 +237,15 @@ def save(
         return
     writer = spec.tp_index == 0
     own = local_optimizer(optimizer)  # a sharded optimizer's share (pipeplan.runtime.sharding)
+    # FSDP2 stages: every replica joins each tensor's gather, the first keeps them
+    gathered = spec.stage_index >= 0 and config.plan.stages[spec.stage_index].shard in FSDP_MODES
     state = ckstate.rank_state(
         module,
         ckstate.rank_state_names(spec),
         own,
         scheduler,
-        weights=spec.replica == 0,
-        keep=writer,
+        weights=spec.replica == 0 or gathered,
+        keep=writer and (spec.replica == 0 or not gathered),
         own_state=own is not optimizer,
     )
     rngs = group_rng_states(tensor_mesh) if tensor_mesh is not None else []

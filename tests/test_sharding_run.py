@@ -31,13 +31,18 @@ def _sharded(plan: Plan, mode: str) -> Plan:
 
 def test_run_refuses_what_it_does_not_run_in_one_line() -> None:
     plan = make_plan(MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2)
-    with pytest.raises(
-        InputError, match=r"^plan stage 0 shards its replicas fsdp: pipeplan run runs none and zero1"
+    fsdp = _sharded(plan, "fsdp")
+    check_shard(fsdp, "gpipe", mixed=False, recompute=False, custom_optimizer=True)  # any optimizer
+    for schedule, mixed, recompute, why in (
+        ("1f1b-rr", False, False, "schedule 1f1b-rr keeps weight versions"),
+        ("gpipe", True, False, "mixed precision"),
+        ("gpipe", False, True, "--recompute"),
     ):
-        check_shard(_sharded(plan, "fsdp"), custom_optimizer=False)
+        with pytest.raises(InputError, match=f"^plan stage 0 shards its replicas fsdp: .*not with {why}"):
+            check_shard(fsdp, schedule, mixed, recompute, custom_optimizer=False)
     with pytest.raises(InputError, match="make_optimizer builds its own optimizer"):
-        check_shard(_sharded(plan, "zero1"), custom_optimizer=True)
-    check_shard(_sharded(plan, "zero1"), custom_optimizer=False)
+        check_shard(_sharded(plan, "zero1"), "gpipe", False, False, custom_optimizer=True)
+    check_shard(_sharded(plan, "zero1"), "1f1b-rr", True, False, custom_optimizer=False)
 
 
 def _run(tmp: Path, plan: str, ranks: int, steps: int, rec: str, *extra: str) -> None:
@@ -52,14 +57,16 @@ def _run(tmp: Path, plan: str, ranks: int, steps: int, rec: str, *extra: str) ->
 
 
 @pytest.mark.multiprocess
-def test_zero1_trains_as_unsharded_holds_half_the_state_and_resumes_unsharded(tmp_path: Path) -> None:
-    """One stage on 2 replicas, Adam: zero1 trains allclose to one process, each rank holds
-    about half of Adam's state (ZeroRedundancyOptimizer's greedy split by size), and its
-    checkpoint resumes under an unsharded 2-stage plan, ending where 4 uninterrupted steps end."""
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "fsdp"])
+def test_sharded_replicas_train_as_unsharded_and_resume_unsharded(tmp_path: Path, mode: str) -> None:
+    """One stage on 2 replicas, Adam: zero1 (ZeroRedundancyOptimizer) and fsdp (FSDP2) train
+    allclose to one process, each rank holds about half of Adam's state (zero1: torch's greedy
+    split by size; fsdp: half of every tensor), and the checkpoint resumes under an unsharded
+    2-stage plan, ending where 4 uninterrupted steps end."""
     whole = make_plan(
         MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
     )
-    _sharded(whole, "zero1").save(tmp_path / "zero1.json")
+    _sharded(whole, mode).save(tmp_path / "zero1.json")
     make_plan(
         MODEL, [[0, 1, 2], [3, 4, 5]], [1, 1], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
     ).save(tmp_path / "two.json")
@@ -70,11 +77,16 @@ def test_zero1_trains_as_unsharded_holds_half_the_state_and_resumes_unsharded(tm
     assert_params_match({1: recs[1]}, reference)
     # Adam's state (2 float32 moments + a step per parameter) split over the 2 ranks
     params = reference
-    full = sum(2 * p.numel() * 4 + 4 for p in params.values())
+    moments = sum(2 * p.numel() * 4 for p in params.values())  # exp_avg, exp_avg_sq: float32
+    steps = 4 * len(params)  # one float32 step count per parameter
+    full = moments + steps
     held = [recs[r]["optimizer_state_bytes"] for r in (0, 1)]
-    assert sum(held) == full
-    largest = max(2 * p.numel() * 4 + 4 for p in params.values())
-    assert all(full / 2 - largest <= h <= full / 2 + largest for h in held), (held, full)
+    if mode == "zero1":  # each parameter's state on one rank, the split greedy by size
+        assert sum(held) == full
+        largest = max(2 * p.numel() * 4 + 4 for p in params.values())
+        assert all(full / 2 - largest <= h <= full / 2 + largest for h in held), (held, full)
+    else:  # half of every moment (dim 0 of each tensor splits evenly), the step counts on both
+        assert held == [moments // 2 + steps] * 2
     _run(tmp_path, "two.json", 2, 4, "rec-two", "--resume", "--metrics", str(tmp_path / "m.json"))
     reference4, losses4 = train_reference(MODEL, 4, 8, LR, optimizer="adam")
     assert_params_match(records(tmp_path / "rec-two"), reference4)

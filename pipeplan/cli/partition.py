@@ -249,7 +249,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     show_default=True,
     help="How a stage's replicas on one unit of the innermost level shard: none, zero1 (optimizer "
     "state / d), zero2 (+ gradients and masters / d), fsdp (+ parameters / d, gathered per layer); "
-    "auto: per stage the fastest that fits among those `pipeplan run` runs (none, zero1), less sharding on ties.",
+    "auto: per stage the fastest that fits of none and zero1 (which run under every schedule), less sharding on ties.",
 )
 @click.option(
     "--memory-check/--no-memory-check",
