@@ -175,7 +175,10 @@ def test_dp_equals_brute_force_over_every_downset(case):
         params = sum(profile.layers[i].param_bytes for i in stage.layers)
         saved = sum(profile.layers[i].saved_bytes for i in stage.layers)
         memory, _, _ = plan_stage_memory(options.schedule, replicas, q, params, saved, options.optimizer)
-        assert memory == stage.memory_bytes <= topology.device.memory_bytes
+        if stage.shard == "none":
+            assert memory == stage.memory_bytes <= topology.device.memory_bytes
+        else:  # sharded replicas (tests/test_sharding.py): less than unsharded, within the device
+            assert stage.memory_bytes < memory and stage.memory_bytes <= topology.device.memory_bytes
 
 
 def test_a_non_prefix_cut_beats_every_prefix():

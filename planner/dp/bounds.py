@@ -179,15 +179,16 @@ def next_limit(limit_ms: float, attempt: int) -> float:
 
 
 def some_layer_never_fits(ctx: DPContext) -> bool:
-    """True when a single layer exceeds device memory even with one minibatch in flight."""
+    """True when a single layer exceeds device memory even with one minibatch in flight
+    (and, where replicas may shard, in its least hungry mode on the most replicas)."""
     if not ctx.settings.memory_check:
         return False
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
-    need = device_need_bytes(
-        ctx.settings, params, saved, 0, largest
-    )  # device_table at tau = 0 for single layers
+    need = least_need_bytes(
+        ctx.settings, params, saved, 0, largest, ctx.levels[0].count
+    )  # device_table at tau = 0 for single layers, in the least hungry shard mode
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 

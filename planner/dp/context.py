@@ -131,6 +131,7 @@ class DPContext:
             None  # tau -> states read by the top (``_top_regions``)
         )
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
+        self.largest_layers: np.ndarray | None = None  # fsdp's gathered layer per range (dp.sharded)
         self.limit_ms = limit_ms
         top = len(self.levels)
         limit = limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK

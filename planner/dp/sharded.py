@@ -36,14 +36,12 @@ def largest_layer_range(arrays: LayerArrays, starts: np.ndarray, ends: np.ndarra
 
 def _largest_layers(ctx: DPContext) -> np.ndarray:
     """``largest_layer_range`` over the DP's band arrays ``[l, i]`` (memoised on ``ctx``)."""
-    cached = getattr(ctx, "_largest_layers", None)
-    if cached is None:
+    if ctx.largest_layers is None:
         lengths = np.arange(ctx.span + 1)[:, None]
         starts = np.arange(ctx.rows)[None, :]
         s_idx, e_idx = np.minimum(starts, ctx.n), np.minimum(starts + lengths, ctx.n)
-        cached = largest_layer_range(ctx.arrays, s_idx, e_idx)
-        ctx._largest_layers = cached  # type: ignore[attr-defined]
-    return cached
+        ctx.largest_layers = largest_layer_range(ctx.arrays, s_idx, e_idx)
+    return ctx.largest_layers
 
 
 def sharded_stage_values(ctx: DPContext, tau: int, units: int, where: tuple) -> np.ndarray:
