@@ -46,6 +46,7 @@ from pipeplan.schedules import schedule_kind
 __all__ = [
     "RUN_MODES",
     "FSDP_MODES",
+    "check_fsdp_ties",
     "check_shard",
     "fully_shard_stage",
     "local_optimizer",
@@ -62,6 +63,11 @@ def check_shard(plan: Plan, schedule: str, mixed: bool, recompute: bool, custom_
     """``InputError`` in one line for a sharding ``pipeplan run`` does not run (before any communication)."""
     kind = schedule_kind(schedule)
     for stage in plan.stages:
+        if stage.shard != "none" and stage.tensor_parallel > 1:
+            raise InputError(
+                f"plan stage {stage.index} shards its replicas {stage.shard} and splits them "
+                f"{stage.tensor_parallel} ways: pipeplan run shards stages without tensor parallelism"
+            )
         if stage.shard == "zero1" and custom_optimizer:
             raise InputError(
                 f"plan stage {stage.index} shards its optimizer state (zero1): the model file's "
@@ -166,3 +172,13 @@ def fully_shard_stage(chunks: list[nn.Module], mode: str, group: dist.ProcessGro
             assert isinstance(unit, FSDPModule)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def check_fsdp_ties(mode: str, tied: bool, stage: int) -> None:
+    """``InputError`` in one line for an FSDP2 stage holding a weight tied to another stage
+    (their shards would not line up for the tie's all-reduce)."""
+    if mode in FSDP_MODES and tied:
+        raise InputError(
+            f"plan stage {stage} shards its replicas {mode} and holds a weight tied to another stage: "
+            "pipeplan run shards tied stages with zero1 or none"
+        )

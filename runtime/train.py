@@ -96,7 +96,13 @@ from pipeplan.runtime.rank_metrics import (
 from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
 from pipeplan.runtime.run_record import digests, write_record
-from pipeplan.runtime.sharding import FSDP_MODES, check_shard, fully_shard_stage, shard_group
+from pipeplan.runtime.sharding import (
+    FSDP_MODES,
+    check_fsdp_ties,
+    check_shard,
+    fully_shard_stage,
+    shard_group,
+)
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.runtime.sync import GradSync, make_grad_sync
@@ -393,6 +399,7 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     if module is not None and master is not None:
         cast_buffers(module, dtype)  # as the profile measured them; buffers have no masters
     mode = config.plan.stages[spec.stage_index].shard if spec.stage_index >= 0 else "none"
+    check_fsdp_ties(mode, bool(sync.tie_groups), spec.stage_index)
     if mode in FSDP_MODES and module is not None and shards is not None:
         fully_shard_stage([chunk.module for chunk in spec.chunks], mode, shards, env.device.split(":")[0])
         sync.replica_group, sync.replica_ranks = None, ()  # FSDP2 reduce-scatters them

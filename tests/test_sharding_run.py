@@ -19,7 +19,7 @@ from test_run_torchrun import assert_params_match, launch_plain, records  # noqa
 
 from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
-from pipeplan.runtime.sharding import check_shard  # noqa: E402
+from pipeplan.runtime.sharding import check_fsdp_ties, check_shard  # noqa: E402
 
 MODEL = str(FIXTURES / "mlp.py")
 LR = 0.01
@@ -43,6 +43,9 @@ def test_run_refuses_what_it_does_not_run_in_one_line() -> None:
     with pytest.raises(InputError, match="make_optimizer builds its own optimizer"):
         check_shard(_sharded(plan, "zero1"), "gpipe", False, False, custom_optimizer=True)
     check_shard(_sharded(plan, "zero1"), "1f1b-rr", True, False, custom_optimizer=False)
+    with pytest.raises(InputError, match="holds a weight tied to another stage"):
+        check_fsdp_ties("zero2", tied=True, stage=0)
+    check_fsdp_ties("zero1", tied=True, stage=0)
 
 
 def _run(tmp: Path, plan: str, ranks: int, steps: int, rec: str, *extra: str) -> None:
