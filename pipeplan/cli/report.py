@@ -155,7 +155,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
         )
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
-        console.print(memory_table(metrics.to_dict()["stages"]))
+        console.print(memory_table(metrics.to_dict()["stages"], (metrics.plan or {}).get("stages")))
     for line in recompute_lines(metrics.plan or {}):
         console.print(line, markup=False, soft_wrap=True)
     print_checkpoints(metrics.to_dict(), console)
@@ -191,8 +191,9 @@ def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def memory_table(stages: list[dict[str, Any]]) -> Any:
-    """Per rank: the plan's per-device figure against what the rank held (peak - baseline)."""
+def memory_table(stages: list[dict[str, Any]], plan_stages: list[dict[str, Any]] | None = None) -> Any:
+    """Per rank: the plan's per-device figure against what the rank held (peak - baseline);
+    with ``plan_stages`` (the plan's, as JSON) a ``shard`` column where a stage shards its replicas."""
     from rich.table import Table
 
     from pipeplan.units import format_bytes
@@ -203,8 +204,11 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
     kinds = {s.get("memory_kind") for s in stages} - {None}
     what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
     table = Table(title=f"memory per rank ({what}; held = peak - baseline before the stage was built)")
+    shards = {p["index"]: p for p in plan_stages or [] if p.get("shard", "none") != "none"}
     for column in ("stage", "replica", "rank", "planned", "held", "held/planned", "peak", "baseline"):
         table.add_column(column, justify="right")
+    if shards:
+        table.add_column("shard", justify="right")
     for s in stages:
         peak, baseline, planned = (
             s.get("peak_memory_bytes"),
@@ -222,8 +226,14 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
             ratio,
             size(peak),
             size(baseline),
+            *([_shard_cell(shards.get(s["stage"]))] if shards else []),
         )
     return table
+
+
+def _shard_cell(stage: dict[str, Any] | None) -> str:
+    """``zero1/2`` (mode / replicas sharing) of a plan stage as JSON, ``none`` without."""
+    return "none" if stage is None else f"{stage['shard']}/{stage['shard_degree']}"
 
 
 def print_checkpoints(summary: dict[str, Any], console: Console) -> None:
