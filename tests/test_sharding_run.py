@@ -111,3 +111,25 @@ def test_sharded_replicas_train_as_unsharded_and_resume_unsharded(tmp_path: Path
     assert metrics["losses"] == pytest.approx(losses4[2:], rel=1e-5)
     # unsharded, one rank holds the whole state of its stage's parameters
     assert sum(r["optimizer_state_bytes"] for r in records(tmp_path / "rec-two").values()) == full
+
+
+@pytest.mark.multiprocess
+def test_a_zero1_stage_runs_its_recomputed_layers(tmp_path: Path) -> None:
+    """Sharding and recomputation together (planned so by ``partition``): one zero1 stage on
+    2 replicas whose layers 1 and 3 run under torch.utils.checkpoint trains allclose to one
+    process, with Adam's state split between the ranks."""
+    whole = make_plan(
+        MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
+    )
+    zero1 = _sharded(whole, "zero1")
+    replace(zero1, stages=tuple(replace(s, recompute_layers=(1, 3)) for s in zero1.stages)).save(
+        tmp_path / "both.json"
+    )
+    _run(tmp_path, "both.json", 2, 2, "rec-both")
+    reference, _ = train_reference(MODEL, 2, 8, LR, optimizer="adam")
+    recs = records(tmp_path / "rec-both")
+    assert_params_match({0: recs[0]}, reference)
+    assert_params_match({1: recs[1]}, reference)
+    held = [recs[r]["optimizer_state_bytes"] for r in (0, 1)]
+    full = sum(2 * p.numel() * 4 + 4 for p in reference.values())
+    assert sum(held) == full and min(held) > 0
