@@ -73,6 +73,10 @@ class StagePlan:
     # they cost again in backward (ms per minibatch, in ``compute_ms``)
     recompute_layers: tuple[int, ...] = ()
     recompute_ms: float = 0.0
+    # sharded data parallelism of the replicas (pipeplan.planner.sharding): "none" | "zero1" |
+    # "zero2" | "fsdp", among groups of ``shard_degree`` consecutive replicas (1: none)
+    shard: str = "none"
+    shard_degree: int = 1
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -309,6 +313,24 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
         raise InputError(f"plan assigns no stage to layers {missing[:5]} of 0..{max(owner)}")
 
 
+SHARD_NAMES = ("none", "zero1", "zero2", "fsdp")  # pipeplan.planner.sharding.SHARD_MODES
+
+
+def _check_stage_shard(stage: StagePlan) -> None:
+    """A shard mode by name, among groups of ``shard_degree`` replicas dividing its replicas."""
+    d = stage.shard_degree
+    if stage.shard not in SHARD_NAMES:
+        raise InputError(
+            f"plan stage {stage.index}: shard {stage.shard!r} is not one of {', '.join(SHARD_NAMES)}"
+        )
+    if isinstance(d, bool) or not isinstance(d, int) or d < 1 or stage.replicas % d:
+        raise InputError(
+            f"plan stage {stage.index}: shard_degree {d!r} must be an integer >= 1 dividing its {stage.replicas} replicas"
+        )
+    if (stage.shard == "none") != (d == 1):
+        raise InputError(f"plan stage {stage.index}: shard {stage.shard} with shard_degree {d}")
+
+
 def _check_stage_ranks(plan: Plan) -> None:
     """Replica counts, rank ranges, one pipeline position per rank (interleaved: q % p)."""
     virtual = plan.virtual_stages
@@ -322,6 +344,7 @@ def _check_stage_ranks(plan: Plan) -> None:
         t = stage.tensor_parallel
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise InputError(f"plan stage {stage.index}: tensor_parallel {t!r} must be an integer >= 1")
+        _check_stage_shard(stage)
         if stage.replicas * t != len(stage.ranks) or stage.replicas < 1:
             raise InputError(
                 f"plan stage {stage.index}: replicas {stage.replicas} x tensor_parallel {t} but ranks "

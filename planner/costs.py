@@ -86,6 +86,8 @@ class LayerArrays:
     recompute_gain: np.ndarray | None = None
     recompute_forward_ms: np.ndarray | None = None
     recompute_saved: np.ndarray | None = None
+    # per layer (not summed): its parameter bytes (FSDP's gathered layer, planner.sharding)
+    layer_param_bytes: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -265,6 +267,7 @@ class _RecomputeFields(TypedDict):
     recompute_gain: np.ndarray
     recompute_forward_ms: np.ndarray
     recompute_saved: np.ndarray
+    layer_param_bytes: np.ndarray
 
 
 def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray]) -> _RecomputeFields:
@@ -278,6 +281,7 @@ def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray
         recompute_saved=np.array(
             [float(layer.saved_bytes) if g > 0 else 0.0 for layer, g in zip(profile.layers, gains)]
         ),
+        layer_param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=np.float64),
     )
 
 

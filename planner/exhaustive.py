@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
-from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.options import planned_shard_modes
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, planned_recompute, stage_figures
 from pipeplan.planner.placement import flatten
-from pipeplan.planner.recompute_choice import choose_for_stage
+from pipeplan.planner.recompute import gain_bytes
+from pipeplan.planner.recompute_choice import recompute_candidates
+from pipeplan.planner.shard_choice import stage_shard
 from pipeplan.profile import Profile
 from pipeplan.topology import Topology
 
@@ -85,44 +87,31 @@ def evaluate(
     if options.max_stages is not None and len(flat) > options.max_stages:
         return math.inf
     replicas = [stage.replicas for stage in flat]
-    extra = [0.0] * len(flat)
-    for q, stage in enumerate(flat):
-        if profile is not None:
-            choice = choose_for_stage(
+    limit = topology.device.memory_bytes if options.memory_check else None
+    modes = planned_shard_modes(options)
+    gains = gain_bytes(profile) if profile is not None else None
+    times = []
+    for q, (stage, figure) in enumerate(zip(flat, stage_figures(flat, arrays, topology, options))):
+        candidates = (
+            recompute_candidates(
                 profile,
                 arrays.cut_family.stage_layers(stage.start, stage.end),
-                options.schedule,
-                replicas,
-                q,
-                options.optimizer,
                 options.microbatches,
-                arrays.precision,
-                arrays.largest(stage.start, stage.end),
                 options.recompute,
-                topology.device.memory_bytes if options.memory_check else None,
+                gains,
             )
-            if choice.recompute is None:
-                return math.inf
-            memory, extra[q] = choice.memory_bytes, choice.recompute.extra_ms
-        else:
-            memory, _, _ = plan_stage_memory(
-                options.schedule,
-                replicas,
-                q,
-                arrays.params(stage.start, stage.end),
-                arrays.saved(stage.start, stage.end),
-                options.optimizer,
-                options.microbatches,
-                precision=arrays.precision,
-                largest_param_bytes=arrays.largest(stage.start, stage.end),
-            )
-        if options.memory_check and memory > topology.device.memory_bytes:
+            if profile is not None
+            else None
+        )
+        shard = stage_shard(
+            stage, q, replicas, arrays, topology, options.schedule, options.optimizer,
+            options.microbatches, modes, figure, limit, candidates,
+            options.recompute if profile is not None else "none",
+        )  # fmt: skip
+        if shard.recompute is None or (limit is not None and shard.memory_bytes > limit):
             return math.inf
-    figures = stage_figures(flat, arrays, topology, options)
-    return max(
-        max(time, (compute + more) / stage.replicas)
-        for (compute, _, _, time), more, stage in zip(figures, extra, flat)
-    )
+        times.append(shard.figures[3])
+    return max(times)
 
 
 def exhaustive_best(

@@ -9,10 +9,11 @@ from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import COST_MODELS
 from pipeplan.planner.memory import OPTIMIZER_STATES
 from pipeplan.planner.recompute import check_recompute_mode
+from pipeplan.planner.sharding import shard_modes
 from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
 from pipeplan.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, TARGET_SCHEDULES, schedule_kind
 
-__all__ = ["PartitionOptions", "TARGET_SCHEDULES", "charged_optimizer"]
+__all__ = ["PartitionOptions", "TARGET_SCHEDULES", "charged_optimizer", "planned_shard_modes"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class PartitionOptions:
     # activation recomputation per stage (``planner.recompute``): "auto" (the least that fits,
     # chosen with the split, where the schedule runs it), "none", "full"
     recompute: str = "auto"
+    # sharded data parallelism of replicated stages (planner.sharding): auto | none | zero1 | zero2 | fsdp
+    shard: str = "auto"
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -56,6 +59,9 @@ class PartitionOptions:
         if ratio is not None and not ratio > 0:
             raise InputError(f"activation compression ratio must be positive (got {ratio})")
         kind = schedule_kind(self.schedule)
+        shard_modes(
+            self.shard, self.schedule, self.tensor_parallel or 1
+        )  # one line for a bad or refused mode
         if self.virtual_stages is not None and (
             self.virtual_stages < 2 if kind.virtual_stages else self.virtual_stages != 1
         ):
@@ -105,3 +111,13 @@ class PartitionOptions:
 def charged_optimizer(options: PartitionOptions) -> str | None:
     """The optimizer whose measured step counts as compute (none in PipeDream's own model)."""
     return cost_model(options.cost_model).charged_optimizer(options.optimizer)
+
+
+def planned_shard_modes(options: PartitionOptions, tensor_parallel: int = 1) -> tuple[str, ...]:
+    """The shard modes the DP may give a replicated stage (``planner.sharding``): ``none``
+    only under PipeDream's own cost model or with tensor parallelism under ``auto``."""
+    if options.cost_model != "pipeplan" or options.export_target is not None:
+        return ("none",)
+    if tensor_parallel > 1 and options.shard == "auto":
+        return ("none",)
+    return shard_modes(options.shard, options.schedule, tensor_parallel)

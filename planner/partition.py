@@ -22,13 +22,15 @@ from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
-from pipeplan.planner.memory import gradient_temporary_bytes, stage_memory_bytes
-from pipeplan.planner.options import PartitionOptions, charged_optimizer
+from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.options import PartitionOptions, charged_optimizer, planned_shard_modes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
 from pipeplan.planner.recompute import effective_mode, gain_bytes, stage_options
-from pipeplan.planner.recompute_choice import choose_for_stage
+from pipeplan.planner.recompute_choice import recompute_candidates
+from pipeplan.planner.shard_choice import stage_shard
+from pipeplan.planner.sharding import shard_memory_bytes
 from pipeplan.planner.simulate import SimulationTooLarge
 from pipeplan.planner.targets import ENGINES, blocked_summary, most_stages, target_cuts, target_family
 from pipeplan.planner.uniform import uniform_trees
@@ -74,9 +76,12 @@ def _least_in_flight_of(schedule: str, micro: int, world_size: int) -> float:
 
 def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOptions) -> list[float]:
     """Each layer's bytes on one device even in the most favourable position (one weight
-    version, the last stage's activations in flight): no stage holding it needs less."""
+    version, the last stage's activations in flight, the most sharing replicas of level 1
+    in its least hungry shard mode): no stage holding it needs less."""
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
+    most = topology.levels[0].count
+    modes = ("none",) + (planned_shard_modes(options) if most > 1 else ())
     out = []
     gains = gain_bytes(profile)
     for layer in profile.layers:
@@ -87,18 +92,22 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
             choices = choices[-1:]
         out.append(
             min(
-                stage_memory_bytes(
+                shard_memory_bytes(
+                    mode,
                     float(layer.param_bytes),
                     choice.activation_bytes,
                     1,
                     least_in_flight,
                     options.optimizer,
                     precision,
+                    most,
                     gradient_temporary_bytes(
                         float(layer.largest_tensor_bytes), options.microbatches, precision
                     )
                     + choice.transient_bytes,
+                    float(layer.param_bytes),
                 )
+                for mode in modes
                 for choice in choices
             )
         )
@@ -165,6 +174,7 @@ def _solve_pipeplan(
         arrays.precision,
         microbatches=options.microbatches,
         recompute=options.recompute,
+        shard=planned_shard_modes(options),
     )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
@@ -380,9 +390,16 @@ def _partition_at_tensor_degree(
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
+    if t > 1 and options.shard not in ("auto", "none"):
+        raise InputError(
+            f"--shard {options.shard} with tensor-parallel degree {t}: tensor-parallel stages are not sharded"
+        )
     try:
         grouped = _partition_pipeline(
-            tp.split_profile(profile, topology, t), tp.group_topology(topology, t), options, beat_ms
+            tp.split_profile(profile, topology, t),
+            tp.group_topology(topology, t),
+            replace(options, shard="none") if t > 1 else options,
+            beat_ms,
         )
     except InfeasibleError as exc:
         raise InfeasibleError(f"with tensor-parallel degree {t} (groups of {t} devices): {exc}") from exc
@@ -502,35 +519,36 @@ def _tree_plan(
     figures = stage_figures(flat, arrays, topology, options, single_nodes)
     stages = []
     checked = options.memory_check and model.checks_memory
+    limit = topology.device.memory_bytes if checked else None
     gains = gain_bytes(profile)
-    for q, (stage, (compute, allreduce, comm, stage_time)) in enumerate(zip(flat, figures)):
+    for q, (stage, figure) in enumerate(zip(flat, figures)):
         layers = family.stage_layers(stage.start, stage.end)
-        choice = choose_for_stage(
-            profile,
-            layers,
-            options.schedule,
-            replicas,
+        shard = stage_shard(
+            stage,
             q,
+            replicas,
+            arrays,
+            topology,
+            options.schedule,
             options.optimizer,
             options.microbatches,
-            arrays.precision,
-            arrays.largest(stage.start, stage.end),
+            planned_shard_modes(options),
+            figure,
+            limit,
+            recompute_candidates(profile, layers, options.microbatches, options.recompute, gains),
             options.recompute,
-            topology.device.memory_bytes if checked else None,
-            gains,
         )
-        memory, versions, in_flight = choice.memory_bytes, choice.weight_versions, choice.in_flight
-        if checked and (choice.recompute is None or memory > topology.device.memory_bytes):
+        compute, allreduce, comm, stage_time = shard.figures
+        memory, versions, in_flight = shard.memory_bytes, shard.versions, shard.in_flight
+        if checked and (shard.recompute is None or memory > topology.device.memory_bytes):
             raise InfeasibleError(
                 f"no plan fits in {format_bytes(topology.device.memory_bytes)} per device with schedule "
                 f"{options.schedule}: stage {q} of the fastest split needs {format_bytes(memory)} "
                 f"({_infeasible_hint(options)})"
             )
-        recomputed = choice.recompute.layers if choice.recompute is not None else ()
-        extra_ms = choice.recompute.extra_ms if choice.recompute is not None else 0.0
-        if extra_ms:  # the recomputed forwards run in the stage's backward
-            compute += extra_ms
-            stage_time = max(stage_time, compute / stage.replicas)
+        # the recomputed forwards run in the stage's backward (in ``shard.figures``' compute)
+        recomputed = shard.recompute.layers if shard.recompute is not None else ()
+        extra_ms = shard.recompute.extra_ms if shard.recompute is not None else 0.0
         stages.append(
             StagePlan(
                 index=q,
@@ -548,6 +566,8 @@ def _tree_plan(
                 in_flight=int(math.ceil(in_flight)),
                 recompute_layers=recomputed,
                 recompute_ms=extra_ms,
+                shard=shard.mode,
+                shard_degree=shard.degree,
             )
         )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)

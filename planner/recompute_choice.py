@@ -11,7 +11,7 @@ from pipeplan.planner.recompute import StageRecompute, choose, stage_options
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 
-__all__ = ["StageChoice", "choose_for_stage"]
+__all__ = ["StageChoice", "choose_for_stage", "recompute_candidates"]
 
 
 @dataclass(frozen=True)
@@ -58,12 +58,22 @@ def choose_for_stage(
             transient_bytes=option.transient_bytes,
         )
 
-    options = (
-        stage_options(profile, layers, microbatches, gains)
-        if mode != "none"
-        else [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]
-    )
+    options = recompute_candidates(profile, layers, microbatches, mode, gains)
     fits = None if memory_limit is None else (lambda option: memory(option)[0] <= memory_limit)
     chosen = choose(options, mode, fits)
     bytes_, versions, in_flight = memory(chosen if chosen is not None else options[0])
     return StageChoice(chosen, bytes_, versions, in_flight)
+
+
+def recompute_candidates(
+    profile: Profile,
+    layers: Sequence[int],
+    microbatches: int,
+    mode: str,
+    gains: Sequence[float] | None = None,
+) -> list[StageRecompute]:
+    """The choices ``mode`` picks among for a stage of ``layers`` (``stage_options``; only
+    k = 0 for ``none``)."""
+    if mode != "none":
+        return stage_options(profile, layers, microbatches, gains)
+    return [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]

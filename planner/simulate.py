@@ -22,9 +22,10 @@ from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
-from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes, stage_memory_bytes
+from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes
+from pipeplan.planner.sharding import stage_shard_memory, stage_sync_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -370,6 +371,8 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
         c.allreduce_ms
         if c.allreduce_ms is not None
         else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
+        if plan.stages[q].shard == "none"
+        else stage_sync_ms(plan, q, c.param_bytes)
         for q, c in enumerate(costs)
     ]
     forward = [c.forward_ms * microbatch_share(c.curve, microbatches) for c in costs]
@@ -477,7 +480,8 @@ def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, recor
 def _one_lane(plan: Plan) -> Plan:
     """``plan`` cut to replica 0 of every stage (its first rank), for ``_lanes``."""
     stages = tuple(
-        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1) for stage in plan.stages
+        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1, shard="none", shard_degree=1)
+        for stage in plan.stages
     )
     return replace(plan, stages=stages)
 
@@ -494,13 +498,13 @@ def _all_lanes(
     """A stage's figures from one lane (``_lanes``): the same busy time per replica; the
     micro-batches held at the peak, the same count, are 1/lanes as much of a minibatch."""
     in_flight = sim.in_flight / lanes
-    memory = stage_memory_bytes(
+    memory = stage_shard_memory(
+        plan,
+        sim.stage,
         costs.param_bytes,
         costs.saved_bytes,
         versions,
         in_flight,
-        plan.optimizer,
-        plan.precision,
         temporary_bytes,
     )
     return replace(sim, replicas=replicas, in_flight=in_flight, memory_bytes=int(math.ceil(memory)))
@@ -587,13 +591,13 @@ def _stage_figures(
         )
         in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
-        memory = stage_memory_bytes(
+        memory = stage_shard_memory(
+            plan,
+            q,
             costs[q].param_bytes,
             costs[q].saved_bytes,
             versions,
             in_flight,
-            plan.optimizer,
-            plan.precision,
             _temporary_bytes(costs, q, positions, schedule.microbatches, plan),
         )
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas

@@ -3,7 +3,7 @@
 ``DIR/rank<r>.pt`` holds, by qualified name: the final parameters (whole, from any
 tensor-parallel split), a digest of every parameter after each step, the weight versions
 each work unit ran on, the losses, and the (dtype, placements) of each master and of the
-tensor its layers ran on.
+tensor its layers ran on, and the bytes of optimizer state the rank holds.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from pipeplan.jsonio import write_atomic
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.mixed_precision import MixedPrecision
+from pipeplan.runtime.sharding import optimizer_state_bytes
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.tensor_parallel.apply import full
@@ -56,6 +57,8 @@ def write_record(
         "peak_versions": stash.peak_versions if stash is not None else 1,
         "peak_kept_versions": stash.peak_kept if stash is not None else 1,
         "losses": dict(executor.losses),
+        # bytes of the optimizer state this rank holds (a sharded optimizer: its share)
+        "optimizer_state_bytes": optimizer_state_bytes(executor.optimizer),
         # (dtype, placements) of each master and of the tensor the layers ran on (its compute copy)
         "masters": {names[n]: _layout(p) for n, p in module.named_parameters()},
         "compute": {

@@ -96,6 +96,13 @@ from pipeplan.runtime.rank_metrics import (
 from pipeplan.runtime.recorder import Recorder
 from pipeplan.runtime.run_identity import RunIdentity, check_checkpoint_dir, plan_fingerprint
 from pipeplan.runtime.run_record import digests, write_record
+from pipeplan.runtime.sharding import (
+    FSDP_MODES,
+    check_fsdp_ties,
+    check_shard,
+    fully_shard_stage,
+    shard_group,
+)
 from pipeplan.runtime.stage import PipelineSpec, build_pipeline
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.runtime.sync import GradSync, make_grad_sync
@@ -209,6 +216,13 @@ def _prepare(config: RunConfig) -> Prepared:
                 f"{config.microbatches} micro-batches"
             )
         model_file = load_model_file(resolve_model_path(config.model_path))
+        check_shard(
+            config.plan,
+            config.schedule,
+            config.precision.mixed,
+            config.pipeline.recompute,
+            model_file.make_optimizer is not None,
+        )
         # the baseline: imports done, a tiny step taken (the fixed costs), nothing of the model built
         meter = MemoryMeter(env.device, config.optimizer)
         with memory_step(
@@ -374,6 +388,7 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
         timeout_s=config.timeout_s,
         meshes=meshes,
     )
+    shards = shard_group(config.plan, env.rank, config.timeout_s)[0]  # collective: after sync's groups
     precision = config.precision  # the plan's (its profile's dtype), or --dtype
     dtype = getattr(torch, precision.dtype)  # compute: weights the layers run on, activations
     master = getattr(torch, precision.master_dtype) if precision.mixed and precision.master_dtype else None
@@ -384,13 +399,20 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     )
     if module is not None and master is not None:
         cast_buffers(module, dtype)  # as the profile measured them; buffers have no masters
+    mode = config.plan.stages[spec.stage_index].shard if spec.stage_index >= 0 else "none"
+    check_fsdp_ties(mode, bool(sync.tie_groups), spec.stage_index)
+    if mode in FSDP_MODES and module is not None and shards is not None:
+        fully_shard_stage([chunk.module for chunk in spec.chunks], mode, shards, env.device.split(":")[0])
+        sync.replica_group, sync.replica_ranks = None, ()  # FSDP2 reduce-scatters them
     own_mesh = meshes[spec.stage_index] if meshes is not None and spec.stage_index >= 0 else None
     tp_context = None
     if own_mesh is not None and module is not None and any(spec.tp_splits):
         for chunk, splits in zip(spec.chunks, spec.tp_splits):
             parallelize_stage(chunk.module, splits, own_mesh["tensor"])
         tp_context = partial(compute_context, env.device.split(":")[0])
-    optimizer, scheduler = state.make_training_optimizer(config, model_file, spec, module)
+    optimizer, scheduler = state.make_training_optimizer(
+        config, model_file, spec, module, shards if mode == "zero1" else None
+    )
     tensor_mesh = (
         own_mesh["tensor"]  # checkpoints gather split tensors over it
         if own_mesh is not None and spec.tensor_parallel[spec.stage_index] > 1

@@ -28,6 +28,7 @@ from pipeplan.runtime.checkpoint.persist import Persister
 from pipeplan.runtime.checkpoint.split import group_rng_states
 from pipeplan.runtime.config import RunConfig
 from pipeplan.runtime.run_identity import RunIdentity
+from pipeplan.runtime.sharding import FSDP_MODES, local_optimizer, shard_optimizer
 from pipeplan.runtime.stage import PipelineSpec
 
 if TYPE_CHECKING:
@@ -49,13 +50,19 @@ Layout = dict[str, Any]  # a checkpoint manifest's "layout": the plan that wrote
 
 
 def make_training_optimizer(
-    config: RunConfig, model_file: ModelFile, spec: PipelineSpec, module: nn.Module | None
+    config: RunConfig,
+    model_file: ModelFile,
+    spec: PipelineSpec,
+    module: nn.Module | None,
+    shards: dist.ProcessGroup | None = None,
 ) -> tuple[Optimizer | None, LRScheduler | None]:
     """(optimizer, LR scheduler) of this rank's parameters; (None, None) when it has none.
 
     The parameters go as named groups (``pipeplan.optimizers.param_groups``: qualified
     names, biases and norms without weight decay) to the built-in optimizer or to the model
-    file's ``make_optimizer(params)``; ``make_lr_scheduler(optimizer)`` likewise.
+    file's ``make_optimizer(params)``; ``make_lr_scheduler(optimizer)`` likewise. ``shards``:
+    the group the plan shards this stage's optimizer state over (zero1: the built-in
+    optimizer as a ``ZeroRedundancyOptimizer``, ``pipeplan.runtime.sharding``).
     """
     if module is None or not list(module.parameters()):
         return None, None
@@ -71,6 +78,8 @@ def make_training_optimizer(
                 )
     else:
         optimizer = make_optimizer(config.optimizer, groups, config.optim.lr, config.optim.weight_decay)
+        if shards is not None:
+            optimizer = shard_optimizer(optimizer, groups, shards)
     if model_file.make_lr_scheduler is not None:
         scheduler = _user_hook(model_file.make_lr_scheduler, model_file, "make_lr_scheduler", optimizer)
         if scheduler is not None and not all(
@@ -183,7 +192,9 @@ def resume(
     if module is not None:
         try:
             index = ckstate.CheckpointIndex.of_step(directory, agreed)
-            ckstate.restore_rank(index, module, ckstate.rank_state_names(spec), optimizer, scheduler)
+            ckstate.restore_rank(
+                index, module, ckstate.rank_state_names(spec), local_optimizer(optimizer), scheduler
+            )
         except InputError as exc:
             raise InputError(f"--resume from {store.step_folder(directory, agreed)}: {exc}") from exc
         if optimizer is not None and (
@@ -225,8 +236,17 @@ def save(
     if module is None:
         return
     writer = spec.tp_index == 0
+    own = local_optimizer(optimizer)  # a sharded optimizer's share (pipeplan.runtime.sharding)
+    # FSDP2 stages: every replica joins each tensor's gather, the first keeps them
+    gathered = spec.stage_index >= 0 and config.plan.stages[spec.stage_index].shard in FSDP_MODES
     state = ckstate.rank_state(
-        module, ckstate.rank_state_names(spec), optimizer, scheduler, weights=spec.replica == 0, keep=writer
+        module,
+        ckstate.rank_state_names(spec),
+        own,
+        scheduler,
+        weights=spec.replica == 0 or gathered,
+        keep=writer and (spec.replica == 0 or not gathered),
+        own_state=own is not optimizer,
     )
     rngs = group_rng_states(tensor_mesh) if tensor_mesh is not None else []
     if not writer:

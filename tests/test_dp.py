@@ -171,9 +171,12 @@ def test_dp_equals_exhaustive(case):
                 l.largest_tensor_bytes for l in profile.layers[stage.layer_start : stage.layer_end]
             ),
         )
-        assert memory == stage.memory_bytes
+        if stage.shard == "none":
+            assert memory == stage.memory_bytes
+        else:  # sharded replicas (tests/test_sharding.py): less than unsharded
+            assert stage.memory_bytes < memory
         if options.memory_check:
-            assert memory <= topology.device.memory_bytes
+            assert stage.memory_bytes <= topology.device.memory_bytes
 
 
 # --- pruning (planner.dp prunes entries above a limit; results must not change) ---

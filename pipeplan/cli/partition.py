@@ -105,6 +105,11 @@ def recompute_text(stage: StagePlan) -> str:
     return f"{len(stage.recompute_layers)} of {len(stage.layers)} layers, +{format_ms(stage.recompute_ms)}"
 
 
+def shard_text(stage: StagePlan) -> str:
+    """``zero1/2`` (mode / replicas sharing) or ``none``."""
+    return "none" if stage.shard == "none" else f"{stage.shard}/{stage.shard_degree}"
+
+
 def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -118,6 +123,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     degree = plan.stages[0].tensor_parallel
     if degree > 1:
         shape += f", tensor-parallel {degree}"
+    sharded = any(stage.shard != "none" for stage in plan.stages)
     table = Table(
         title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
         f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
@@ -134,6 +140,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         "busy/minibatch",
         "memory",
         *(("recomputed",) if recomputes else ()),
+        *(["shard"] if sharded else []),
     ):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
@@ -151,6 +158,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
             format_ms(stage.time_per_minibatch_ms),
             format_bytes(stage.memory_bytes),
             *((recompute_text(stage),) if recomputes else ()),
+            *([shard_text(stage)] if sharded else []),
         )
     console = Console()
     console.print(table)
@@ -270,6 +278,15 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     help="Activation recomputation per stage (torch.utils.checkpoint on chosen layers; 1f1b-flush and gpipe): auto chooses with the split the fewest layers each stage must recompute to fit, none never, full every layer that frees memory.",
 )
 @click.option(
+    "--shard",
+    type=click.Choice(["auto", "none", "zero1", "zero2", "fsdp"]),
+    default="auto",
+    show_default=True,
+    help="How a stage's replicas on one unit of the innermost level shard: none, zero1 (optimizer "
+    "state / d), zero2 (+ gradients and masters / d), fsdp (+ parameters / d, gathered per layer); "
+    "auto: per stage the fastest that fits of none and zero1 (which run under every schedule), less sharding on ties.",
+)
+@click.option(
     "--memory-check/--no-memory-check",
     default=True,
     show_default=True,
@@ -303,6 +320,7 @@ def partition(
     virtual_stages: int | None,
     uniform: bool | None,
     tensor_parallel: str,
+    shard: str,
     memory_check: bool,
     activation_compression: float | None,
     batch_size: int,
@@ -353,6 +371,7 @@ def partition(
         tensor_parallel=None if tensor_parallel == "auto" else int(tensor_parallel),
         uniform=uniform,
         recompute=recompute,
+        shard=shard,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

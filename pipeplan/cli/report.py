@@ -155,7 +155,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
         )
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
-        console.print(memory_table(metrics.to_dict()["stages"]))
+        console.print(memory_table(metrics.to_dict()["stages"], (metrics.plan or {}).get("stages")))
     for line in recompute_lines(metrics.plan or {}):
         console.print(line, markup=False, soft_wrap=True)
     print_checkpoints(metrics.to_dict(), console)
@@ -193,9 +193,10 @@ def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def memory_table(stages: list[dict[str, Any]]) -> Any:
+def memory_table(stages: list[dict[str, Any]], plan_stages: list[dict[str, Any]] | None = None) -> Any:
     """Per rank: the plan's per-device figure against what the rank held for its stage
-    (peak - baseline - set-up), the set-up and the fixed part shown apart."""
+    (peak - baseline - set-up), the set-up and the fixed part shown apart; with ``plan_stages``
+    (the plan's, as JSON) a ``shard`` column where a stage shards its replicas."""
     from rich.table import Table
 
     from pipeplan.metrics import StageMetrics
@@ -206,6 +207,7 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
 
     kinds = {s.get("memory_kind") for s in stages} - {None}
     what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
+    shards = {p["index"]: p for p in plan_stages or [] if p.get("shard", "none") != "none"}
     table = Table(
         title=f"memory per rank ({what}; held = peak - baseline - set-up; set-up: held before the first "
         "step beyond the stage's parameters (the build, minibatches drawn ahead, communication); fixed: "
@@ -224,6 +226,8 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
         "baseline",
     ):
         table.add_column(column, justify="right")
+    if shards:
+        table.add_column("shard", justify="right")
     for s in stages:
         planned = s.get("predicted_memory_bytes")
         held = StageMetrics.from_dict(s, "stage").held_memory_bytes
@@ -239,8 +243,14 @@ def memory_table(stages: list[dict[str, Any]]) -> Any:
             size(s.get("overhead_memory_bytes")),
             size(s.get("peak_memory_bytes")),
             size(s.get("baseline_memory_bytes")),
+            *([_shard_cell(shards.get(s["stage"]))] if shards else []),
         )
     return table
+
+
+def _shard_cell(stage: dict[str, Any] | None) -> str:
+    """``zero1/2`` (mode / replicas sharing) of a plan stage as JSON, ``none`` without."""
+    return "none" if stage is None else f"{stage['shard']}/{stage['shard_degree']}"
 
 
 def print_checkpoints(summary: dict[str, Any], console: Console) -> None:

@@ -108,7 +108,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     console.print(table)
     from pipeplan.cli.report import memory_table, print_checkpoints
 
-    console.print(memory_table(summary["stages"]))
+    console.print(memory_table(summary["stages"], (summary.get("plan") or {}).get("stages")))
     print_checkpoints(summary, console)
     losses = summary["losses"]
     last = f"{losses[-1]:.4f}" if losses else "-"

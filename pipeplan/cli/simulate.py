@@ -169,7 +169,7 @@ def simulate(
 def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
     from rich.table import Table
 
-    from pipeplan.cli.partition import recompute_text
+    from pipeplan.cli.partition import recompute_text, shard_text
 
     recomputes = any(stage.recompute_layers for stage in plan.stages)
     micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
@@ -183,6 +183,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         + ("; recomputed: layers run again in backward, ms per minibatch in busy" if recomputes else ""),
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
+    sharded = any(stage.shard != "none" for stage in plan.stages)
     for header in (
         "stage",
         "repl",
@@ -194,6 +195,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         "memory GiB",
         "in flight",
         *(("recomputed",) if recomputes else ()),
+        *(["shard"] if sharded else []),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -212,6 +214,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             memory,
             f"{sim.in_flight:g}",
             *((recompute_text(stage),) if recomputes else ()),
+            *([shard_text(stage)] if sharded else []),
         )
     return table
 

@@ -18,10 +18,12 @@ from pipeplan.planner.dp.context import (
     DPSettings,
     DPSolution,
     device_need_bytes,
+    level_sync_floor,
     longest_prefix,
     nested_states,
     versions_in_flight,
 )
+from pipeplan.planner.dp.sharded import least_need_bytes
 from pipeplan.planner.dp.tables import fill_top, split_choices
 from pipeplan.planner.recompute import range_extra_ms
 from pipeplan.topology import Level, Topology
@@ -43,7 +45,7 @@ __all__ = [
 
 
 def _top_stage_bound(
-    arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray
+    arrays: LayerArrays, topology: Topology, starts: np.ndarray, ends: np.ndarray, floor: float = 1.0
 ) -> np.ndarray:
     """Lower bound (ms) of layers [starts, ends) as one top-level stage on any unit count.
 
@@ -55,21 +57,22 @@ def _top_stage_bound(
     grads = arrays.sync_range(starts, ends)
     low = np.full(len(starts), INF)
     for m in range(1, lv.count + 1):
-        low = np.minimum(low, _relaxed_stage_ms(compute, grads, m, per_unit, lv))
+        low = np.minimum(low, _relaxed_stage_ms(compute, grads, m, per_unit, lv, floor))
     return low
 
 
 def _relaxed_stage_ms(
-    compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level
+    compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level, floor: float = 1.0
 ) -> np.ndarray:
     """Lower bound (ms) of ranges of ``compute`` ms and ``grads`` gradient bytes
     (``LayerArrays.sync_range``) as one stage on ``units`` units of ``level`` (``per_unit``
-    devices each): max(compute over the devices, the ring all-reduce among the units)."""
-    allreduce = ring_allreduce_ms(grads, units, level.bandwidth_bytes_per_s, level.latency_ms)
+    devices each): max(compute over the devices, the ring all-reduce among the units, times
+    ``floor`` where sharded replicas may send less: ``context.level_sync_floor``)."""
+    allreduce = ring_allreduce_ms(grads, units, level.bandwidth_bytes_per_s, level.latency_ms) * floor
     return np.maximum(compute / (units * per_unit), allreduce)
 
 
-def band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
+def band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float, floor: float = 1.0) -> int:
     """Longest range whose lower bound as a top-level stage is <= ``bound_ms``.
 
     Binary search per start (the bound grows with the range): O(N u log N).
@@ -80,7 +83,7 @@ def band_bound(arrays: LayerArrays, topology: Topology, bound_ms: float) -> int:
     starts = np.arange(n)
 
     def fits(lengths: np.ndarray) -> np.ndarray:
-        return _top_stage_bound(arrays, topology, starts, starts + lengths) <= bound_ms * (1 + 1e-12)
+        return _top_stage_bound(arrays, topology, starts, starts + lengths, floor) <= bound_ms * (1 + 1e-12)
 
     return max(longest_prefix(fits, n - starts, arrays), 1)
 
@@ -92,7 +95,8 @@ def lower_bound_ms(arrays: LayerArrays, topology: Topology, settings: DPSettings
     n = arrays.layers
     lv = topology.levels[-1]
     spread = float(arrays.compute_ms[-1]) / topology.world_size
-    single = float(_top_stage_bound(arrays, topology, np.array([0]), np.array([n]))[0])
+    floor = level_sync_floor(settings, len(topology.levels)) if settings is not None else 1.0
+    single = float(_top_stage_bound(arrays, topology, np.array([0]), np.array([n]), floor)[0])
     cuts = transfer_ms(arrays.cut_bytes[1:n], lv.bandwidth_bytes_per_s, lv.latency_ms)
     cheapest_cut = float(cuts.min()) if n > 1 and lv.count > 1 else INF
     relaxed = _relaxed_top_ms(arrays, topology, settings) if settings is not None else 0.0
@@ -114,6 +118,7 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     if lv.count * (lv.count + 1) // 2 * (n + 1) ** 2 > RELAXED_MAX_WORK:
         return 0.0
     per_unit = topology.world_size // lv.count
+    floor = level_sync_floor(settings, len(topology.levels))
     lengths, starts = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     ends = np.minimum(starts + lengths, n)
     ok = (starts + lengths <= n) & (lengths >= 1)
@@ -128,10 +133,10 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     for m in range(1, lv.count + 1):
         best = np.full(n + 1, INF)
         if m == 1 or not settings.straight:
-            whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv)
+            whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv, floor)
             best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
         for first_units in split_choices(settings, m):
-            stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv)
+            stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv, floor)
             rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
             split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
             np.minimum(best, split.min(axis=0), out=best)
@@ -146,6 +151,8 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
     at every level, tau 0): an upper bound on the answer with top stages of any length;
     inf when that plan is not a candidate (``straight``) or does not fit. O(levels)."""
     if settings.straight and topology.world_size > 1:
+        return INF
+    if "none" not in settings.shard and topology.levels[0].count > 1:  # a forced mode: not its value
         return INF
     params, saved = (
         arrays.param_bytes[-1:] - arrays.param_bytes[:1],
@@ -209,7 +216,8 @@ def next_limit(limit_ms: float, attempt: int) -> float:
 
 
 def some_layer_never_fits(ctx: DPContext) -> bool:
-    """True when a single layer exceeds device memory even with one minibatch in flight.
+    """True when a single layer exceeds device memory even with one minibatch in flight
+    (and, where replicas may shard, in its least hungry mode on the most replicas).
 
     Only on a chain (the prefix family), where consecutive states differ by one layer; in a
     family of downsets they need not be nested, so False there (``partition`` refuses a layer
@@ -219,9 +227,9 @@ def some_layer_never_fits(ctx: DPContext) -> bool:
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
-    need = device_need_bytes(
-        ctx.settings, params, saved, 0, largest, ctx.arrays, states[:-1], states[1:]
-    )  # device_table at tau = 0 for single layers
+    need = least_need_bytes(
+        ctx.settings, params, saved, 0, largest, ctx.levels[0].count, ctx.arrays, states[:-1], states[1:]
+    )  # device_table at tau = 0 for single layers, in the least hungry shard mode
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
 
@@ -237,12 +245,13 @@ def fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings)
     count, start = 0, 0
     while start < n:
         ends = np.arange(start + 1, n + 1)
-        need = device_need_bytes(
+        need = least_need_bytes(
             settings,
             arrays.param_bytes[ends] - arrays.param_bytes[start],
             arrays.saved_bytes[ends] - arrays.saved_bytes[start],
             0,
             arrays.largest_range(np.full(len(ends), start), ends),
+            topology.levels[0].count,
             arrays,
             np.full(len(ends), start),
             ends,

@@ -11,6 +11,7 @@ import numpy as np
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
 from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
+from pipeplan.planner.sharding import replica_microbatches, sync_floor_factor, sync_floor_ms
 from pipeplan.precision import Precision
 from pipeplan.schedules import DEFAULT_SCHEDULE, schedule_kind
 from pipeplan.topology import Topology
@@ -27,11 +28,15 @@ __all__ = [
     "DPSolution",
     "StageNode",
     "device_need_bytes",
+    "activation_need_bytes",
     "versions_in_flight",
+    "level_sync_floor",
     "device_table",
     "device_time",
+    "recompute_extra_ms",
     "longest_prefix",
     "nested_states",
+    "sharding",
     "table_entry",
 ]
 
@@ -63,6 +68,9 @@ class DPSettings:
     # activation recomputation per stage (``planner.recompute``): "none" | "full" | "auto"
     # (the least recomputation that fits each stage, chosen with the split)
     recompute: str = "none"
+    # modes a stage replicated on d > 1 devices of level 1 may shard its replicas in
+    # (planner.sharding; the DP takes the fastest that fits, per stage: planner.dp.sharded)
+    shard: tuple[str, ...] = ("none",)
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,7 @@ class DPContext:
             None  # tau -> states read by the top (``_top_regions``)
         )
         self.allreduce: dict[tuple[int, int], np.ndarray] = {}
+        self.largest_layers: np.ndarray | None = None  # fsdp's gathered layer per range (dp.sharded)
         self.limit_ms = limit_ms
         top = len(self.levels)
         limit = limit_ms * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
@@ -184,9 +193,20 @@ class DPContext:
         if key not in self.allreduce:
             lv = self.levels[level - 1]
             columns = min(self.width[level], self.span) + 1
-            self.allreduce[key] = ring_allreduce_ms(
-                self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
-            )
+            if level == 1 and sharding(self.settings):  # the least sync of any mode: a bound
+                self.allreduce[key] = sync_floor_ms(
+                    self.settings.shard,
+                    self.params[:columns],
+                    units,
+                    lv.bandwidth_bytes_per_s,
+                    lv.latency_ms,
+                    self.arrays.precision,
+                    replica_microbatches(self.settings.schedule, self.settings.microbatches, units),
+                )
+            else:
+                self.allreduce[key] = ring_allreduce_ms(
+                    self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
+                )
         return self.allreduce[key]
 
 
@@ -248,13 +268,14 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
             ends = starts + lengths
             compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
             grads = arrays.sync_range(starts, ends)
-            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms)
+            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms) * floor
             return (
                 np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
             )
 
         return test
 
+    floor = level_sync_floor(ctx.settings, top)
     longest = np.minimum(ctx.band, n - starts)
     return [0] + [longest_prefix(fits(f), longest, arrays) for f in range(1, lv.count + 1)]
 
@@ -312,6 +333,19 @@ def _tracks_tau(settings: DPSettings) -> bool:
     return settings.memory_check and schedule_kind(settings.schedule).gradients == "stashed"
 
 
+def sharding(settings: DPSettings) -> bool:
+    """Whether replicated level-1 stages may shard (``planner.dp.sharded``)."""
+    return settings.shard != ("none",)
+
+
+def level_sync_floor(settings: DPSettings, level: int) -> float:
+    """Scale of the ring all-reduce that bounds a stage's sync at ``level`` from below: below 1
+    only at level 1 when sharding may send less (``planner.sharding.sync_floor_factor``)."""
+    if level != 1 or not sharding(settings):
+        return 1.0
+    return sync_floor_factor(settings.shard, settings.precision)
+
+
 def versions_in_flight(settings: DPSettings, tau: int) -> tuple[int, float]:
     """(weight versions, minibatches of activations in flight) the DP charges a device at ``tau``."""
     if _tracks_tau(settings):
@@ -340,16 +374,32 @@ def device_need_bytes(
 ) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
     parameters are ``largest``, at ``tau``. Given ``arrays`` and the ranges' ``starts`` and
-    ``ends``, the fewest that ``settings.recompute`` allows (``planner.recompute``)."""
+    ``ends``, the fewest that ``settings.recompute`` allows (``planner.recompute``). Unsharded:
+    the sharded figures are ``planner.dp.sharded``'s, on the same activation side."""
+    return _parameter_bytes(settings, params, tau, largest) + activation_need_bytes(
+        settings, saved, tau, arrays, starts, ends
+    )
+
+
+def activation_need_bytes(
+    settings: DPSettings,
+    saved: np.ndarray,
+    tau: int,
+    arrays: LayerArrays | None = None,
+    starts: np.ndarray | None = None,
+    ends: np.ndarray | None = None,
+) -> np.ndarray:
+    """The activation side of ``device_need_bytes`` (what sharding leaves whole): ``saved``
+    bytes per minibatch in flight at ``tau``, or, given ``arrays`` and the ranges' ``starts``
+    and ``ends``, the fewest that ``settings.recompute`` allows (in flight plus transient)."""
     _, in_flight = versions_in_flight(settings, tau)
-    activations = saved * in_flight
-    if arrays is not None and starts is not None and ends is not None and settings.recompute != "none":
-        assert arrays.recompute_gain is not None
-        transient = arrays.recompute_transient(starts, ends) / settings.microbatches
-        activations = least_activation_bytes(
-            arrays.recompute_gain, transient, saved, starts, ends, in_flight, settings.recompute
-        )
-    return _parameter_bytes(settings, params, tau, largest) + activations
+    if arrays is None or starts is None or ends is None or settings.recompute == "none":
+        return saved * in_flight
+    assert arrays.recompute_gain is not None
+    transient = arrays.recompute_transient(starts, ends) / settings.microbatches
+    return least_activation_bytes(
+        arrays.recompute_gain, transient, saved, starts, ends, in_flight, settings.recompute
+    )
 
 
 def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
@@ -357,21 +407,25 @@ def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
     on one device at ``tau``, with the recomputation ``ctx.settings.recompute`` chooses for
     it (``planner.recompute``); inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
+    parameters = _parameter_bytes(ctx.settings, ctx.params[where], tau, ctx.largest[where])
+    return time + recompute_extra_ms(ctx, tau, where, parameters)
+
+
+def recompute_extra_ms(ctx: DPContext, tau: int, where: tuple, parameter_bytes: np.ndarray) -> np.ndarray:
+    """The recomputation's extra ms ``ctx.settings.recompute`` chooses for the ranges at
+    ``where`` on a device whose everything but the activations takes ``parameter_bytes``
+    (unsharded: ``_parameter_bytes``; sharded: ``planner.dp.sharded``); 0 without
+    recomputation, inf where no choice fits the device."""
     settings, arrays = ctx.settings, ctx.arrays
-    if settings.recompute == "none" or (settings.recompute == "auto" and not settings.memory_check):
-        if settings.memory_check:
-            need = device_need_bytes(settings, ctx.params[where], ctx.saved[where], tau, ctx.largest[where])
-            time = np.where(need <= ctx.topology.device.memory_bytes, time, INF)
-        return time
-    assert arrays.recompute_gain is not None and arrays.recompute_forward_ms is not None
+    memory = ctx.topology.device.memory_bytes
     _, in_flight = versions_in_flight(settings, tau)
-    spare = (
-        ctx.topology.device.memory_bytes
-        - _parameter_bytes(settings, ctx.params[where], tau, ctx.largest[where])
-        if settings.memory_check
-        else np.full(time.shape, INF)
-    )
-    extra = range_extra_ms(
+    if settings.recompute == "none" or (settings.recompute == "auto" and not settings.memory_check):
+        if not settings.memory_check:
+            return np.zeros(np.shape(parameter_bytes))
+        return np.where(parameter_bytes + ctx.saved[where] * in_flight <= memory, 0.0, INF)
+    assert arrays.recompute_gain is not None and arrays.recompute_forward_ms is not None
+    spare = memory - parameter_bytes if settings.memory_check else np.full(np.shape(parameter_bytes), INF)
+    return range_extra_ms(
         arrays.recompute_gain,
         arrays.recompute_forward_ms,
         ctx.transient[where],
@@ -383,7 +437,6 @@ def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
         settings.recompute,
         bisect=arrays.cut_family.is_prefix,
     )
-    return time + extra
 
 
 def device_table(ctx: DPContext, tau: int) -> np.ndarray:

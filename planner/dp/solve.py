@@ -18,7 +18,7 @@ from pipeplan.planner.dp.bounds import (
     next_limit,
     some_layer_never_fits,
 )
-from pipeplan.planner.dp.context import INF, LIMIT_GROWTH, DPContext, DPSettings, DPSolution
+from pipeplan.planner.dp.context import INF, LIMIT_GROWTH, DPContext, DPSettings, DPSolution, level_sync_floor
 from pipeplan.topology import Topology
 
 __all__ = ["solve"]
@@ -83,20 +83,21 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     if not prune:
         return _exact_pass(arrays, topology, settings, n, prune=False)
     whole = data_parallel_bound_ms(arrays, topology, settings)
+    floor = level_sync_floor(settings, len(topology.levels))
     lower = lower_bound_ms(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
-    reach = band_bound(arrays, topology, lower)  # top stages a plan at the lower bound may use
+    reach = band_bound(arrays, topology, lower, floor)  # top stages a plan at the lower bound may use
     band = min(n, max(guess, reach) if reach <= FIRST_BAND_GROWTH * guess else guess)
     check_memory(arrays, topology, settings, band)
     limit = min(lower, whole if band == n else INF)
     first = fill_solution(DPContext(arrays, topology, settings, band, limit), band)
-    if first.time_ms <= limit and (band == n or band_bound(arrays, topology, first.time_ms) <= band):
+    if first.time_ms <= limit and (band == n or band_bound(arrays, topology, first.time_ms, floor) <= band):
         return first
     bound = min(first.time_ms, whole)
     if not math.isfinite(bound):  # no plan known yet: grow the limit on this band first
         first = _exact_pass(arrays, topology, settings, band)
-        if band == n or band_bound(arrays, topology, first.time_ms) <= band:
+        if band == n or band_bound(arrays, topology, first.time_ms, floor) <= band:
             return first
         bound = first.time_ms
-    band = min(n, max(band, band_bound(arrays, topology, bound)))
+    band = min(n, max(band, band_bound(arrays, topology, bound, floor)))
     return _exact_pass(arrays, topology, settings, band, bound, start_ms=min(bound, lower * LIMIT_GROWTH))

@@ -8,7 +8,16 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.planner.costs import ring_allreduce_ms, transfer_ms
-from pipeplan.planner.dp.context import INF, PRUNE_SLACK, DPContext, DPSettings, device_table, device_time
+from pipeplan.planner.dp.context import (
+    INF,
+    PRUNE_SLACK,
+    DPContext,
+    DPSettings,
+    device_table,
+    device_time,
+    sharding,
+)
+from pipeplan.planner.dp.sharded import sharded_stage_values
 
 __all__ = [
     "COLUMN_BLOCK",
@@ -38,7 +47,10 @@ def level_table(ctx: DPContext, level: int, tau: int) -> np.ndarray:
     key = ctx.tau_key(tau)
     if ctx.track_tau and level not in ctx.tau_cache:
         highest = ctx.tau_key(ctx.world - 1)
-        if np.array_equal(_unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)):
+        # (sharded level-1 stages are valued off the device tables: planner.dp.sharded)
+        if not sharding(ctx.settings) and np.array_equal(
+            _unit_table(ctx, 0, 0), _unit_table(ctx, 0, highest)
+        ):
             ctx.tau_cache[level] = True  # memory never binds: no table depends on tau
             ctx.tables[(level, 0)] = _fill_level(ctx, level, 0)
         elif level == len(ctx.levels) - 1 == 1:
@@ -108,6 +120,10 @@ def stage_table(ctx: DPContext, level: int, units: int, tau: int) -> np.ndarray:
     shared = below >= 1 and ctx.track_tau and ctx.tau_cache.get(below, False)
     key = (level, units, 0 if shared else ctx.tau_key(tau))
     if key not in ctx.stage_tables:
+        if level == 1 and units > 1 and sharding(ctx.settings):
+            best = sharded_stage_values(ctx, ctx.tau_key(tau), units, (slice(0, unit.shape[1]),))
+            ctx.stage_tables[key] = np.repeat(best[None, :, :], ctx.q, axis=0)
+            return ctx.stage_tables[key]
         allreduce = ctx.allreduce_ms(level, units)[: unit.shape[1]]
         values = unit / units
         np.maximum(values, allreduce[None, :, :], out=values)
@@ -125,6 +141,8 @@ def _stage_values(
     key = (level, units, 0 if shared else ctx.tau_key(tau))
     if key in ctx.stage_tables:
         return ctx.stage_tables[key][0, lengths, starts]
+    if level == 1 and units > 1 and sharding(ctx.settings):
+        return sharded_stage_values(ctx, ctx.tau_key(tau), units, (lengths, starts))
     if below == 0 and (0, ctx.tau_key(tau)) not in ctx.tables:
         unit = device_time(ctx, ctx.tau_key(tau), (lengths, starts))
     else:
@@ -386,7 +404,7 @@ class _TopHeads:
         self.units = [f for f in range(1, ctx.levels[-1].count) if self.longest[f] >= 1]
         self.stacked: np.ndarray | None = None
         self.starts = _top_live_starts(ctx)
-        if not ctx.track_tau and self.units:
+        if not ctx.track_tau and self.units and not (top == 1 and sharding(ctx.settings)):
             self.stacked = self._stack(cut)
 
     def _stack(self, cut: np.ndarray) -> np.ndarray:

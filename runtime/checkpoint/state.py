@@ -129,16 +129,19 @@ def rank_state(
     scheduler: LRScheduler | None = None,
     weights: bool = True,
     keep: bool = True,
+    own_state: bool = False,
 ) -> dict[str, Any]:
     """This rank's state under qualified names (``names``: state_dict key -> qualified name).
 
-    ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG only.
+    ``weights=False`` (replicas after the first: they hold the same tensors) saves the RNG
+    only, and with ``own_state`` also ``optimizer``'s state (a sharded optimizer's share:
+    each replica holds the state of its own parameters, ``pipeplan.runtime.sharding``).
     A split (DTensor) tensor is gathered whole, one at a time: every rank of its
     tensor-parallel group must call this, in the same order; ``keep=False`` (every rank
     of the group but the writer) drops each gathered tensor at once and returns the RNG only.
     """
     state: dict[str, Any] = {"rng": torch.get_rng_state()}
-    if not weights:
+    if not weights and not own_state:
         return state
 
     def put(key: str, value: object) -> None:  # a tensor, or an optimizer state's other values
@@ -146,9 +149,10 @@ def rank_state(
         if keep:
             state[key] = value
 
-    tensors = module.state_dict()
-    for local, qualified in names.items():
-        put(_MODEL + qualified, tensors[local])
+    if weights:
+        tensors = module.state_dict()
+        for local, qualified in names.items():
+            put(_MODEL + qualified, tensors[local])
     if optimizer is not None:
         qualified_of = _optimizer_names(module, names, optimizer)
         for index, values in optimizer.state_dict()["state"].items():
@@ -156,7 +160,7 @@ def rank_state(
                 put(
                     f"{_OPTIM}{qualified_of[index]}/{key}", value if torch.is_tensor(value) else _bytes(value)
                 )
-    if scheduler is not None and keep:
+    if scheduler is not None and keep and weights:
         state[SCHEDULER_KEY] = _bytes(scheduler.state_dict())
     return state
 
