@@ -222,10 +222,6 @@ def _check_schedule_and_degrees(plan: Plan) -> None:
                 f"plan stages have {what} {', '.join(map(str, values))}: Megatron-LM uses one for every "
                 f"stage; re-plan with `--straight`" + (" and one --tensor-parallel" if what[0] == "t" else "")
             )
-    if plan.batch_size % plan.microbatches:
-        raise InputError(
-            f"plan batch size {plan.batch_size} does not split into {plan.microbatches} micro-batches"
-        )
     p = positions(plan)
     if plan.virtual_stages > 1 and plan.microbatches % p:
         raise InputError(
