@@ -73,6 +73,12 @@ class StagePlan:
     # they cost again in backward (ms per minibatch, in ``compute_ms``)
     recompute_layers: tuple[int, ...] = ()
     recompute_ms: float = 0.0
+    # selective recomputation: the layers whose attention core only runs again in backward
+    # (disjoint from ``recompute_layers``; their extra ms is in ``recompute_ms`` too)
+    selective_layers: tuple[int, ...] = ()
+    # Megatron's sequence parallelism: the stage's tensor-parallel group also shards the
+    # sequence of its layer-norm / dropout regions (only with tensor_parallel > 1)
+    sequence_parallel: bool = False
     # sharded data parallelism of the replicas (pipeplan.planner.sharding): "none" | "zero1" |
     # "zero2" | "fsdp", among groups of ``shard_degree`` consecutive replicas (1: none)
     shard: str = "none"
@@ -202,6 +208,7 @@ class Plan:
                         "ranks": tuple(s["ranks"]),
                         "layers": tuple(s.get("layers", ())),
                         "recompute_layers": tuple(s.get("recompute_layers", ())),
+                        "selective_layers": tuple(s.get("selective_layers", ())),
                     }
                 )
                 for s in obj["stages"]
@@ -273,12 +280,36 @@ def validate(plan: Plan) -> None:
         raise InputError(
             f"plan batch_size {plan.batch_size} is not divisible into {plan.microbatches} micro-batches"
         )
-    if plan.recompute not in ("auto", "none", "full"):
-        raise InputError(f"plan recompute {plan.recompute!r} is not one of auto, none, full")
+    if plan.recompute not in ("auto", "none", "selective", "full"):
+        raise InputError(f"plan recompute {plan.recompute!r} is not one of auto, none, selective, full")
     if not plan.stages:
         raise InputError("plan has no stages")
     _check_stage_layers(plan.stages)
     _check_stage_ranks(plan)
+
+
+def _check_selective_stage(stage: StagePlan) -> None:
+    """One line unless ``selective_layers`` are distinct layers of the stage, none of them
+    fully recomputed, and ``sequence_parallel`` has a tensor-parallel group to shard over."""
+    chosen = stage.selective_layers
+    if (
+        set(chosen) - set(stage.layers)
+        or len(set(chosen)) != len(chosen)
+        or set(chosen) & set(stage.recompute_layers)
+    ):
+        raise InputError(
+            f"plan stage {stage.index}: selective_layers {list(chosen)} are not distinct layers of the stage "
+            f"(layers {list(stage.layers)}) outside its recompute_layers {list(stage.recompute_layers)}"
+        )
+    if not isinstance(stage.sequence_parallel, bool):
+        raise InputError(
+            f"plan stage {stage.index}: sequence_parallel {stage.sequence_parallel!r} is not true or false"
+        )
+    if stage.sequence_parallel and stage.tensor_parallel < 2:
+        raise InputError(
+            f"plan stage {stage.index}: sequence_parallel with tensor_parallel {stage.tensor_parallel} "
+            f"(it shards the sequence over a tensor-parallel group of 2 or more)"
+        )
 
 
 def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
@@ -300,6 +331,7 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
                 f"plan stage {stage.index}: recompute_layers {list(stage.recompute_layers)} are not distinct "
                 f"layers of the stage (layers {list(stage.layers)})"
             )
+        _check_selective_stage(stage)
         if not stage.recompute_ms >= 0:
             raise InputError(f"plan stage {stage.index}: recompute_ms {stage.recompute_ms!r} is negative")
         first, end = min(stage.layers), max(stage.layers) + 1

@@ -110,6 +110,14 @@ class LayerProfile:
     # from its producers' ``output_bytes`` (``planner.recompute.kept_bytes``). Recomputing
     # costs the layer's forward again in backward (``forward_ms``).
     recompute_kept_bytes: int = -1
+    # selective recomputation (Korthikanti et al. 2022; ``pipeplan.planner.recompute``): bytes
+    # the layer saves for backward when only its attention core (scores, softmax, dropout on
+    # the scores, scores x V) is recomputed, and that core's forward ms (what recomputing it
+    # adds to the backward); -1: the layer has no attention core, or it was not recorded.
+    # The freed bytes (saved - selective_saved) belong to ``tp_split_saved_bytes`` and the
+    # core's ms to ``tp_split_forward_ms``: both split by heads.
+    selective_saved_bytes: int = -1
+    selective_recompute_ms: float = -1.0
     # of backward_ms, the input gradient's part ("B" of a zero-bubble schedule; the rest,
     # the weight gradient, is "W"): measured as a backward to the layer's inputs alone
     # (``torch.autograd.grad``), or derived from FLOPs in a what-if profile; None: not
@@ -358,6 +366,7 @@ def validate(profile: Profile) -> None:
                 f"profile layer {layer.index} ({layer.name}): recompute_kept_bytes = "
                 f"{layer.recompute_kept_bytes!r} is not -1 or a byte count"
             )
+        _check_selective(layer)
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
@@ -388,6 +397,20 @@ def validate(profile: Profile) -> None:
     blocked = profile.pipelining_blocked
     if blocked and (len(blocked) != n or not all(isinstance(why, str) for why in blocked) or blocked[0]):
         raise InputError(f"profile pipelining_blocked must hold {n} strings, one per layer (the first empty)")
+
+
+def _check_selective(layer: LayerProfile) -> None:
+    """One line unless the selective fields are -1 or a byte count within ``saved_bytes`` and ms."""
+    where = f"profile layer {layer.index} ({layer.name})"
+    saved = layer.selective_saved_bytes
+    if not (isinstance(saved, int) and not isinstance(saved, bool) and -1 <= saved <= layer.saved_bytes):
+        raise InputError(
+            f"{where}: selective_saved_bytes = {saved!r} is not -1 or a byte count <= saved_bytes "
+            f"{layer.saved_bytes}"
+        )
+    ms = layer.selective_recompute_ms
+    if not (isinstance(ms, (int, float)) and (ms == -1 or 0 <= ms <= MAX_MS)):
+        raise InputError(f"{where}: selective_recompute_ms = {ms!r} is not -1 or a time in ms")
 
 
 def _validate_batch_sizes(profile: Profile) -> None:

@@ -30,7 +30,7 @@ from typing import TypedDict, overload
 import numpy as np
 
 from pipeplan.planner.cuts import CutFamily, prefix_family
-from pipeplan.planner.recompute import gain_bytes
+from pipeplan.planner.recompute import SelectiveRanges, gain_bytes, selective_freed_bytes
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 
@@ -86,6 +86,11 @@ class LayerArrays:
     recompute_gain: np.ndarray | None = None
     recompute_forward_ms: np.ndarray | None = None
     recompute_saved: np.ndarray | None = None
+    # selective recomputation (``planner.recompute``): sums over the states of the bytes each
+    # layer's attention core frees and of its ms; per layer (not summed) the freed bytes
+    selective_freed: np.ndarray | None = None
+    selective_ms: np.ndarray | None = None
+    selective_layer_freed: np.ndarray | None = None
     # per layer (not summed): its parameter bytes (FSDP's gathered layer, planner.sharding)
     layer_param_bytes: np.ndarray | None = None
 
@@ -145,6 +150,20 @@ class LayerArrays:
         """The largest recomputable layer's saved bytes of every stage [starts, ends)
         (one minibatch; ``planner.recompute``)."""
         return range_max(self.recompute_saved, self.cut_family, starts, ends)
+
+    def selective_ranges(
+        self, starts: np.ndarray, ends: np.ndarray, microbatches: int
+    ) -> SelectiveRanges | None:
+        """Selective recomputation of every stage [starts, ends) (None: not recorded)."""
+        if self.selective_freed is None or self.selective_ms is None or self.selective_layer_freed is None:
+            return None
+        if not np.any(self.selective_layer_freed > 0):
+            return None
+        return SelectiveRanges(
+            self.selective_freed[ends] - self.selective_freed[starts],
+            self.selective_ms[ends] - self.selective_ms[starts],
+            range_max(self.selective_layer_freed, self.cut_family, starts, ends) / microbatches,
+        )
 
 
 def range_max(
@@ -267,12 +286,15 @@ class _RecomputeFields(TypedDict):
     recompute_gain: np.ndarray
     recompute_forward_ms: np.ndarray
     recompute_saved: np.ndarray
+    selective_freed: np.ndarray
+    selective_ms: np.ndarray
+    selective_layer_freed: np.ndarray
     layer_param_bytes: np.ndarray
 
 
 def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray]) -> _RecomputeFields:
     """``LayerArrays``' recomputation fields, summed over the states by ``sums``."""
-    gains = gain_bytes(profile)
+    gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
     return _RecomputeFields(
         recompute_gain=sums(gains),
         recompute_forward_ms=sums(
@@ -281,6 +303,11 @@ def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray
         recompute_saved=np.array(
             [float(layer.saved_bytes) if g > 0 else 0.0 for layer, g in zip(profile.layers, gains)]
         ),
+        selective_freed=sums(freed),
+        selective_ms=sums(
+            [layer.selective_recompute_ms if f > 0 else 0.0 for layer, f in zip(profile.layers, freed)]
+        ),
+        selective_layer_freed=np.array(freed, dtype=np.float64),
         layer_param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=np.float64),
     )
 

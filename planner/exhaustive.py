@@ -120,7 +120,7 @@ def exhaustive_best(
     """(best time in ms, its tree) over every plan cutting at the planner's cut states
     (every downset on a small DAG); (inf, None) when none fits. Trees are over states."""
     # as partition plans it: auto is none where nothing recomputes
-    options = planned_recompute(options, 1, profile.master_dtype is not None)
+    options = planned_recompute(options, 1, profile.master_dtype is not None, bool(profile.estimated))
     arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))
     top = len(topology.levels)
     best, best_tree = math.inf, None

@@ -13,7 +13,18 @@ from pipeplan.planner.sharding import shard_modes
 from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
 from pipeplan.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, TARGET_SCHEDULES, schedule_kind
 
-__all__ = ["PartitionOptions", "TARGET_SCHEDULES", "charged_optimizer", "planned_shard_modes"]
+__all__ = [
+    "PartitionOptions",
+    "TARGET_SCHEDULES",
+    "SEQUENCE_PARALLEL_MODES",
+    "charged_optimizer",
+    "planned_shard_modes",
+    "check_sequence_parallel",
+    "plans_sequence_parallel",
+    "RUNTIME_RUNS_SEQUENCE_PARALLEL",
+]
+
+SEQUENCE_PARALLEL_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,9 @@ class PartitionOptions:
     recompute: str = "auto"
     # sharded data parallelism of replicated stages (planner.sharding): auto | none | zero1 | zero2 | fsdp
     shard: str = "auto"
+    # Megatron's sequence parallelism of tensor-parallel stages (planner.tp_pricing):
+    # "auto" (on wherever t > 1 and it runs: plans_sequence_parallel), "on" (needs t > 1), "off"
+    sequence_parallel: str = "auto"
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -76,11 +90,12 @@ class PartitionOptions:
             )
         if self.export_target is not None:
             self._validate_target()
-        check_recompute_mode(self.recompute, self.schedule, self.tensor_parallel)
-        if self.recompute == "full" and self.cost_model != "pipeplan":
+        check_recompute_mode(self.recompute, self.schedule, self.tensor_parallel, estimated=True)
+        if self.recompute in ("full", "selective") and self.cost_model != "pipeplan":
             raise InputError(
-                f"--recompute full is planned with --cost-model pipeplan (got {self.cost_model})"
+                f"--recompute {self.recompute} is planned with --cost-model pipeplan (got {self.cost_model})"
             )
+        check_sequence_parallel(self.sequence_parallel, self.tensor_parallel)
 
     def _validate_target(self) -> None:
         """What ``--for`` needs besides the cuts: a flush schedule of one chunk, one device per stage."""
@@ -121,3 +136,32 @@ def planned_shard_modes(options: PartitionOptions, tensor_parallel: int = 1) -> 
     if tensor_parallel > 1 and options.shard == "auto":
         return ("none",)
     return shard_modes(options.shard, options.schedule, tensor_parallel)
+
+
+def check_sequence_parallel(mode: str, tensor_parallel: int | None) -> None:
+    """One-line ``InputError`` for an unknown ``--sequence-parallel`` mode, or ``on`` with
+    tensor-parallel degree 1 (it shards the sequence over a tensor-parallel group)."""
+    if mode not in SEQUENCE_PARALLEL_MODES:
+        raise InputError(f"--sequence-parallel {mode!r} is not one of {', '.join(SEQUENCE_PARALLEL_MODES)}")
+    if mode == "on" and tensor_parallel == 1:
+        raise InputError(
+            "--sequence-parallel on with tensor-parallel degree 1: sequence parallelism shards the "
+            "sequence over a tensor-parallel group (pass --tensor-parallel 2 or more, or auto)"
+        )
+
+
+# Whether ``pipeplan run`` runs sequence parallelism (DTensor ``SequenceParallel``): until it
+# does, ``auto`` plans it for estimated profiles only (plans for other engines), as ``auto``
+# recomputation plans none where the runtime runs none; ``on`` plans it anyway (run refuses it).
+RUNTIME_RUNS_SEQUENCE_PARALLEL = False
+
+
+def plans_sequence_parallel(options: PartitionOptions, t: int, estimated: bool = True) -> bool:
+    """Whether plans of tensor-parallel degree ``t`` run sequence parallelism: at t > 1 when
+    ``on``, or ``auto`` where it runs (``estimated``: a what-if profile, planned for another
+    engine; ``RUNTIME_RUNS_SEQUENCE_PARALLEL``). It divides the layer norms' and dropouts'
+    activations and time by t, and its reduce-scatter + all-gather move an all-reduce's
+    bytes: never slower, never larger, so ``auto`` needs no search."""
+    if t < 2 or options.sequence_parallel == "off":
+        return False
+    return options.sequence_parallel == "on" or estimated or RUNTIME_RUNS_SEQUENCE_PARALLEL

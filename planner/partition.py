@@ -23,11 +23,16 @@ from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.memory import gradient_temporary_bytes
-from pipeplan.planner.options import PartitionOptions, charged_optimizer, planned_shard_modes
+from pipeplan.planner.options import (
+    PartitionOptions,
+    charged_optimizer,
+    planned_shard_modes,
+    plans_sequence_parallel,
+)
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
-from pipeplan.planner.recompute import effective_mode, gain_bytes, stage_options
+from pipeplan.planner.recompute import effective_mode, gain_bytes, planned_on_estimates
 from pipeplan.planner.recompute_choice import recompute_candidates
 from pipeplan.planner.shard_choice import stage_shard
 from pipeplan.planner.sharding import shard_memory_bytes
@@ -85,10 +90,10 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     out = []
     gains = gain_bytes(profile)
     for layer in profile.layers:
-        choices = stage_options(profile, (layer.index,), options.microbatches, gains)
-        if options.recompute == "none":
-            choices = choices[:1]
-        elif options.recompute == "full":
+        choices = recompute_candidates(
+            profile, (layer.index,), options.microbatches, options.recompute, gains
+        )
+        if options.recompute in ("full", "selective"):
             choices = choices[-1:]
         out.append(
             min(
@@ -233,20 +238,30 @@ def _target_family(profile: Profile, topology: Topology, options: PartitionOptio
     return family
 
 
-def planned_recompute(options: PartitionOptions, t: int, mixed: bool = False) -> PartitionOptions:
+def planned_recompute(
+    options: PartitionOptions, t: int, mixed: bool = False, estimated: bool = False
+) -> PartitionOptions:
     """``options`` with the recomputation mode planned at tensor-parallel degree ``t``:
     ``auto`` is ``none`` where the schedule, the degree, the cost model or mixed precision
     (``mixed``: a recomputed forward would read the float32 masters,
-    ``pipeplan.capture.checkpointed``) runs none."""
-    if mixed and options.recompute == "full":
-        raise InputError("--recompute full is not run under mixed precision (bf16 compute, float32 masters)")
-    if t > 1 and options.recompute == "full":  # --tensor-parallel auto: the other degrees may plan it
+    ``pipeplan.capture.checkpointed``) runs none. An ``estimated`` profile (a what-if for
+    another engine, ``recompute.planned_on_estimates``) plans recomputation at any degree
+    and precision; ``pipeplan run`` refuses what its runtime does not run."""
+    asked = options.recompute
+    if mixed and asked in ("full", "selective") and not estimated:
         raise InputError(
-            f"--recompute full with tensor-parallel degree {t}: pipeplan recomputes layers of stages "
-            f"without tensor parallelism only"
+            f"--recompute {asked} is not run under mixed precision (bf16 compute, float32 masters); "
+            f"pipeplan plans it for estimated profiles only"
         )
-    mode = effective_mode(options.recompute, options.schedule, t)
-    if (options.cost_model != "pipeplan" or mixed) and mode == "auto":
+    if (
+        t > 1 and asked in ("full", "selective") and not estimated
+    ):  # --tensor-parallel auto: other degrees may
+        raise InputError(
+            f"--recompute {asked} with tensor-parallel degree {t}: pipeplan recomputes layers of stages "
+            f"without tensor parallelism only (estimated profiles: any degree)"
+        )
+    mode = effective_mode(asked, options.schedule, t, estimated)
+    if (options.cost_model != "pipeplan" or not planned_on_estimates(estimated, 1, mixed)) and mode == "auto":
         mode = "none"
     return options if mode == options.recompute else replace(options, recompute=mode)
 
@@ -353,9 +368,12 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     configuration chosen elsewhere (Megatron's own t, p, d). ``InputError`` when the
     topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
     options.validate()
-    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
+    options = planned_recompute(
+        options, t, Precision(profile.dtype, profile.master_dtype).mixed, bool(profile.estimated)
+    )
     tp.check_degree(profile, topology, t)
-    split, grouped = tp.split_profile(profile, topology, t), tp.group_topology(topology, t)
+    sp = plans_sequence_parallel(options, t, bool(profile.estimated))
+    split, grouped = tp.split_profile(profile, topology, t, sp), tp.group_topology(topology, t)
     model = cost_model(options.cost_model)
     arrays = layer_arrays(split, model.charged_optimizer(options.optimizer), cut_family(split))
     for stages, _, tree in uniform_trees(arrays, grouped):
@@ -370,7 +388,7 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
                 whole.compute(0, whole.layers),
                 data_parallel_ms(whole, topology, options.cost_model),
             )
-            return tp.expand_plan(plan, topology, t, baselines_ms=baselines)
+            return tp.expand_plan(plan, topology, t, baselines_ms=baselines, sequence_parallel=sp)
     raise InputError(
         f"no uniform plan of {p} stages with tensor-parallel degree {t} on {topology.name}: "
         f"{topology.world_size // t} groups do not split into {p} stages laid out within the levels"
@@ -386,7 +404,9 @@ def _partition_at_tensor_degree(
 ) -> Plan:
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
     on the group topology and split profile, expanded to the real ranks."""
-    options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
+    options = planned_recompute(
+        options, t, Precision(profile.dtype, profile.master_dtype).mixed, bool(profile.estimated)
+    )
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
@@ -396,7 +416,9 @@ def _partition_at_tensor_degree(
         )
     try:
         grouped = _partition_pipeline(
-            tp.split_profile(profile, topology, t),
+            tp.split_profile(
+                profile, topology, t, plans_sequence_parallel(options, t, bool(profile.estimated))
+            ),
             tp.group_topology(topology, t),
             replace(options, shard="none") if t > 1 else options,
             beat_ms,
@@ -408,7 +430,13 @@ def _partition_at_tensor_degree(
     model = cost_model(options.cost_model)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer))
     baselines = (arrays.compute(0, arrays.layers), data_parallel_ms(arrays, topology, options.cost_model))
-    return tp.expand_plan(grouped, topology, t, baselines_ms=baselines)
+    return tp.expand_plan(
+        grouped,
+        topology,
+        t,
+        baselines_ms=baselines,
+        sequence_parallel=plans_sequence_parallel(options, t, bool(profile.estimated)),
+    )
 
 
 def _partition_pipeline(
@@ -548,6 +576,7 @@ def _tree_plan(
             )
         # the recomputed forwards run in the stage's backward (in ``shard.figures``' compute)
         recomputed = shard.recompute.layers if shard.recompute is not None else ()
+        selective = shard.recompute.selective if shard.recompute is not None else ()
         extra_ms = shard.recompute.extra_ms if shard.recompute is not None else 0.0
         stages.append(
             StagePlan(
@@ -565,6 +594,7 @@ def _tree_plan(
                 weight_versions=versions,
                 in_flight=int(math.ceil(in_flight)),
                 recompute_layers=recomputed,
+                selective_layers=selective,
                 recompute_ms=extra_ms,
                 shard=shard.mode,
                 shard_degree=shard.degree,

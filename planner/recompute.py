@@ -20,9 +20,21 @@ A stage holds ``in_flight * activations(k) + transient(k)`` besides its paramete
 (``planner.memory``): the transient is one micro-batch of the layer being recomputed
 (a bound: the largest recomputable layer of the stage, exact for a stage of equal blocks).
 The recomputed forward runs inside the stage's backward: ``extra_ms`` adds to its compute.
-Modes: ``none`` (k = 0), ``full`` (k = |R|: every recomputable layer), ``auto`` (the least
-k whose memory fits the device; ``extra_ms`` grows with k, so it is the fastest plan that
-fits). The DP (``planner.dp``) chooses k per stage with its split and replicas: by
+Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models"): a layer with an attention core (``LayerProfile.selective_saved_bytes``
+>= 0) may recompute only that core (scores, softmax, dropout on the scores, scores x V), keeping
+``selective_saved`` instead of ``saved`` and adding ``selective_recompute_ms``. A stage under
+selective recomputation runs it on every such layer ``S`` of the stage (Megatron's
+``--recompute-granularity selective``)::
+
+    activations = sum(saved over the stage) - sum(saved - selective_saved over S)
+    transient   = max(saved - selective_saved over S) / M   (one core re-materialised)
+    extra_ms    = sum(selective_recompute_ms over S)
+
+Modes: ``none`` (k = 0), ``full`` (k = |R|: every recomputable layer), ``selective`` (S),
+``auto`` (the fastest of none, S and every k that fits the device; of the full choices the
+least k that fits, as ``extra_ms`` grows with k). A stage never mixes selective and full
+recomputation (Megatron's one granularity per run). The DP (``planner.dp``) chooses k per stage with its split and replicas: by
 bisection over k on a chain (memory falls as k grows once k > 0), between 0 and |R| on
 the cut states of a DAG (the exact per-stage choice is then made on the placed stages).
 """
@@ -50,9 +62,13 @@ __all__ = [
     "effective_mode",
     "range_extra_ms",
     "least_activation_bytes",
+    "selective_option",
+    "SelectiveRanges",
+    "selective_freed_bytes",
+    "planned_on_estimates",
 ]
 
-RECOMPUTE_MODES = ("auto", "none", "full")
+RECOMPUTE_MODES = ("auto", "none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,7 @@ class StageRecompute:
     extra_ms: float  # their forwards again, per minibatch
     activation_bytes: float  # what the stage keeps per minibatch in flight
     transient_bytes: float  # one micro-batch of the largest recomputable layer (0 when k = 0)
+    selective: tuple[int, ...] = ()  # the layers whose attention core only is recomputed
 
 
 def kept_bytes(profile: Profile) -> list[int]:
@@ -103,19 +120,49 @@ def stage_options(
     return out
 
 
+def selective_freed_bytes(profile: Profile) -> list[float]:
+    """Per layer: bytes recomputing its attention core frees per minibatch (0: no core)."""
+    return [
+        float(layer.saved_bytes - layer.selective_saved_bytes)
+        if layer.selective_saved_bytes >= 0 and layer.selective_recompute_ms >= 0
+        else 0.0
+        for layer in profile.layers
+    ]
+
+
+def selective_option(
+    profile: Profile, layers: Sequence[int], microbatches: int, freed: Sequence[float] | None = None
+) -> StageRecompute:
+    """The selective choice of a stage of ``layers`` (module docstring): every layer with an
+    attention core that frees bytes recomputes it. O(layers)."""
+    freed = selective_freed_bytes(profile) if freed is None else freed
+    chosen = tuple(i for i in sorted(layers) if freed[i] > 0)
+    saved = float(sum(profile.layers[i].saved_bytes for i in layers))
+    return StageRecompute(
+        (),
+        float(sum(profile.layers[i].selective_recompute_ms for i in chosen)),
+        saved - sum(freed[i] for i in chosen),
+        max((freed[i] for i in chosen), default=0.0) / microbatches,
+        chosen,
+    )
+
+
 def choose(
     options: Sequence[StageRecompute], mode: str, fits: Callable[[StageRecompute], bool] | None
 ) -> StageRecompute | None:
-    """The choice ``mode`` makes among a stage's ``options`` (``stage_options``); ``fits``
-    says whether a choice fits the device (None: memory unchecked). None when ``auto``
-    finds none that fits."""
+    """The choice ``mode`` makes among a stage's ``options`` (``recompute_choice
+    .recompute_candidates``: no recomputation first, ``full``'s and ``selective``'s own choice
+    last); ``fits`` says whether a choice fits the device (None: memory unchecked). ``auto``:
+    the least extra ms among those that fit (the earliest on ties), None when none fits."""
     if mode == "none":
         return options[0]
-    if mode == "full":
+    if mode in ("full", "selective"):
         return options[-1]
     if fits is None:
         return options[0]
-    return next((option for option in options if fits(option)), None)
+    return min(
+        (option for option in options if fits(option)), key=lambda option: option.extra_ms, default=None
+    )
 
 
 def schedule_recomputes(schedule: str) -> bool:
@@ -123,31 +170,61 @@ def schedule_recomputes(schedule: str) -> bool:
     return schedule_kind(schedule).recomputes_layers
 
 
-def check_recompute_mode(mode: str, schedule: str, tensor_parallel: int | None) -> None:
+def check_recompute_mode(
+    mode: str, schedule: str, tensor_parallel: int | None, estimated: bool = False
+) -> None:
     """One-line ``InputError`` for a mode that is unknown, or that asks recomputation of a
-    schedule (or tensor-parallel degree) that does not run it; ``auto`` never refuses (it
-    plans none there)."""
+    schedule (or, of a measured profile, a tensor-parallel degree) that does not run it;
+    ``auto`` never refuses (it plans none there). ``estimated``: the profile is a what-if
+    (``pipeplan estimate``), planned for another engine (``planned_on_estimates``)."""
     if mode not in RECOMPUTE_MODES:
         raise InputError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
-    if mode != "full":
+    if mode in ("auto", "none"):
         return
     if not schedule_recomputes(schedule):
         allowed = or_list(names_where(lambda kind: kind.recomputes_layers))
         raise InputError(
-            f"--recompute full with schedule {schedule}: pipeplan runs per-layer recomputation with {allowed} only"
+            f"--recompute {mode} with schedule {schedule}: pipeplan plans per-layer recomputation with {allowed} only"
         )
-    if tensor_parallel not in (None, 1):
+    if tensor_parallel not in (None, 1) and not estimated:
         raise InputError(
-            f"--recompute full with tensor-parallel degree {tensor_parallel}: pipeplan recomputes "
-            f"layers of stages without tensor parallelism only (pass --tensor-parallel 1)"
+            f"--recompute {mode} with tensor-parallel degree {tensor_parallel}: pipeplan runs recomputed "
+            f"layers of stages without tensor parallelism only (pass --tensor-parallel 1, or plan an "
+            f"estimated profile for another engine)"
         )
 
 
-def effective_mode(mode: str, schedule: str, tensor_parallel: int) -> str:
-    """``mode`` as planned: ``auto`` is ``none`` where the schedule or degree runs none."""
-    if mode == "auto" and (not schedule_recomputes(schedule) or tensor_parallel > 1):
+def planned_on_estimates(estimated: bool, tensor_parallel: int, mixed: bool) -> bool:
+    """Whether recomputation is planned where pipeplan's runtime does not run it (t > 1, or
+    mixed precision: a recomputed forward would read the current float32 masters): only for
+    an estimated profile, whose plan is for another engine (Megatron-LM, torchtitan);
+    ``pipeplan run`` refuses such a plan in one line."""
+    return estimated or (tensor_parallel == 1 and not mixed)
+
+
+def effective_mode(mode: str, schedule: str, tensor_parallel: int, estimated: bool = False) -> str:
+    """``mode`` as planned: ``auto`` is ``none`` where the schedule (or, for a measured
+    profile, the degree) runs none."""
+    if mode == "auto" and (not schedule_recomputes(schedule) or (tensor_parallel > 1 and not estimated)):
         return "none"
     return mode
+
+
+@dataclass(frozen=True)
+class SelectiveRanges:
+    """Selective recomputation of ranges of cut states (elementwise arrays, one per range):
+    the bytes it frees per minibatch, its extra ms, and its transient bytes (already / M)."""
+
+    freed: np.ndarray
+    extra_ms: np.ndarray
+    transient: np.ndarray
+
+    def at(self, where: tuple) -> SelectiveRanges:
+        return SelectiveRanges(self.freed[where], self.extra_ms[where], self.transient[where])
+
+    def bytes(self, saved: np.ndarray, in_flight: float) -> np.ndarray:
+        """Activation bytes (in flight plus transient) of ranges that save ``saved``."""
+        return in_flight * (saved - self.freed) + self.transient
 
 
 def range_extra_ms(
@@ -161,11 +238,33 @@ def range_extra_ms(
     spare: np.ndarray,
     mode: str,
     bisect: bool,
+    selective: SelectiveRanges | None = None,
 ) -> np.ndarray:
     """Extra ms of ``mode``'s choice for every range [starts, ends) of cut states, inf where
     none fits ``spare`` bytes (the device's memory less the parameter copies); ``gain`` and
     ``forward_ms`` are sums over the states, ``transient`` and ``saved`` per range.
-    ``bisect`` (a chain): every k; else k in {0, |R|}. O(log range) array passes."""
+    ``bisect`` (a chain): every k; else k in {0, |R|}; ``selective``: the ranges' selective
+    choice (None: none). O(log range) array passes."""
+    full = _full_extra_ms(gain, forward_ms, transient, saved, starts, ends, in_flight, spare, mode, bisect)
+    if selective is None or mode in ("none", "full"):
+        return full
+    selective_ms = np.where(selective.bytes(saved, in_flight) <= spare, selective.extra_ms, np.inf)
+    return selective_ms if mode == "selective" else np.minimum(full, selective_ms)
+
+
+def _full_extra_ms(
+    gain: np.ndarray,
+    forward_ms: np.ndarray,
+    transient: np.ndarray,
+    saved: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    in_flight: float,
+    spare: np.ndarray,
+    mode: str,
+    bisect: bool,
+) -> np.ndarray:
+    """``range_extra_ms`` without the selective choice."""
     freed_all = gain[ends] - gain[starts]
     full_fits = in_flight * (saved - freed_all) + transient <= spare
     if mode == "none":
@@ -195,10 +294,14 @@ def least_activation_bytes(
     ends: np.ndarray,
     in_flight: float,
     mode: str,
+    selective: SelectiveRanges | None = None,
 ) -> np.ndarray:
     """The fewest activation bytes (in flight plus transient) ``mode`` lets ranges keep."""
     none = in_flight * saved
     full = in_flight * (saved - (gain[ends] - gain[starts])) + transient
+    chosen = selective.bytes(saved, in_flight) if selective is not None else none
     if mode == "none":
         return none
-    return full if mode == "full" else np.minimum(none, full)
+    if mode == "selective":
+        return chosen
+    return full if mode == "full" else np.minimum(np.minimum(none, full), chosen)

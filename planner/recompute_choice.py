@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeplan.planner.memory import plan_stage_memory
-from pipeplan.planner.recompute import StageRecompute, choose, stage_options
+from pipeplan.planner.recompute import StageRecompute, choose, selective_option, stage_options
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
 
@@ -72,8 +72,13 @@ def recompute_candidates(
     mode: str,
     gains: Sequence[float] | None = None,
 ) -> list[StageRecompute]:
-    """The choices ``mode`` picks among for a stage of ``layers`` (``stage_options``; only
-    k = 0 for ``none``)."""
-    if mode != "none":
-        return stage_options(profile, layers, microbatches, gains)
-    return [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]
+    """The choices ``mode`` picks among for a stage of ``layers``, no recomputation first
+    (``recompute.choose``): ``none`` only that; ``full`` ``stage_options`` (k = 0..|R|);
+    ``selective`` that and the selective choice; ``auto`` all of them."""
+    if mode == "none":
+        return [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]
+    options = stage_options(profile, layers, microbatches, gains)
+    if mode == "full":
+        return options
+    chosen = selective_option(profile, layers, microbatches)
+    return [options[0], chosen] if mode == "selective" else [*options, chosen]

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from pipeplan.errors import InputError
-from pipeplan.plan import Plan
+from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
-from pipeplan.planner.recompute import gain_bytes
+from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
 from pipeplan.planner.sharding import stage_shard_memory, stage_sync_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
@@ -173,33 +173,48 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     extra = [
         c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)
     ]
-    gains = gain_bytes(profile)
+    gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
-        recomputed = stage.recompute_layers
+        recompute_ms, freed_bytes, peak_bytes = _recompute_costs(profile, stage, gains, freed)
         out.append(
             StageCosts(
                 forward_ms=sum(layer.forward_ms for layer in layers) + sum(extra[i] for i in stage.layers),
                 # the recomputed layers' forwards run again in backward (planner.recompute)
-                backward_ms=sum(layer.backward_ms for layer in layers)
-                + sum(profile.layers[i].forward_ms for i in recomputed),
+                backward_ms=sum(layer.backward_ms for layer in layers) + recompute_ms,
                 param_bytes=sum(layer.param_bytes for layer in layers),
-                saved_bytes=int(
-                    sum(layer.saved_bytes for layer in layers) - sum(gains[i] for i in recomputed)
-                ),
+                saved_bytes=int(sum(layer.saved_bytes for layer in layers) - freed_bytes),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 step_ms=sum(update[i] for i in stage.layers),
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
-                recompute_peak_bytes=max(
-                    (layer.saved_bytes for layer in layers if recomputed and gains[layer.index] > 0),
-                    default=0,
-                ),
+                recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
                 curve=stage_curve(profile, stage.layers),
             )
         )
     return out
+
+
+def _recompute_costs(
+    profile: Profile, stage: StagePlan, gains: Sequence[float], freed: Sequence[float]
+) -> tuple[float, float, float]:
+    """(extra backward ms, bytes freed per minibatch, transient peak bytes per minibatch) of
+    the stage's recomputation (``planner.recompute``): its fully recomputed layers' forwards
+    and largest saved bytes, or its selective layers' attention cores."""
+    full = stage.recompute_layers
+    selective = stage.selective_layers
+    peak = max(
+        [profile.layers[i].saved_bytes for i in stage.layers if full and gains[i] > 0]
+        + [freed[i] for i in selective],
+        default=0.0,
+    )
+    return (
+        sum(profile.layers[i].forward_ms for i in full)
+        + sum(max(0.0, profile.layers[i].selective_recompute_ms) for i in selective),
+        sum(gains[i] for i in full) + sum(freed[i] for i in selective),
+        float(peak),
+    )
 
 
 def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> list[StageCosts]:

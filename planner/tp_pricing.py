@@ -124,8 +124,9 @@ def _input_grad_after_split(layer: LayerProfile, backward_ms: float, divisor: fl
     return min(backward_ms, backward_ms * share)
 
 
-def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
-    """What one rank of a ``t``-way group pays per layer (module docstring). O(layers)."""
+def split_profile(profile: Profile, topology: Topology, t: int, sequence_parallel: bool = False) -> Profile:
+    """What one rank of a ``t``-way group pays per layer (module docstring), with Megatron's
+    sequence parallelism when ``sequence_parallel`` (``_sequence_parallel``). O(layers)."""
     if t == 1:
         return profile
     inner = topology.levels[0]
@@ -140,6 +141,10 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
             layers.append(layer)
             continue
         ar = allreduce(layer.tp_allreduce_bytes) if layer.tp_allreduce_bytes else 0.0
+        if sequence_parallel:
+            layer = _sequence_parallel(layer, t)
+        saved = layer.saved_bytes - layer.tp_split_saved_bytes + math.ceil(layer.tp_split_saved_bytes / t)
+        selective_saved, selective_ms = _selective_after_split(layer, saved, t * eff, t)
         backward_ms = (
             layer.backward_ms
             - layer.tp_split_backward_ms
@@ -158,9 +163,9 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
                 param_bytes=layer.param_bytes
                 - layer.tp_split_param_bytes
                 + math.ceil(layer.tp_split_param_bytes / t),
-                saved_bytes=layer.saved_bytes
-                - layer.tp_split_saved_bytes
-                + math.ceil(layer.tp_split_saved_bytes / t),
+                saved_bytes=saved,
+                selective_saved_bytes=selective_saved,
+                selective_recompute_ms=selective_ms,
                 largest_param_bytes=_largest_after_split(layer, t),
                 tp_units=0,
                 tp_split_forward_ms=0.0,
@@ -182,6 +187,46 @@ def split_profile(profile: Profile, topology: Topology, t: int) -> Profile:
     )
 
 
+def _selective_after_split(layer: LayerProfile, saved: int, divisor: float, t: int) -> tuple[int, float]:
+    """The split layer's (selective_saved_bytes, selective_recompute_ms): its attention core
+    splits by heads, so the bytes it frees divide by t and its ms by t x efficiency
+    (``divisor``); -1 stays -1."""
+    if layer.selective_saved_bytes < 0:
+        return layer.selective_saved_bytes, layer.selective_recompute_ms
+    freed = math.ceil((layer.saved_bytes - layer.selective_saved_bytes) / t)
+    ms = layer.selective_recompute_ms
+    return saved - freed, ms / divisor if ms >= 0 else ms
+
+
+def _sequence_parallel(layer: LayerProfile, t: int) -> LayerProfile:
+    """``layer`` under Megatron's sequence parallelism (Korthikanti et al. 2022, section 4.2.2),
+    before the tensor-parallel split: the parts repeated on every rank of a t-way group (the
+    layer norms, dropouts and residual adds: activations ``saved - tp_split_saved``, time
+    ``forward - tp_split_forward``, backward alike) run on s / t of the sequence, so they
+    divide by t, and so does the input a fully recomputed layer keeps
+    (``recompute_kept_bytes``: sequence-sharded). Each all-reduce becomes a reduce-scatter
+    and an all-gather of the same tensor: on a ring each moves half an all-reduce's bytes,
+    so the collectives' time is unchanged. A bound for a vocab-parallel embedding, whose
+    lookups stay whole before its reduce-scatter. Parameters do not change."""
+    saved = layer.tp_split_saved_bytes + math.ceil((layer.saved_bytes - layer.tp_split_saved_bytes) / t)
+    backward_ms = layer.tp_split_backward_ms + (layer.backward_ms - layer.tp_split_backward_ms) / t
+    kept = layer.recompute_kept_bytes
+    selective = layer.selective_saved_bytes
+    input_ms = layer.backward_input_ms
+    return replace(
+        layer,
+        saved_bytes=saved,
+        forward_ms=layer.tp_split_forward_ms + (layer.forward_ms - layer.tp_split_forward_ms) / t,
+        backward_ms=backward_ms,
+        recompute_kept_bytes=math.ceil(kept / t) if kept >= 0 else kept,
+        # the weight gradients are all in the split part
+        backward_input_ms=None
+        if input_ms is None
+        else max(0.0, backward_ms - (layer.backward_ms - input_ms)),
+        selective_saved_bytes=saved - (layer.saved_bytes - selective) if selective >= 0 else selective,
+    )
+
+
 def group_ranks(topology: Topology, t: int, group: int) -> tuple[int, ...]:
     """The ``t`` global ranks of device ``group`` of ``group_topology(topology, t)``.
 
@@ -196,10 +241,15 @@ def group_ranks(topology: Topology, t: int, group: int) -> tuple[int, ...]:
 
 
 def expand_plan(
-    plan: Plan, topology: Topology, t: int, baselines_ms: tuple[float, float] | None = None
+    plan: Plan,
+    topology: Topology,
+    t: int,
+    baselines_ms: tuple[float, float] | None = None,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """A plan of ``group_topology(topology, t)`` on the real ``topology``: each group
-    rank becomes its ``t`` ranks (replica-major), every stage ``tensor_parallel = t``.
+    rank becomes its ``t`` ranks (replica-major), every stage ``tensor_parallel = t`` (and
+    ``sequence_parallel`` as planned: the split profile's, ``split_profile``).
     The per-device figures stay the split profile's (what one rank pays); the baselines
     (single device, pure data parallelism, ms) are ``baselines_ms`` when given (the real
     profile's, without tensor parallelism)."""
@@ -209,6 +259,7 @@ def expand_plan(
         replace(
             stage,
             tensor_parallel=t,
+            sequence_parallel=sequence_parallel,
             ranks=tuple(rank for group in stage.ranks for rank in group_ranks(topology, t, group)),
         )
         for stage in plan.stages
@@ -265,9 +316,10 @@ def group_view(plan: Plan, profile: Profile | None) -> tuple[Plan, Profile | Non
                     f"tensor-parallel group of {t} devices within a {plan.topology.levels[0].name}"
                 )
             groups.append(_group_of(plan.topology, t, ranks[0]))
-        stages.append(replace(stage, tensor_parallel=1, ranks=tuple(groups)))
+        stages.append(replace(stage, tensor_parallel=1, sequence_parallel=False, ranks=tuple(groups)))
     view = replace(plan, topology=grouped, world_size=grouped.world_size, stages=tuple(stages))
-    return view, split_profile(profile, plan.topology, t) if profile is not None else None
+    sequence_parallel = any(stage.sequence_parallel for stage in plan.stages)
+    return view, split_profile(profile, plan.topology, t, sequence_parallel) if profile is not None else None
 
 
 def _group_of(topology: Topology, t: int, rank: int) -> int:

@@ -27,7 +27,14 @@ weight GEMMs, with the recomputed forward; the embedding's backward is all "W").
 recomputation (the paper's setting, ``recompute=True``) keeps only each block's input for
 backward and runs its forward again inside the backward. Sizes follow Korthikanti et al.
 (2022): a block saves s b h (34 + 5 a s / h) bytes without recomputation, of which
-s b h (24 + 5 a s / h) split t ways. Every layer carries its tensor-parallel split
+s b h (24 + 5 a s / h) split t ways (their Table 2: s b h (10 + 24 / t + 5 a s / (h t)) per
+rank). Estimated without recomputation (``recompute=False``), a block also carries its
+selective option (``LayerProfile.selective_saved_bytes``): recomputing only the attention
+core (Q K^T, softmax, dropout on the scores, scores x V) frees the 5 a s^2 b bytes that grow
+with s^2, leaving 34 s b h (Table 2's "selective": s b h (10 + 24 / t) per rank, 34 s b h / t
+with sequence parallelism), at the core's forward again (``selective_recompute_ms``: the
+two batched GEMMs, 4 b s^2 h FLOPs, at their roofline, plus softmax and dropout traffic,
+4.5 a s elements per token). Every layer carries its tensor-parallel split
 (``pipeplan.profile``): blocks split by heads, the embedding and head by the vocabulary.
 Parameters count 2 bytes each (``PARAM_BYTES``: Megatron's bf16 weights) with float32
 masters (``master_dtype``), 18 bytes per parameter with Adam in the planner. Left out:
@@ -265,12 +272,15 @@ def _block(
     repeated_f = run.ms(0.0, repeated_elements)
     split_b, repeated_b = 2 * split_f, 2 * repeated_f
     activation = tokens * h * ELEMENT_BYTES
+    selective_saved, selective_ms = -1, -1.0
     if recompute:  # the backward runs the forward again first; only the block's input is kept
         split_b, repeated_b = split_b + split_f, repeated_b + repeated_f
         saved, split_saved = activation, 0
     else:
         saved = int(tokens * h * (34 + 5 * a * s / h))
         split_saved = int(tokens * h * (24 + 5 * a * s / h))
+        # the attention core again (Korthikanti et al.'s selective): its GEMMs, softmax, dropout
+        selective_saved, selective_ms = 34 * tokens * h, attention + run.ms(0.0, tokens * 4.5 * a * s)
     params = size(12 * h * h + 13 * h)
     # "W": the four weight GEMMs' gradients (grad_y.T @ x, as many FLOPs as their forward);
     # "I" is the rest: the input GEMMs, attention (no weights), the elementwise kernels, and
@@ -297,6 +307,8 @@ def _block(
         tp_backward_allreduces=2 + (2 if recompute else 0),
         largest_param_bytes=size(4 * h * h),  # each MLP GEMM's weight (h x 4h)
         recompute_kept_bytes=activation,  # its input: what full recomputation keeps (Korthikanti et al.)
+        selective_saved_bytes=selective_saved,
+        selective_recompute_ms=selective_ms,
     )
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "check_options",
     "check_recompute",
     "check_layer_recompute",
+    "check_selective_and_sequence_parallel",
 ]
 
 OPTION = "pipeplan.option"  # the metadata key of a field's ``Option``
@@ -355,6 +356,7 @@ def check_options(config: RunConfig) -> None:
         raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
     check_recompute(config)
     check_layer_recompute(config)
+    check_selective_and_sequence_parallel(config)
 
 
 def check_layer_recompute(config: RunConfig) -> None:
@@ -373,15 +375,35 @@ def check_layer_recompute(config: RunConfig) -> None:
         )
     if config.precision.mixed:
         raise InputError(
-            f"the plan recomputes layers of stage(s) {stages}, which runs without mixed precision "
-            f"(got {config.precision.dtype} with {config.precision.master_dtype} masters)"
+            f"the plan recomputes layers of stage(s) {stages}, which pipeplan runs without mixed precision "
+            f"(got {config.precision.dtype} with {config.precision.master_dtype} masters; such plans of estimated "
+            f"profiles are for other engines: pipeplan export --to megatron)"
         )
     split = [
         stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1
     ]
     if split:
         raise InputError(
-            f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run"
+            f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run "
+            f"(such plans of estimated profiles are for other engines: pipeplan export --to megatron)"
+        )
+
+
+def check_selective_and_sequence_parallel(config: RunConfig) -> None:
+    """A plan's selective recomputation (``StagePlan.selective_layers``) and sequence
+    parallelism (``StagePlan.sequence_parallel``) are planned, not run by this runtime;
+    ``InputError`` (one line) naming the stages."""
+    selective = [stage.index for stage in config.plan.stages if stage.selective_layers]
+    if selective:
+        raise InputError(
+            f"the plan recomputes attention cores (selective) of stage(s) {selective}, which this pipeplan "
+            f"runtime does not run (plan it with --recompute full or none, or export it: pipeplan export --to megatron)"
+        )
+    sequence = [stage.index for stage in config.plan.stages if stage.sequence_parallel]
+    if sequence:
+        raise InputError(
+            f"the plan runs sequence parallelism on stage(s) {sequence}, which this pipeplan runtime does not "
+            f"run (plan it with --sequence-parallel off, or export it: pipeplan export --to megatron)"
         )
 
 

@@ -293,11 +293,11 @@ def test_profiler_measures_what_a_recomputed_layer_keeps(build: str) -> None:
 
 
 def test_estimated_gpt_without_recomputation_plans_it_per_stage() -> None:
-    """A what-if GPT (bf16 throughout, no float32 masters: mixed precision plans none)
-    estimated without recomputation, its blocks keeping their input when recomputed, on 8
-    A100s: in 4 GiB ``none`` fits nowhere while ``auto`` recomputes where each stage must
-    (at t = 1: tensor-parallel degrees plan none), faster than ``full``; in 8 GiB ``auto``
-    beats ``none`` by recomputing instead of splitting tensors 8 ways."""
+    """A what-if GPT (bf16 throughout) estimated without recomputation, its blocks keeping
+    their input when recomputed, on 8 A100s: in 4 GiB ``none`` fits nowhere while ``auto``
+    recomputes where each stage must (an estimated profile plans it at every tensor-parallel
+    degree), no slower than ``full``; in 8 GiB ``auto`` beats ``none`` (which splits tensors
+    8 ways) by recomputing some layers on a smaller degree."""
     from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
 
     shape = GPTShape(layers=8, hidden=1024, heads=16)
@@ -311,18 +311,19 @@ def test_estimated_gpt_without_recomputation_plans_it_per_stage() -> None:
         )
 
     def plan(gib: int, mode: str) -> Plan:
-        options = PartitionOptions(schedule="1f1b-flush", microbatches=8, optimizer="adam", recompute=mode)
+        options = PartitionOptions(
+            schedule="1f1b-flush", microbatches=8, optimizer="adam", recompute=mode, sequence_parallel="off"
+        )
         return partition(profile, topology(gib), options)
 
     with pytest.raises(InfeasibleError):
         plan(4, "none")
     auto, full = plan(4, "auto"), plan(4, "full")
     for chosen in (auto, full):
-        assert all(s.tensor_parallel == 1 and s.memory_bytes <= 4 * 2**30 for s in chosen.stages)
-    assert sum(len(s.recompute_layers) for s in auto.stages) < sum(
-        len(s.recompute_layers) for s in full.stages
-    )
-    assert auto.predicted.time_per_minibatch_ms < full.predicted.time_per_minibatch_ms
+        assert all(s.memory_bytes <= 4 * 2**30 for s in chosen.stages)
+    assert any(s.recompute_layers or s.selective_layers for s in auto.stages)
+    assert auto.predicted.time_per_minibatch_ms <= full.predicted.time_per_minibatch_ms
     none8, auto8 = plan(8, "none"), plan(8, "auto")
-    assert none8.stages[0].tensor_parallel == 8 and auto8.stages[0].tensor_parallel == 1
-    assert auto8.predicted.time_per_minibatch_ms < none8.predicted.time_per_minibatch_ms
+    assert none8.stages[0].tensor_parallel == 8 and auto8.stages[0].tensor_parallel < 8
+    assert any(s.recompute_layers or s.selective_layers for s in auto8.stages)
+    assert auto8.predicted.time_per_minibatch_ms < 0.95 * none8.predicted.time_per_minibatch_ms

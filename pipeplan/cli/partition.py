@@ -100,9 +100,13 @@ def recompute_text(stage: StagePlan) -> str:
     """A stage's recomputation for a table cell: "2 of 4 layers, +1.20 ms" ("-": none)."""
     from pipeplan.units import format_ms
 
+    if stage.selective_layers:
+        return f"selective {len(stage.selective_layers)} of {len(stage.layers)} layers, +{format_ms(stage.recompute_ms)}"
     if not stage.recompute_layers:
         return "-"
-    return f"{len(stage.recompute_layers)} of {len(stage.layers)} layers, +{format_ms(stage.recompute_ms)}"
+    return (
+        f"full {len(stage.recompute_layers)} of {len(stage.layers)} layers, +{format_ms(stage.recompute_ms)}"
+    )
 
 
 def shard_text(stage: StagePlan) -> str:
@@ -122,13 +126,15 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         shape += f", {plan.virtual_stages} chunks per device"
     degree = plan.stages[0].tensor_parallel
     if degree > 1:
-        shape += f", tensor-parallel {degree}"
+        shape += f", tensor-parallel {degree}" + (
+            " + sequence-parallel" if any(s.sequence_parallel for s in plan.stages) else ""
+        )
     sharded = any(stage.shard != "none" for stage in plan.stages)
     table = Table(
         title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
         f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
     )
-    recomputes = any(stage.recompute_layers for stage in plan.stages)
+    recomputes = any(stage.recompute_layers or stage.selective_layers for stage in plan.stages)
     for column in (
         "stage",
         "layers",
@@ -166,7 +172,8 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         console.print(
             f"recomputation ({plan.recompute}): "
             + (
-                "recomputed layers run their forward again in backward (in compute); "
+                "recomputed layers (full) or attention cores (selective) run their forward again in "
+                "backward (in compute); "
                 if recomputes
                 else "none needed; "
             )
@@ -275,7 +282,15 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     type=click.Choice(RECOMPUTE_MODES),
     default="auto",
     show_default=True,
-    help="Activation recomputation per stage (torch.utils.checkpoint on chosen layers; 1f1b-flush and gpipe): auto chooses with the split the fewest layers each stage must recompute to fit, none never, full every layer that frees memory.",
+    help="Activation recomputation per stage (torch.utils.checkpoint on chosen layers; 1f1b-flush and gpipe): auto chooses with the split, per stage, the fastest that fits of none, selective and the fewest layers recomputed whole; none never; selective the attention core of every transformer block (Korthikanti et al.); full every layer that frees memory.",
+)
+@click.option(
+    "--sequence-parallel",
+    "sequence_parallel",
+    type=click.Choice(["auto", "on", "off"]),
+    default="auto",
+    show_default=True,
+    help="Megatron's sequence parallelism of tensor-parallel stages (layer norms and dropouts sharded over the sequence, activations and their time / t; reduce-scatter + all-gather instead of all-reduce, same bytes): auto on wherever t > 1 for estimated profiles (pipeplan run does not run it yet), on (needs t > 1), off.",
 )
 @click.option(
     "--shard",
@@ -325,6 +340,7 @@ def partition(
     activation_compression: float | None,
     batch_size: int,
     recompute: str,
+    sequence_parallel: str,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
 
@@ -372,6 +388,7 @@ def partition(
         uniform=uniform,
         recompute=recompute,
         shard=shard,
+        sequence_parallel=sequence_parallel,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

@@ -175,19 +175,36 @@ def _compare(metrics_path: str, console: Console) -> bool:
 
 
 def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
-    """One line per stage of the run's plan that recomputes layers (``StagePlan.recompute_layers``):
-    how many, the time they cost (in its predicted compute) and its memory against the device's."""
+    """One line per stage of the run's plan that recomputes layers (``StagePlan.recompute_layers``,
+    ``selective_layers``) or runs sequence parallelism: how many, the time they cost (in its
+    predicted compute) and its memory against the device's."""
     from pipeplan.units import format_bytes, format_ms
 
     device = plan.get("topology", {}).get("device", {}).get("memory_bytes")
     out = []
     for stage in plan.get("stages", []):
-        layers = stage.get("recompute_layers") or []
-        if layers:
+        full, selective = stage.get("recompute_layers") or [], stage.get("selective_layers") or []
+        what = (
+            f"recomputes {len(full)} of {len(stage.get('layers', []))} layers"
+            if full
+            else f"recomputes the attention core of {len(selective)} of {len(stage.get('layers', []))} layers (selective)"
+        )
+        sequence = (
+            f", sequence-parallel over {stage.get('tensor_parallel', 1)}"
+            if stage.get("sequence_parallel")
+            else ""
+        )
+        if full or selective:
             out.append(
-                f"stage {stage['index']} recomputes {len(layers)} of {len(stage.get('layers', []))} layers: "
+                f"stage {stage['index']} {what}{sequence}: "
                 f"+{format_ms(float(stage.get('recompute_ms', 0.0)))} per minibatch (in its predicted compute), "
                 f"planned memory {format_bytes(int(stage['memory_bytes']))}"
+                + (f" of {format_bytes(int(device))} per device" if device else "")
+            )
+        elif sequence:
+            out.append(
+                f"stage {stage['index']}{sequence.replace(',', '', 1)}: planned memory "
+                f"{format_bytes(int(stage['memory_bytes']))}"
                 + (f" of {format_bytes(int(device))} per device" if device else "")
             )
     return out

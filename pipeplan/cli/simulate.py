@@ -171,7 +171,8 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
 
     from pipeplan.cli.partition import recompute_text, shard_text
 
-    recomputes = any(stage.recompute_layers for stage in plan.stages)
+    recomputes = any(stage.recompute_layers or stage.selective_layers for stage in plan.stages)
+    sequence_parallel = any(stage.sequence_parallel for stage in plan.stages)
     micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
     if result.virtual_stages > 1:
         micro += f", {result.virtual_stages} chunks per device"
@@ -180,7 +181,13 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         f"{result.samples_per_s:.1f} samples/s (simulated)",
         caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches; device memory "
         f"{result.memory_limit_bytes / GIB:.3f} GiB"
-        + ("; recomputed: layers run again in backward, ms per minibatch in busy" if recomputes else ""),
+        + (
+            "; recomputed: layers (full) or attention cores (selective) run again in backward, ms per "
+            "minibatch in busy"
+            if recomputes
+            else ""
+        )
+        + ("; seq-par: sequence-parallel tensor-parallel group" if sequence_parallel else ""),
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
     sharded = any(stage.shard != "none" for stage in plan.stages)
@@ -196,6 +203,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         "in flight",
         *(("recomputed",) if recomputes else ()),
         *(["shard"] if sharded else []),
+        *(["seq-par"] if sequence_parallel else []),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -215,6 +223,11 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             f"{sim.in_flight:g}",
             *((recompute_text(stage),) if recomputes else ()),
             *([shard_text(stage)] if sharded else []),
+            *(
+                [f"{stage.tensor_parallel}-way" if stage.sequence_parallel else "-"]
+                if sequence_parallel
+                else []
+            ),
         )
     return table
 

@@ -203,6 +203,7 @@ def _whole_recompute_ms(
         spare,
         mode,
         bisect=arrays.cut_family.is_prefix,
+        selective=arrays.selective_ranges(first, last, settings.microbatches),
     )
     return float(extra[0])
 

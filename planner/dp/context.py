@@ -65,7 +65,7 @@ class DPSettings:
     # micro-batches per minibatch: more than one charges each stage's gradient temporary
     # (planner.memory.gradient_temporary_bytes)
     microbatches: int = 1
-    # activation recomputation per stage (``planner.recompute``): "none" | "full" | "auto"
+    # activation recomputation per stage (``planner.recompute``): "none" | "selective" | "full" | "auto"
     # (the least recomputation that fits each stage, chosen with the split)
     recompute: str = "none"
     # modes a stage replicated on d > 1 devices of level 1 may shard its replicas in
@@ -163,6 +163,11 @@ class DPContext:
             arrays.recompute_transient(s_idx, e_idx) / settings.microbatches
             if settings.recompute != "none"
             else np.zeros(self.compute.shape)
+        )
+        self.selective = (
+            arrays.selective_ranges(self.starts, self.ends, settings.microbatches)
+            if settings.recompute in ("selective", "auto")
+            else None
         )
         self.cut = np.zeros(self.rows)
         self.cut[: n + 1] = arrays.cut_bytes
@@ -398,7 +403,14 @@ def activation_need_bytes(
     assert arrays.recompute_gain is not None
     transient = arrays.recompute_transient(starts, ends) / settings.microbatches
     return least_activation_bytes(
-        arrays.recompute_gain, transient, saved, starts, ends, in_flight, settings.recompute
+        arrays.recompute_gain,
+        transient,
+        saved,
+        starts,
+        ends,
+        in_flight,
+        settings.recompute,
+        arrays.selective_ranges(starts, ends, settings.microbatches),
     )
 
 
@@ -436,6 +448,7 @@ def recompute_extra_ms(ctx: DPContext, tau: int, where: tuple, parameter_bytes: 
         spare,
         settings.recompute,
         bisect=arrays.cut_family.is_prefix,
+        selective=ctx.selective.at(where) if ctx.selective is not None else None,
     )
 
 
