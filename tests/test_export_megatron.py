@@ -82,6 +82,49 @@ def test_recomputed_layers_become_megatrons_block_recomputation(four_blocks: Non
     )
 
 
+def test_selective_sequence_parallel_and_sharded_replicas_become_megatrons_flags(four_blocks: None) -> None:
+    """Selective recomputation on stage 0 only -> ``--recompute-granularity selective`` (no
+    method or count) and a note naming stage 1; sequence parallelism on tensor-parallel
+    stages -> ``--sequence-parallel``; zero1 replicas -> ``--use-distributed-optimizer``."""
+    stages = [_blocks(0, 1, embed=True), _blocks(2, 3, head=True)]
+    plan = make_plan(GPT, stages, [2, 2], microbatches=2, tensor_parallel=[2, 2])
+    first = replace(
+        plan.stages[0], selective_layers=(EMBED + 2,), sequence_parallel=True, shard="zero1", shard_degree=2
+    )
+    plan = replace(
+        plan, stages=(first, replace(plan.stages[1], sequence_parallel=True, shard="zero1", shard_degree=2))
+    )
+    made = export_megatron(plan, model_structure(GPT, plan))
+    args = made.arguments()
+    assert "--recompute-granularity selective" in args and not any("--recompute-method" in a for a in args)
+    assert "--sequence-parallel" in args and "--use-distributed-optimizer" in args
+    assert made.notes == (
+        "Megatron recomputes attention cores on every stage; the plan leaves stage(s) 1 without "
+        "(slower than planned, never over its memory)",
+    )
+    plain = replace(
+        plan,
+        stages=tuple(
+            replace(s, selective_layers=(), sequence_parallel=False, shard="none", shard_degree=1)
+            for s in plan.stages
+        ),
+    )
+    assert not {
+        "--recompute-granularity selective",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+    } & set(export_megatron(plain, model_structure(GPT, plain)).arguments())
+    mixed = replace(plan, stages=(first, replace(plan.stages[1], recompute_layers=tuple(_blocks(2, 2)))))
+    with pytest.raises(
+        InputError,
+        match=r"^plan recomputes attention cores \(selective\) on stage\(s\) \[0\] and whole layers on stage\(s\) \[1\]: Megatron-LM runs one",
+    ):
+        _export(mixed)
+    fsdp = replace(plan, stages=(replace(first, shard="fsdp"), plan.stages[1]))
+    with pytest.raises(InputError, match=r"^plan stage\(s\) \[0\] shard their replicas fsdp: Megatron-LM"):
+        _export(fsdp)
+
+
 @pytest.mark.slow
 def test_a_hugging_face_decoder_exports_its_layers_and_its_untied_head() -> None:
     pytest.importorskip("transformers")

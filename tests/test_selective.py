@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
 from pipeplan.planner import tp_pricing as tp
@@ -275,3 +278,78 @@ def test_older_plans_and_profiles_load_and_fields_are_validated() -> None:
         InputError, match=r"selective_saved_bytes = \d+ is not -1 or a byte count <= saved_bytes"
     ):
         Profile.from_dict(data)
+
+
+def test_torchtitan_fragment_carries_selective_checkpointing() -> None:
+    from pipeplan.export.torchtitan import TorchtitanExport, activation_checkpoint_mode
+
+    plan = _gpt_plan("selective", "off")
+    mode, note = activation_checkpoint_mode(plan)
+    assert mode == "selective" and "op-level selective checkpointing" in note
+    fragment = TorchtitanExport("m", "1f1b-flush", "1F1B", 1, 2, 8, 4, (("a",),), mode, note).toml()
+    assert '[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "op"\n' in fragment
+    left = dataclasses.replace(
+        plan, stages=(dataclasses.replace(plan.stages[0], selective_layers=()), *plan.stages[1:])
+    )
+    if len(plan.stages) > 1:
+        assert "which the plan leaves without" in activation_checkpoint_mode(left)[1]
+
+
+def test_partition_cli_and_report_show_selective_and_sequence_parallel_stages(tmp_path: Path) -> None:
+    """``partition --recompute selective --sequence-parallel on`` of an estimated GPT prints
+    each stage's selective layers and ms and the sequence-parallel degree; ``report``'s
+    lines say the same from the plan."""
+    from pipeplan.cli.report import recompute_lines
+
+    profile = estimate_gpt(GPTShape(layers=4, hidden=1024, heads=16), A100, 8, recompute=False)
+    profile.save(tmp_path / "gpt.json")
+    (tmp_path / "top.yaml").write_text(
+        "name: a100x8\ndevice: {name: a100, memory: 80GiB}\nlevels:\n  - {name: node, count: 8, bandwidth: 300GB/s}\n"
+    )
+    args = ["partition", str(tmp_path / "gpt.json"), "--topology", str(tmp_path / "top.yaml")]
+    args += [
+        "--schedule",
+        "1f1b-flush",
+        "--microbatches",
+        "4",
+        "--tensor-parallel",
+        "2",
+        "-o",
+        str(tmp_path / "p.json"),
+    ]
+    result = CliRunner().invoke(
+        cli, [*args, "--recompute", "selective", "--sequence-parallel", "on"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    plan = Plan.load(tmp_path / "p.json")
+    assert all(s.sequence_parallel and s.tensor_parallel == 2 for s in plan.stages)
+    assert "tensor-parallel 2 + sequence-parallel" in result.output
+    assert "selective" in result.output and "attention cores (selective)" in result.output
+    lines = recompute_lines(plan.to_dict())
+    chosen = [s for s in plan.stages if s.selective_layers]
+    assert chosen and any(
+        f"stage {s.index} recomputes the attention core of {len(s.selective_layers)} of {len(s.layers)} layers "
+        f"(selective), sequence-parallel over 2: +" in line
+        for s in chosen
+        for line in lines
+    )
+    refused = CliRunner().invoke(cli, [*args[:-6], "--tensor-parallel", "1", "--sequence-parallel", "on"])
+    assert refused.exit_code != 0 and "--sequence-parallel on with tensor-parallel degree 1" in refused.output
+
+
+def test_run_refuses_what_its_runtime_does_not_run_in_one_line() -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from pipeplan.runtime.config import RunConfig, check_selective_and_sequence_parallel
+
+    plan = _gpt_plan("selective", "on", gib=80, t=2)
+    with pytest.raises(
+        InputError, match=r"^the plan recomputes attention cores \(selective\) of stage\(s\) \[0"
+    ):
+        check_selective_and_sequence_parallel(cast(RunConfig, SimpleNamespace(plan=plan)))
+    plain = dataclasses.replace(
+        plan, stages=tuple(dataclasses.replace(s, selective_layers=()) for s in plan.stages)
+    )
+    with pytest.raises(InputError, match=r"^the plan runs sequence parallelism on stage\(s\) \[0"):
+        check_selective_and_sequence_parallel(cast(RunConfig, SimpleNamespace(plan=plain)))

@@ -10,7 +10,14 @@ interleaving, from which Megatron derives the virtual pipeline size). Recomputed
 (``StagePlan.recompute_layers``) become ``--recompute-granularity full --recompute-method block
 --recompute-num-layers k``: Megatron recomputes the first k decoder layers of every stage, so k
 is the most blocks any stage recomputes (a block with a recomputed layer counts whole), and a
-comment names the stages that then recompute more than planned.
+comment names the stages that then recompute more than planned. Selective recomputation
+(``StagePlan.selective_layers``, the attention cores) becomes ``--recompute-granularity
+selective`` (Megatron's default ``--recompute-modules core_attn``; selective takes no method
+or count, and Megatron runs it on every stage: a comment names stages the plan left out).
+Sequence parallelism (``StagePlan.sequence_parallel``) becomes ``--sequence-parallel``, and
+replicas sharded zero1 or zero2 (``StagePlan.shard``) ``--use-distributed-optimizer``
+(Megatron shards the optimizer state over the whole data-parallel group, and reduce-scatters
+the gradients: ZeRO-2's traffic; a comment says where the plan shards less).
 
 The decoder layers are the model's stack of identical blocks: the module ``P`` whose
 numbered children ``P.0``, ``P.1``, ... hold the most layers and share one class
@@ -20,7 +27,9 @@ before the stack is the embedding, what runs after it the output layer.
 Refused in one line, as Megatron cannot express it: schedules other than 1F1B and
 interleaved 1F1B; stages replicated unevenly (Megatron's data parallelism spans whole
 pipelines: d = world / (t p)) or with different tensor-parallel degrees; a cut inside a
-block; the embedding off the first stage or the output layer off the last.
+block; the embedding off the first stage or the output layer off the last; selective and
+full recomputation in one plan (Megatron's one ``--recompute-granularity``); FSDP-sharded
+replicas (Megatron's distributed optimizer keeps whole parameters).
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ MEGATRON_OPTIONS = (
     "--recompute-granularity",
     "--recompute-method",
     "--recompute-num-layers",
+    "--sequence-parallel",
+    "--use-distributed-optimizer",
 )
 _NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
 
@@ -71,6 +82,12 @@ class MegatronExport:
     tied_embeddings: bool
     # decoder blocks each stage recomputes (a block with any recomputed layer counts whole)
     recomputed_blocks: tuple[int, ...] = ()
+    # stages whose attention cores are recomputed (selective), of ``stages`` in all
+    selective_stages: tuple[int, ...] = ()
+    stages: int = 0
+    sequence_parallel: bool = False
+    # per stage: its replicas' shard mode and degree (``StagePlan.shard``, ``shard_degree``)
+    shards: tuple[tuple[str, int], ...] = ()
 
     @property
     def layout_string(self) -> str:
@@ -95,7 +112,35 @@ class MegatronExport:
                 "--recompute-method block",
                 f"--recompute-num-layers {max(self.recomputed_blocks)}",
             ]
+        if self.selective_stages:
+            args.append("--recompute-granularity selective")
+        if self.sequence_parallel:
+            args.append("--sequence-parallel")
+        if any(mode != "none" for mode, _ in self.shards):
+            args.append("--use-distributed-optimizer")
         return tuple(args)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What Megatron's global flags change against the plan's per-stage choices."""
+        out = [self.recompute_note] if self.recompute_note else []
+        left = [q for q in range(self.stages) if q not in self.selective_stages]
+        if self.selective_stages and left:
+            out.append(
+                f"Megatron recomputes attention cores on every stage; the plan leaves stage(s) "
+                f"{', '.join(map(str, left))} without (slower than planned, never over its memory)"
+            )
+        partial = [
+            f"stage {q}: {mode}/{degree}"
+            for q, (mode, degree) in enumerate(self.shards)
+            if degree < self.data_parallel
+        ]
+        if any(mode != "none" for mode, _ in self.shards) and partial:
+            out.append(
+                f"Megatron's distributed optimizer shards over all {self.data_parallel} data-parallel replicas of "
+                f"every stage; the plan shards less ({'; '.join(partial)}): less memory than planned"
+            )
+        return tuple(out)
 
     @property
     def recompute_note(self) -> str:
@@ -119,7 +164,7 @@ class MegatronExport:
             f"# decoder stack: {self.decoder_layers} layers of {self.stack}; add the model's own sizes.\n"
             f"# Data parallelism d = world size / (t p); the global batch is d minibatches of "
             f"{self.global_batch_size // self.data_parallel}.\n"
-            + (f"# {self.recompute_note}\n" if self.recompute_note else "")
+            + "".join(f"# {note}\n" for note in self.notes)
             + " \\\n".join(self.arguments())
             + "\n"
         )
@@ -158,6 +203,7 @@ def decoder_stack(structure: ModelStructure) -> tuple[str, list[int]]:
 def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
     """The plan as Megatron-LM arguments; ``InputError`` (one line) where Megatron cannot run it."""
     _check_schedule_and_degrees(plan)
+    _check_memory_options(plan)
     stack, block_of = decoder_stack(structure)
     stage_of = plan.stage_of_layers(len(structure.layer_names))
     blocks = sorted({b for b in block_of if b >= 0})
@@ -204,7 +250,29 @@ def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
             len({block_of[layer] for layer in stage.recompute_layers if block_of[layer] >= 0})
             for stage in plan.stages
         ),
+        selective_stages=tuple(stage.index for stage in plan.stages if stage.selective_layers),
+        stages=len(plan.stages),
+        sequence_parallel=any(stage.sequence_parallel for stage in plan.stages),
+        shards=tuple((stage.shard, stage.shard_degree) for stage in plan.stages),
     )
+
+
+def _check_memory_options(plan: Plan) -> None:
+    """One line for the recomputation and sharding Megatron cannot express."""
+    selective = [s.index for s in plan.stages if s.selective_layers]
+    full = [s.index for s in plan.stages if s.recompute_layers]
+    if selective and full:
+        raise InputError(
+            f"plan recomputes attention cores (selective) on stage(s) {selective} and whole layers on "
+            f"stage(s) {full}: Megatron-LM runs one --recompute-granularity for every stage; re-plan with "
+            f"`--recompute selective` or `--recompute full`"
+        )
+    fsdp = [s.index for s in plan.stages if s.shard == "fsdp"]
+    if fsdp:
+        raise InputError(
+            f"plan stage(s) {fsdp} shard their replicas fsdp: Megatron-LM's distributed optimizer shards the "
+            f"optimizer state and gradients, not the parameters; re-plan with `--shard zero2` or `--shard auto`"
+        )
 
 
 def _check_schedule_and_degrees(plan: Plan) -> None:

@@ -30,7 +30,8 @@ class TorchtitanExport:
     batch_size: int  # torchtitan's [training] local_batch_size this fragment assumes
     microbatches: int
     module_fqns_per_model_part: tuple[tuple[str, ...], ...]
-    # torchtitan's [activation_checkpoint] mode ("none" | "full"), from the plan's recomputed
+    # torchtitan's [activation_checkpoint] mode ("none" | "selective" with selective_ac_option
+    # "op" | "full"), from the plan's recomputed
     # layers (``activation_checkpoint_mode``); ``recompute_note`` says what it changes, if anything
     activation_checkpoint_mode: str = "none"
     recompute_note: str = ""
@@ -59,6 +60,7 @@ class TorchtitanExport:
             f"module_fqns_per_model_part = [\n{parts}]\n"
             "\n" + (f"# {self.recompute_note}\n" if self.recompute_note else "") + "[activation_checkpoint]\n"
             f"mode = {json.dumps(self.activation_checkpoint_mode)}\n"
+            + ('selective_ac_option = "op"\n' if self.activation_checkpoint_mode == "selective" else "")
         )
 
 
@@ -139,10 +141,14 @@ def activation_checkpoint_mode(plan: Plan) -> tuple[str, str]:
     """(torchtitan's ``[activation_checkpoint] mode``, a note) for the plan's recomputed layers.
 
     torchtitan applies one mode to every transformer block of every stage: "none" when no
-    stage recomputes, else "full" (every block checkpointed: at least the memory the plan
-    saves, at more time when the plan recomputes only some stages' layers, which the note says).
+    stage recomputes, "selective" (op level) when stages recompute attention cores only, else
+    "full" (every block checkpointed: at least the memory the plan saves, at more time when
+    the plan recomputes only some stages' layers, which the note says).
     """
     recomputing = [stage for stage in plan.stages if stage.recompute_layers]
+    selective = [stage.index for stage in plan.stages if stage.selective_layers]
+    if selective and not recomputing:
+        return "selective", _selective_note(plan, selective)
     if not recomputing:
         return "none", ""
     partial = [s.index for s in plan.stages if len(s.recompute_layers) < len(s.layers)]
@@ -152,6 +158,22 @@ def activation_checkpoint_mode(plan: Plan) -> tuple[str, str]:
     return "full", (
         f"pipeplan's plan recomputes only some layers ({shares}); torchtitan checkpoints every block "
         f"in one mode: full (the memory fits, the recomputation costs more than planned)"
+    )
+
+
+def _selective_note(plan: Plan, selective: list[int]) -> str:
+    """What torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``)
+    changes against the plan's selective recomputation (attention cores, Korthikanti et al.)."""
+    left = [s.index for s in plan.stages if s.index not in selective]
+    return (
+        "torchtitan's op-level selective checkpointing saves matmul and attention outputs and recomputes "
+        "the rest of every block; with fused attention the s^2 scores the plan's selective recomputation "
+        "frees are never stored, so it keeps at most the plan's memory, at a time of its own"
+        + (
+            f"; it also applies to stage(s) {', '.join(map(str, left))}, which the plan leaves without"
+            if left
+            else ""
+        )
     )
 
 
