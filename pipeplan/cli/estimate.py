@@ -28,7 +28,9 @@ DEVICES = ("a100-80gb", "a100-40gb", "h100-sxm")  # pipeplan.profiler.estimate.D
     "--recompute/--no-recompute",
     default=True,
     show_default=True,
-    help="Full activation recomputation (Megatron's setting in the PTD-P paper).",
+    help="Full activation recomputation baked into the profile (Megatron's setting in the PTD-P paper); "
+    "--no-recompute leaves it to the planner: each block carries its full and selective "
+    "(attention-core) options, and partition --recompute chooses per stage.",
 )
 @click.option(
     "--matmul-efficiency",
