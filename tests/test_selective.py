@@ -333,6 +333,15 @@ def test_partition_cli_and_report_show_selective_and_sequence_parallel_stages(tm
         for s in chosen
         for line in lines
     )
+    simulated = CliRunner(env={"COLUMNS": "250"}).invoke(
+        cli,
+        ["simulate", str(tmp_path / "p.json"), "--profile", str(tmp_path / "gpt.json")],
+        catch_exceptions=False,
+    )
+    assert simulated.exit_code == 0, simulated.output
+    first = plan.stages[0]
+    row = f"selective {len(first.selective_layers)} of {len(first.layers)} layers, +"
+    assert "seq-par" in simulated.output and "2-way" in simulated.output and row in simulated.output
     refused = CliRunner().invoke(cli, [*args[:-6], "--tensor-parallel", "1", "--sequence-parallel", "on"])
     assert refused.exit_code != 0 and "--sequence-parallel on with tensor-parallel degree 1" in refused.output
 
