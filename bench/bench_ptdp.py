@@ -9,7 +9,8 @@ InfiniBand per node = 200 GB/s between nodes), and
 ``planner.auto.search`` over the schedules that train as Megatron does (``SCHEDULES``) x
 micro-batch counts x t, p, d, Adam. Beside it, pipeplan's prediction for the paper's own t,
 p, d (``plan_uniform``, 1F1B-flush, micro-batches of one sequence) and Megatron's bubble
-(p - 1)/m of both. Predicted TFLOP/s per GPU use the paper's own count (eq. 3,
+(p - 1)/m of both; every plan without sequence parallelism (the paper predates it:
+``--sequence-parallel off``). Predicted TFLOP/s per GPU use the paper's own count (eq. 3,
 recomputation included) over the simulated time per iteration. Prints a markdown table,
 writes JSON.
 
@@ -106,13 +107,15 @@ def plan_row(
         plan = partition(
             profile,
             megatron_cluster(gpus),
-            PartitionOptions(schedule=schedule, microbatches=batch, optimizer="adam"),
+            PartitionOptions(
+                schedule=schedule, microbatches=batch, optimizer="adam", sequence_parallel="off"
+            ),
         )
     else:
         plan = search(
             profile,
             megatron_cluster(gpus),
-            PartitionOptions(optimizer="adam"),
+            PartitionOptions(optimizer="adam", sequence_parallel="off"),
             SCHEDULES,
             misfit_memory=False,
         ).plan
@@ -147,7 +150,9 @@ def paper_config(row: Row) -> dict:
         plan = plan_uniform(
             profile,
             megatron_cluster(row.gpus),
-            PartitionOptions(schedule="1f1b-flush", microbatches=row.batch, optimizer="adam"),
+            PartitionOptions(
+                schedule="1f1b-flush", microbatches=row.batch, optimizer="adam", sequence_parallel="off"
+            ),
             row.t,
             row.p,
         )

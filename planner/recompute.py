@@ -34,9 +34,10 @@ selective recomputation runs it on every such layer ``S`` of the stage (Megatron
 Modes: ``none`` (k = 0), ``full`` (k = |R|: every recomputable layer), ``selective`` (S),
 ``auto`` (the fastest of none, S and every k that fits the device; of the full choices the
 least k that fits, as ``extra_ms`` grows with k). A stage never mixes selective and full
-recomputation (Megatron's one granularity per run). The DP (``planner.dp``) chooses k per stage with its split and replicas: by
-bisection over k on a chain (memory falls as k grows once k > 0), between 0 and |R| on
-the cut states of a DAG (the exact per-stage choice is then made on the placed stages).
+recomputation (Megatron's one granularity per run). The DP (``planner.dp``) chooses per
+stage, with its split and replicas, among none, S (``SelectiveRanges``) and k: k by
+bisection on a chain (memory falls as k grows once k > 0), between 0 and |R| on the cut
+states of a DAG (the exact per-stage choice is then made on the placed stages).
 """
 
 from __future__ import annotations
@@ -195,10 +196,10 @@ def check_recompute_mode(
 
 
 def planned_on_estimates(estimated: bool, tensor_parallel: int, mixed: bool) -> bool:
-    """Whether recomputation is planned where pipeplan's runtime does not run it (t > 1, or
-    mixed precision: a recomputed forward would read the current float32 masters): only for
-    an estimated profile, whose plan is for another engine (Megatron-LM, torchtitan);
-    ``pipeplan run`` refuses such a plan in one line."""
+    """Whether recomputation may be planned: always for an ``estimated`` profile (a plan for
+    another engine: Megatron-LM, torchtitan; ``pipeplan run`` refuses what it does not run),
+    else only where pipeplan's runtime runs it (t = 1, no mixed precision: a recomputed
+    forward would read the current float32 masters, not the bf16 copy)."""
     return estimated or (tensor_parallel == 1 and not mixed)
 
 
