@@ -23,7 +23,8 @@ from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.memory import gradient_temporary_bytes
-from pipeplan.planner.options import PartitionOptions, charged_optimizer, planned_shard_modes
+from pipeplan.planner.offload import base_mode, host_bandwidth, offload_of
+from pipeplan.planner.options import PartitionOptions, charged_optimizer, planned_fsdp, planned_shard_modes
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
@@ -81,7 +82,7 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
     most = topology.levels[0].count
-    modes = ("none",) + (planned_shard_modes(options) if most > 1 else ())
+    modes = ("none",) + (planned_shard_modes(options, topology) if most > 1 else ())
     out = []
     gains = gain_bytes(profile)
     for layer in profile.layers:
@@ -174,7 +175,9 @@ def _solve_pipeplan(
         arrays.precision,
         microbatches=options.microbatches,
         recompute=options.recompute,
-        shard=planned_shard_modes(options),
+        shard=planned_shard_modes(options, topology),
+        fsdp_recomputes=options.shard != "auto",
+        host_bandwidth_bytes_per_s=host_bandwidth(topology),
     )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
@@ -354,6 +357,7 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
     options.validate()
     options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
+    options = planned_fsdp(options, profile, topology)
     tp.check_degree(profile, topology, t)
     split, grouped = tp.split_profile(profile, topology, t), tp.group_topology(topology, t)
     model = cost_model(options.cost_model)
@@ -387,6 +391,7 @@ def _partition_at_tensor_degree(
     """The best plan with tensor-parallel degree ``t`` for every stage: ``_partition_pipeline``
     on the group topology and split profile, expanded to the real ranks."""
     options = planned_recompute(options, t, Precision(profile.dtype, profile.master_dtype).mixed)
+    options = planned_fsdp(options, profile, topology)
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
@@ -394,11 +399,15 @@ def _partition_at_tensor_degree(
         raise InputError(
             f"--shard {options.shard} with tensor-parallel degree {t}: tensor-parallel stages are not sharded"
         )
+    if t > 1 and options.offload not in ("auto", "none"):
+        raise InputError(
+            f"--offload {options.offload} with tensor-parallel degree {t}: tensor-parallel stages are not offloaded"
+        )
     try:
         grouped = _partition_pipeline(
             tp.split_profile(profile, topology, t),
             tp.group_topology(topology, t),
-            replace(options, shard="none") if t > 1 else options,
+            replace(options, shard="none", offload="none") if t > 1 else options,
             beat_ms,
         )
     except InfeasibleError as exc:
@@ -532,11 +541,12 @@ def _tree_plan(
             options.schedule,
             options.optimizer,
             options.microbatches,
-            planned_shard_modes(options),
+            planned_shard_modes(options, topology),
             figure,
             limit,
             recompute_candidates(profile, layers, options.microbatches, options.recompute, gains),
             options.recompute,
+            fsdp_recomputes=options.shard != "auto",
         )
         compute, allreduce, comm, stage_time = shard.figures
         memory, versions, in_flight = shard.memory_bytes, shard.versions, shard.in_flight
@@ -566,8 +576,10 @@ def _tree_plan(
                 in_flight=int(math.ceil(in_flight)),
                 recompute_layers=recomputed,
                 recompute_ms=extra_ms,
-                shard=shard.mode,
+                shard=base_mode(shard.mode),
                 shard_degree=shard.degree,
+                offload=offload_of(shard.mode),
+                offload_ms=shard.offload_ms,
             )
         )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)

@@ -169,7 +169,7 @@ def simulate(
 def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
     from rich.table import Table
 
-    from pipeplan.cli.partition import recompute_text, shard_text
+    from pipeplan.cli.partition import offload_text, recompute_text, shard_text
 
     recomputes = any(stage.recompute_layers for stage in plan.stages)
     micro = f", {result.microbatches} micro-batches" if result.microbatches > 1 else ""
@@ -180,10 +180,16 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         f"{result.samples_per_s:.1f} samples/s (simulated)",
         caption="busy/idle/link: ms per minibatch, per replica; in flight: minibatches; device memory "
         f"{result.memory_limit_bytes / GIB:.3f} GiB"
-        + ("; recomputed: layers run again in backward, ms per minibatch in busy" if recomputes else ""),
+        + ("; recomputed: layers run again in backward, ms per minibatch in busy" if recomputes else "")
+        + (
+            "; offload: host-link copies and host optimizer step, ms per minibatch in busy"
+            if any(stage.offload != "none" for stage in plan.stages)
+            else ""
+        ),
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
     sharded = any(stage.shard != "none" for stage in plan.stages)
+    offloads = any(stage.offload != "none" for stage in plan.stages)
     for header in (
         "stage",
         "repl",
@@ -196,6 +202,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         "in flight",
         *(("recomputed",) if recomputes else ()),
         *(["shard"] if sharded else []),
+        *(["offload"] if offloads else []),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -215,6 +222,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             f"{sim.in_flight:g}",
             *((recompute_text(stage),) if recomputes else ()),
             *([shard_text(stage)] if sharded else []),
+            *([offload_text(stage)] if offloads else []),
         )
     return table
 
