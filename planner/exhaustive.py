@@ -122,6 +122,7 @@ def exhaustive_best(
     # as partition plans it: auto is none where nothing recomputes
     options = planned_recompute(options, 1, profile.master_dtype is not None)
     options = planned_fsdp(options, profile, topology)
+    planned_shard_modes(options, topology)  # refuses an offload as partition does, trees or not
     arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))
     top = len(topology.levels)
     best, best_tree = math.inf, None

@@ -577,7 +577,7 @@ def _tree_plan(
                 recompute_layers=recomputed,
                 recompute_ms=extra_ms,
                 shard=base_mode(shard.mode),
-                shard_degree=shard.degree,
+                shard_degree=shard.degree if base_mode(shard.mode) != "none" else 1,
                 offload=offload_of(shard.mode),
                 offload_ms=shard.offload_ms,
             )
