@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeplan.cli import cli
 from pipeplan.errors import InfeasibleError, InputError
@@ -197,3 +199,49 @@ def test_old_plans_load_without_offload_and_bad_offloads_are_one_line(tmp_path) 
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(InputError, match="^plan stage 0: offload 'disk' is not one of none, optimizer"):
         Plan.load(tmp_path / "bad.json")
+
+
+@st.composite
+def _auto_cases(draw):
+    """float32 chains on one level of 2-4 GPUs, gpipe / 1f1b-flush, memories tight enough that
+    auto needs zero2, fsdp or offload: where ``auto`` chooses among them."""
+    n = draw(st.integers(1, 4))
+    layers = tuple(
+        LayerProfile(
+            i, f"l{i}", "x", (i - 1,) if i else (), draw(st.floats(0.1, 5)), draw(st.floats(0.1, 5)),
+            draw(st.integers(0, 4000)), p, draw(st.integers(0, 3000)), largest_param_bytes=draw(st.integers(0, p)),
+        )
+        for i, p in enumerate(draw(st.integers(0, 6000)) for _ in range(n))
+    )  # fmt: skip
+    levels = (Level("l0", draw(st.integers(2, 4)), draw(st.sampled_from([1e6, 1e7]))),)
+    memory = draw(st.sampled_from([8_000, 12_000, 20_000, 30_000]))
+    host = draw(st.sampled_from([None, 1e6, 1e8]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b-flush"]))
+    options = PartitionOptions(
+        schedule=schedule,
+        optimizer=draw(st.sampled_from(["sgd", "adam"])),
+        microbatches=draw(st.sampled_from([1, 2, 4])) if schedule == "gpipe" else 1,
+        straight=draw(st.booleans()),
+        recompute=draw(st.sampled_from(["auto", "none"])),
+    )
+    topology = Topology("t", DeviceSpec("d", memory), levels, host_bandwidth_bytes_per_s=host)
+    return replace(_one_layer(), layers=layers), topology, options
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_auto_cases())
+def test_dp_equals_the_brute_force_where_auto_shards_fsdp_and_offloads(case) -> None:
+    profile, topology, options = case
+    best, _ = exhaustive_best(profile, topology, options)
+    try:
+        plan = partition(profile, topology, options)
+    except InfeasibleError:
+        assert best == math.inf
+        return
+    assert plan.predicted.stage_bound_ms == pytest.approx(best, rel=1e-9)
+    for stage in plan.stages:
+        assert stage.memory_bytes <= topology.device.memory_bytes
+        if stage.shard in ("zero2", "fsdp"):  # auto plans them without recomputation (run refuses it)
+            assert stage.recompute_layers == ()
+        if stage.offload != "none":
+            assert stage.offload == "optimizer+params" and stage.shard in ("zero2", "fsdp")
