@@ -19,6 +19,7 @@ from pipeplan.planner.sharding import shard_memory_bytes
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.precision import Precision
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+from pipeplan.runtime.sharding import check_shard
 from pipeplan.topology import DeviceSpec, Level, Topology, parse_topology
 
 MIXED = Precision("bfloat16", "float32")
@@ -94,6 +95,7 @@ def test_offload_makes_a_stage_fit_and_the_dp_agrees_with_the_brute_force() -> N
     assert stage.offload_ms == pytest.approx((2 * 10_000 / 1e9 + 5_000 / 8e9) * 1e3)
     assert plan.predicted.stage_bound_ms == pytest.approx(exhaustive_best(profile, topo, options)[0])
     assert plan.predicted.stage_bound_ms == pytest.approx(3.0 / 2 + stage.offload_ms)
+    check_shard(plan, plan.schedule, mixed=False, recompute=False, custom_optimizer=False)  # run runs it
     simulated = simulate_plan(plan, profile)
     # the simulator charges the same offloaded bytes, with each replica's 2 micro-batches of
     # activations (half the minibatch; the planner's bound holds the whole minibatch's)
@@ -144,6 +146,7 @@ def test_auto_shards_fsdp_where_it_runs_and_only_it_fits() -> None:
     )
     plan = partition(profile, _gpus(35_000), options)
     assert [(s.replicas, s.shard, s.memory_bytes) for s in plan.stages] == [(2, "fsdp", 32_500)]
+    check_shard(plan, plan.schedule, mixed=False, recompute=False, custom_optimizer=False)  # run runs it
     assert plan.predicted.stage_bound_ms == pytest.approx(exhaustive_best(profile, _gpus(35_000), options)[0])
     # a weight two layers use (a tie): pipeplan run's FSDP2 refuses it, so auto keeps zero1 / none
     tied = tuple(replace(layer, parameters=("w",)) for layer in layers)
@@ -239,6 +242,7 @@ def test_dp_equals_the_brute_force_where_auto_shards_fsdp_and_offloads(case) -> 
         assert best == math.inf
         return
     assert plan.predicted.stage_bound_ms == pytest.approx(best, rel=1e-9)
+    check_shard(plan, plan.schedule, mixed=False, recompute=False, custom_optimizer=False)  # run runs it
     for stage in plan.stages:
         assert stage.memory_bytes <= topology.device.memory_bytes
         if stage.shard in ("zero2", "fsdp"):  # auto plans them without recomputation (run refuses it)
