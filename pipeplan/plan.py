@@ -83,6 +83,12 @@ class StagePlan:
     # "zero2" | "fsdp", among groups of ``shard_degree`` consecutive replicas (1: none)
     shard: str = "none"
     shard_degree: int = 1
+    # offload to host memory (pipeplan.planner.offload): "none" | "optimizer" (optimizer state,
+    # and master weights, on host memory) | "optimizer+params" (parameters too, FSDP2
+    # CPUOffloadPolicy), and its host-link copies and host optimizer step (ms per minibatch,
+    # per replica, in ``time_per_minibatch_ms``)
+    offload: str = "none"
+    offload_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -346,6 +352,7 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
 
 
 SHARD_NAMES = ("none", "zero1", "zero2", "fsdp")  # pipeplan.planner.sharding.SHARD_MODES
+OFFLOAD_NAMES = ("none", "optimizer", "optimizer+params")  # pipeplan.planner.offload.OFFLOADS
 
 
 def _check_stage_shard(stage: StagePlan) -> None:
@@ -361,6 +368,17 @@ def _check_stage_shard(stage: StagePlan) -> None:
         )
     if (stage.shard == "none") != (d == 1):
         raise InputError(f"plan stage {stage.index}: shard {stage.shard} with shard_degree {d}")
+    if stage.offload not in OFFLOAD_NAMES:
+        raise InputError(
+            f"plan stage {stage.index}: offload {stage.offload!r} is not one of {', '.join(OFFLOAD_NAMES)}"
+        )
+    if stage.offload == "optimizer+params" and stage.shard not in ("zero2", "fsdp"):
+        raise InputError(
+            f"plan stage {stage.index}: offload optimizer+params with shard {stage.shard} (FSDP2: zero2 or fsdp)"
+        )
+    ms = stage.offload_ms
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not ms >= 0:
+        raise InputError(f"plan stage {stage.index}: offload_ms {ms!r} must be a number >= 0")
 
 
 def _check_stage_ranks(plan: Plan) -> None:

@@ -14,6 +14,7 @@ A topology file lists the levels innermost first, any number of them::
       - {name: server,  count: 4, bandwidth: 10 GB/s}   # latency: 5 us (optional)
       - {name: cluster, count: 4, bandwidth: 10 Gbit/s}
     storage: {bandwidth: 2 GB/s}   # optional: each rank's checkpoint write rate
+    host_link: {bandwidth: 25 GB/s}  # optional: device <-> host memory (offload); planner assumes PCIe Gen4 x16
 
 
 Units are parsed strictly by ``pipeplan.units``; a bad value raises ``InputError``
@@ -61,6 +62,10 @@ class Topology:
     levels: tuple[Level, ...]  # innermost first
     # bytes/s at which each rank writes a checkpoint (``storage: {bandwidth: ...}``); 0: not given
     storage_bandwidth_bytes_per_s: float = 0.0
+    # bytes/s between a device and its host's memory (``host_link: {bandwidth: ...}``), what
+    # offload's copies cross (pipeplan.planner.offload); None: not given, the planner assumes
+    # ``pipeplan.planner.offload.DEFAULT_HOST_BANDWIDTH`` and says so
+    host_bandwidth_bytes_per_s: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -84,6 +89,11 @@ class Topology:
                 for level in self.levels
             ],
             "storage_bandwidth_bytes_per_s": self.storage_bandwidth_bytes_per_s,
+            **(
+                {"host_bandwidth_bytes_per_s": self.host_bandwidth_bytes_per_s}
+                if self.host_bandwidth_bytes_per_s is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -99,6 +109,7 @@ class Topology:
             device=DeviceSpec(**obj["device"]),
             levels=tuple(Level(**level) for level in obj["levels"]),
             storage_bandwidth_bytes_per_s=obj.get("storage_bandwidth_bytes_per_s", 0.0),
+            host_bandwidth_bytes_per_s=obj.get("host_bandwidth_bytes_per_s"),
         )
         if not topology.levels:
             raise InputError("topology has no levels")
@@ -110,6 +121,11 @@ class Topology:
         storage = topology.storage_bandwidth_bytes_per_s
         if isinstance(storage, bool) or not isinstance(storage, (int, float)) or not storage >= 0:
             raise InputError(f"topology storage_bandwidth_bytes_per_s {storage!r} must be a number >= 0")
+        host = topology.host_bandwidth_bytes_per_s
+        if host is not None and (
+            isinstance(host, bool) or not isinstance(host, (int, float)) or not host > 0
+        ):
+            raise InputError(f"topology host_bandwidth_bytes_per_s {host!r} must be a positive number")
         for k, level in enumerate(topology.levels):
             if level.count < 1 or not level.bandwidth_bytes_per_s > 0 or not level.latency_ms >= 0:
                 raise InputError(
@@ -233,7 +249,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise InputError(f"{source}{line}: not valid YAML ({problem})") from exc
     if root is None:
         raise InputError(f"{source}: empty topology file")
-    top = _mapping(source, root, "the topology", ("name", "device", "levels", "storage"))
+    top = _mapping(source, root, "the topology", ("name", "device", "levels", "storage", "host_link"))
     name = _field(source, root, top, "name", "", str)
     if "device" not in top:
         raise InputError(f"{_where(source, root)}: missing key 'device'")
@@ -249,6 +265,11 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         storage_node = top["storage"][1]
         items = _mapping(source, storage_node, "'storage'", ("bandwidth",))
         storage = _field(source, storage_node, items, "bandwidth", "storage.", _positive(parse_bandwidth))
+    host: float | None = None
+    if "host_link" in top:
+        host_node = top["host_link"][1]
+        items = _mapping(source, host_node, "'host_link'", ("bandwidth",))
+        host = _field(source, host_node, items, "bandwidth", "host_link.", _positive(parse_bandwidth))
     if "levels" not in top:
         raise InputError(f"{_where(source, root)}: missing key 'levels'")
     levels_node = top["levels"][1]
@@ -268,7 +289,13 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
                 latency_ms=_field(source, level_node, items, "latency", path, _non_negative_ms, 0.0),
             )
         )
-    return Topology(name=name, device=device, levels=tuple(levels), storage_bandwidth_bytes_per_s=storage)
+    return Topology(
+        name=name,
+        device=device,
+        levels=tuple(levels),
+        storage_bandwidth_bytes_per_s=storage,
+        host_bandwidth_bytes_per_s=host,
+    )
 
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import cut_family
 from pipeplan.planner.dp import StageNode
-from pipeplan.planner.options import planned_shard_modes
+from pipeplan.planner.options import planned_fsdp, planned_shard_modes
 from pipeplan.planner.partition import PartitionOptions, charged_optimizer, planned_recompute, stage_figures
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.recompute import gain_bytes
@@ -88,7 +88,7 @@ def evaluate(
         return math.inf
     replicas = [stage.replicas for stage in flat]
     limit = topology.device.memory_bytes if options.memory_check else None
-    modes = planned_shard_modes(options)
+    modes = planned_shard_modes(options, topology)
     gains = gain_bytes(profile) if profile is not None else None
     times = []
     for q, (stage, figure) in enumerate(zip(flat, stage_figures(flat, arrays, topology, options))):
@@ -106,7 +106,7 @@ def evaluate(
         shard = stage_shard(
             stage, q, replicas, arrays, topology, options.schedule, options.optimizer,
             options.microbatches, modes, figure, limit, candidates,
-            options.recompute if profile is not None else "none",
+            options.recompute if profile is not None else "none", options.shard != "auto",
         )  # fmt: skip
         if shard.recompute is None or (limit is not None and shard.memory_bytes > limit):
             return math.inf
@@ -121,6 +121,8 @@ def exhaustive_best(
     (every downset on a small DAG); (inf, None) when none fits. Trees are over states."""
     # as partition plans it: auto is none where nothing recomputes
     options = planned_recompute(options, 1, profile.master_dtype is not None, bool(profile.estimated))
+    options = planned_fsdp(options, profile, topology)
+    planned_shard_modes(options, topology)  # refuses an offload as partition does, trees or not
     arrays = layer_arrays(profile, charged_optimizer(options), cut_family(profile))
     top = len(topology.levels)
     best, best_tree = math.inf, None

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeplan.errors import InputError
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import COST_MODELS
 from pipeplan.planner.memory import OPTIMIZER_STATES
+from pipeplan.planner.offload import OFFLOAD_CHOICES, offload_variants
 from pipeplan.planner.recompute import check_recompute_mode
-from pipeplan.planner.sharding import shard_modes
+from pipeplan.planner.sharding import fsdp_runs, shard_modes
 from pipeplan.planner.targets import ENGINES, EXPORT_TARGETS
+from pipeplan.precision import Precision
+from pipeplan.profile import Profile
 from pipeplan.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, TARGET_SCHEDULES, schedule_kind
+from pipeplan.topology import Topology
 
 __all__ = [
     "PartitionOptions",
     "TARGET_SCHEDULES",
     "SEQUENCE_PARALLEL_MODES",
     "charged_optimizer",
+    "planned_fsdp",
     "planned_shard_modes",
     "check_sequence_parallel",
     "plans_sequence_parallel",
@@ -55,6 +60,12 @@ class PartitionOptions:
     # Megatron's sequence parallelism of tensor-parallel stages (planner.tp_pricing):
     # "auto" (on wherever t > 1 and it runs: plans_sequence_parallel), "on" (needs t > 1), "off"
     sequence_parallel: str = "auto"
+    # offload to host memory of sharded replicas (planner.offload): auto | none | optimizer | all
+    offload: str = "auto"
+    # set by ``planned_fsdp`` from the profile and topology: ``pipeplan run`` runs zero2 and
+    # fsdp for them (planner.sharding.fsdp_runs), so ``auto`` chooses among them (and their
+    # offload), without recomputation on those stages
+    fsdp_run: bool = False
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULE_NAMES:
@@ -73,6 +84,13 @@ class PartitionOptions:
         if ratio is not None and not ratio > 0:
             raise InputError(f"activation compression ratio must be positive (got {ratio})")
         kind = schedule_kind(self.schedule)
+        if self.offload not in OFFLOAD_CHOICES:
+            raise InputError(f"--offload {self.offload!r} is not one of {', '.join(OFFLOAD_CHOICES)}")
+        if self.offload not in ("auto", "none") and (self.cost_model != "pipeplan" or self.export_target):
+            raise InputError(
+                f"--offload {self.offload} is planned with --cost-model pipeplan and without --for "
+                f"(got --cost-model {self.cost_model}, --for {self.export_target})"
+            )
         shard_modes(
             self.shard, self.schedule, self.tensor_parallel or 1
         )  # one line for a bad or refused mode
@@ -128,14 +146,37 @@ def charged_optimizer(options: PartitionOptions) -> str | None:
     return cost_model(options.cost_model).charged_optimizer(options.optimizer)
 
 
-def planned_shard_modes(options: PartitionOptions, tensor_parallel: int = 1) -> tuple[str, ...]:
-    """The shard modes the DP may give a replicated stage (``planner.sharding``): ``none``
-    only under PipeDream's own cost model or with tensor parallelism under ``auto``."""
+def planned_fsdp(options: PartitionOptions, profile: Profile, topology: Topology) -> PartitionOptions:
+    """``options`` with ``fsdp_run`` set: whether ``pipeplan run`` runs zero2 / fsdp for plans of
+    ``profile`` on ``topology`` (after ``partition.planned_recompute``: full recomputation rules them out)."""
+    users: dict[str, int] = {}
+    for layer in profile.layers:
+        for name in layer.parameters:
+            users[name] = users.get(name, 0) + 1
+    runs = fsdp_runs(
+        options.schedule,
+        Precision(profile.dtype, profile.master_dtype).mixed,
+        len(topology.levels),
+        any(count > 1 for count in users.values()),
+        options.recompute,
+    )
+    return options if runs == options.fsdp_run else replace(options, fsdp_run=runs)
+
+
+def planned_shard_modes(
+    options: PartitionOptions, topology: Topology, tensor_parallel: int = 1
+) -> tuple[str, ...]:
+    """The modes the DP may give a replicated stage, each with its offload
+    (``planner.offload.variant``): ``none`` only under PipeDream's own cost model, for an
+    export target, or with tensor parallelism under ``auto``. ``InputError`` in one line for
+    an offload the topology or modes refuse (``planner.offload.offload_variants``)."""
     if options.cost_model != "pipeplan" or options.export_target is not None:
         return ("none",)
     if tensor_parallel > 1 and options.shard == "auto":
         return ("none",)
-    return shard_modes(options.shard, options.schedule, tensor_parallel)
+    fsdp = options.fsdp_run and tensor_parallel == 1
+    modes = shard_modes(options.shard, options.schedule, tensor_parallel, fsdp)
+    return offload_variants(options.offload, modes, fsdp, topology.device.kind == "cpu")
 
 
 def check_sequence_parallel(mode: str, tensor_parallel: int | None) -> None:

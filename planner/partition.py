@@ -23,9 +23,11 @@ from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved
 from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.offload import base_mode, host_bandwidth, offload_of
 from pipeplan.planner.options import (
     PartitionOptions,
     charged_optimizer,
+    planned_fsdp,
     planned_shard_modes,
     plans_sequence_parallel,
 )
@@ -86,7 +88,7 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
     most = topology.levels[0].count
-    modes = ("none",) + (planned_shard_modes(options) if most > 1 else ())
+    modes = ("none",) + (planned_shard_modes(options, topology) if most > 1 else ())
     out = []
     gains = gain_bytes(profile)
     for layer in profile.layers:
@@ -179,7 +181,9 @@ def _solve_pipeplan(
         arrays.precision,
         microbatches=options.microbatches,
         recompute=options.recompute,
-        shard=planned_shard_modes(options),
+        shard=planned_shard_modes(options, topology),
+        fsdp_recomputes=options.shard != "auto",
+        host_bandwidth_bytes_per_s=host_bandwidth(topology),
     )
     solution = solve(arrays, topology, settings)
     if not math.isfinite(solution.time_ms):
@@ -371,6 +375,7 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     options = planned_recompute(
         options, t, Precision(profile.dtype, profile.master_dtype).mixed, bool(profile.estimated)
     )
+    options = planned_fsdp(options, profile, topology)
     tp.check_degree(profile, topology, t)
     sp = plans_sequence_parallel(options, t, bool(profile.estimated))
     split, grouped = tp.split_profile(profile, topology, t, sp), tp.group_topology(topology, t)
@@ -407,6 +412,7 @@ def _partition_at_tensor_degree(
     options = planned_recompute(
         options, t, Precision(profile.dtype, profile.master_dtype).mixed, bool(profile.estimated)
     )
+    options = planned_fsdp(options, profile, topology)
     if options.tensor_parallel is None and not any(layer.splits for layer in profile.layers):
         # no tensor parallelism: the plan and messages as before
         return _partition_pipeline(profile, topology, options)
@@ -414,13 +420,17 @@ def _partition_at_tensor_degree(
         raise InputError(
             f"--shard {options.shard} with tensor-parallel degree {t}: tensor-parallel stages are not sharded"
         )
+    if t > 1 and options.offload not in ("auto", "none"):
+        raise InputError(
+            f"--offload {options.offload} with tensor-parallel degree {t}: tensor-parallel stages are not offloaded"
+        )
     try:
         grouped = _partition_pipeline(
             tp.split_profile(
                 profile, topology, t, plans_sequence_parallel(options, t, bool(profile.estimated))
             ),
             tp.group_topology(topology, t),
-            replace(options, shard="none") if t > 1 else options,
+            replace(options, shard="none", offload="none") if t > 1 else options,
             beat_ms,
         )
     except InfeasibleError as exc:
@@ -560,11 +570,12 @@ def _tree_plan(
             options.schedule,
             options.optimizer,
             options.microbatches,
-            planned_shard_modes(options),
+            planned_shard_modes(options, topology),
             figure,
             limit,
             recompute_candidates(profile, layers, options.microbatches, options.recompute, gains),
             options.recompute,
+            fsdp_recomputes=options.shard != "auto",
         )
         compute, allreduce, comm, stage_time = shard.figures
         memory, versions, in_flight = shard.memory_bytes, shard.versions, shard.in_flight
@@ -596,8 +607,10 @@ def _tree_plan(
                 recompute_layers=recomputed,
                 selective_layers=selective,
                 recompute_ms=extra_ms,
-                shard=shard.mode,
-                shard_degree=shard.degree,
+                shard=base_mode(shard.mode),
+                shard_degree=shard.degree if base_mode(shard.mode) != "none" else 1,
+                offload=offload_of(shard.mode),
+                offload_ms=shard.offload_ms,
             )
         )
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, family=family)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.dp.sharded import largest_layer_range
 from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory
+from pipeplan.planner.offload import FSDP_MODES, base_mode, host_bandwidth, offload_ms
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.recompute import StageRecompute, choose
 from pipeplan.planner.sharding import replica_microbatches, shard_memory_bytes, shard_sync_ms
@@ -41,6 +42,7 @@ class StageShard:
     versions: int
     in_flight: float
     recompute: StageRecompute | None = None  # the recomputation chosen; None: none fits
+    offload_ms: float = 0.0  # host-link copies and host optimizer step per minibatch (planner.offload)
 
 
 def _higher_sync_ms(stage: FlatStage, arrays: LayerArrays, topology: Topology) -> float:
@@ -84,11 +86,13 @@ def stage_shard(
     memory_limit: float | None,
     candidates: Sequence[StageRecompute] | None = None,
     recompute_mode: str = "none",
+    fsdp_recomputes: bool = True,
 ) -> StageShard:
     """The stage's fastest mode of ``modes`` that fits ``memory_limit`` (None: any), or
     ``none`` with its unsharded ``figures`` when it is not a level-1 stage on several
     devices or nothing else is asked; each mode with the recomputation ``recompute_mode``
-    chooses among ``candidates`` (``recompute_choice.recompute_candidates``; None: none).
+    chooses among ``candidates`` (``recompute_choice.recompute_candidates``; None: none;
+    zero2 / fsdp none unless ``fsdp_recomputes``), and its offload (``planner.offload``) in its time.
     Without a fitting mode: the first mode's figures (the caller refuses the plan on its
     memory, or on ``recompute`` None)."""
     precision = arrays.precision
@@ -161,12 +165,28 @@ def stage_shard(
         if mode == "none":
             choice = unsharded
         else:
-            option, need = _recomputed(candidates, recompute_mode, sharded_memory, memory_limit)
+            plain = base_mode(mode) in FSDP_MODES and not fsdp_recomputes
+            option, need = _recomputed(
+                candidates[:1] if plain else candidates,
+                "none" if plain else recompute_mode,
+                sharded_memory,
+                memory_limit,
+            )
             extra = option.extra_ms if option is not None else 0.0
+            host = float(
+                offload_ms(
+                    mode,
+                    params,
+                    d,
+                    precision,
+                    replica_microbatches(schedule, microbatches, d),
+                    host_bandwidth(topology),
+                )
+            )
             allreduce = max(higher, sync / above)
-            time = max((compute + extra) / (above * d), allreduce, comm)
+            time = max(((compute + extra) / d + host) / above, allreduce, comm)
             choice = StageShard(
-                mode, d, (compute + extra, allreduce, comm, time), need, versions, in_flight, option
+                mode, d, (compute + extra, allreduce, comm, time), need, versions, in_flight, option, host
             )
         time = choice.figures[3]
         fits = choice.recompute is not None and (memory_limit is None or choice.memory_bytes <= memory_limit)

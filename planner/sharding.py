@@ -29,6 +29,15 @@ All-gathers and reduce-scatters of x bytes cost (d-1)/d x / B + (d-1) latencies;
 all-reduce twice that. Schedules whose weights are stashed or delayed (1F1B-RR, 2BW) or
 split the backward (ZB-H1) keep versions FSDP cannot gather: they plan ``none`` or
 ``zero1`` only; tensor-parallel stages and interleaved schedules plan ``none`` only.
+
+``auto`` chooses among the modes ``pipeplan run`` runs for the plan: ``none`` and ``zero1``
+everywhere, ``zero2`` and ``fsdp`` where FSDP2 runs them (``fsdp_runs``: a flush schedule
+with one backward, float32, t = 1, one topology level so a stage's replicas form one
+sharding group, no tied weights, no ``--recompute full``; zero2/fsdp stages then plan no
+recomputation, which the runtime refuses on them).
+
+A mode name may carry an offload (``planner.offload.variant``: ``fsdp/optimizer+params``):
+its bytes are the mode's less what offload frees, its sync the mode's.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.costs import Elementwise, ring_allreduce_ms
 from pipeplan.planner.memory import optimizer_states, stage_memory_bytes
+from pipeplan.planner.offload import base_mode, offload_freed_copies, variant
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 
@@ -48,6 +58,7 @@ __all__ = [
     "SHARD_CHOICES",
     "SHARD_MODES",
     "RUN_MODES",
+    "fsdp_runs",
     "replica_microbatches",
     "shard_copies",
     "shard_memory_bytes",
@@ -65,6 +76,25 @@ SHARD_CHOICES = ("auto",) + SHARD_MODES
 # among; zero2 and fsdp are planned when asked for by name (``pipeplan run`` runs them for
 # float32 flush schedules: pipeplan.runtime.sharding)
 RUN_MODES = ("none", "zero1")
+FSDP_MODES = ("zero2", "fsdp")  # what pipeplan run runs with FSDP2 fully_shard
+
+
+def fsdp_runs(
+    schedule: str, mixed: bool, levels: int, tied: bool, recompute: str, tensor_parallel: int = 1
+) -> bool:
+    """Whether ``pipeplan run`` runs zero2 / fsdp for such a plan (``runtime.sharding.check_shard``):
+    a flush schedule with one backward and one chunk, float32, t = 1, one topology level (a
+    stage's replicas all in one sharding group), no weight tied across layers, no full recomputation."""
+    kind = schedule_kind(schedule)
+    return (
+        kind.runs_tensor_parallel
+        and not kind.virtual_stages
+        and not mixed
+        and levels == 1
+        and not tied
+        and recompute != "full"
+        and tensor_parallel == 1
+    )
 
 
 def _compatible(schedule: str, tensor_parallel: int) -> tuple[tuple[str, ...], str]:
@@ -82,14 +112,18 @@ def _compatible(schedule: str, tensor_parallel: int) -> tuple[tuple[str, ...], s
     return SHARD_MODES, ""
 
 
-def shard_modes(request: str, schedule: str, tensor_parallel: int = 1) -> tuple[str, ...]:
+def shard_modes(
+    request: str, schedule: str, tensor_parallel: int = 1, fsdp_run: bool = False
+) -> tuple[str, ...]:
     """The modes a replicated stage may take: every compatible one ``pipeplan run`` runs for
-    ``auto``, else the one asked (``InputError`` in one line when the schedule cannot combine with it)."""
+    ``auto`` (zero2 and fsdp where ``fsdp_run``: ``fsdp_runs``), else the one asked
+    (``InputError`` in one line when the schedule cannot combine with it)."""
     if request not in SHARD_CHOICES:
         raise InputError(f"--shard {request!r} is not one of {', '.join(SHARD_CHOICES)}")
     allowed, why = _compatible(schedule, tensor_parallel)
     if request == "auto":
-        return tuple(mode for mode in allowed if mode in RUN_MODES)
+        runs = RUN_MODES + (FSDP_MODES if fsdp_run else ())
+        return tuple(mode for mode in allowed if mode in runs)
     if request not in allowed:
         raise InputError(f"--shard {request} with schedule {schedule}: {why}")
     return (request,)
@@ -113,17 +147,19 @@ def shard_copies(
     >>> [shard_copies(m, 1, "adam", p, 4) for m in ("none", "zero1", "zero2", "fsdp")]
     [9.0, 6.0, 3.0, 2.0]
     """
+    freed = offload_freed_copies(mode, optimizer, precision, d)
+    mode = base_mode(mode)
     states = optimizer_states(optimizer)
     copies = precision.state_copies(states)
     own = 0.0 if precision.mixed else 1.0
     if mode == "none":
-        return versions + copies
+        return versions + copies - freed
     if mode == "zero1":
-        return versions + copies - precision.gradient_ratio * states * (1.0 - 1.0 / d)
+        return versions + copies - precision.gradient_ratio * states * (1.0 - 1.0 / d) - freed
     if mode == "zero2":
-        return 1.0 + (copies + own) / d
+        return 1.0 + (copies + own) / d - freed
     if mode == "fsdp":
-        return (copies + own) / d
+        return (copies + own) / d - freed
     raise InputError(f"shard mode {mode!r} is not one of {', '.join(SHARD_MODES)}")
 
 
@@ -145,7 +181,7 @@ def shard_memory_bytes(
     >>> shard_memory_bytes("zero1", 100, 10, 1, 2, "adam", Precision(), 2)
     320.0
     """
-    gathered = np.minimum(param_bytes, 2.0 * largest_layer_bytes) if mode == "fsdp" else 0.0
+    gathered = np.minimum(param_bytes, 2.0 * largest_layer_bytes) if base_mode(mode) == "fsdp" else 0.0
     return (
         param_bytes * shard_copies(mode, versions, optimizer, precision, d)
         + gathered
@@ -171,6 +207,7 @@ def shard_sync_ms(
     """
     if d <= 1:
         return param_bytes * 0.0
+    mode = base_mode(mode)
     grads = param_bytes * precision.gradient_ratio
     share = (d - 1.0) / d / bandwidth_bytes_per_s * 1e3
     hops = (d - 1.0) * latency_ms
@@ -214,6 +251,7 @@ def sync_floor_factor(modes: tuple[str, ...], precision: Precision) -> float:
     """
     g = precision.gradient_ratio
     factor = 1.0
+    modes = tuple(base_mode(mode) for mode in modes)
     if "zero2" in modes:
         factor = min(factor, (g + 1.0) / (2.0 * g))
     if "fsdp" in modes:
@@ -262,7 +300,7 @@ def stage_shard_memory(
     simulator's per-stage memory). fsdp's gathered layers are charged as the whole stage's
     parameters (an upper bound: the simulator's costs have no per-layer parameter bytes)."""
     stage = plan.stages[q] if q < len(plan.stages) else None
-    mode = stage.shard if stage is not None else "none"
+    mode = variant(stage.shard, stage.offload) if stage is not None else "none"
     if mode == "none":
         return stage_memory_bytes(
             param_bytes, saved_bytes, versions, in_flight, plan.optimizer, plan.precision, temporary_bytes

@@ -186,7 +186,8 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 param_bytes=sum(layer.param_bytes for layer in layers),
                 saved_bytes=int(sum(layer.saved_bytes for layer in layers) - freed_bytes),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
-                step_ms=sum(update[i] for i in stage.layers),
+                # offload's host-link copies and host step (planner.offload) beside the step
+                step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
@@ -495,7 +496,15 @@ def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, recor
 def _one_lane(plan: Plan) -> Plan:
     """``plan`` cut to replica 0 of every stage (its first rank), for ``_lanes``."""
     stages = tuple(
-        replace(stage, replicas=1, ranks=stage.ranks[:1], tensor_parallel=1, shard="none", shard_degree=1)
+        replace(
+            stage,
+            replicas=1,
+            ranks=stage.ranks[:1],
+            tensor_parallel=1,
+            shard="none",
+            shard_degree=1,
+            offload="none",
+        )
         for stage in plan.stages
     )
     return replace(plan, stages=stages)

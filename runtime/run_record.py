@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from pipeplan.jsonio import write_atomic
 from pipeplan.runtime.executor import Executor
 from pipeplan.runtime.mixed_precision import MixedPrecision
-from pipeplan.runtime.sharding import optimizer_state_bytes
+from pipeplan.runtime.sharding import offload_policies, optimizer_state_bytes
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.tensor_parallel.apply import full
@@ -59,6 +59,8 @@ def write_record(
         "losses": dict(executor.losses),
         # bytes of the optimizer state this rank holds (a sharded optimizer: its share)
         "optimizer_state_bytes": optimizer_state_bytes(executor.optimizer),
+        # FSDP2 units' offload policies (CPUOffloadPolicy under StagePlan.offload optimizer+params)
+        "offload_policies": offload_policies(module),
         # (dtype, placements) of each master and of the tensor the layers ran on (its compute copy)
         "masters": {names[n]: _layout(p) for n, p in module.named_parameters()},
         "compute": {

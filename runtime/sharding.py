@@ -19,8 +19,17 @@ A stage the plan shards among groups of ``shard_degree`` consecutive replicas
   a zero1 stage runs them, a zero2/fsdp one is refused; the planner prices both alike);
   ``check_shard`` refuses the rest in one line.
 
+Offload (``StagePlan.offload``, ``pipeplan.planner.offload``): ``optimizer+params`` runs
+FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard`` unit of a zero2 / fsdp stage (sharded
+parameters, gradients and optimizer state on the host, the optimizer stepping there;
+``pin_memory`` on CUDA only: pinning needs an accelerator). ``optimizer`` alone is refused:
+FSDP2 has no policy that leaves the parameters on the device and moves only the optimizer
+state, and pipeplan runs no hand-written copy of one.
+
 Found on this machine (torch 2.13 CPU, 2 gloo ranks): FSDP2 ``fully_shard`` and
-``ZeroRedundancyOptimizer`` both train. Untested on GPUs (NCCL): the same calls.
+``ZeroRedundancyOptimizer`` both train; ``fully_shard(..., offload_policy=CPUOffloadPolicy(pin_memory=False))``
+trains on CPU tensors over gloo allclose to one process (``pin_memory=True`` fails without an
+accelerator). Untested on GPUs (NCCL): the same calls.
 
 Checkpoints: a zero1 replica saves the optimizer state of the parameters it owns under
 their qualified names; an FSDP2 stage's replicas all join each tensor's gather and the
@@ -52,6 +61,7 @@ __all__ = [
     "check_shard",
     "fully_shard_stage",
     "local_optimizer",
+    "offload_policies",
     "optimizer_state_bytes",
     "shard_group",
     "shard_optimizer",
@@ -74,6 +84,11 @@ def check_shard(plan: Plan, schedule: str, mixed: bool, recompute: bool, custom_
             raise InputError(
                 f"plan stage {stage.index} shards its optimizer state (zero1): the model file's "
                 "make_optimizer builds its own optimizer (partition --shard none for it)"
+            )
+        if stage.offload == "optimizer":
+            raise InputError(
+                f"plan stage {stage.index} offloads its optimizer state alone: FSDP2's CPUOffloadPolicy "
+                "moves parameters and gradients too (partition --offload all, or none)"
             )
         if stage.shard not in FSDP_MODES:
             continue
@@ -156,26 +171,44 @@ def optimizer_state_bytes(optimizer: Optimizer | None) -> int:
     )
 
 
-def fully_shard_stage(chunks: list[nn.Module], mode: str, group: dist.ProcessGroup, device_type: str) -> None:
+def fully_shard_stage(
+    chunks: list[nn.Module], mode: str, group: dist.ProcessGroup, device_type: str, offload: bool = False
+) -> None:
     """FSDP2 ``fully_shard`` of this rank's chunk modules over its stage's replicas
     (``group``): ``zero2`` one unit per chunk kept whole from forward to backward
     (``reshard_after_forward=False``); ``fsdp`` each child holding parameters a unit of its
     own, gathered again for the backward. Gradients are summed over the replicas, as the
-    flush schedules' ``GradSync`` sums them (each replica's losses are already scaled by 1/M)."""
+    flush schedules' ``GradSync`` sums them (each replica's losses are already scaled by 1/M).
+    ``offload``: every unit under ``CPUOffloadPolicy`` (pinned host memory on CUDA)."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type)
+    policy = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
     reshard = mode == "fsdp"
     for chunk in chunks:
         units: list[nn.Module] = []
         if reshard:
             units = [child for child in chunk.children() if any(True for _ in child.parameters())]
         for unit in units + [chunk]:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
             assert isinstance(unit, FSDPModule)
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def offload_policies(module: nn.Module) -> list[str]:
+    """The class names of the offload policies of ``module``'s FSDP2 units (reads FSDP2's
+    state: its parameter groups' ``offload_policy``); [] without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = []
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            state = unit._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                names.append(type(group.offload_policy).__name__)
+    return names
 
 
 def check_fsdp_ties(mode: str, tied: bool, stage: int) -> None:

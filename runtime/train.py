@@ -402,7 +402,13 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     mode = config.plan.stages[spec.stage_index].shard if spec.stage_index >= 0 else "none"
     check_fsdp_ties(mode, bool(sync.tie_groups), spec.stage_index)
     if mode in FSDP_MODES and module is not None and shards is not None:
-        fully_shard_stage([chunk.module for chunk in spec.chunks], mode, shards, env.device.split(":")[0])
+        fully_shard_stage(
+            [chunk.module for chunk in spec.chunks],
+            mode,
+            shards,
+            env.device.split(":")[0],
+            config.plan.stages[spec.stage_index].offload == "optimizer+params",
+        )
         sync.replica_group, sync.replica_ranks = None, ()  # FSDP2 reduce-scatters them
     own_mesh = meshes[spec.stage_index] if meshes is not None and spec.stage_index >= 0 else None
     tp_context = None

@@ -245,7 +245,7 @@ def test_checkpointed_layers_keep_less_and_give_the_same_gradients() -> None:
 def test_partition_cli_refuses_none_and_shows_what_auto_recomputes(tmp_path: Path) -> None:
     topology = tmp_path / "t.yaml"
     topology.write_text(
-        "name: two\ndevice: {name: cpu, memory: 650 MiB}\nlevels:\n  - {name: host, count: 2, bandwidth: 10 Gbit/s}\n"
+        "name: two\ndevice: {name: cpu, memory: 650 MiB, kind: cpu}\nlevels:\n  - {name: host, count: 2, bandwidth: 10 Gbit/s}\n"
     )
     args = ["partition", str(FIXTURE_PROFILE), "--topology", str(topology), "--schedule", "1f1b-flush"]
     args += ["--microbatches", "2", "-o", str(tmp_path / "plan.json")]

@@ -48,7 +48,7 @@ STEPS = 2
 
 
 def _topology() -> Topology:
-    return Topology("two-cpus", DeviceSpec("cpu", 650 * MiB), (Level("host", 2, 1.25e9),))
+    return Topology("two-cpus", DeviceSpec("cpu", 650 * MiB, "cpu"), (Level("host", 2, 1.25e9),))
 
 
 def _options(recompute: str) -> PartitionOptions:

@@ -107,7 +107,8 @@ def test_a_stage_fits_only_sharded_and_recomputing():
     layer = LayerProfile(0, "l0", "Linear", (), 1.0, 2.0, 100, 10_000, 20_000, largest_param_bytes=10_000)
     profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
     topo = _two_devices(50_000)
-    options = PartitionOptions(schedule="gpipe", optimizer="adam", microbatches=4)
+    # without offload (optimizer+params on zero2 would fit it alone: tests/test_offload.py)
+    options = PartitionOptions(schedule="gpipe", optimizer="adam", microbatches=4, offload="none")
     for alone in (replace(options, shard="none"), replace(options, recompute="none")):
         with pytest.raises(InfeasibleError, match="no plan fits"):
             partition(profile, topo, alone)
@@ -159,8 +160,17 @@ def cases(draw):
         shard=draw(st.sampled_from(modes)),
         straight=draw(st.booleans()),
         recompute=draw(st.sampled_from(recompute)),
+        # offload (planner.offload) with each mode; "all" without zero2 / fsdp and any explicit
+        # offload on a CPU topology are refused alike by both
+        offload=draw(st.sampled_from(["auto", "none", "optimizer", "all"])),
     )
-    return profile, Topology("t", DeviceSpec("d", memory), levels), options
+    kind = draw(st.sampled_from(["cuda", "cuda", "cpu"]))
+    host = draw(st.sampled_from([None, 1e6, 1e8]))
+    return (
+        profile,
+        Topology("t", DeviceSpec("d", memory, kind), levels, host_bandwidth_bytes_per_s=host),
+        options,
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -168,7 +178,12 @@ def cases(draw):
 def test_dp_with_sharding_equals_exhaustive(case):
     """The DP and the brute force agree on every shard request, memory and precision."""
     profile, topology, options = case
-    best, _ = exhaustive_best(profile, topology, options)
+    try:
+        best, _ = exhaustive_best(profile, topology, options)
+    except InputError as exc:
+        with pytest.raises(InputError, match=str(exc).split(":")[0]):
+            partition(profile, topology, options)
+        return
     try:
         plan = partition(profile, topology, options)
     except InfeasibleError:
@@ -179,6 +194,10 @@ def test_dp_with_sharding_equals_exhaustive(case):
         assert stage.memory_bytes <= topology.device.memory_bytes
         if options.shard not in ("auto", "none") and stage.shard_degree > 1:
             assert stage.shard == options.shard
+        if options.offload in ("optimizer", "all") and stage.shard_degree > 1:
+            assert stage.offload == ("optimizer" if options.offload == "optimizer" else "optimizer+params")
+        if options.offload == "none" or topology.device.kind == "cpu":
+            assert stage.offload == "none"
 
 
 def test_partition_simulate_and_report_show_each_stages_sharding(tmp_path):

@@ -26,7 +26,14 @@ LR = 0.01
 
 
 def _sharded(plan: Plan, mode: str) -> Plan:
-    return replace(plan, stages=tuple(replace(s, shard=mode, shard_degree=s.replicas) for s in plan.stages))
+    """Every stage sharded ``mode`` over its replicas; ``fsdp+offload``: fsdp with FSDP2's
+    CPUOffloadPolicy (``StagePlan.offload`` optimizer+params)."""
+    offload = "optimizer+params" if mode.endswith("+offload") else "none"
+    shard = mode.removesuffix("+offload")
+    return replace(
+        plan,
+        stages=tuple(replace(s, shard=shard, shard_degree=s.replicas, offload=offload) for s in plan.stages),
+    )
 
 
 def test_run_refuses_what_it_does_not_run_in_one_line() -> None:
@@ -56,6 +63,13 @@ def test_run_refuses_what_it_does_not_run_in_one_line() -> None:
     with pytest.raises(InputError, match="make_optimizer builds its own optimizer"):
         check_shard(_sharded(plan, "zero1"), "gpipe", False, False, custom_optimizer=True)
     check_shard(_sharded(plan, "zero1"), "1f1b-rr", True, False, custom_optimizer=False)
+    optimizer_only = replace(fsdp, stages=tuple(replace(s, offload="optimizer") for s in fsdp.stages))
+    with pytest.raises(
+        InputError, match="^plan stage 0 offloads its optimizer state alone: FSDP2's CPUOffloadPolicy"
+    ):
+        check_shard(optimizer_only, "gpipe", False, False, custom_optimizer=False)
+    with pytest.raises(InputError, match="offload optimizer\\+params with shard zero1"):
+        replace(zero1, stages=tuple(replace(s, offload="optimizer+params") for s in zero1.stages))
     with pytest.raises(InputError, match="holds a weight tied to another stage"):
         check_fsdp_ties("zero2", tied=True, stage=0)
     check_fsdp_ties("zero1", tied=True, stage=0)
@@ -73,12 +87,13 @@ def _run(tmp: Path, plan: str, ranks: int, steps: int, rec: str, *extra: str) ->
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "fsdp", "fsdp+offload"])
 def test_sharded_replicas_train_as_unsharded_and_resume_unsharded(tmp_path: Path, mode: str) -> None:
     """One stage on 2 replicas, Adam: zero1 (ZeroRedundancyOptimizer) and fsdp (FSDP2) train
     allclose to one process, each rank holds about half of Adam's state (zero1: torch's greedy
     split by size; fsdp: half of every tensor), and the checkpoint resumes under an unsharded
-    2-stage plan, ending where 4 uninterrupted steps end."""
+    2-stage plan, ending where 4 uninterrupted steps end. ``fsdp+offload``: the same under
+    FSDP2's CPUOffloadPolicy on every unit (issue 30's test (c) for offload)."""
     whole = make_plan(
         MODEL, [[0, 1, 2, 3, 4, 5]], [2], "gpipe", batch_size=8, microbatches=2, optimizer="adam"
     )
@@ -89,6 +104,9 @@ def test_sharded_replicas_train_as_unsharded_and_resume_unsharded(tmp_path: Path
     _run(tmp_path, "zero1.json", 2, 2, "rec-zero1", "--checkpoint-every", "1")
     reference, _ = train_reference(MODEL, 2, 8, LR, optimizer="adam")
     recs = records(tmp_path / "rec-zero1")
+    fsdp_units = {"zero1": 0, "zero2": 1}.get(mode, 4)  # fsdp: each Linear and the chunk
+    policy = "CPUOffloadPolicy" if mode.endswith("+offload") else "OffloadPolicy"
+    assert recs[0]["offload_policies"] == [policy] * fsdp_units
     assert_params_match({0: recs[0]}, reference)  # each replica holds every parameter
     assert_params_match({1: recs[1]}, reference)
     # Adam's state (2 float32 moments + a step per parameter) split over the 2 ranks

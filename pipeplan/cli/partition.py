@@ -114,6 +114,30 @@ def shard_text(stage: StagePlan) -> str:
     return "none" if stage.shard == "none" else f"{stage.shard}/{stage.shard_degree}"
 
 
+def offload_text(stage: StagePlan) -> str:
+    """A stage's offload for a table cell: "optimizer+params, +3.10 ms" ("-": none)."""
+    from pipeplan.units import format_ms
+
+    if stage.offload == "none":
+        return "-"
+    return f"{stage.offload}, +{format_ms(stage.offload_ms)}"
+
+
+def offload_note(plan: Plan) -> str:
+    """The host link a plan's offloaded stages are priced on, in one line ('' without offload)."""
+    from pipeplan.planner.offload import HOST_ADAM_BYTES_PER_S, host_bandwidth, host_link_note
+
+    if all(stage.offload == "none" for stage in plan.stages):
+        return ""
+    link = host_link_note(plan.topology) or (
+        f"offload priced on the topology's host link of {host_bandwidth(plan.topology) / 1e9:g} GB/s"
+    )
+    return (
+        f"{link}; the host steps the optimizer at {HOST_ADAM_BYTES_PER_S / 1e9:g} GB/s of float32 "
+        "parameters (fused CPU Adam, one thread); offload's ms per minibatch are in busy/minibatch"
+    )
+
+
 def _print_plan(plan: Plan, estimated: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -130,6 +154,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
             " + sequence-parallel" if any(s.sequence_parallel for s in plan.stages) else ""
         )
     sharded = any(stage.shard != "none" for stage in plan.stages)
+    offloads = any(stage.offload != "none" for stage in plan.stages)
     table = Table(
         title=f"{plan.model} on {plan.topology.name} ({plan.world_size} devices, "
         f"{shape}, {plan.cost_model} cost model)" + (f"\nESTIMATED profile: {estimated}" if estimated else "")
@@ -147,6 +172,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
         "memory",
         *(("recomputed",) if recomputes else ()),
         *(["shard"] if sharded else []),
+        *(["offload"] if offloads else []),
     ):
         table.add_column(column, justify="right" if column not in ("layers", "ranks") else "left")
     for stage in plan.stages:
@@ -165,9 +191,12 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
             format_bytes(stage.memory_bytes),
             *((recompute_text(stage),) if recomputes else ()),
             *([shard_text(stage)] if sharded else []),
+            *([offload_text(stage)] if offloads else []),
         )
     console = Console()
     console.print(table)
+    if offloads:
+        console.print(offload_note(plan), markup=False, soft_wrap=True)
     if recomputes or plan.recompute != "none":
         console.print(
             f"recomputation ({plan.recompute}): "
@@ -299,7 +328,18 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     show_default=True,
     help="How a stage's replicas on one unit of the innermost level shard: none, zero1 (optimizer "
     "state / d), zero2 (+ gradients and masters / d), fsdp (+ parameters / d, gathered per layer); "
-    "auto: per stage the fastest that fits of none and zero1 (which run under every schedule), less sharding on ties.",
+    "auto: per stage the fastest that fits among those pipeplan run runs for the plan (none and zero1 "
+    "everywhere; zero2 and fsdp on float32 gpipe / 1f1b-flush plans of one topology level), less sharding on ties.",
+)
+@click.option(
+    "--offload",
+    type=click.Choice(["auto", "none", "optimizer", "all"]),
+    default="auto",
+    show_default=True,
+    help="Offload of sharded replicas' state to host memory, priced on the topology's host_link "
+    "(else an assumed 25 GB/s): optimizer (optimizer state and masters; planned, not run), all "
+    "(parameters too, FSDP2 CPUOffloadPolicy on zero2/fsdp); auto: per stage where it is the fastest "
+    "that fits, among what pipeplan run runs (all, on zero2/fsdp); never on a CPU topology.",
 )
 @click.option(
     "--memory-check/--no-memory-check",
@@ -336,6 +376,7 @@ def partition(
     uniform: bool | None,
     tensor_parallel: str,
     shard: str,
+    offload: str,
     memory_check: bool,
     activation_compression: float | None,
     batch_size: int,
@@ -389,6 +430,7 @@ def partition(
         recompute=recompute,
         shard=shard,
         sequence_parallel=sequence_parallel,
+        offload=offload,
     )
     if schedule == "auto":
         from pipeplan.planner.auto import search

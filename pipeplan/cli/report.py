@@ -156,7 +156,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
     console.print(table)
     if any(s.peak_memory_bytes is not None for s in metrics.stages):  # metrics/2
         console.print(memory_table(metrics.to_dict()["stages"], (metrics.plan or {}).get("stages")))
-    for line in recompute_lines(metrics.plan or {}):
+    for line in recompute_lines(metrics.plan or {}) + offload_lines(metrics.plan or {}):
         console.print(line, markup=False, soft_wrap=True)
     print_checkpoints(metrics.to_dict(), console)
     flagged = result.flagged
@@ -208,6 +208,22 @@ def recompute_lines(plan: Mapping[str, Any]) -> list[str]:
                 + (f" of {format_bytes(int(device))} per device" if device else "")
             )
     return out
+
+
+def offload_lines(plan: Mapping[str, Any]) -> list[str]:
+    """One line per stage of the run's plan that offloads to host memory (``StagePlan.offload``):
+    what, the ms it adds per minibatch (in its predicted time) and its memory against the device's."""
+    from pipeplan.units import format_bytes, format_ms
+
+    device = plan.get("topology", {}).get("device", {}).get("memory_bytes")
+    return [
+        f"stage {stage['index']} offloads {stage['offload']} to host memory: "
+        f"+{format_ms(float(stage.get('offload_ms', 0.0)))} per minibatch (host-link copies and host "
+        f"optimizer step, in its predicted time), planned memory {format_bytes(int(stage['memory_bytes']))}"
+        + (f" of {format_bytes(int(device))} per device" if device else "")
+        for stage in plan.get("stages", [])
+        if stage.get("offload", "none") != "none"
+    ]
 
 
 def memory_table(stages: list[dict[str, Any]], plan_stages: list[dict[str, Any]] | None = None) -> Any:

@@ -169,7 +169,7 @@ def simulate(
 def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
     from rich.table import Table
 
-    from pipeplan.cli.partition import recompute_text, shard_text
+    from pipeplan.cli.partition import offload_text, recompute_text, shard_text
 
     recomputes = any(stage.recompute_layers or stage.selective_layers for stage in plan.stages)
     sequence_parallel = any(stage.sequence_parallel for stage in plan.stages)
@@ -187,10 +187,16 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
             if recomputes
             else ""
         )
-        + ("; seq-par: sequence-parallel tensor-parallel group" if sequence_parallel else ""),
+        + ("; seq-par: sequence-parallel tensor-parallel group" if sequence_parallel else "")
+        + (
+            "; offload: host-link copies and host optimizer step, ms per minibatch in busy"
+            if any(stage.offload != "none" for stage in plan.stages)
+            else ""
+        ),
     )
     # times are ms per minibatch of the pipeline, per replica; in flight in minibatches
     sharded = any(stage.shard != "none" for stage in plan.stages)
+    offloads = any(stage.offload != "none" for stage in plan.stages)
     for header in (
         "stage",
         "repl",
@@ -204,6 +210,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
         *(("recomputed",) if recomputes else ()),
         *(["shard"] if sharded else []),
         *(["seq-par"] if sequence_parallel else []),
+        *(["offload"] if offloads else []),
     ):
         table.add_column(header, justify="right")
     limit = result.memory_limit_bytes
@@ -228,6 +235,7 @@ def _stage_table(plan: Plan, result: SimResult) -> Table:  # noqa: F821
                 if sequence_parallel
                 else []
             ),
+            *([offload_text(stage)] if offloads else []),
         )
     return table
 

@@ -71,6 +71,11 @@ class DPSettings:
     # modes a stage replicated on d > 1 devices of level 1 may shard its replicas in
     # (planner.sharding; the DP takes the fastest that fits, per stage: planner.dp.sharded)
     shard: tuple[str, ...] = ("none",)
+    # whether zero2 / fsdp stages may recompute layers (False under --shard auto: pipeplan run
+    # refuses recomputed layers on them, so auto plans them without)
+    fsdp_recomputes: bool = True
+    # the host link offload's copies cross (planner.offload; modes ``mode/offload`` in ``shard``)
+    host_bandwidth_bytes_per_s: float = 25e9
 
 
 @dataclass(frozen=True)

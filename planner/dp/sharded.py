@@ -29,6 +29,7 @@ from pipeplan.planner.dp.context import (
     versions_in_flight,
 )
 from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.offload import FSDP_MODES, base_mode, offload_ms
 from pipeplan.planner.sharding import replica_microbatches, shard_memory_bytes, shard_sync_ms
 
 __all__ = ["largest_layer_range", "least_need_bytes", "sharded_stage_values"]
@@ -93,17 +94,32 @@ def sharded_stage_values(ctx: DPContext, tau: int, units: int, where: tuple) -> 
     compute, params = ctx.compute[where], ctx.params[where]
     temporary = gradient_temporary_bytes(ctx.largest[where], settings.microbatches, settings.precision)
     micro = replica_microbatches(settings.schedule, settings.microbatches, units)
-    largest = _largest_layers(ctx)[where] if "fsdp" in settings.shard else 0.0
+    fsdp = any(base_mode(mode) == "fsdp" for mode in settings.shard)
+    largest = _largest_layers(ctx)[where] if fsdp else 0.0
     best = np.full(np.shape(compute), INF)
     for mode in settings.shard:
         sync = shard_sync_ms(
             mode, params, units, lv.bandwidth_bytes_per_s, lv.latency_ms, settings.precision, micro
         )
         parameters = _shard_parameter_bytes(settings, mode, params, tau, units, temporary, largest)
-        extra = recompute_extra_ms(ctx, tau, where, parameters)
-        value = np.maximum((compute + extra) / units, sync)
+        if base_mode(mode) in FSDP_MODES and not settings.fsdp_recomputes:
+            extra = _fits_whole(ctx, tau, where, parameters)
+        else:
+            extra = recompute_extra_ms(ctx, tau, where, parameters)
+        host = offload_ms(mode, params, units, settings.precision, micro, settings.host_bandwidth_bytes_per_s)
+        value = np.maximum((compute + extra) / units + host, sync)
         np.minimum(best, np.where(valid, value, INF), out=best)
     return best
+
+
+def _fits_whole(ctx: DPContext, tau: int, where: tuple, parameter_bytes: np.ndarray) -> np.ndarray:
+    """0 where the ranges at ``where`` fit without recomputation beside ``parameter_bytes``
+    (or memory is unchecked), inf elsewhere (``recompute_extra_ms`` under ``none``)."""
+    if not ctx.settings.memory_check:
+        return np.zeros(np.shape(parameter_bytes))
+    _, in_flight = versions_in_flight(ctx.settings, tau)
+    fits = parameter_bytes + ctx.saved[where] * in_flight <= ctx.topology.device.memory_bytes
+    return np.where(fits, 0.0, INF)
 
 
 def least_need_bytes(
