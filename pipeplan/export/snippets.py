@@ -77,12 +77,6 @@ def _header(made: PipeliningExport, imports: str) -> str:
         f"(torchrun --nproc-per-node {made.ranks}).\n"
         f"# Stages: {made.reason}\n"
         + (f"# Checked: {made.checked}\n" if made.checked else "")
-        + (
-            "# torch 2.13: a rank's two adjacent stages (the V's turn) exchange warm-up messages with\n"
-            '# the rank itself, which gloo refuses ("Pair is not connected"): run it on NCCL.\n'
-            if made.stage_style == "v"
-            else ""
-        )
         + f"{imports}\n"
     )
 
