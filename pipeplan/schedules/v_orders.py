@@ -23,10 +23,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from functools import lru_cache
 
 from pipeplan.schedules.actions import Action
 
-__all__ = ["V_BLOCKS", "block_order", "dualpipev_order", "worker_dualpipev", "worker_v_half", "worker_v_min"]
+__all__ = [
+    "V_BLOCKS",
+    "block_order",
+    "dualpipev_order",
+    "v_block_orders",
+    "worker_dualpipev",
+    "worker_v_half",
+    "worker_v_min",
+]
 
 Order = list[tuple[str, int, int]]  # (kind, micro-batch, chunk) of one position
 Block = tuple[int, int, int, int]  # slots of F chunk 0, F chunk 1, I chunk 1, I chunk 0
@@ -92,6 +101,119 @@ def block_order(blocks: list[Block], position: int, microbatches: int) -> Order:
             order.append(("W", *waiting.popleft()))
     order += [("W", m, c) for m, c in waiting]
     return order
+
+
+def _peak(order: Order) -> int:
+    """Most chunk-micro-batches ``order`` holds at once (from "F" to "W" or "B")."""
+    held = peak = 0
+    for kind, _, _ in order:
+        held += (kind == "F") - (kind in ("B", "W"))
+        peak = max(peak, held)
+    return peak
+
+
+def _feeds(
+    position: int, chunk: int, positions: int
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(the (position, chunk) whose forward this one's reads, the one whose backward it reads) in the V."""
+    last = positions - 1
+    if chunk == 0:
+        before = (position - 1, 0) if position else None
+        after = (last, 1) if position == last else (position + 1, 0)
+    else:
+        before = (last, 0) if position == last else (position + 1, 1)
+        after = (position - 1, 1) if position else None
+    return before, after
+
+
+def _squeeze(orders: list[Order], peaks: list[int], margin: int) -> list[Order] | None:
+    """The devices' orders as a unit-time sweep runs them, pulling ready actions ahead where a
+    device would idle; None when the sweep stalls.
+
+    Each slot every device runs the first action of its order that is ready (its inputs done
+    by the slot before) and first of its (kind, chunk) stream; an "F" taken out of turn only
+    while the device holds at most its block order's peak minus ``margin`` after it. The
+    sweep is a timetable every dependency of which runs forward in time, so the orders read
+    off it run to completion. O(slots x positions x look-ahead).
+    """
+    positions = len(orders)
+    pending = [list(order) for order in orders]
+    forward: set[tuple[int, int, int]] = set()
+    backward: set[tuple[int, int, int]] = set()
+    inputs: set[tuple[int, int, int]] = set()
+    held = [0] * positions
+    out: list[Order] = [[] for _ in range(positions)]
+    while any(pending):
+        ran: list[tuple[int, tuple[str, int, int]]] = []
+        for i in range(positions):
+            pick = _ready_action(
+                pending[i], i, positions, forward, backward, inputs, held[i], peaks[i] - margin
+            )
+            if pick is not None:
+                ran.append((i, pending[i].pop(pick)))
+        if not ran:
+            return None
+        for i, (kind, micro, chunk) in ran:
+            out[i].append((kind, micro, chunk))
+            held[i] += (kind == "F") - (kind in ("B", "W"))
+            {"F": forward, "B": backward, "I": inputs, "W": set()}[kind].add((i, chunk, micro))
+            if kind == "I":
+                backward.add((i, chunk, micro))
+    return out
+
+
+def _ready_action(
+    pending: list[tuple[str, int, int]],
+    position: int,
+    positions: int,
+    forward: set[tuple[int, int, int]],
+    backward: set[tuple[int, int, int]],
+    inputs: set[tuple[int, int, int]],
+    held: int,
+    cap: int,
+) -> int | None:
+    """Index in ``pending`` of the action ``_squeeze`` runs next on ``position``, or None."""
+    blocked: set[tuple[str, int]] = set()
+    for index, (kind, micro, chunk) in enumerate(pending[: 4 * positions + 4]):
+        stream = (kind, chunk)
+        if stream in blocked:
+            continue
+        blocked.add(stream)
+        before, after = _feeds(position, chunk, positions)
+        if kind == "F":
+            ready = before is None or (*before, micro) in forward
+            ready = ready and (index == 0 or held + 1 <= cap)
+        elif kind in ("I", "B"):
+            ready = (position, chunk, micro) in forward and (after is None or (*after, micro) in backward)
+        else:
+            ready = (position, chunk, micro) in inputs
+        if ready:
+            return index
+    return None
+
+
+@lru_cache(maxsize=16)
+def v_block_orders(
+    name: str, positions: int, microbatches: int
+) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Every position's order of the ``V_BLOCKS[name]`` schedule: the block orders, squeezed
+    (``_squeeze``) at the first margin of 1..3 that keeps every device within its block order's
+    peak; the block orders themselves when none does.
+
+    >>> " ".join(f"{k}{m}c{c}" for k, m, c in block_order(_v_half_block(4), 0, 8)[:8])
+    'F0c0 F1c0 F0c1 F2c0 I0c1 W0c1 F1c1 F3c0'
+    >>> " ".join(f"{k}{m}c{c}" for k, m, c in v_block_orders("v-half", 4, 8)[0][:8])
+    'F0c0 F1c0 F2c0 F3c0 F0c1 I0c1 W0c1 F1c1'
+    >>> [_peak(list(order)) for order in v_block_orders("v-half", 4, 8)]
+    [6, 6, 6, 6]
+    """
+    orders = [block_order(V_BLOCKS[name](positions), i, microbatches) for i in range(positions)]
+    peaks = [_peak(order) for order in orders]
+    for margin in (1, 2, 3):
+        squeezed = _squeeze(orders, peaks, margin)
+        if squeezed is not None and all(_peak(o) <= p for o, p in zip(squeezed, peaks)):
+            return tuple(tuple(order) for order in squeezed)
+    return tuple(tuple(order) for order in orders)
 
 
 def dualpipev_order(positions: int, position: int, microbatches: int) -> Order:
@@ -181,7 +303,7 @@ def worker_v_half(
     virtual_stages: int,
 ) -> list[Action]:
     """V-Half, per minibatch: ``block_order`` of the V-Half block, then one "S"."""
-    order = block_order(_v_half_block(len(replicas)), stage, microbatches)
+    order = list(v_block_orders("v-half", len(replicas), microbatches)[stage])
     return _per_minibatch(order, replicas, stage, replica, minibatches, microbatches)
 
 
@@ -194,7 +316,7 @@ def worker_v_min(
     virtual_stages: int,
 ) -> list[Action]:
     """V-Min, per minibatch: ``block_order`` of the V-Min block, then one "S"."""
-    order = block_order(_v_min_block(len(replicas)), stage, microbatches)
+    order = list(v_block_orders("v-min", len(replicas), microbatches)[stage])
     return _per_minibatch(order, replicas, stage, replica, minibatches, microbatches)
 
 
