@@ -117,6 +117,8 @@ def _feeds(
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(the (position, chunk) whose forward this one's reads, the one whose backward it reads) in the V."""
     last = positions - 1
+    before: tuple[int, int] | None
+    after: tuple[int, int] | None
     if chunk == 0:
         before = (position - 1, 0) if position else None
         after = (last, 1) if position == last else (position + 1, 0)
