@@ -190,3 +190,11 @@ def test_squeeze_keeps_each_devices_block_memory(name: str, positions: int, micr
         assert sorted(squeezed[i]) == sorted(plain)  # the same actions
         assert v_orders._peak(list(squeezed[i])) <= v_orders._peak(plain)
     validate(build_schedule(name, (1,) * positions, 2, micro, 2))
+
+
+def test_large_pipelines_keep_the_plain_block_orders() -> None:
+    """Beyond SQUEEZE_LIMIT (P^2 M) the sweep is skipped: the block orders run as they are."""
+    positions, micro = 64, 32  # 64^2 * 32 > 2^16
+    assert positions * positions * micro > v_orders.SQUEEZE_LIMIT
+    orders = v_orders.v_block_orders("v-min", positions, micro)
+    assert list(orders[5]) == v_orders.block_order(v_orders.V_BLOCKS["v-min"](positions), 5, micro)

@@ -40,6 +40,7 @@ __all__ = [
 Order = list[tuple[str, int, int]]  # (kind, micro-batch, chunk) of one position
 Block = tuple[int, int, int, int]  # slots of F chunk 0, F chunk 1, I chunk 1, I chunk 0
 PERIOD = 6  # slots per micro-batch on a device: F, F, I, I, W, W at unit cost
+SQUEEZE_LIMIT = 2**16  # P^2 x M beyond which the orders are not squeezed (``v_block_orders``)
 
 
 def _v_min_block(positions: int) -> list[Block]:
@@ -200,7 +201,8 @@ def v_block_orders(
 ) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """Every position's order of the ``V_BLOCKS[name]`` schedule: the block orders, squeezed
     (``_squeeze``) at the first margin of 1..3 that keeps every device within its block order's
-    peak; the block orders themselves when none does.
+    peak; the block orders themselves when none does, or when P^2 M > ``SQUEEZE_LIMIT`` (the
+    sweep costs O(P^2 M): about 0.5 s at the limit, P = 32 and M = 64).
 
     >>> " ".join(f"{k}{m}c{c}" for k, m, c in block_order(_v_half_block(4), 0, 8)[:8])
     'F0c0 F1c0 F0c1 F2c0 I0c1 W0c1 F1c1 F3c0'
@@ -211,6 +213,8 @@ def v_block_orders(
     """
     orders = [block_order(V_BLOCKS[name](positions), i, microbatches) for i in range(positions)]
     peaks = [_peak(order) for order in orders]
+    if positions * positions * microbatches > SQUEEZE_LIMIT:
+        return tuple(tuple(order) for order in orders)
     for margin in (1, 2, 3):
         squeezed = _squeeze(orders, peaks, margin)
         if squeezed is not None and all(_peak(o) <= p for o, p in zip(squeezed, peaks)):
