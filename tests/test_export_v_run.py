@@ -1,10 +1,11 @@
 """The exported V plans run under torch's own classes on gloo with pipeplan's losses.
 
-A zb-v and a dualpipev plan of the MLP fixture on 2 ranks (4 stages in a V: rank 1 runs the
+A zb-v, a dualpipev and a v-half plan of the MLP fixture on 2 ranks (4 stages in a V: rank 1 runs the
 two middle stages back to back, a transfer to itself) are exported (``export --to
 pipelining``: pipeplan's stage modules in ``PipelineStage``, since torch 2.13's traced stages
 warm up by sending to the rank itself, which gloo refuses), trained 3 steps under
-``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` and under ``pipeplan run`` in one launch of
+``ScheduleZBVZeroBubble`` / ``ScheduleDualPipeV`` / ``_PipelineScheduleRuntime`` with the
+v-half plan's own action table loaded, and under ``pipeplan run`` in one launch of
 2 gloo ranks (``tests/fixtures/export/compare_engines.py``): the losses must agree.
 """
 
@@ -31,7 +32,7 @@ def test_exported_v_plans_run_under_torchs_classes_with_pipeplans_losses(tmp_pat
     from plans import make_plan
 
     cases = []
-    for schedule in ("zb-v", "dualpipev"):
+    for schedule in ("zb-v", "dualpipev", "v-half"):
         plan = make_plan(
             MLP, [[0, 1], [2], [5], [3, 4]], [1] * 4, schedule, batch_size=8, microbatches=4, virtual_stages=2
         )

@@ -33,14 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pipeplan.capture.torch_split import TorchSplit
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
-from pipeplan.schedules import (
-    DEFAULT_TARGET_SCHEDULE,
-    SCHEDULE_KINDS,
-    names_where,
-    or_list,
-    schedule_kind,
-    v_segment,
-)
+from pipeplan.schedules import DEFAULT_TARGET_SCHEDULE, SCHEDULE_KINDS, schedule_kind, v_segment
 
 if TYPE_CHECKING:
     from torch import nn
@@ -186,13 +179,6 @@ def check_plan(plan: Plan) -> None:
     """
     straight = f"re-plan with `pipeplan partition PROFILE --straight --schedule {_flush_of(plan.schedule)}`"
     kind = schedule_kind(plan.schedule)
-    if kind.engine is None and kind.flushes:  # a flush neither engine has a class for (v-half, v-min)
-        runs = names_where(lambda other: other.engine is not None and other.v_shape == kind.v_shape)
-        raise InputError(
-            f"plan schedule {kind.exported_as} does not carry over: {ENGINES} have no class for it "
-            f"(of its kind they run {or_list(runs)}); re-plan with `pipeplan partition PROFILE "
-            f"--schedule {runs[0]} --straight`"
-        )
     if kind.engine is None:
         raise InputError(
             f"plan schedule {kind.exported_as} does not carry over: {ENGINES} run flush "

@@ -67,6 +67,9 @@ class EngineSchedule:
     # `partition --for pipelining|torchtitan` may plan it: one chunk per device, cut by the DP
     # (interleaved-1f1b and zb-h1 are cut by balance or need micro-batch rules per stage count)
     plannable: bool = False
+    # no class of torch's runs its order: torch's _PipelineScheduleRuntime loads the plan's own
+    # action table (``_load_csv``); torchtitan_name is then "" (torchtitan names no class for it)
+    action_table: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,6 +397,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             virtual_stages=True,
             whole_minibatches=False,
             generate=worker_v_half,
+            engine=EngineSchedule("_PipelineScheduleRuntime", "", multi_stage=True, action_table=True),
             v_shape=True,
         ),
         ScheduleKind(
@@ -405,6 +409,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             virtual_stages=True,
             whole_minibatches=False,
             generate=worker_v_min,
+            engine=EngineSchedule("_PipelineScheduleRuntime", "", multi_stage=True, action_table=True),
             v_shape=True,
         ),
         ScheduleKind(
