@@ -9,7 +9,7 @@ Three models profiled on this CPU (one thread; the bundled GPT, a small Hugging 
 registry on 4 and 8 simulated ranks (straight pipelines, 10 GB/s links, 2 x ranks
 micro-batches; interleaved-1f1b with 2 chunks per device) and simulated: time per
 minibatch, bubble (each rank's idle share of the period, averaged over ranks), peak memory
-of each rank. For the split-backward schedules (zb-h1, zb-v) the same plan is simulated
+of each rank. For the split-backward schedules (zb-h1, zb-v, v-half, v-min, dualpipev) the same plan is simulated
 again with the backward's halves assumed 50/50, as before they were measured: the column
 "50/50 ms" says what the measured split changed. Prints a markdown table, writes JSON.
 
@@ -130,8 +130,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 # sail-sg/zero-bubble's README (its published comparison, T_F = T_B = T_W): the bubble rate of
-# 1F1B is B = (p - 1)/(m + p - 1); ZB1P (ZB-H1's memory) B/3; ZBV 0. Rates as a share of
-# 1F1B's time per minibatch, so B/3 is a third of 1F1B's idle time.
+# 1F1B is B = (p - 1)/(m + p - 1); ZB1P (ZB-H1's memory) B/3; ZBV 0; V-Half B/2; V-Min 2B/3
+# (plus O(p) overhead). Rates as a share of 1F1B's time per minibatch, so B/3 is a third of
+# 1F1B's idle time.
 SAIL_CASES = ((4, 8), (4, 16), (8, 16), (8, 24), (8, 32), (16, 32), (16, 64))
 
 
@@ -154,7 +155,7 @@ def sail_comparison() -> list[dict]:
         profile = equal_layers(4 * p)
         ideal_ms = 4 * p * 3.0 / p
         periods = {}
-        for name in ("1f1b-flush", "zb-h1", "zb-v"):
+        for name in ("1f1b-flush", "zb-h1", "zb-v", "v-half", "v-min"):
             plan = plan_schedule(profile, p, name, microbatches=m)
             assert not isinstance(plan, str), plan
             periods[name] = simulate_plan(plan, profile).time_per_minibatch_ms
@@ -167,6 +168,8 @@ def sail_comparison() -> list[dict]:
                 "sail_1f1b": b,
                 "sail_zb1p": b / 3,
                 "sail_zbv": 0.0,
+                "sail_vhalf": b / 2,
+                "sail_vmin": 2 * b / 3,
                 # idle time over 1F1B's period (float noise below 1e-12 of it read as none)
                 **{
                     f"pipeplan_{name}": round((periods[name] - ideal_ms) / flush, 12) + 0.0
@@ -179,13 +182,16 @@ def sail_comparison() -> list[dict]:
 
 def sail_markdown(rows: list[dict]) -> str:
     lines = [
-        "| p | m | 1F1B: sail-sg B | pipeplan 1f1b-flush | ZB1P: sail-sg B/3 | pipeplan zb-h1 | ZBV: sail-sg | pipeplan zb-v |",
-        "|---|---|---|---|---|---|---|---|",
+        "| p | m | 1F1B: sail-sg B | pipeplan 1f1b-flush | ZB1P: sail-sg B/3 | pipeplan zb-h1 "
+        "| ZBV: sail-sg | pipeplan zb-v | V-Half: sail-sg B/2 | pipeplan v-half | V-Min: sail-sg 2B/3 "
+        "| pipeplan v-min |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['p']} | {r['m']} | {r['sail_1f1b']:.2%} | {r['pipeplan_1f1b-flush']:.2%} | {r['sail_zb1p']:.2%} "
-            f"| {r['pipeplan_zb-h1']:.2%} | {r['sail_zbv']:.2%} | {r['pipeplan_zb-v']:.2%} |"
+            f"| {r['pipeplan_zb-h1']:.2%} | {r['sail_zbv']:.2%} | {r['pipeplan_zb-v']:.2%} "
+            f"| {r['sail_vhalf']:.2%} | {r['pipeplan_v-half']:.2%} | {r['sail_vmin']:.2%} | {r['pipeplan_v-min']:.2%} |"
         )
     return "\n".join(lines)
 

@@ -307,6 +307,47 @@ def test_zbv_plan_exports_in_torchs_v_order(tmp_path: Path) -> None:
     assert meta["csv"].splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0")  # rank 0: stage 0, then 3
 
 
+def test_dualpipev_plan_exports_to_torchs_class_and_torchtitans_name(tmp_path: Path) -> None:
+    """A dualpipev plan on 2 ranks, 4 micro-batches (2P): torch's ScheduleDualPipeV in the V
+    (rank r builds stages r and 3 - r), torchtitan's "DualPipeV"; its table's "B" cells are
+    torch's FULL_BACKWARD beside the split ones."""
+    plan = make_plan(
+        MLP, [[0, 1], [2], [5], [3, 4]], [1] * 4, "dualpipev", batch_size=8, microbatches=4, virtual_stages=2
+    )
+    path = saved(plan, tmp_path)
+    result = invoke(path, "--to", "torchtitan", "--model", MLP)
+    assert result.exit_code == 0, result.output
+    assert tomllib.loads(result.output)["parallelism"]["pipeline_parallel_schedule"] == "DualPipeV"
+    exported = invoke(path, "--to", "pipelining", "--model", MLP, "-o", str(tmp_path / "split.json"))
+    assert exported.exit_code == 0, exported.output
+    meta = json.loads((tmp_path / "split.json").read_text())
+    assert meta["schedule_class"] == "ScheduleDualPipeV" and meta["stage_style"] == "v"
+    compute = [cell for cell in meta["csv"].splitlines()[0].split(",") if cell]
+    assert compute[:6] == ["0F0", "0F1", "0F2", "3F0", "3I0", "3W0"] and "3B1" in compute
+
+
+@pytest.mark.parametrize("schedule", ["v-half", "v-min"])
+def test_controllable_memory_vs_export_their_action_table(tmp_path: Path, schedule: str) -> None:
+    """No torch class runs V-Half or V-Min: the snippet builds torch's _PipelineScheduleRuntime in
+    the V and loads the plan's own table; torchtitan, which names classes only, refuses in one line."""
+    plan = make_plan(
+        MLP, [[0, 1], [2], [5], [3, 4]], [1] * 4, schedule, batch_size=8, microbatches=4, virtual_stages=2
+    )
+    path = saved(plan, tmp_path)
+    exported = invoke(path, "--to", "pipelining", "--model", MLP, "-o", str(tmp_path / "split.json"))
+    assert exported.exit_code == 0, exported.output
+    meta = json.loads((tmp_path / "split.json").read_text())
+    assert meta["schedule_class"] == "_PipelineScheduleRuntime" and meta["stage_style"] == "v"
+    namespace: dict = {}
+    exec(compile(meta["python"], "split.py", "exec"), namespace)
+    assert namespace["ACTION_TABLE"] == meta["csv"] == action_table_csv(plan)
+    assert [namespace["stage_ids"](rank, 4) for rank in range(2)] == [(0, 3), (1, 2)]
+    assert refusal(invoke(path, "--to", "torchtitan", "--model", MLP)) == (
+        f"plan schedule {schedule} has no torchtitan pipeline_parallel_schedule (no torch class runs it); "
+        "`pipeplan export --to pipelining` runs its action table on torch's _PipelineScheduleRuntime"
+    )
+
+
 # --------------------------------------------------------------------------- torchtitan units
 
 
@@ -442,7 +483,7 @@ def test_refuses_1f1b_rr(tmp_path: Path, target: str) -> None:
     assert refusal(invoke(saved(plan, tmp_path), "--to", target, "--model", MLP)) == (
         "plan schedule 1F1B-RR (PipeDream weight stashing, no flush) does not carry over: "
         "torch.distributed.pipelining and torchtitan run flush schedules only (1f1b-flush, gpipe, "
-        "interleaved-1f1b, zb-h1, zb-v); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
+        "interleaved-1f1b, zb-h1, zb-v, v-half, v-min, dualpipev); re-plan with `pipeplan partition PROFILE --schedule 1f1b-flush --straight`"
     )
 
 

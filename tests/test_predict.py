@@ -53,7 +53,8 @@ def _shape(name: str) -> dict:
     kind = SCHEDULE_KINDS[name]
     if kind.whole_minibatches:
         return {}
-    return {"microbatches": 4, **({"virtual_stages": 2} if kind.virtual_stages else {})}
+    micro = max(4, kind.least_microbatches_per_device * 4)  # 4 devices; DualPipeV needs 2 per device
+    return {"microbatches": micro, **({"virtual_stages": 2} if kind.virtual_stages else {})}
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)

@@ -1,6 +1,6 @@
 """The newer schedules, and 1F1B-flush on uneven replicas, under torchrun (gloo on CPU).
 
-Flush schedules (interleaved-1f1b, zb-h1, zb-v, 1f1b-flush) must equal single-process training; 2BW must
+Flush schedules (interleaved-1f1b, zb-h1, zb-v, v-half, v-min, dualpipev, 1f1b-flush) must equal single-process training; 2BW must
 equal its delayed-update rule W(t+1) = W(t) - lr * grad f(W(t-1)), emulated in one
 process. Each launch has a hard timeout.
 """
@@ -45,6 +45,11 @@ CASES = {
     # rank 0 runs the first and the last layers, rank 3 the two middle pieces back to back
     # (a message to itself); 4 micro-batches, fewer than the 2P - 1 = 7 of a full V
     "zb-v": ("deep.py", [[0], [1], [2], [3], [7, 8], [6], [5], [4]], 4, "zb-v", 4, 2, {}),
+    # the controllable-memory V's on the same V placement: "W" in the block's free slots
+    "v-half": ("deep.py", [[0], [1], [2], [3], [7, 8], [6], [5], [4]], 4, "v-half", 4, 2, {}),
+    "v-min": ("deep.py", [[0], [1], [2], [3], [7, 8], [6], [5], [4]], 4, "v-min", 4, 2, {}),
+    # DualPipeV: 2P = 8 micro-batches of one sample, whole ("B") and split ("I", "W") backwards mixed
+    "dualpipev": ("deep.py", [[0], [1], [2], [3], [7, 8], [6], [5], [4]], 4, "dualpipev", 8, 2, {}),
 }
 
 

@@ -342,6 +342,9 @@ def _kind_args(name: str, replicas: tuple[int, ...], micro: int, minibatches: in
         minibatches *= math.lcm(*replicas)
     if kind.whole_minibatches:
         return minibatches, 1, 1
+    if kind.v_shape:  # any count, from DualPipeV's least (2P) on
+        least = kind.least_microbatches_per_device * len(replicas)
+        return minibatches, least + micro - 1 if least else micro, 2
     if kind.virtual_stages:
         return minibatches, micro * len(replicas), 2
     if kind.gradients == "delayed":

@@ -210,6 +210,8 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         fault, loss = _split_spec_fault(plan, structure, at_hand, stage_of, points)
     except InputError as exc:
         points, fault = (), str(exc)
+    if fault is None and base.stage_style == "v":
+        fault = V_TRACED_FAULT
     if fault is None:
         return replace(
             base,
@@ -218,6 +220,16 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
             checked=_checked(loss),
         )
     return _stage_modules_export(base, at_hand, stage_of, fault)
+
+
+# torch 2.13 warms a rank's stages up before the first step: PipelineStage (pipeplan's stage
+# modules) by its vote protocol, any other stage (pipeline()'s traced ones) by isend/irecv to
+# every neighbour stage's rank, in a V also to the rank itself (stages P - 1 and P), which gloo
+# refuses ("Pair is not connected")
+V_TRACED_FAULT = (
+    "in a V, torch's traced pipeline() stages warm up by sending to the rank itself (stages P - 1 "
+    "and P), which gloo refuses; PipelineStage's own warm-up does not"
+)
 
 
 def _checked(loss: float) -> str:

@@ -77,20 +77,39 @@ def _header(made: PipeliningExport, imports: str) -> str:
         f"(torchrun --nproc-per-node {made.ranks}).\n"
         f"# Stages: {made.reason}\n"
         + (f"# Checked: {made.checked}\n" if made.checked else "")
-        + (
-            "# torch 2.13: a rank's two adjacent stages (the V's turn) exchange warm-up messages with\n"
-            '# the rank itself, which gloo refuses ("Pair is not connected"): run it on NCCL.\n'
-            if made.stage_style == "v"
-            else ""
-        )
         + f"{imports}\n"
     )
 
 
+RUNTIME_CLASS = "_PipelineScheduleRuntime"  # torch's runtime of a loaded action table (no class fits)
+
+
+def schedule_import(made: PipeliningExport) -> str:
+    """The import of the snippet's schedule class (``_PipelineScheduleRuntime`` is not exported
+    at the package's top)."""
+    if made.schedule_class == RUNTIME_CLASS:
+        return f"from torch.distributed.pipelining.schedules import {RUNTIME_CLASS}\n"
+    return f"from torch.distributed.pipelining import {made.schedule_class}\n"
+
+
 def _schedule(made: PipeliningExport) -> str:
     stages = "stages" if made.schedule_class in MULTI_STAGE_CLASSES else "stages[0]"
+    table = made.schedule_class == RUNTIME_CLASS
     return (
-        "\n\n"
+        (
+            "\n\n# the plan's own action order (compute only): no torch class runs this schedule\n"
+            f'ACTION_TABLE = """\\\n{made.csv}"""\n'
+            "\n\n"
+            "def action_table_file():\n"
+            '    """ACTION_TABLE in a CSV file, for _load_csv."""\n'
+            "    import tempfile\n\n"
+            '    with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as table:\n'
+            "        table.write(ACTION_TABLE)\n"
+            "    return table.name\n"
+            if table
+            else ""
+        )
+        + "\n\n"
         "def build_pipeline_schedule(model, example_microbatch, loss_fn, rank, device, group=None):\n"
         '    """(schedule, this rank\'s stage modules: give their parameters to the optimizer)."""\n'
         "    stages = build_stages(model, example_microbatch, rank, device, group)\n"
@@ -98,7 +117,8 @@ def _schedule(made: PipeliningExport) -> str:
         f"    schedule = {made.schedule_class}(\n"
         f"        {stages}, n_microbatches=N_MICROBATCHES, loss_fn=stage_loss(modules, loss_fn)\n"
         "    )\n"
-        "    return schedule, modules\n"
+        + ("    schedule._load_csv(action_table_file())\n" if table else "")
+        + "    return schedule, modules\n"
         "\n"
         "# The plan's own action order instead (pipeplan export ... --format csv -o schedule.csv):\n"
         "#   from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime\n"
@@ -132,7 +152,7 @@ def split_spec_python(made: PipeliningExport) -> str:
     size = made.batch_size // made.microbatches
     return (
         _header(
-            made, f"from torch.distributed.pipelining import SplitPoint, pipeline, {made.schedule_class}\n"
+            made, "from torch.distributed.pipelining import SplitPoint, pipeline\n" + schedule_import(made)
         )
         + f"SPLIT_SPEC = {{{spec}}}\n"
         + _constants(made)
@@ -159,7 +179,7 @@ def stage_modules_python(made: PipeliningExport) -> str:
     return (
         _header(
             made,
-            f"from torch.distributed.pipelining import PipelineStage, {made.schedule_class}\n\n"
+            "from torch.distributed.pipelining import PipelineStage\n" + schedule_import(made) + "\n"
             "from pipeplan.export.stage_modules import (\n"
             "    all_reduce_tied,\n"
             "    pipelining_stage_modules,\n"

@@ -74,7 +74,7 @@ class PipeliningStageModule(nn.Module):
         env.update(zip(self.makes, made, strict=True))
         if self.output_names == (MODEL_OUTPUT,):
             return self._flat_output(env[MODEL_OUTPUT])
-        return tuple(_sendable(env[name]) for name in self.output_names)
+        return tuple(_sendable(env[name], values) for name in self.output_names)
 
     def _flat_output(self, output: Any) -> tuple[torch.Tensor, ...]:
         """The model's output as the tuple of its tensors (torch's stage returns nothing else);
@@ -97,11 +97,15 @@ class PipeliningStageModule(nn.Module):
         return {qualified: local[name] for name, qualified in self.parameter_names.items()}
 
 
-def _sendable(value: torch.Tensor) -> torch.Tensor:
-    """A tensor torch's send accepts (contiguous), never the stage's own input object: a relayed
-    float becomes a view, so its gradient flows back through this stage as through any op."""
+def _sendable(value: torch.Tensor, received: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A tensor torch's send accepts (contiguous), never the stage's own input object nor a view:
+    a relayed float or a view of one crosses as a copy, so its gradient flows back through this
+    stage as through any op, and torch's split backward (``stage_backward_input``, ZB-V's "I"),
+    which detaches a stage's outputs in place, can (a view refuses ``detach_``)."""
     value = value.contiguous()
-    return value.view_as(value) if value.is_floating_point() else value
+    if not value.is_floating_point():
+        return value
+    return value.clone() if value._is_view() or any(value is v for v in received) else value
 
 
 def carried_values(modules: Sequence[StageModule], inputs: int) -> list[tuple[str, ...]]:

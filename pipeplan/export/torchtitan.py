@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pipeplan.errors import InputError
 from pipeplan.export.structure import (
     TORCHTITAN_SCHEDULES,
     CutError,
@@ -180,6 +181,12 @@ def _selective_note(plan: Plan, selective: list[int]) -> str:
 def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport:
     """The plan for torchtitan's ``[parallelism]``; ``InputError`` (one line) when it does not carry over."""
     stage_of = check_exportable(plan, structure)
+    if not TORCHTITAN_SCHEDULES[plan.schedule]:  # runs from its action table, on no named class
+        raise InputError(
+            f"plan schedule {plan.schedule} has no torchtitan pipeline_parallel_schedule (no torch class "
+            f"runs it); `pipeplan export --to pipelining` runs its action table on torch's "
+            f"_PipelineScheduleRuntime"
+        )
     return TorchtitanExport(
         model=plan.model,
         schedule=plan.schedule,

@@ -39,7 +39,7 @@ def validate(schedule: Schedule) -> None:
                     f"worker s{s}r{r}: {action} at position {position} belongs to replica "
                     f"{schedule.replica_of(s, action.minibatch, action.microbatch)}"
                 )
-            if (action.kind in ("I", "W")) != kind.split_backward and action.kind != "F":
+            if _foreign(action.kind, kind.split_backward, kind.mixes_backward):
                 raise InputError(f"worker s{s}r{r}: {action} does not belong to a {kind.name} schedule")
             if action.kind == "F":
                 if item in forward:
@@ -154,3 +154,11 @@ def grid(schedule: Schedule) -> str:
     for step, row in enumerate(cells):
         lines.append(f"{step:4d}  " + "  ".join(c.ljust(width) for c in row).rstrip())
     return "\n".join(lines)
+
+
+def _foreign(action_kind: str, split_backward: bool, mixes_backward: bool) -> bool:
+    """Whether an action of ``action_kind`` has no place in a schedule of these backward facts:
+    "I"/"W" outside a split backward, "B" in one that does not mix whole backwards in."""
+    if action_kind in ("I", "W"):
+        return not split_backward
+    return action_kind == "B" and split_backward and not mixes_backward

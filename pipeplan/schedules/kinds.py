@@ -28,6 +28,7 @@ from pipeplan.schedules.orders import (
     worker_zb_h1,
     worker_zbv,
 )
+from pipeplan.schedules.v_orders import worker_dualpipev, worker_v_half, worker_v_min
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -66,6 +67,9 @@ class EngineSchedule:
     # `partition --for pipelining|torchtitan` may plan it: one chunk per device, cut by the DP
     # (interleaved-1f1b and zb-h1 are cut by balance or need micro-batch rules per stage count)
     plannable: bool = False
+    # no class of torch's runs its order: torch's _PipelineScheduleRuntime loads the plan's own
+    # action table (``_load_csv``); torchtitan_name is then "" (torchtitan names no class for it)
+    action_table: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,10 @@ class ScheduleKind:
     # V placement (ZB-V): exactly two chunks per device, chunk 1 of position i holding the
     # layers mirrored around the middle (``actions.v_segment``); no Megatron micro-batch rule
     v_shape: bool = False
+    # whole backwards ("B") mix with split ones ("I" ... "W") in one order (DualPipeV)
+    mixes_backward: bool = False
+    # micro-batches >= this many per device (DualPipeV: 2, one per model stage, as torch's class)
+    least_microbatches_per_device: int = 0
     default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
     default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
@@ -156,6 +164,12 @@ class ScheduleKind:
         elif not self.virtual_stages and virtual_stages != 1:
             raise InputError(
                 f"{self.name} runs one model chunk per device (got virtual stages {virtual_stages})"
+            )
+        least = self.least_microbatches_per_device * len(replicas)
+        if microbatches < least:
+            raise InputError(
+                f"{self.name} needs micro-batches >= {self.least_microbatches_per_device} x "
+                f"{len(replicas)} devices = {least} (got {microbatches}), one per model stage"
             )
         if self.whole_minibatches and microbatches != 1:
             raise InputError(f"{self.name} runs whole minibatches (got microbatches={microbatches})")
@@ -373,6 +387,44 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             generate=worker_zbv,
             engine=EngineSchedule("ScheduleZBVZeroBubble", "ZBVZeroBubble", multi_stage=True),
             v_shape=True,
+        ),
+        ScheduleKind(
+            "v-half",
+            "V-Half: two chunks in a V, half of 1F1B's activation memory (controllable memory)",
+            flushes=True,
+            gradients="exact",
+            split_backward=True,
+            virtual_stages=True,
+            whole_minibatches=False,
+            generate=worker_v_half,
+            engine=EngineSchedule("_PipelineScheduleRuntime", "", multi_stage=True, action_table=True),
+            v_shape=True,
+        ),
+        ScheduleKind(
+            "v-min",
+            "V-Min: two chunks in a V, a third of 1F1B's activation memory (controllable memory)",
+            flushes=True,
+            gradients="exact",
+            split_backward=True,
+            virtual_stages=True,
+            whole_minibatches=False,
+            generate=worker_v_min,
+            engine=EngineSchedule("_PipelineScheduleRuntime", "", multi_stage=True, action_table=True),
+            v_shape=True,
+        ),
+        ScheduleKind(
+            "dualpipev",
+            "DualPipeV: DeepSeek's DualPipe folded into a V, whole and split backwards",
+            flushes=True,
+            gradients="exact",
+            split_backward=True,
+            virtual_stages=True,
+            whole_minibatches=False,
+            generate=worker_dualpipev,
+            engine=EngineSchedule("ScheduleDualPipeV", "DualPipeV", multi_stage=True),
+            v_shape=True,
+            mixes_backward=True,
+            least_microbatches_per_device=2,
         ),
     )
 }
