@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.schedules.actions import Action, Schedule, Worker, noam, warmup_forwards
+from pipeplan.schedules.actions import Action, Schedule, Worker, noam, replica_lanes, warmup_forwards
 from pipeplan.schedules.orders import (
     clear_caches,
     worker_1f1b_flush,
@@ -107,6 +107,11 @@ class ScheduleKind:
     # V placement (ZB-V): exactly two chunks per device, chunk 1 of position i holding the
     # layers mirrored around the middle (``actions.v_segment``); no Megatron micro-batch rule
     v_shape: bool = False
+    # with chunks and every position on d replicas (M a multiple of d: ``replica_lanes``),
+    # each replica runs the schedule's own order of M / d micro-batches on its micro-batches:
+    # d copies of the pipeline meeting at "S" (PTD-P's data parallelism), so the simulator
+    # prices one of them (flush schedules of one chunk do so always)
+    replica_pipelines: bool = False
     default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
     default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
@@ -148,9 +153,11 @@ class ScheduleKind:
                     f"{self.name} needs virtual stages >= 2 (got {virtual_stages}); "
                     "with one chunk per device use 1f1b-flush"
                 )
-            if microbatches % len(replicas):
+            lanes = replica_lanes(replicas, microbatches) if self.replica_pipelines else 1
+            if (microbatches // lanes) % len(replicas):
+                per = f"micro-batches per pipeline ({microbatches} / {lanes} replicas)" if lanes > 1 else ""
                 raise InputError(
-                    f"{self.name} needs micro-batches ({microbatches}) to be a multiple of "
+                    f"{self.name} needs {per or f'micro-batches ({microbatches})'} to be a multiple of "
                     f"the {len(replicas)} pipeline positions (Megatron's rule)"
                 )
         elif not self.virtual_stages and virtual_stages != 1:
@@ -339,6 +346,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             whole_minibatches=False,
             generate=worker_interleaved,
             engine=EngineSchedule("ScheduleInterleaved1F1B", "Interleaved1F1B", multi_stage=True),
+            replica_pipelines=True,
         ),
         ScheduleKind(
             "2bw",
