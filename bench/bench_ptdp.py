@@ -30,6 +30,7 @@ from pipeplan.plan import Plan
 from pipeplan.planner.auto import search
 from pipeplan.planner.partition import PartitionOptions, partition, plan_uniform
 from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, GPTShape, estimate_gpt
+from pipeplan.schedules import names_where
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 TARGET_S = 10.0
@@ -77,14 +78,17 @@ def megatron_cluster(gpus: int) -> Topology:
     )
 
 
-# the schedules searched: those that train as Megatron does (every minibatch's exact gradient,
-# a flush), one model chunk per device: 1F1B, GPipe and ZB-H1 (its backward split into the
-# input and weight gradients the estimated profile derives from FLOPs, the recomputed forward
-# in the input half: 75% of a block's backward at h = 4096, s = 2048; pipeplan runs it without
-# tensor parallelism, so the planner offers it at t = 1 only). Left out: interleaved-1f1b
-# (pipeplan plans it without replicas, d = 1: no plan on 32+ GPUs for these layer counts),
-# 1f1b-rr and 2bw (they change the training algorithm)
-SCHEDULES = ("1f1b-flush", "gpipe", "zb-h1")
+# the schedules searched: every registered one that trains as Megatron does (every minibatch's
+# exact gradient, a flush), from the registry, so that new kinds join by themselves: 1F1B,
+# GPipe, interleaved 1F1B (p positions x d replicas x v chunks, each replica a pipeline of its
+# own, as PTD-P runs it), ZB-H1 and ZB-V (their backward split into the input and weight
+# gradients the estimated profile derives from FLOPs, the recomputed forward in the input half:
+# 75% of a block's backward at h = 4096, s = 2048; pipeplan runs them without tensor
+# parallelism, so the planner offers them at t = 1 only). Left out: 1f1b-rr and 2bw (they
+# change the training algorithm)
+SCHEDULES = names_where(lambda kind: kind.flushes and kind.gradients == "exact")
+# the column without the schedules of several chunks per device (the table before issue 33)
+ONE_CHUNK = names_where(lambda kind: kind.flushes and kind.gradients == "exact" and not kind.virtual_stages)
 
 
 def plan_row(
