@@ -25,7 +25,7 @@ from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.assemble import assemble_plan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
-from pipeplan.planner.memory import plan_stage_memory
+from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
 from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms
@@ -94,9 +94,10 @@ def interleaved_plan(
     virtual: int,
     ranks: Sequence[int] | None = None,
     replicas: int = 1,
-) -> tuple[Plan, int]:
+) -> tuple[Plan | None, int]:
     """(plan before simulation, peak bytes per device) of v * p balanced chunks, each on
-    ``replicas`` devices.
+    ``replicas`` devices; (None, a lower bound of the peak) when its weights and optimizer
+    state alone overflow device memory (with ``options.memory_check``).
 
     Position i runs on ``ranks[i]`` (default: rank i) without replicas, on ranks
     ``i*d .. i*d + d - 1`` with d replicas; a chunk's all-reduce is the ring's on the
@@ -114,6 +115,11 @@ def interleaved_plan(
         else [(rank,) for rank in ranks]
     )
     rank_of = [group[0] for group in groups]
+    static = _static_device_bytes(arrays, cuts, positions, options.optimizer)
+    if options.memory_check and static > topology.device.memory_bytes:
+        # its weights and optimizer state alone do not fit: skip the activations' count
+        # (an action list of every position); the figure is a lower bound of the peak
+        return None, int(static)
     device_bytes = [0.0] * positions
     segment = _segments(options.schedule, positions, chunks)  # model stage -> its piece of the layers
     stage_at = {piece: q for q, piece in enumerate(segment)}
@@ -163,6 +169,25 @@ def interleaved_plan(
     time_ms = max(stage.time_per_minibatch_ms for stage in stages)
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, virtual)
     return plan, int(max(device_bytes))
+
+
+def _static_device_bytes(arrays: LayerArrays, cuts: Sequence[int], positions: int, optimizer: str) -> float:
+    """The fullest device's weights, gradients and optimizer state (nothing in flight):
+    a lower bound of its peak (``planner.memory``), O(chunks)."""
+    chunks = len(cuts) - 1
+    return max(
+        float(
+            stage_memory_bytes(
+                sum(arrays.params(cuts[q], cuts[q + 1]) for q in range(i, chunks, positions)),
+                0.0,
+                1,
+                0.0,
+                optimizer,
+                arrays.precision,
+            )
+        )
+        for i in range(positions)
+    )
 
 
 def _segments(schedule: str, positions: int, chunks: int) -> list[int]:
@@ -235,7 +260,7 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
         for v in virtuals:
             plan, peak = interleaved_plan(profile, topology, options, arrays, positions, v, replicas=d)
             smallest = min(smallest, peak)
-            if options.memory_check and peak > memory:
+            if plan is None or (options.memory_check and peak > memory):
                 continue
             try:
                 plan = predict(plan, profile, steady=1)  # a flush repeats its minibatch
@@ -254,7 +279,8 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     if best is None:
         raise InfeasibleError(
             f"no {kind.name} plan fits in {format_bytes(memory)} per device (positions x replicas "
-            f"{', '.join(f'{p}x{d}' for p, d in shapes)}); the smallest needs {format_bytes(smallest)}"
+            f"{', '.join(f'{p}x{d}' for p, d in shapes)}); the smallest needs {format_bytes(smallest)} "
+            "(or more, where its weights and optimizer state alone overflow)"
         )
     return best
 
@@ -277,10 +303,10 @@ def plan_interleaved_shape(
         )
     kind.check((d,) * positions, options.microbatches, virtual)
     plan, peak = interleaved_plan(profile, topology, options, arrays, positions, virtual, replicas=d)
-    if options.memory_check and peak > topology.device.memory_bytes:
+    if plan is None or (options.memory_check and peak > topology.device.memory_bytes):
         raise InfeasibleError(
             f"{kind.name} on {positions} positions x {d} replicas x {virtual} chunks needs "
-            f"{format_bytes(peak)} per device (has {format_bytes(topology.device.memory_bytes)})"
+            f"{format_bytes(peak)} per device or more (has {format_bytes(topology.device.memory_bytes)})"
         )
     try:
         return predict(plan, profile, steady=1)  # a flush repeats its minibatch
@@ -308,6 +334,7 @@ def rechunk(
         optimizer=plan.optimizer,
         microbatches=micro,
         virtual_stages=virtual,
+        memory_check=False,  # a comparison on the same devices: its memory is reported, not checked
     )
     arrays = layer_arrays(profile, cost_model(plan.cost_model).charged_optimizer(plan.optimizer))
     schedule_kind(options.schedule).check((1,) * positions, micro, virtual)
@@ -318,4 +345,5 @@ def rechunk(
     chunked, _ = interleaved_plan(
         profile, plan.topology, options, arrays, positions, virtual, [stage.ranks[0] for stage in plan.stages]
     )
+    assert chunked is not None  # only a memory check returns none
     return predict(chunked, profile)

@@ -338,7 +338,9 @@ def resimulated(plan: Plan, profile: Profile, options: PartitionOptions) -> Plan
         options = replace(
             options, uniform=not options.export_target and any(layer.splits for layer in profile.layers)
         )
-    if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
+    kind = schedule_kind(options.schedule)
+    # priced on a one-minibatch window; interleaved plans were too, and a flush repeats it exactly
+    if options.uniform and kind.flushes and not kind.virtual_stages:
         try:
             return predict(plan, profile)  # the default window, as every plan's figures
         except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat

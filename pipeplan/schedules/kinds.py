@@ -12,6 +12,7 @@ schedule is a generator in ``orders.py`` plus a record here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -200,19 +201,7 @@ class ScheduleKind:
         of the first replica; a unit of chunk c holds 1/M of chunk c's minibatch
         activations. O(M * v) from the action list.
         """
-        replicas = _replicas(stage_replicas)
-        actions = self.generate(replicas, stage, 0, 1 if self.flushes else 4, microbatches, virtual_stages)
-        held: dict[tuple[int, int, int], int] = {}
-        best: tuple[int, ...] = (0,) * virtual_stages
-        for action in actions:
-            key = (action.minibatch, action.microbatch, action.chunk)
-            if action.kind == "F":
-                held[key] = action.chunk
-            elif action.kind in ("B", "W"):
-                held.pop(key, None)
-            if len(held) > sum(best):
-                best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
-        return tuple(count / microbatches for count in best)
+        return _in_flight_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)
 
     def activations_in_flight(
         self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
@@ -271,6 +260,28 @@ class ScheduleKind:
             }
         finally:
             clear_caches()  # keep no Actions beyond the schedule that holds them
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_flight_by_chunk(
+    kind: ScheduleKind, replicas: tuple[int, ...], stage: int, microbatches: int, virtual_stages: int
+) -> tuple[float, ...]:
+    """``ScheduleKind.in_flight_by_chunk``, cached: the planner asks it for every chunk of
+    every position of every candidate (the same position's answer v times)."""
+    actions = kind.generate(replicas, stage, 0, 1 if kind.flushes else 4, microbatches, virtual_stages)
+    held: dict[tuple[int, int, int], int] = {}
+    best: tuple[int, ...] = (0,) * virtual_stages
+    peak = 0
+    for action in actions:
+        key = (action.minibatch, action.microbatch, action.chunk)
+        if action.kind == "F":
+            held[key] = action.chunk
+        elif action.kind in ("B", "W"):
+            held.pop(key, None)
+        if len(held) > peak:
+            peak = len(held)
+            best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
+    return tuple(count / microbatches for count in best)
 
 
 def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
