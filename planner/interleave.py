@@ -9,7 +9,7 @@ cut into v * p contiguous chunks that minimise the largest chunk's compute
 where layers differ); chunk q runs on position q % p. ZB-V (v = 2 in a V): model stage
 q = c * p + i runs piece i for c = 0 and piece 2p - 1 - i for c = 1, the layers mirrored
 around the middle. Every (p, d) with p * d devices (``pipeline_shapes``; d = 1 only with
-``straight``) and every v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
+``straight`` or a schedule without ``replica_pipelines``, zb-v) and every v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
 fastest plan that fits device memory (the sum over a device's chunks, with the registry's
 activations in flight per chunk) is kept. The approximation: the cuts balance chunks, not
 the sum over a device's chunks nor the bubble; the simulation compares p, d and v only.
@@ -245,6 +245,8 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
     smallest = math.inf
     memory = topology.device.memory_bytes
     refusals: list[str] = []
+    if not kind.replica_pipelines:  # replicas sharing one order (zb-v): one device per position
+        shapes = [(p, d) for p, d in shapes if d == 1]
     for positions, d in shapes:
         virtuals = [wanted] if wanted else [v for v in candidates if v * positions <= arrays.layers]
         if wanted and wanted * positions > arrays.layers:

@@ -21,6 +21,7 @@ from pipeplan.export.structure import (
     check_exportable,
     engine_stages,
     positions,
+    replica_degree,
     tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
@@ -142,7 +143,8 @@ def action_table_csv(plan: Plan) -> str:
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = positions(plan)
-    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
+    micro = plan.microbatches // replica_degree(plan)  # one data-parallel copy's pipeline
+    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, micro, plan.virtual_stages)
     clock = unit_clock(schedule)
     engine = engine_stages(plan)
     buffer = io.StringIO()
@@ -183,14 +185,16 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
     at_hand = structure.at_hand
     stage_of = check_exportable(plan, structure, shared=at_hand is not None)
     ranks = positions(plan)
+    d = replica_degree(plan)
     base = PipeliningExport(
         model=plan.model,
         schedule=plan.schedule,
         schedule_class=SCHEDULE_CLASSES[plan.schedule],
         stages=len(plan.stages),
         ranks=ranks,
-        batch_size=plan.batch_size,
-        microbatches=plan.microbatches,
+        batch_size=plan.batch_size // d,
+        microbatches=plan.microbatches // d,
+        replicas=d,
         split_points=(),
         stage_layers=tuple(
             tuple(structure.layer_names[i] for i in sorted(plan.stages[q].layers))
