@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.jsonio import write_json_atomic
@@ -308,6 +308,24 @@ def markdown(results: list[dict]) -> str:
     return head + "\n".join(lines)
 
 
+# Figure 12 of the paper (NVIDIA/Megatron-LM examples/sc21/run_figure_12.sh): a 175B GPT
+# (96 layers, h = 12288, 96 heads) on 96 A100s, t = 8, p = 12, d = 1, micro-batches of one
+# sequence, batches 12 to 60, interleaved (2 layers per virtual stage: v = 4) against 1F1B
+FIGURE_12 = Row(175.0, 96, 12288, 96, 8, 12, 96, 12, 0.0, 1, 4)
+FIGURE_12_BATCHES = (12, 24, 36, 48, 60)
+
+
+def figure_12() -> list[dict]:
+    """pipeplan's TFLOP/s per GPU for Figure 12's runs, interleaved and not, at each batch."""
+    out = []
+    for batch in FIGURE_12_BATCHES:
+        row = replace(FIGURE_12, batch=batch)
+        interleaved = paper_run(row)
+        plain = paper_run(replace(row, virtual=1))
+        out.append({"batch": batch, "interleaved": interleaved, "1f1b": plain})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/ptdp.json")
@@ -319,7 +337,25 @@ def main() -> None:
         action="store_true",
         help="print the GEMM efficiency that brings the 1.7B row to the paper's figure, and stop",
     )
+    parser.add_argument(
+        "--figure12",
+        action="store_true",
+        help="print pipeplan's interleaved vs 1F1B figures for the paper's Figure 12 runs (175B, 96 GPUs), and stop",
+    )
     args = parser.parse_args()
+    if args.figure12:
+        print(
+            "| batch | interleaved (v=4) TFLOP/s/GPU | 1F1B TFLOP/s/GPU | interleaved / 1F1B |\n|---|---|---|---|"
+        )
+        for r in figure_12():
+            fast, slow = r["interleaved"], r["1f1b"]
+            ratio = (
+                f"{fast['tflops_per_gpu'] / slow['tflops_per_gpu']:.3f}"
+                if "tflops_per_gpu" in fast and "tflops_per_gpu" in slow
+                else "-"
+            )
+            print(f"| {r['batch']} | {_tflops(fast)} | {_tflops(slow)} | {ratio} |")
+        return
     if args.calibrate:
         print(f"GEMM efficiency calibrated on the {TABLE_1[0].billions:g}B row: {calibrate(TABLE_1[0]):.4f}")
         return
