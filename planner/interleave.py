@@ -28,7 +28,8 @@ from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
-from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms
+from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms, durations, stage_costs
+from pipeplan.planner.tp_pricing import group_view
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind, v_segment
 from pipeplan.topology import Topology
@@ -221,11 +222,15 @@ def pipeline_shapes(world_size: int, layers: int, options: PartitionOptions) -> 
     return [(p, d) for k, (p, d) in enumerate(shapes) if 2 <= p <= cap and (p, d) not in shapes[:k]]
 
 
-def partition_interleaved(profile: Profile, topology: Topology, options: PartitionOptions) -> Plan:
+def partition_interleaved(
+    profile: Profile, topology: Topology, options: PartitionOptions, beat_ms: float = math.inf
+) -> Plan | None:
     """The fastest plan that fits, over the shapes ``pipeline_shapes`` and v
     (``options.virtual_stages`` or the candidates), each simulated over one minibatch (a
     flush schedule repeats it). O(shapes * v * (layers + one simulation)).
 
+    Candidates are simulated in the order of a lower bound of their period (``_fastest``);
+    None when no bound is below ``beat_ms`` (another plan already wins).
     Raises a one-line ``InputError`` when no shape can run (too few devices or layers,
     or micro-batches that break Megatron's rule for every shape), ``InfeasibleError``
     naming the smallest memory that would fit when none fits.
@@ -241,10 +246,10 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
         )
     wanted = options.virtual_stages
     candidates = (2,) if kind.v_shape else VIRTUAL_CANDIDATES
-    best: Plan | None = None
     smallest = math.inf
     memory = topology.device.memory_bytes
     refusals: list[str] = []
+    fitting: list[Plan] = []
     if not kind.replica_pipelines:  # replicas sharing one order (zb-v): one device per position
         shapes = [(p, d) for p, d in shapes if d == 1]
     for positions, d in shapes:
@@ -262,29 +267,61 @@ def partition_interleaved(profile: Profile, topology: Topology, options: Partiti
         for v in virtuals:
             plan, peak = interleaved_plan(profile, topology, options, arrays, positions, v, replicas=d)
             smallest = min(smallest, peak)
-            if plan is None or (options.memory_check and peak > memory):
-                continue
-            try:
-                plan = predict(plan, profile, steady=1)  # a flush repeats its minibatch
-            except SimulationTooLarge:  # its bubble-free figure ranks with no simulated plan
-                if best is None:
-                    best = plan
-                continue
-            if (
-                best is None
-                or not best.predicted.simulated
-                or (plan.predicted.time_per_minibatch_ms < best.predicted.time_per_minibatch_ms * (1 - 1e-9))
-            ):
-                best = plan
-    if best is None and not math.isfinite(smallest):
+            if plan is not None and not (options.memory_check and peak > memory):
+                fitting.append(plan)
+    if not fitting and not math.isfinite(smallest):
         raise InputError(refusals[0])
-    if best is None:
-        raise InfeasibleError(
-            f"no {kind.name} plan fits in {format_bytes(memory)} per device (positions x replicas "
-            f"{', '.join(f'{p}x{d}' for p, d in shapes)}); the smallest needs {format_bytes(smallest)} "
-            "(or more, where its weights and optimizer state alone overflow)"
-        )
-    return best
+    if fitting:
+        return _fastest(fitting, profile, beat_ms)
+    raise InfeasibleError(
+        f"no {kind.name} plan fits in {format_bytes(memory)} per device (positions x replicas "
+        f"{', '.join(f'{p}x{d}' for p, d in shapes)}); the smallest needs {format_bytes(smallest)} "
+        "(or more, where its weights and optimizer state alone overflow)"
+    )
+
+
+def _fastest(plans: Sequence[Plan], profile: Profile, beat_ms: float = math.inf) -> Plan | None:
+    """The fastest simulated of ``plans`` (ties to the earlier), simulated in the order of
+    ``_work_bound_ms`` and no further than a bound above the best (or ``beat_ms``): None when
+    every bound is above ``beat_ms``. A plan too large to simulate wins only when none simulates."""
+    bounds = [_work_bound_ms(plan, profile) for plan in plans]
+    best: tuple[float, int, Plan] | None = None
+    unsimulated: Plan | None = None
+    for k in sorted(range(len(plans)), key=lambda k: (bounds[k], k)):
+        limit = min(beat_ms, best[0] if best is not None else math.inf)
+        if bounds[k] > limit * (1 + 1e-9):
+            break  # a period is never below its bound: no later plan can win
+        try:
+            plan = predict(plans[k], profile, steady=1)  # a flush repeats its minibatch
+        except SimulationTooLarge:  # its bubble-free figure ranks with no simulated plan
+            unsimulated = unsimulated or plans[k]
+            continue
+        time_ms = plan.predicted.time_per_minibatch_ms
+        if (
+            best is None
+            or time_ms < best[0] * (1 - 1e-9)
+            or (time_ms <= best[0] * (1 + 1e-9) and k < best[1])
+        ):
+            best = (time_ms, k, plan)
+    if best is not None:
+        return best[2]
+    return unsimulated if bounds and min(bounds) <= beat_ms * (1 + 1e-9) else None
+
+
+def _work_bound_ms(plan: Plan, profile: Profile) -> float:
+    """A lower bound of ``plan``'s simulated period (ms per minibatch): the busiest device's
+    forwards and backwards of one replica's M // d micro-batches, at the simulator's own
+    per-micro-batch durations (``simulate.durations``). O(stages + layers)."""
+    grouped, split = group_view(plan, profile)
+    assert split is not None
+    timing = durations(grouped, stage_costs(grouped, split), grouped.microbatches)
+    positions = len(grouped.stages) // grouped.virtual_stages
+    units = grouped.microbatches // grouped.stages[0].replicas
+    return max(
+        units
+        * sum(timing.forward_ms[q] + timing.backward_ms[q] for q in range(i, len(grouped.stages), positions))
+        for i in range(positions)
+    )
 
 
 def plan_interleaved_shape(

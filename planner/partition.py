@@ -436,7 +436,10 @@ def _partition_pipeline(
     options.validate()
     kind = schedule_kind(options.schedule)
     if kind.virtual_stages:
-        return partition_interleaved(profile, topology, options)
+        chunked = partition_interleaved(profile, topology, options, beat_ms)
+        if chunked is None:
+            raise _Dominated()
+        return chunked
     model = cost_model(options.cost_model)
     family = _target_family(profile, topology, options) if options.export_target else cut_family(profile)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)

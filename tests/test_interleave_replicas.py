@@ -135,3 +135,26 @@ def test_refusals_name_the_counts() -> None:
         partition(EQUAL, topology, interleaved(2))  # 4 x 1 and 2 x 2 (1 per pipeline) both break the rule
     with pytest.raises(InputError, match="needs at least 2 devices and 4 layers"):
         partition(make_profile([1.0] * 3), topology, interleaved(4))
+
+
+def test_work_bound_is_below_every_simulated_period() -> None:
+    """``_fastest`` stops simulating at a bound above the best: the bound must never exceed a
+    period (here on unequal layers with parameters, where all-reduces and the bubble add)."""
+    from pipeplan.planner.costs import layer_arrays
+    from pipeplan.planner.interleave import _work_bound_ms, interleaved_plan
+    from pipeplan.planner.predict import predict
+
+    profile = make_profile([1.0, 1.0, 3.0, 1.0, 2.0, 1.0, 1.0, 4.0], param_bytes=2**18)
+    topology = make_topology(per_server=2, servers=2)
+    arrays = layer_arrays(profile, "sgd")
+    checked = 0
+    for p, d in pipeline_shapes(4, 8, interleaved(8)):
+        for v in (2, 3, 4):
+            if v * p > 8:
+                continue
+            plan, _ = interleaved_plan(profile, topology, interleaved(8, v), arrays, p, v, replicas=d)
+            assert plan is not None
+            period = predict(plan, profile).predicted.time_per_minibatch_ms
+            assert 0 < _work_bound_ms(plan, profile) <= period * (1 + 1e-12)
+            checked += 1
+    assert checked == 4  # (4, 1) x v = 2; (2, 2) x v = 2, 3, 4
