@@ -189,20 +189,29 @@ def _interleaved_order(
     >>> " ".join(f"{k}{m}c{c}" for k, m, c in _interleaved_order(2, 1, 2, 2))
     'F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 B0c0 B1c0'
     """
-    group = positions * virtual_stages
-    total = microbatches * virtual_stages
-
-    def unit(index: int, forward: bool) -> tuple[int, int]:
-        chunk = (index % group) // positions
-        micro = (index // group) * positions + index % positions
-        return micro, chunk if forward else virtual_stages - 1 - chunk
-
+    forwards, backwards = _interleaved_units(positions, microbatches, virtual_stages)
+    total = len(forwards)
     ahead = min(total, interleaved_warmup(positions, position, virtual_stages))
-    order = [("F", *unit(i, True)) for i in range(ahead)]
-    for i in range(total - ahead):
-        order += [("F", *unit(ahead + i, True)), ("B", *unit(i, False))]
-    order += [("B", *unit(i, False)) for i in range(total - ahead, total)]
-    return order
+    steady = total - ahead  # F of unit ahead + i, then B of unit i
+    return (
+        list(forwards[:ahead]) + _interleave(forwards[ahead:], backwards[:steady]) + list(backwards[steady:])
+    )
+
+
+@lru_cache(maxsize=4)
+def _interleaved_units(
+    positions: int, microbatches: int, virtual_stages: int
+) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[str, int, int], ...]]:
+    """(forwards, backwards) in Megatron's unit order, shared by every position of a build:
+    unit k's forward is chunk (k mod P*v) // P of micro-batch (k // (P*v)) * P + k mod P,
+    its backward the same micro-batch on chunk v - 1 - that. O(M * v)."""
+    group = positions * virtual_stages
+    forwards = tuple(
+        ("F", (k // group) * positions + k % positions, (k % group) // positions)
+        for k in range(microbatches * virtual_stages)
+    )
+    backwards = tuple(("B", micro, virtual_stages - 1 - chunk) for _, micro, chunk in forwards)
+    return forwards, backwards
 
 
 def worker_2bw(
@@ -356,3 +365,4 @@ def worker_zbv(
 def clear_caches() -> None:
     """Drop the cached per-minibatch action tuples (keep no Actions beyond their schedule)."""
     _minibatch_actions.cache_clear()
+    _interleaved_units.cache_clear()
