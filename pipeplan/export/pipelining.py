@@ -133,8 +133,9 @@ def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, 
 # --------------------------------------------------------------------------- the action table
 
 
-def action_table_csv(plan: Plan) -> str:
-    """The plan's actions for one step (one minibatch) as torch's compute-only CSV.
+def action_table_csv(plan: Plan, microbatches: int | None = None) -> str:
+    """The plan's actions for one step (one minibatch) as torch's compute-only CSV, of
+    ``microbatches`` (default: the plan's; one data-parallel copy's M / d when replicated).
 
     Row r lists pipeline rank r's actions in order, ``f"{stage}{kind}{microbatch}"`` with
     stage torch's index of model stage chunk * ranks + r (``engine_stages``: the same, but in
@@ -143,7 +144,7 @@ def action_table_csv(plan: Plan) -> str:
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = positions(plan)
-    micro = plan.microbatches // replica_degree(plan)  # one data-parallel copy's pipeline
+    micro = microbatches or plan.microbatches
     schedule = build_schedule(plan.schedule, (1,) * ranks, 1, micro, plan.virtual_stages)
     clock = unit_clock(schedule)
     engine = engine_stages(plan)
@@ -202,7 +203,7 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         ),
         stage_style="v" if schedule_kind(plan.schedule).v_shape else "loop",
         plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
-        csv=action_table_csv(plan),
+        csv=action_table_csv(plan, plan.microbatches // d),
         reason="torch's pipeline() split at the split points",
     )
     if at_hand is None:
