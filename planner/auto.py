@@ -89,9 +89,9 @@ def candidate_shapes(
     ``schedules`` when given).
 
     Schedules of whole minibatches try M = 1 only; virtual-stage schedules each v of
-    ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with micro-batch counts
-    that are multiples of the device count (Megatron's rule); V-shaped ones (zb-v) v = 2
-    with every count.
+    ``planner.interleave.VIRTUAL_CANDIDATES`` (or the user's) with every count (the
+    planner refuses the positions x replicas whose pipelines break Megatron's rule, M / d
+    a multiple of p); V-shaped ones (zb-v) v = 2 with every count.
     """
     counts = _counts(options, batch_size, world_size)
     out: list[tuple[str, int, int | None]] = []
@@ -104,7 +104,7 @@ def candidate_shapes(
             out += [(name, m, 2) for m in counts if options.virtual_stages in (None, 2)]
         elif kind.virtual_stages:
             virtuals = [options.virtual_stages] if options.virtual_stages else list(VIRTUAL_CANDIDATES)
-            out += [(name, m, v) for v in virtuals for m in counts if m % world_size == 0]
+            out += [(name, m, v) for v in virtuals for m in counts]
         else:
             out += [(name, m, 1) for m in counts]
     return out

@@ -21,7 +21,7 @@ from pipeplan.planner.costs import LayerArrays, layer_arrays
 from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
-from pipeplan.planner.interleave import partition_interleaved
+from pipeplan.planner.interleave import partition_interleaved, plan_interleaved_shape
 from pipeplan.planner.memory import gradient_temporary_bytes
 from pipeplan.planner.offload import base_mode, host_bandwidth, offload_of
 from pipeplan.planner.options import (
@@ -357,7 +357,9 @@ def resimulated(plan: Plan, profile: Profile, options: PartitionOptions) -> Plan
         options = replace(
             options, uniform=not options.export_target and any(layer.splits for layer in profile.layers)
         )
-    if options.uniform and schedule_kind(options.schedule).flushes:  # priced on a one-minibatch window
+    kind = schedule_kind(options.schedule)
+    # priced on a one-minibatch window; interleaved plans were too, and a flush repeats it exactly
+    if options.uniform and kind.flushes and not kind.virtual_stages:
         try:
             return predict(plan, profile)  # the default window, as every plan's figures
         except SimulationTooLarge:  # the one-minibatch window stands: flush minibatches repeat
@@ -369,7 +371,8 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     """The uniform plan of degree ``t`` and ``p`` balanced stages on every device
     (``planner.uniform``: d = devices / (t p) replicas each), priced, memory-checked and
     simulated as ``partition`` prices its candidates: what pipeplan predicts for a
-    configuration chosen elsewhere (Megatron's own t, p, d). ``InputError`` when the
+    configuration chosen elsewhere (Megatron's own t, p, d; with interleaved 1F1B, v =
+    ``options.virtual_stages`` chunks per device, ``planner.interleave``). ``InputError`` when the
     topology cannot lay that shape out; ``InfeasibleError`` when it does not fit."""
     options.validate()
     options = planned_recompute(
@@ -381,23 +384,37 @@ def plan_uniform(profile: Profile, topology: Topology, options: PartitionOptions
     split, grouped = tp.split_profile(profile, topology, t, sp), tp.group_topology(topology, t)
     model = cost_model(options.cost_model)
     arrays = layer_arrays(split, model.charged_optimizer(options.optimizer), cut_family(split))
+    if schedule_kind(options.schedule).virtual_stages:  # p positions x d replicas x v chunks
+        return _expanded(
+            plan_interleaved_shape(split, grouped, options, p), profile, topology, options, t, sp
+        )
     for stages, _, tree in uniform_trees(arrays, grouped):
         if stages == p:
             flat = flatten(tree, grouped)
             stage_ms = max(figure[3] for figure in stage_figures(flat, arrays, grouped, options))
             plan = _tree_plan(split, grouped, options, arrays, tree, stage_ms, frozenset())
-            if t == 1:
-                return plan
-            whole = layer_arrays(profile, model.charged_optimizer(options.optimizer))
-            baselines = (
-                whole.compute(0, whole.layers),
-                data_parallel_ms(whole, topology, options.cost_model),
-            )
-            return tp.expand_plan(plan, topology, t, baselines_ms=baselines, sequence_parallel=sp)
+            return _expanded(plan, profile, topology, options, t, sp)
     raise InputError(
         f"no uniform plan of {p} stages with tensor-parallel degree {t} on {topology.name}: "
         f"{topology.world_size // t} groups do not split into {p} stages laid out within the levels"
     )
+
+
+def _expanded(
+    plan: Plan,
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    t: int,
+    sequence_parallel: bool,
+) -> Plan:
+    """``plan`` of the group topology on the real ranks (``tp.expand_plan``), its baselines
+    those of the whole profile; ``plan`` itself when t = 1."""
+    if t == 1:
+        return plan
+    whole = layer_arrays(profile, cost_model(options.cost_model).charged_optimizer(options.optimizer))
+    baselines = (whole.compute(0, whole.layers), data_parallel_ms(whole, topology, options.cost_model))
+    return tp.expand_plan(plan, topology, t, baselines_ms=baselines, sequence_parallel=sequence_parallel)
 
 
 class _Dominated(Exception):
@@ -466,7 +483,10 @@ def _partition_pipeline(
     options.validate()
     kind = schedule_kind(options.schedule)
     if kind.virtual_stages:
-        return partition_interleaved(profile, topology, options)
+        chunked = partition_interleaved(profile, topology, options, beat_ms)
+        if chunked is None:
+            raise _Dominated()
+        return chunked
     model = cost_model(options.cost_model)
     family = _target_family(profile, topology, options) if options.export_target else cut_family(profile)
     arrays = layer_arrays(profile, model.charged_optimizer(options.optimizer), family)

@@ -27,7 +27,7 @@ from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
 from pipeplan.planner.sharding import stage_shard_memory, stage_sync_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
-from pipeplan.schedules import Schedule, build_schedule, schedule_kind, warmup_forwards
+from pipeplan.schedules import Schedule, build_schedule, replica_lanes, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
@@ -482,15 +482,15 @@ def simulate(
 
 
 def _lanes(name: str, replicas: tuple[int, ...], micro: int, virtual: int, record: bool) -> int:
-    """d when a flush schedule runs d independent identical pipelines (every stage on d
+    """d when a flush schedule runs d independent identical pipelines (``replica_lanes``: every stage on d
     replicas, M a multiple of d: replica r of every stage runs the micro-batches m = r mod
     d, and replicas meet only at the step), else 1. Simulating one of them with M / d
     micro-batches of the same durations gives the same period, busy times and memory in
     1/d of the work. Not when the timeline of every worker is recorded."""
-    d = replicas[0]
-    if record or virtual != 1 or not schedule_kind(name).flushes or d < 2:
+    kind = schedule_kind(name)
+    if record or (virtual != 1 and not kind.replica_pipelines) or not kind.flushes:
         return 1
-    return d if all(n == d for n in replicas) and micro % d == 0 else 1
+    return replica_lanes(replicas, micro)
 
 
 def _one_lane(plan: Plan) -> Plan:

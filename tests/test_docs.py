@@ -69,6 +69,7 @@ FOREIGN_OPTIONS = {
     "--accumulate-allreduce-grads-in-fp32",  # Megatron-LM
     "--grad-reduce-in-bf16",  # Megatron-LM
     "--calibrate",  # bench/bench_ptdp.py
+    "--figure12",  # bench/bench_ptdp.py
     "--depths",  # bench/bench_memory.py
     "--shapes",  # bench/bench_planner.py
     "--no-pipedream",  # bench/bench_planner.py

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from pipeplan.export import (
     ModelStructure,
     action_table_csv,
     check_plan,
+    export_pipelining,
     model_structure,
     split_points,
     torchtitan_parts,
@@ -510,13 +512,62 @@ def test_refuses_uneven_replication(tmp_path: Path, target: str) -> None:
     )
 
 
-def test_refuses_even_replication(tmp_path: Path) -> None:
-    plan = make_plan(MLP, [[0, 1, 2], [3, 4, 5]], [2, 2], "gpipe", microbatches=2)
-    assert refusal(invoke(saved(plan, tmp_path), "--to", "pipelining", "--model", MLP)) == (
-        "plan replicates every stage 2 times: torch.distributed.pipelining and torchtitan run one device "
-        "per stage (data parallelism over whole pipelines is their separate mesh dimension); re-plan with "
-        "`pipeplan partition PROFILE --straight --schedule gpipe`"
+def test_interleaved_replicas_export_as_data_parallel_copies(tmp_path: Path) -> None:
+    """PTD-P: 2 positions x 2 replicas x 2 chunks, 8 micro-batches of an 8-sample batch:
+    each copy of the pipeline runs 4 micro-batches of its 4 samples under
+    ScheduleInterleaved1F1B, torchtitan's data_parallel_replicate_degree = 2."""
+    plan = make_plan(
+        BLOCKS,
+        [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9], [10]],
+        [2, 2, 2, 2],
+        "interleaved-1f1b",
+        8,
+        8,
+        virtual_stages=2,
     )
+    out = tmp_path / "pp.toml"
+    result = invoke(saved(plan, tmp_path), "--to", "torchtitan", "--model", BLOCKS, "-o", str(out))
+    assert result.exit_code == 0, result.output
+    section = tomllib.loads(out.read_text())["parallelism"]
+    assert section["data_parallel_replicate_degree"] == 2 and section["pipeline_parallel_degree"] == 2
+    assert section["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    assert section["pipeline_parallel_microbatch_size"] == 1  # 4 samples per copy / 4 micro-batches
+    made = export_pipelining(plan, model_structure(BLOCKS, plan))
+    assert (made.schedule_class, made.replicas, made.batch_size, made.microbatches) == (
+        "ScheduleInterleaved1F1B",
+        2,
+        4,
+        4,
+    )
+    assert "the plan runs 2 copies of this pipeline (4 ranks)" in made.python()
+    # the action table is one copy's: the unreplicated plan's of 4 micro-batches on 2 ranks
+    one = make_plan(
+        BLOCKS,
+        [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9], [10]],
+        [1] * 4,
+        "interleaved-1f1b",
+        4,
+        4,
+        virtual_stages=2,
+    )
+    assert made.csv == action_table_csv(one) and made.csv.splitlines()[1].split(",")[:3] == ["", "1F0", "1F1"]
+
+
+@pytest.mark.parametrize(
+    "replicas, schedule, micro, virtual, message",
+    [
+        ([2, 1], "gpipe", 2, 1, "plan replicates stages unevenly (replicas per stage 2, 1)"),
+        ([2, 2], "gpipe", 3, 1, "plan routes 3 micro-batches of a 6-sample batch over 2 replicas"),
+        ([2] * 4, "zb-v", 4, 2, "plan replicates every stage 2 times under zb-v, whose replicas share one"),
+    ],
+)
+def test_refuses_replicas_the_engines_cannot_run(
+    replicas: list[int], schedule: str, micro: int, virtual: int, message: str
+) -> None:
+    layers = [[0, 1, 2], [3, 4, 5]] if virtual == 1 else [[0], [1, 2], [4, 5], [3]]
+    plan = make_plan(MLP, layers, replicas, schedule, 6 if micro == 3 else 8, micro, virtual_stages=virtual)
+    with pytest.raises(InputError, match=re.escape(message)):
+        check_plan(plan)
 
 
 def test_refuses_a_stage_that_is_not_a_contiguous_range() -> None:

@@ -31,7 +31,9 @@ def straight4(memory_bytes: int = 16 * 2**30) -> Topology:
 
 @pytest.mark.parametrize("virtual, micro", [(2, 4), (2, 8), (4, 4)])
 def test_interleaved_bubble_is_p_minus_1_over_v_m(virtual: int, micro: int) -> None:
-    options = PartitionOptions(schedule="interleaved-1f1b", microbatches=micro, virtual_stages=virtual)
+    options = PartitionOptions(
+        schedule="interleaved-1f1b", microbatches=micro, virtual_stages=virtual, straight=True
+    )
     plan = partition(EQUAL, straight4(), options)
     assert plan.virtual_stages == virtual and len(plan.stages) == 4 * virtual
     assert [s.ranks for s in plan.stages] == [(q % 4,) for q in range(4 * virtual)]

@@ -39,6 +39,9 @@ CASES = {
     "interleaved-tied": ("tied.py", [[0], [1], [2], [3, 4]], 2, "interleaved-1f1b", 2, 2, {}),
     # one rank, both chunks on it: every message goes to the rank itself
     "interleaved-one-rank": ("dag.py", [[0, 1, 2], [3, 4, 5]], 1, "interleaved-1f1b", 2, 2, {}),
+    # PTD-P: 2 positions x 2 replicas, 2 chunks per rank; each replica runs Megatron's order on
+    # its own 4 micro-batches (m = r mod 2) and the replicas of a position all-reduce both chunks
+    "interleaved-replicas": ("mlp.py", [[0], [1, 2], [3], [4, 5]], 4, "interleaved-1f1b", 8, 2, {}),
     "zb-h1-dag": ("dag.py", [[0], [1, 2], [3], [4, 5]], 4, "zb-h1", 4, 1, {}),
     "zb-h1-tied": ("tied.py", [[0, 1], [2, 3, 4]], 2, "zb-h1", 4, 1, {"PIPEPLAN_TEST_UNTAGGED": "1"}),
     # the V on 4 ranks: model stage q = c * 4 + i holds piece i (c = 0) or 7 - i (c = 1), so
@@ -60,7 +63,7 @@ def test_flush_schedules_match_single_process(tmp_path: Path, case: str) -> None
     plan = make_plan(
         model,
         layers,
-        [1] * len(layers),
+        [ranks // (len(layers) // virtual)] * len(layers),
         schedule,
         batch_size=8,
         microbatches=micro,
@@ -86,7 +89,9 @@ def test_flush_schedules_match_single_process(tmp_path: Path, case: str) -> None
     )
     assert result.returncode == 0, result.stderr[-3000:]
     reference, _ = train_reference(model, 3, 8, LR, optimizer="momentum")
-    assert_params_match(records(tmp_path / "rec"), reference)
+    recs = records(tmp_path / "rec")
+    assert len(recs) == ranks  # every replica's parameters compared, not one per position
+    assert_params_match(recs, reference)
 
 
 def test_2bw_delayed_updates_with_two_versions(tmp_path: Path) -> None:

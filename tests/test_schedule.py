@@ -345,8 +345,9 @@ def _kind_args(name: str, replicas: tuple[int, ...], micro: int, minibatches: in
     if kind.v_shape:  # any count, from DualPipeV's least (2P) on
         least = kind.least_microbatches_per_device * len(replicas)
         return minibatches, least + micro - 1 if least else micro, 2
-    if kind.virtual_stages:
-        return minibatches, micro * len(replicas), 2
+    if kind.virtual_stages:  # Megatron's rule: a multiple of the positions in each replica's pipeline
+        lanes = replicas[0] if kind.replica_pipelines and len(set(replicas)) == 1 else 1
+        return minibatches, micro * len(replicas) * lanes, 2
     if kind.gradients == "delayed":
         least = max(n * (warmup_forwards(replicas, s) + 1) for s, n in enumerate(replicas))
         return minibatches, least + micro - 1, 1

@@ -21,6 +21,7 @@ from pipeplan.export.structure import (
     check_exportable,
     engine_stages,
     positions,
+    replica_degree,
     tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
@@ -132,8 +133,9 @@ def check_torch_split(plan: Plan, structure: ModelStructure, points: tuple[str, 
 # --------------------------------------------------------------------------- the action table
 
 
-def action_table_csv(plan: Plan) -> str:
-    """The plan's actions for one step (one minibatch) as torch's compute-only CSV.
+def action_table_csv(plan: Plan, microbatches: int | None = None) -> str:
+    """The plan's actions for one step (one minibatch) as torch's compute-only CSV, of
+    ``microbatches`` (default: the plan's; one data-parallel copy's M / d when replicated).
 
     Row r lists pipeline rank r's actions in order, ``f"{stage}{kind}{microbatch}"`` with
     stage torch's index of model stage chunk * ranks + r (``engine_stages``: the same, but in
@@ -142,7 +144,8 @@ def action_table_csv(plan: Plan) -> str:
     caller's ``optimizer.step()`` and has no cell. O(actions).
     """
     ranks = positions(plan)
-    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, plan.microbatches, plan.virtual_stages)
+    micro = microbatches or plan.microbatches
+    schedule = build_schedule(plan.schedule, (1,) * ranks, 1, micro, plan.virtual_stages)
     clock = unit_clock(schedule)
     engine = engine_stages(plan)
     buffer = io.StringIO()
@@ -183,14 +186,16 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
     at_hand = structure.at_hand
     stage_of = check_exportable(plan, structure, shared=at_hand is not None)
     ranks = positions(plan)
+    d = replica_degree(plan)
     base = PipeliningExport(
         model=plan.model,
         schedule=plan.schedule,
         schedule_class=SCHEDULE_CLASSES[plan.schedule],
         stages=len(plan.stages),
         ranks=ranks,
-        batch_size=plan.batch_size,
-        microbatches=plan.microbatches,
+        batch_size=plan.batch_size // d,
+        microbatches=plan.microbatches // d,
+        replicas=d,
         split_points=(),
         stage_layers=tuple(
             tuple(structure.layer_names[i] for i in sorted(plan.stages[q].layers))
@@ -198,7 +203,7 @@ def export_pipelining(plan: Plan, structure: ModelStructure) -> PipeliningExport
         ),
         stage_style="v" if schedule_kind(plan.schedule).v_shape else "loop",
         plan_ranks=tuple(plan.stages[i].ranks[0] for i in range(ranks)),
-        csv=action_table_csv(plan),
+        csv=action_table_csv(plan, plan.microbatches // d),
         reason="torch's pipeline() split at the split points",
     )
     if at_hand is None:

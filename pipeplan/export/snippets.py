@@ -37,8 +37,8 @@ class PipeliningExport:
     schedule_class: str  # torch.distributed.pipelining class name
     stages: int  # model stages (virtual stages included)
     ranks: int  # pipeline ranks; stage q runs on rank q % ranks
-    batch_size: int  # samples per minibatch (one schedule.step)
-    microbatches: int
+    batch_size: int  # samples per minibatch (one schedule.step) of one data-parallel copy
+    microbatches: int  # of one data-parallel copy's pipeline
     split_points: tuple[
         str, ...
     ]  # module where stage 1, 2, ... begins (SplitPoint.BEGINNING); layer names for stage_modules
@@ -56,6 +56,9 @@ class PipeliningExport:
     tied: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter -> stages holding a copy
     # torch's stages of rank r: "loop" r, r + ranks, ...; "v" r and 2 * ranks - 1 - r (ZBV)
     stage_style: str = "loop"
+    # copies of the whole pipeline (PTD-P's d), each on its own ``ranks`` ranks with batch_size
+    # samples: data parallelism over whole pipelines, the engines' separate mesh dimension
+    replicas: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -75,7 +78,15 @@ def _header(made: PipeliningExport, imports: str) -> str:
         f"# {made.schedule} = {made.schedule_class}, {made.microbatches} micro-batches of {size} samples\n"
         f"# per step of {made.batch_size} samples. Run on {made.ranks} ranks "
         f"(torchrun --nproc-per-node {made.ranks}).\n"
-        f"# Stages: {made.reason}\n"
+        + (
+            f"# Data parallel: the plan runs {made.replicas} copies of this pipeline "
+            f"({made.replicas * made.ranks} ranks), each on its own\n# {made.batch_size} samples; "
+            "all-reduce each stage's gradients over the copies (a DeviceMesh of shape "
+            f"({made.replicas}, {made.ranks}), its data-parallel dimension) before the optimizer step.\n"
+            if made.replicas > 1
+            else ""
+        )
+        + f"# Stages: {made.reason}\n"
         + (f"# Checked: {made.checked}\n" if made.checked else "")
         + f"{imports}\n"
     )

@@ -54,6 +54,7 @@ __all__ = [
     "engine_stages",
     "model_structure",
     "positions",
+    "replica_degree",
     "tensor_parallel_degree",
 ]
 
@@ -177,7 +178,6 @@ def check_plan(plan: Plan) -> None:
     Checks, in order: schedule, replication, contiguous stages, and the micro-batch
     counts the torch schedule class accepts. O(layers + stages).
     """
-    straight = f"re-plan with `pipeplan partition PROFILE --straight --schedule {_flush_of(plan.schedule)}`"
     kind = schedule_kind(plan.schedule)
     if kind.engine is None:
         raise InputError(
@@ -185,17 +185,7 @@ def check_plan(plan: Plan) -> None:
             f"schedules only ({', '.join(SCHEDULE_CLASSES)}); re-plan with "
             f"`pipeplan partition PROFILE --schedule {DEFAULT_TARGET_SCHEDULE} --straight`"
         )
-    replicas = [stage.replicas for stage in plan.stages]
-    if len(set(replicas)) > 1:
-        raise InputError(
-            f"plan replicates stages unevenly (replicas per stage {', '.join(map(str, replicas))}): "
-            f"{ENGINES} run one device per stage; {straight}"
-        )
-    if replicas[0] > 1:
-        raise InputError(
-            f"plan replicates every stage {replicas[0]} times: {ENGINES} run one device per stage "
-            f"(data parallelism over whole pipelines is their separate mesh dimension); {straight}"
-        )
+    replica_degree(plan)
     for stage in plan.stages:
         expected = range(stage.layer_start, stage.layer_end)
         if tuple(sorted(stage.layers)) != tuple(expected):
@@ -248,18 +238,51 @@ def tensor_parallel_degree(plan: Plan) -> int:
     return degrees[0]
 
 
+def replica_degree(plan: Plan) -> int:
+    """d: the copies of the whole pipeline (PTD-P's data parallelism, the engines' separate
+    data-parallel mesh dimension, torchtitan's ``data_parallel_replicate_degree``), each
+    running its own M / d micro-batches of batch / d samples. ``InputError`` (one line) for
+    replicas the engines cannot run: uneven, a schedule whose replicas do not run a pipeline
+    each (``ScheduleKind.replica_pipelines``; one chunk per device always does), or micro-batches
+    that do not split evenly over the copies."""
+    straight = f"re-plan with `pipeplan partition PROFILE --straight --schedule {_flush_of(plan.schedule)}`"
+    replicas = [stage.replicas for stage in plan.stages]
+    if len(set(replicas)) > 1:
+        raise InputError(
+            f"plan replicates stages unevenly (replicas per stage {', '.join(map(str, replicas))}): "
+            f"{ENGINES} run one device per stage; {straight}"
+        )
+    d = replicas[0]
+    kind = schedule_kind(plan.schedule)
+    if d > 1 and kind.virtual_stages and not kind.replica_pipelines:
+        raise InputError(
+            f"plan replicates every stage {d} times under {plan.schedule}, whose replicas share one "
+            f"pipeline's order: {ENGINES} run a whole pipeline per data-parallel copy; {straight}"
+        )
+    if d > 1 and (plan.microbatches % d or plan.batch_size % d):
+        raise InputError(
+            f"plan routes {plan.microbatches} micro-batches of a {plan.batch_size}-sample batch over "
+            f"{d} replicas: {ENGINES} give each data-parallel copy of the pipeline an equal share; "
+            f"re-plan with a multiple of {d} micro-batches"
+        )
+    return d
+
+
 def positions(plan: Plan) -> int:
     """Pipeline ranks: model stages / virtual stages per rank."""
     return len(plan.stages) // plan.virtual_stages
 
 
 def _check_microbatches(plan: Plan) -> None:
-    """The micro-batch rules of the torch schedule class the plan maps to."""
-    m, stages, ranks = plan.microbatches, len(plan.stages), positions(plan)
-    if plan.batch_size % m:
+    """The micro-batch rules of the torch schedule class the plan maps to, for each
+    data-parallel copy's pipeline (``replica_degree``: M / d micro-batches of batch / d)."""
+    d = replica_degree(plan)
+    m, stages, ranks = plan.microbatches // d, len(plan.stages), positions(plan)
+    batch = plan.batch_size // d
+    if batch % m:
         raise InputError(
-            f"plan batch size {plan.batch_size} does not split into {m} equal micro-batches, "
-            f"as both engines split a step's batch; a plan with a divisor of {plan.batch_size} carries over"
+            f"plan batch size {batch} does not split into {m} equal micro-batches, "
+            f"as both engines split a step's batch; a plan with a divisor of {batch} carries over"
         )
     engine = schedule_kind(plan.schedule).engine
     assert engine is not None  # check_plan refused the others

@@ -12,6 +12,7 @@ from pipeplan.export.structure import (
     ModelStructure,
     check_exportable,
     positions,
+    replica_degree,
     tensor_parallel_degree,
 )
 from pipeplan.plan import Plan
@@ -36,6 +37,9 @@ class TorchtitanExport:
     # layers (``activation_checkpoint_mode``); ``recompute_note`` says what it changes, if anything
     activation_checkpoint_mode: str = "none"
     recompute_note: str = ""
+    # copies of the whole pipeline (PTD-P's d): torchtitan's data-parallel replicate mesh
+    # dimension; ``batch_size`` and ``microbatches`` are each copy's
+    data_parallel_replicate_degree: int = 1
 
     @property
     def pipeline_parallel_microbatch_size(self) -> int:
@@ -56,7 +60,12 @@ class TorchtitanExport:
             "[parallelism]\n"
             f"pipeline_parallel_degree = {self.pipeline_parallel_degree}\n"
             f"tensor_parallel_degree = {self.tensor_parallel_degree}\n"
-            f"pipeline_parallel_schedule = {json.dumps(self.pipeline_parallel_schedule)}\n"
+            + (
+                f"data_parallel_replicate_degree = {self.data_parallel_replicate_degree}\n"
+                if self.data_parallel_replicate_degree > 1
+                else ""
+            )
+            + f"pipeline_parallel_schedule = {json.dumps(self.pipeline_parallel_schedule)}\n"
             f"pipeline_parallel_microbatch_size = {self.pipeline_parallel_microbatch_size}\n"
             f"module_fqns_per_model_part = [\n{parts}]\n"
             "\n" + (f"# {self.recompute_note}\n" if self.recompute_note else "") + "[activation_checkpoint]\n"
@@ -187,14 +196,16 @@ def export_torchtitan(plan: Plan, structure: ModelStructure) -> TorchtitanExport
             f"runs it); `pipeplan export --to pipelining` runs its action table on torch's "
             f"_PipelineScheduleRuntime"
         )
+    d = replica_degree(plan)
     return TorchtitanExport(
         model=plan.model,
         schedule=plan.schedule,
         pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[plan.schedule],
         pipeline_parallel_degree=positions(plan),
         tensor_parallel_degree=tensor_parallel_degree(plan),
-        batch_size=plan.batch_size,
-        microbatches=plan.microbatches,
+        batch_size=plan.batch_size // d,
+        microbatches=plan.microbatches // d,
+        data_parallel_replicate_degree=d,
         module_fqns_per_model_part=torchtitan_parts(structure, stage_of, len(plan.stages)),
         activation_checkpoint_mode=activation_checkpoint_mode(plan)[0],
         recompute_note=activation_checkpoint_mode(plan)[1],

@@ -8,6 +8,7 @@ from pipeplan.schedules.actions import (
     interleaved_warmup,
     noam,
     peak_in_flight,
+    replica_lanes,
     v_segment,
     warmup_forwards,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "noam",
     "or_list",
     "peak_in_flight",
+    "replica_lanes",
     "run_schedule",
     "schedule_kind",
     "unit_clock",

@@ -32,6 +32,7 @@ __all__ = [
     "label",
     "noam",
     "peak_in_flight",
+    "replica_lanes",
     "v_segment",
     "warmup_forwards",
 ]
@@ -79,6 +80,18 @@ def interleaved_warmup(positions: int, position: int, virtual_stages: int) -> in
     [10, 8, 6, 4]
     """
     return (positions - position - 1) * 2 + (virtual_stages - 1) * positions
+
+
+def replica_lanes(replicas: Sequence[int], microbatches: int) -> int:
+    """d when every position runs on d replicas and d divides the micro-batches (PTD-P's
+    data parallelism: d copies of the pipeline, replica r of every position running the
+    micro-batches m = r mod d), else 1.
+
+    >>> replica_lanes((2, 2), 8), replica_lanes((2, 1), 8), replica_lanes((2, 2), 3)
+    (2, 1, 1)
+    """
+    d = replicas[0]
+    return d if d > 1 and all(n == d for n in replicas) and microbatches % d == 0 else 1
 
 
 def v_segment(stage: int, positions: int) -> int:

@@ -12,12 +12,13 @@ schedule is a generator in ``orders.py`` plus a record here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.schedules.actions import Action, Schedule, Worker, noam, warmup_forwards
+from pipeplan.schedules.actions import Action, Schedule, Worker, noam, replica_lanes, warmup_forwards
 from pipeplan.schedules.orders import (
     clear_caches,
     worker_1f1b_flush,
@@ -115,6 +116,11 @@ class ScheduleKind:
     mixes_backward: bool = False
     # micro-batches >= this many per device (DualPipeV: 2, one per model stage, as torch's class)
     least_microbatches_per_device: int = 0
+    # with chunks and every position on d replicas (M a multiple of d: ``replica_lanes``),
+    # each replica runs the schedule's own order of M / d micro-batches on its micro-batches:
+    # d copies of the pipeline meeting at "S" (PTD-P's data parallelism), so the simulator
+    # prices one of them (flush schedules of one chunk do so always)
+    replica_pipelines: bool = False
     default: bool = False  # plain `pipeplan partition`'s schedule (exactly one kind)
     default_for_targets: bool = False  # `partition --for`'s schedule (exactly one kind, plannable)
 
@@ -156,9 +162,11 @@ class ScheduleKind:
                     f"{self.name} needs virtual stages >= 2 (got {virtual_stages}); "
                     "with one chunk per device use 1f1b-flush"
                 )
-            if microbatches % len(replicas):
+            lanes = replica_lanes(replicas, microbatches) if self.replica_pipelines else 1
+            if (microbatches // lanes) % len(replicas):
+                per = f"micro-batches per pipeline ({microbatches} / {lanes} replicas)" if lanes > 1 else ""
                 raise InputError(
-                    f"{self.name} needs micro-batches ({microbatches}) to be a multiple of "
+                    f"{self.name} needs {per or f'micro-batches ({microbatches})'} to be a multiple of "
                     f"the {len(replicas)} pipeline positions (Megatron's rule)"
                 )
         elif not self.virtual_stages and virtual_stages != 1:
@@ -207,19 +215,7 @@ class ScheduleKind:
         of the first replica; a unit of chunk c holds 1/M of chunk c's minibatch
         activations. O(M * v) from the action list.
         """
-        replicas = _replicas(stage_replicas)
-        actions = self.generate(replicas, stage, 0, 1 if self.flushes else 4, microbatches, virtual_stages)
-        held: dict[tuple[int, int, int], int] = {}
-        best: tuple[int, ...] = (0,) * virtual_stages
-        for action in actions:
-            key = (action.minibatch, action.microbatch, action.chunk)
-            if action.kind == "F":
-                held[key] = action.chunk
-            elif action.kind in ("B", "W"):
-                held.pop(key, None)
-            if len(held) > sum(best):
-                best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
-        return tuple(count / microbatches for count in best)
+        return _in_flight_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)
 
     def activations_in_flight(
         self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
@@ -278,6 +274,28 @@ class ScheduleKind:
             }
         finally:
             clear_caches()  # keep no Actions beyond the schedule that holds them
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_flight_by_chunk(
+    kind: ScheduleKind, replicas: tuple[int, ...], stage: int, microbatches: int, virtual_stages: int
+) -> tuple[float, ...]:
+    """``ScheduleKind.in_flight_by_chunk``, cached: the planner asks it for every chunk of
+    every position of every candidate (the same position's answer v times)."""
+    actions = kind.generate(replicas, stage, 0, 1 if kind.flushes else 4, microbatches, virtual_stages)
+    held: dict[tuple[int, int, int], int] = {}
+    best: tuple[int, ...] = (0,) * virtual_stages
+    peak = 0
+    for action in actions:
+        key = (action.minibatch, action.microbatch, action.chunk)
+        if action.kind == "F":
+            held[key] = action.chunk
+        elif action.kind in ("B", "W"):
+            held.pop(key, None)
+        if len(held) > peak:
+            peak = len(held)
+            best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
+    return tuple(count / microbatches for count in best)
 
 
 def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
@@ -353,6 +371,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
             whole_minibatches=False,
             generate=worker_interleaved,
             engine=EngineSchedule("ScheduleInterleaved1F1B", "Interleaved1F1B", multi_stage=True),
+            replica_pipelines=True,
         ),
         ScheduleKind(
             "2bw",

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TypeVar
 
-from pipeplan.schedules.actions import Action, interleaved_warmup, warmup_forwards
+from pipeplan.schedules.actions import Action, interleaved_warmup, replica_lanes, warmup_forwards
 
 T = TypeVar("T")
 
@@ -160,29 +160,58 @@ def worker_interleaved(
     k in Megatron's order: groups of P micro-batches run chunk 0, then chunk 1, ..., so
     the forward of k is chunk (k mod P*v) // P of micro-batch (k // (P*v)) * P + k mod P;
     backwards walk the chunks in reverse. Warm-up runs ``interleaved_warmup`` forwards,
-    then F, B alternate, then the drain. A replica runs the units routed to it in the
-    position's order (a sub-order of a deadlock-free order cannot deadlock).
+    then F, B alternate, then the drain. With every position on d replicas and M a
+    multiple of d (``replica_lanes``, PTD-P), each replica runs Megatron's order of M / d
+    micro-batches on its own ones (a pipeline of its own, meeting the others at "S").
+    Otherwise a replica runs the units routed to it in the position's order (a sub-order
+    of a deadlock-free order cannot deadlock).
     """
     positions = len(replicas)
-    group = positions * virtual_stages
-    total = microbatches * virtual_stages
-
-    def unit(index: int, forward: bool) -> tuple[int, int]:
-        chunk = (index % group) // positions
-        micro = (index // group) * positions + index % positions
-        return micro, chunk if forward else virtual_stages - 1 - chunk
-
-    ahead = min(total, interleaved_warmup(positions, stage, virtual_stages))
-    order = [("F", *unit(i, True)) for i in range(ahead)]
-    for i in range(total - ahead):
-        order += [("F", *unit(ahead + i, True)), ("B", *unit(i, False))]
-    order += [("B", *unit(i, False)) for i in range(total - ahead, total)]
+    lanes = replica_lanes(replicas, microbatches)
+    order = _interleaved_order(positions, stage, microbatches // lanes, virtual_stages)
     out: list[Action] = []
     for k in range(minibatches):
-        local = set(_local_microbatches(replicas, stage, replica, k, microbatches))
-        out += [Action(kind, k, micro, chunk) for kind, micro, chunk in order if micro in local]
+        local = _local_microbatches(replicas, stage, replica, k, microbatches)
+        if lanes > 1:  # its own pipeline: local[j] is the lane's micro-batch j
+            out += [Action(kind, k, local[j], chunk) for kind, j, chunk in order]
+        else:
+            routed = set(local)
+            out += [Action(kind, k, micro, chunk) for kind, micro, chunk in order if micro in routed]
         out.append(Action("S", k))
     return out
+
+
+def _interleaved_order(
+    positions: int, position: int, microbatches: int, virtual_stages: int
+) -> list[tuple[str, int, int]]:
+    """Megatron's interleaved order of one device: (kind, micro-batch, chunk). O(M * v).
+
+    >>> " ".join(f"{k}{m}c{c}" for k, m, c in _interleaved_order(2, 1, 2, 2))
+    'F0c0 F1c0 F0c1 B0c1 F1c1 B1c1 B0c0 B1c0'
+    """
+    forwards, backwards = _interleaved_units(positions, microbatches, virtual_stages)
+    total = len(forwards)
+    ahead = min(total, interleaved_warmup(positions, position, virtual_stages))
+    steady = total - ahead  # F of unit ahead + i, then B of unit i
+    return (
+        list(forwards[:ahead]) + _interleave(forwards[ahead:], backwards[:steady]) + list(backwards[steady:])
+    )
+
+
+@lru_cache(maxsize=4)
+def _interleaved_units(
+    positions: int, microbatches: int, virtual_stages: int
+) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[str, int, int], ...]]:
+    """(forwards, backwards) in Megatron's unit order, shared by every position of a build:
+    unit k's forward is chunk (k mod P*v) // P of micro-batch (k // (P*v)) * P + k mod P,
+    its backward the same micro-batch on chunk v - 1 - that. O(M * v)."""
+    group = positions * virtual_stages
+    forwards = tuple(
+        ("F", (k // group) * positions + k % positions, (k % group) // positions)
+        for k in range(microbatches * virtual_stages)
+    )
+    backwards = tuple(("B", micro, virtual_stages - 1 - chunk) for _, micro, chunk in forwards)
+    return forwards, backwards
 
 
 def worker_2bw(
@@ -336,3 +365,4 @@ def worker_zbv(
 def clear_caches() -> None:
     """Drop the cached per-minibatch action tuples (keep no Actions beyond their schedule)."""
     _minibatch_actions.cache_clear()
+    _interleaved_units.cache_clear()
