@@ -77,6 +77,12 @@ class StagePlan:
     # "zero2" | "fsdp", among groups of ``shard_degree`` consecutive replicas (1: none)
     shard: str = "none"
     shard_degree: int = 1
+    # selective recomputation (Korthikanti et al.): layers whose attention core alone runs under
+    # torch.utils.checkpoint (disjoint from ``recompute_layers``); () none
+    selective_layers: tuple[int, ...] = ()
+    # Megatron's sequence parallelism: the tensor-parallel group also shards the sequence of
+    # the stage's layer-norm / dropout regions (only with tensor_parallel > 1)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -202,6 +208,7 @@ class Plan:
                         "ranks": tuple(s["ranks"]),
                         "layers": tuple(s.get("layers", ())),
                         "recompute_layers": tuple(s.get("recompute_layers", ())),
+                        "selective_layers": tuple(s.get("selective_layers", ())),
                     }
                 )
                 for s in obj["stages"]
@@ -300,6 +307,7 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
                 f"plan stage {stage.index}: recompute_layers {list(stage.recompute_layers)} are not distinct "
                 f"layers of the stage (layers {list(stage.layers)})"
             )
+        _check_selective_layers(stage)
         if not stage.recompute_ms >= 0:
             raise InputError(f"plan stage {stage.index}: recompute_ms {stage.recompute_ms!r} is negative")
         first, end = min(stage.layers), max(stage.layers) + 1
@@ -311,6 +319,30 @@ def _check_stage_layers(stages: tuple[StagePlan, ...]) -> None:
     missing = [layer for layer in range(max(owner) + 1) if layer not in owner]
     if missing:
         raise InputError(f"plan assigns no stage to layers {missing[:5]} of 0..{max(owner)}")
+
+
+def _check_selective_layers(stage: StagePlan) -> None:
+    """``selective_layers``: distinct layers of the stage, none of them fully recomputed;
+    ``sequence_parallel`` only with tensor parallelism."""
+    chosen = stage.selective_layers
+    if set(chosen) - set(stage.layers) or len(set(chosen)) != len(chosen):
+        raise InputError(
+            f"plan stage {stage.index}: selective_layers {list(chosen)} are not distinct layers of the stage "
+            f"(layers {list(stage.layers)})"
+        )
+    both = sorted(set(chosen) & set(stage.recompute_layers))
+    if both:
+        raise InputError(
+            f"plan stage {stage.index}: layers {both} are in both recompute_layers and selective_layers"
+        )
+    if not isinstance(stage.sequence_parallel, bool):
+        raise InputError(
+            f"plan stage {stage.index}: sequence_parallel {stage.sequence_parallel!r} is not a boolean"
+        )
+    if stage.sequence_parallel and stage.tensor_parallel < 2:
+        raise InputError(
+            f"plan stage {stage.index}: sequence_parallel needs tensor_parallel > 1 (got {stage.tensor_parallel})"
+        )
 
 
 SHARD_NAMES = ("none", "zero1", "zero2", "fsdp")  # pipeplan.planner.sharding.SHARD_MODES

@@ -127,6 +127,12 @@ class LayerProfile:
     # () when not measured: the planner then takes time proportional to the batch)
     forward_ms_at: tuple[float, ...] = ()
     backward_ms_at: tuple[float, ...] = ()
+    # selective recomputation (Korthikanti et al.; ``pipeplan.capture.attention_core``): bytes
+    # the layer saves for backward when only its attention core (scores, softmax, dropout on
+    # scores, scores x V) is recomputed, and that core's forward ms (what selective
+    # recomputation adds to the layer's backward); -1: no attention core / not known
+    selective_saved_bytes: int = -1
+    selective_recompute_ms: float = -1.0
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -358,6 +364,7 @@ def validate(profile: Profile) -> None:
                 f"profile layer {layer.index} ({layer.name}): recompute_kept_bytes = "
                 f"{layer.recompute_kept_bytes!r} is not -1 or a byte count"
             )
+        _check_selective(layer)
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
@@ -440,3 +447,15 @@ def _check_amount(value: object, bound: float, what: str, integer: bool = False)
     inside = 0 <= value <= bound if isinstance(value, int) else math.isfinite(value) and 0 <= value <= bound
     if not inside:
         raise InputError(f"{what} = {value!r} is outside [0, {bound:g}]")
+
+
+def _check_selective(layer: LayerProfile) -> None:
+    """The selective-recomputation fields: -1 (not known) or a byte count and a duration."""
+    where = f"profile layer {layer.index} ({layer.name})"
+    saved, ms = layer.selective_saved_bytes, layer.selective_recompute_ms
+    if not (isinstance(saved, int) and not isinstance(saved, bool) and -1 <= saved <= MAX_BYTES):
+        raise InputError(f"{where}: selective_saved_bytes = {saved!r} is not -1 or a byte count")
+    if not (
+        isinstance(ms, (int, float)) and not isinstance(ms, bool) and (ms == -1 or 0 <= ms < float("inf"))
+    ):
+        raise InputError(f"{where}: selective_recompute_ms = {ms!r} is not -1 or a duration in ms")

@@ -358,11 +358,12 @@ def check_options(config: RunConfig) -> None:
 
 
 def check_layer_recompute(config: RunConfig) -> None:
-    """A plan's per-layer recomputation (``StagePlan.recompute_layers``) runs only under the
-    schedules whose ``ScheduleKind`` says ``recomputes_layers``, without tensor parallelism
-    and without mixed precision (a recomputed forward reads the weights the modules hold
-    when backward runs: ``pipeplan.capture.checkpointed``); ``InputError`` otherwise."""
-    stages = [stage.index for stage in config.plan.stages if stage.recompute_layers]
+    """A plan's per-layer recomputation (``StagePlan.recompute_layers``, and the attention
+    cores of ``selective_layers``) runs only under the schedules whose ``ScheduleKind`` says
+    ``recomputes_layers``, without tensor parallelism and without mixed precision (a
+    recomputed forward reads the weights the modules hold when backward runs:
+    ``pipeplan.capture.checkpointed``); ``InputError`` otherwise."""
+    stages = [stage.index for stage in config.plan.stages if stage.recompute_layers or stage.selective_layers]
     if not stages:
         return
     if not schedule_kind(config.schedule).recomputes_layers:
@@ -377,7 +378,9 @@ def check_layer_recompute(config: RunConfig) -> None:
             f"(got {config.precision.dtype} with {config.precision.master_dtype} masters)"
         )
     split = [
-        stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1
+        stage.index
+        for stage in config.plan.stages
+        if (stage.recompute_layers or stage.selective_layers) and stage.tensor_parallel > 1
     ]
     if split:
         raise InputError(
