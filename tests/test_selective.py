@@ -48,6 +48,7 @@ def _step(model_file: ModelFile, module: torch.nn.Module, graph, inputs, targets
     return counter.saved_bytes, {name: p.grad.clone() for name, p in graph.model.named_parameters()}
 
 
+@pytest.mark.slow  # a Hugging Face Llama
 def test_attention_cores_are_found_fused_and_as_an_explicit_chain() -> None:
     *_, gpt = _graph(GPT)
     cores = attention_cores(gpt.graph_module.graph, gpt.layer_of_node)
@@ -62,7 +63,7 @@ def test_attention_cores_are_found_fused_and_as_an_explicit_chain() -> None:
         assert "aten.dropout.default" in targets
 
 
-@pytest.mark.parametrize("path", [EAGER_LLAMA, GPT])
+@pytest.mark.parametrize("path", [pytest.param(EAGER_LLAMA, marks=pytest.mark.slow), GPT])
 def test_checkpointed_cores_give_the_same_gradients_and_save_less(path: str) -> None:
     model_file, model, inputs, targets, graph = _graph(path)
     plain_bytes, expected = _step(model_file, graph.split([0] * len(graph))[0].module, graph, inputs, targets)
@@ -96,6 +97,7 @@ def test_selective_and_full_recomputation_combine_and_a_layer_without_a_core_is_
     assert "\n" not in str(refused.value) and "layer(s) [3]" in str(refused.value)
 
 
+@pytest.mark.slow  # a Hugging Face Llama, profiled
 def test_the_profiler_measures_the_selective_option_of_attention_layers() -> None:
     model_file, _, inputs, targets, graph = _graph(EAGER_LLAMA)
     layers, _ = measure_layers(graph, inputs.tensors(), targets, model_file.loss_fn, CpuTimer(), 1, 2)

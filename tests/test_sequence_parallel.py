@@ -90,6 +90,7 @@ def _local_saved_bytes(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]
     return sum(storages.values())
 
 
+@pytest.mark.slow  # the whole bundled GPT split over a fake group
 @pytest.mark.filterwarnings("ignore:Full backward hook")
 def test_sequence_parallel_swaps_all_reduces_for_reduce_scatters_and_saves_less() -> None:
     plain, plain_bytes = _split_step(False)
@@ -123,6 +124,7 @@ def test_a_sequence_parallel_step_on_two_ranks_matches_the_unsharded_step(tmp_pa
     assert_params_match(recs, reference)  # both ranks: whole parameters equal to plain training
 
 
+@pytest.mark.slow  # a Hugging Face Llama
 def test_a_stage_without_norm_modules_is_refused_before_any_communication() -> None:
     layers = len(
         build_layer_graph(load_model_file(EAGER_LLAMA).build(), load_model_file(EAGER_LLAMA).batch(2, 0)[0])
