@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # typing only: torch and the capture are imported where they 
     from torch import nn
 
     from pipeplan.capture import LayerGraph, StageModule
-    from pipeplan.profiler.selective import Selective
 
 __all__ = [
     "LossError",
@@ -473,7 +472,7 @@ def measure_layers(
             f"{exc}; the capture set the output fields {', '.join(dropped)} to None (not tensors: "
             f"they cannot cross stages); build the model without them (use_cache=False)"
         ) from exc
-    from pipeplan.profiler.selective import measure_selective
+    from pipeplan.profiler.selective import measure_selective, selective_saved
 
     selective = measure_selective(graph, per_layer, inputs, timer, warmup, repeats)
     layers = [
@@ -494,14 +493,9 @@ def measure_layers(
             largest_param_bytes=layer.largest_param_bytes,
             recompute_kept_bytes=layer.kept_bytes,
             backward_input_ms=layer.backward_input_ms,
-            selective_saved_bytes=_selective_saved(layer.saved_bytes, selective.get(node.index)),
+            selective_saved_bytes=selective_saved(layer.saved_bytes, selective.get(node.index)),
             selective_recompute_ms=(selective[node.index].recompute_ms if node.index in selective else -1.0),
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]
     return layers, measured
-
-
-def _selective_saved(saved_bytes: int, selective: Selective | None) -> int:
-    """The layer's saved bytes with its attention core recomputed; -1 without a core."""
-    return -1 if selective is None else max(0, saved_bytes - selective.freed_bytes)

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from pipeplan.capture import LayerGraph, StageModule
 
-__all__ = ["Selective", "measure_selective"]
+__all__ = ["Selective", "measure_selective", "core_layers", "measure_layer", "selective_saved"]
 
 
 @dataclass(frozen=True)
@@ -48,28 +48,45 @@ def measure_selective(
     """Layer index -> its selective option, for the layers holding an attention core whole."""
     import torch
 
-    from pipeplan.capture.attention_core import attention_cores
-    from pipeplan.capture.checkpointed import checkpoint_attention
-
-    if graph.kind == "sequential":
-        return {}
-    cores = attention_cores(graph.graph_module.graph, graph.layer_of_node)
+    cores = core_layers(graph)
     out: dict[int, Selective] = {}
+    if not cores:
+        return out
     values: dict[str, object] = {f"input:{k}": value for k, value in enumerate(inputs)}
     with torch.enable_grad():
         for stage in per_layer:
             args = tuple(values[name] for name in stage.input_names)
-            plain_bytes, outputs = _saved(stage.module, args)
             if stage.index in cores:
-                checkpointed = checkpoint_attention(graph, _copy(stage), [stage.index])
-                checkpointed_bytes, _ = _saved(checkpointed.module, args)
-                plain = checkpoint_attention(graph, _copy(stage), [stage.index], checkpointed=False)
-                out[stage.index] = Selective(
-                    max(0, plain_bytes - checkpointed_bytes),
-                    _core_ms(plain.module, args, timer, warmup, repeats),
-                )
+                out[stage.index] = measure_layer(graph, stage, args, timer, warmup, repeats)
+            outputs = tuple(stage.module(*args))
             values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
     return out
+
+
+def core_layers(graph: LayerGraph) -> set[int]:
+    """The layers of ``graph`` holding an attention core whole (none in an ``nn.Sequential`` capture)."""
+    from pipeplan.capture.attention_core import attention_cores
+
+    if graph.kind == "sequential":
+        return set()
+    return set(attention_cores(graph.graph_module.graph, graph.layer_of_node))
+
+
+def measure_layer(
+    graph: LayerGraph, stage: StageModule, args: tuple[object, ...], timer: Timer, warmup: int, repeats: int
+) -> Selective:
+    """The selective option of the one-layer ``stage`` (a layer of ``core_layers``) on ``args``."""
+    import torch
+
+    from pipeplan.capture.checkpointed import checkpoint_attention
+
+    with torch.enable_grad():
+        plain_bytes, _ = _saved(stage.module, args)
+        checkpointed = checkpoint_attention(graph, _copy(stage), [stage.index])
+        checkpointed_bytes, _ = _saved(checkpointed.module, args)
+        plain = checkpoint_attention(graph, _copy(stage), [stage.index], checkpointed=False)
+        ms = _core_ms(plain.module, args, timer, warmup, repeats)
+    return Selective(max(0, plain_bytes - checkpointed_bytes), ms)
 
 
 def _copy(stage: StageModule) -> StageModule:
@@ -134,3 +151,8 @@ def _detached(value: object) -> object:
         return leaf.detach().requires_grad_(leaf.requires_grad)
 
     return pytree.tree_map(detach, value)
+
+
+def selective_saved(saved_bytes: int, selective: Selective | None) -> int:
+    """The layer's saved bytes with its attention core recomputed; -1 without a core."""
+    return -1 if selective is None else max(0, saved_bytes - selective.freed_bytes)

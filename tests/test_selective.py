@@ -157,3 +157,19 @@ def test_plans_refuse_selective_layers_outside_the_stage_or_fully_recomputed() -
             InputError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
         ):
             Plan.from_dict(_gpt_plan(**changes))
+
+
+@pytest.mark.slow  # a Hugging Face Llama, profiled twice
+def test_layer_by_layer_profiles_measure_the_same_selective_bytes() -> None:
+    """A meta build (``pipeplan.profiler.layerwise``: one layer materialised at a time) measures
+    each attention layer's selective bytes as the eager build does."""
+    from pipeplan.profiler.profile_model import profile_model
+
+    eager = profile_model(EAGER_LLAMA, batch_size=2, device="cpu", warmup=0, repeats=1, build="eager")
+    meta = profile_model(EAGER_LLAMA, batch_size=2, device="cpu", warmup=0, repeats=1, build="meta")
+    pairs = [(a.selective_saved_bytes, b.selective_saved_bytes) for a, b in zip(eager.layers, meta.layers)]
+    assert [a for a, _ in pairs] == [b for _, b in pairs]
+    assert sum(a >= 0 for a, _ in pairs) == 2
+    assert all(
+        (layer.selective_recompute_ms > 0) == (layer.selective_saved_bytes >= 0) for layer in meta.layers
+    )
