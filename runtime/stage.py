@@ -45,7 +45,6 @@ from pipeplan.capture.materialise import build_model, materialise, meta_stand_in
 from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile
 from pipeplan.plan import Plan
-from pipeplan.tensor_parallel.sequence import check_sequence_regions
 
 __all__ = ["PipelineSpec", "build_pipeline", "stage_of_layers", "local_names_of", "rank_names_of"]
 
@@ -199,9 +198,6 @@ def build_pipeline(
         ]
     if len(modules) != len(plan.stages):
         raise InputError(f"the plan has {len(plan.stages)} stages, the split gave {len(modules)}")
-    for module, stage in zip(modules, plan.stages):  # every rank refuses, before any communication
-        if stage.sequence_parallel:
-            check_sequence_regions(module.module, stage.index)
     ranks = tuple(tuple(stage.ranks) for stage in plan.stages)
     values = sorted({name for m in modules for name in m.output_names if name != MODEL_OUTPUT})
     positions = len(plan.stages) // plan.virtual_stages

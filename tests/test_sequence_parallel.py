@@ -1,6 +1,7 @@
 """Sequence parallelism with tensor parallelism (issue 30, test (c)): DTensor's
-``SequenceParallel`` on the bundled GPT's layer norms, Megatron's reduce-scatter / all-gather
-pair around the split matmuls; one step on 2 gloo ranks equals unsharded training."""
+``SequenceParallel`` on the bundled GPT's layer norms (an fx capture), DTensor's propagation on
+an exported Llama's, Megatron's reduce-scatter / all-gather pair around the split matmuls; one
+step on 2 gloo ranks equals unsharded training."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ import torch
 from test_run_torchrun import FIXTURES, assert_params_match, records, torchrun
 
 from pipeplan.capture import build_layer_graph
-from pipeplan.errors import InputError
 from pipeplan.modelfile import load_model_file
 from pipeplan.plan import Plan
-from pipeplan.runtime.stage import build_pipeline
 from pipeplan.tensor_parallel.plans import resolve_splits, stage_splits
 
 sys.path.insert(0, str(FIXTURES))
@@ -29,8 +28,8 @@ EAGER_LLAMA = str(FIXTURES / "eager_llama.py")
 BATCH, LR = 4, 0.05
 
 
-def _split_step(sequence_parallel: bool) -> tuple[list[dict[str, int]], int]:
-    """Collectives of one forward and one backward of the bundled GPT split t=2 on a fake group
+def _split_step(sequence_parallel: bool, model: str = GPT) -> tuple[list[dict[str, int]], int]:
+    """Collectives of one forward and one backward of ``model`` split t=2 on a fake group
     (one process, each rank's local shapes), and the bytes its forward saves on this rank."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
@@ -39,13 +38,13 @@ def _split_step(sequence_parallel: bool) -> tuple[list[dict[str, int]], int]:
 
     from pipeplan.tensor_parallel.apply import compute_context, parallelize_stage
 
-    model_file = load_model_file(GPT)
+    model_file = load_model_file(model)
     torch.manual_seed(0)
     network = model_file.build()
     inputs, targets = model_file.batch(BATCH, 0)
     graph = build_layer_graph(network, inputs)
     stage = graph.split([0] * len(graph.layers))[0]
-    splits = stage_splits(stage.parameter_names, resolve_splits(network, None, {2}, GPT))
+    splits = stage_splits(stage.parameter_names, resolve_splits(network, None, {2}, model))
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
     try:
         parallelize_stage(stage.module, splits, init_device_mesh("cpu", (2,)), sequence_parallel)
@@ -105,34 +104,34 @@ def test_sequence_parallel_swaps_all_reduces_for_reduce_scatters_and_saves_less(
     assert plain_bytes - sequence_bytes == halves
 
 
-def _plan(model: str, sequence_parallel: bool) -> Plan:
-    plan = make_plan(model, [range(16)], [1], batch_size=BATCH, microbatches=2, tensor_parallel=[2])
-    return dataclasses.replace(
-        plan, stages=(dataclasses.replace(plan.stages[0], sequence_parallel=sequence_parallel),)
-    )
+def _plan(model: str) -> Plan:
+    """The whole model on one stage of t = 2 ranks, sequence-parallel."""
+    layers = len(build_layer_graph(load_model_file(model).build(), load_model_file(model).batch(2, 0)[0]))
+    plan = make_plan(model, [range(layers)], [1], batch_size=BATCH, microbatches=2, tensor_parallel=[2])
+    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], sequence_parallel=True),))
+
+
+@pytest.mark.slow  # a Hugging Face Llama split over a fake group
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_an_exported_llama_shards_its_sequence_by_propagation() -> None:
+    """A torch.export capture calls no norm module: from the first reduce-scatter on, DTensor's
+    propagation runs its RMS norms on sequence shards; Megatron's block all-reduces become
+    reduce-scatters (the vocabulary-parallel embedding keeps its all-reduce)."""
+    plain, _ = _split_step(False, EAGER_LLAMA)
+    sequence, _ = _split_step(True, EAGER_LLAMA)
+    assert [c.get("all_reduce", 0) for c in plain] == [5, 5]
+    assert [c.get("all_reduce", 0) for c in sequence] == [1, 1]
+    assert [c.get("reduce_scatter_tensor", 0) for c in sequence] == [4, 4]
 
 
 @pytest.mark.multiprocess
-def test_a_sequence_parallel_step_on_two_ranks_matches_the_unsharded_step(tmp_path: Path) -> None:
-    _plan(GPT, True).save(tmp_path / "plan.json")
-    args = [str(tmp_path / "plan.json"), "--model", GPT, "--steps", "1", "--lr", str(LR), "--no-progress"]
+@pytest.mark.parametrize("model", [GPT, EAGER_LLAMA], ids=["gpt-fx", "llama-export"])
+def test_a_sequence_parallel_step_on_two_ranks_matches_the_unsharded_step(tmp_path: Path, model: str) -> None:
+    _plan(model).save(tmp_path / "plan.json")
+    args = [str(tmp_path / "plan.json"), "--model", model, "--steps", "1", "--lr", str(LR), "--no-progress"]
     result = torchrun(2, [*args, "--record", str(tmp_path / "rec")], timeout=240.0)
     assert result.returncode == 0, result.stderr[-3000:]
-    reference, _ = train_reference(GPT, 1, BATCH, LR)
+    reference, _ = train_reference(model, 1, BATCH, LR)
     recs = records(tmp_path / "rec")
     assert sorted(recs) == [0, 1]
     assert_params_match(recs, reference)  # both ranks: whole parameters equal to plain training
-
-
-@pytest.mark.slow  # a Hugging Face Llama
-def test_a_stage_without_norm_modules_is_refused_before_any_communication() -> None:
-    layers = len(
-        build_layer_graph(load_model_file(EAGER_LLAMA).build(), load_model_file(EAGER_LLAMA).batch(2, 0)[0])
-    )
-    plan = make_plan(EAGER_LLAMA, [range(layers)], [1], batch_size=BATCH, microbatches=2, tensor_parallel=[2])
-    plan = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], sequence_parallel=True),))
-    with pytest.raises(
-        InputError, match="plan stage 0 is sequence-parallel, which pipeplan runs where"
-    ) as refused:
-        build_pipeline(load_model_file(EAGER_LLAMA), plan, rank=0, seed=0, sample_batch_size=BATCH // 2)
-    assert "\n" not in str(refused.value)

@@ -82,8 +82,8 @@ def parallelize_stage(
     """Split ``module``'s planned parameters over the 1-D tensor ``mesh``, in place.
 
     ``splits``: local module path in ``module`` -> {parameter name: dim}. ``sequence_parallel``
-    (``StagePlan.sequence_parallel``): the norm and dropout modules the stage calls run on
-    sequence shards (``pipeplan.tensor_parallel.sequence``); ``InputError`` where it calls none.
+    (``StagePlan.sequence_parallel``): Megatron's sequence parallelism
+    (``pipeplan.tensor_parallel.sequence``).
     """
     from pipeplan.tensor_parallel.experts import register_expert_rules
 

@@ -19,10 +19,11 @@ In the stage's DTensor global view (``pipeplan.tensor_parallel.apply``) this is:
   (all-gather; backward reduce-scatters the partial gradient); ``apply`` keeps Megatron's
   gradient all-reduce for a replicated one (a stage input read by a matmul directly).
 
-A ``torch.export`` capture (Hugging Face models) reads its norms' weights as graph
-attributes and runs them as ATen ops, with no module call to attach the style to:
-``check_sequence_regions`` refuses such a stage in one line (``pipeplan run`` checks every
-stage before any communication).
+A ``torch.export`` capture (Hugging Face models) runs its norms as ATen ops reading weights
+as graph attributes, with no module call for the style: there the norms after a stage's
+first reduce-scatter run on sequence shards by DTensor's sharding propagation (the residual
+stream is ``Shard(1)`` from then on); the stage's input, and so its first norm, stay
+replicated.
 """
 
 from __future__ import annotations
@@ -32,12 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from pipeplan.errors import InputError
-
 __all__ = [
     "SEQUENCE_DIM",
     "sequence_regions",
-    "check_sequence_regions",
     "sequence_parallel_modules",
     "gather_sequence",
     "scatter_sequence",
@@ -59,22 +57,12 @@ def sequence_regions(module: nn.Module) -> list[str]:
     return paths
 
 
-def check_sequence_regions(module: nn.Module, stage: int) -> None:
-    """``InputError`` (one line) when stage ``stage``'s ``module`` calls no norm or dropout module."""
-    if not sequence_regions(module):
-        raise InputError(
-            f"plan stage {stage} is sequence-parallel, which pipeplan runs where the stage's layer norms "
-            f"are module calls (a torch.fx capture, such as the bundled GPT's nn.LayerNorm); this stage "
-            f"calls none (a torch.export capture runs them as ATen ops): plan it with --sequence-parallel off"
-        )
-
-
-def sequence_parallel_modules(module: nn.Module, mesh: DeviceMesh, stage: int = 0) -> list[str]:
+def sequence_parallel_modules(module: nn.Module, mesh: DeviceMesh) -> list[str]:
     """Apply ``SequenceParallel`` to the norm and dropout modules ``module``'s graphs call; their
-    paths. ``InputError`` when there are none (``check_sequence_regions``)."""
-    check_sequence_regions(module, stage)
+    paths (none in a torch.export capture, whose norms DTensor shards by propagation)."""
     paths = sequence_regions(module)
-    parallelize_module(module, mesh, dict.fromkeys(paths, SequenceParallel(sequence_dim=SEQUENCE_DIM)))
+    if paths:
+        parallelize_module(module, mesh, dict.fromkeys(paths, SequenceParallel(sequence_dim=SEQUENCE_DIM)))
     return paths
 
 
