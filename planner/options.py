@@ -191,9 +191,11 @@ def check_sequence_parallel(mode: str, tensor_parallel: int | None) -> None:
         )
 
 
-# Whether ``pipeplan run`` runs sequence parallelism (DTensor ``SequenceParallel``): until it
-# does, ``auto`` plans it for estimated profiles only (plans for other engines), as ``auto``
-# recomputation plans none where the runtime runs none; ``on`` plans it anyway (run refuses it).
+# Whether ``auto`` plans sequence parallelism for measured profiles. ``pipeplan run`` runs it
+# (DTensor ``SequenceParallel``, ``pipeplan.tensor_parallel.sequence``), but DTensor's linear
+# saves the all-gathered input whole where Megatron-LM keeps it sharded, so a measured stage
+# saves less than ``split_profile`` divides: ``auto`` plans it for estimated profiles only
+# (plans for Megatron-LM), and ``on`` plans it for measured ones.
 RUNTIME_RUNS_SEQUENCE_PARALLEL = False
 
 

@@ -38,6 +38,7 @@ from pipeplan.profiler.memory import (
     param_bytes,
     storage_key,
 )
+from pipeplan.profiler.selective import Selective, selective_saved
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
 from pipeplan.units import format_bytes
 
@@ -85,7 +86,9 @@ def measure_layerwise(
 
     from pipeplan.capture import MODEL_OUTPUT
     from pipeplan.capture.materialise import materialise, rebind, release
+    from pipeplan.profiler.selective import core_layers, measure_layer
 
+    cores = core_layers(graph)
     stages: list[StageModule | None] = list(graph.layer_modules())  # None once measured
     remaining = _reads([stage for stage in stages if stage is not None])
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
@@ -129,6 +132,9 @@ def measure_layerwise(
                     timed[key] = reuse
                 if MODEL_OUTPUT in stage.output_names:
                     loss = _time_loss(outputs[-1], targets, loss_fn, timer, warmup, repeats)
+                selective = (
+                    measure_layer(graph, stage, args, timer, warmup, repeats) if position in cores else None
+                )
                 layers.append(
                     _layer_profile(
                         graph.layers[position],
@@ -140,6 +146,7 @@ def measure_layerwise(
                         tuple(sorted(set(stage.parameter_names.values()))),
                         largest_param_bytes(stage.module.parameters()),
                         output_bytes(args),
+                        selective,
                     )
                 )
                 for name, value in zip(stage.output_names, outputs):
@@ -338,6 +345,7 @@ def _layer_profile(
     names: tuple[str, ...],
     largest: int,
     kept: int = -1,
+    selective: Selective | None = None,
 ) -> LayerProfile:
     return LayerProfile(
         index=node.index,
@@ -357,4 +365,6 @@ def _layer_profile(
         parameters=names,
         largest_param_bytes=largest,
         recompute_kept_bytes=kept,
+        selective_saved_bytes=selective_saved(saved, selective),
+        selective_recompute_ms=selective.recompute_ms if selective is not None else -1.0,
     )

@@ -472,6 +472,9 @@ def measure_layers(
             f"{exc}; the capture set the output fields {', '.join(dropped)} to None (not tensors: "
             f"they cannot cross stages); build the model without them (use_cache=False)"
         ) from exc
+    from pipeplan.profiler.selective import measure_selective, selective_saved
+
+    selective = measure_selective(graph, per_layer, inputs, timer, warmup, repeats)
     layers = [
         LayerProfile(
             index=node.index,
@@ -490,6 +493,8 @@ def measure_layers(
             largest_param_bytes=layer.largest_param_bytes,
             recompute_kept_bytes=layer.kept_bytes,
             backward_input_ms=layer.backward_input_ms,
+            selective_saved_bytes=selective_saved(layer.saved_bytes, selective.get(node.index)),
+            selective_recompute_ms=(selective[node.index].recompute_ms if node.index in selective else -1.0),
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -46,7 +46,6 @@ __all__ = [
     "check_options",
     "check_recompute",
     "check_layer_recompute",
-    "check_selective_and_sequence_parallel",
 ]
 
 OPTION = "pipeplan.option"  # the metadata key of a field's ``Option``
@@ -356,15 +355,15 @@ def check_options(config: RunConfig) -> None:
         raise InputError(f"--timeout must be a finite number of seconds > 0 (got {config.timeout_s})")
     check_recompute(config)
     check_layer_recompute(config)
-    check_selective_and_sequence_parallel(config)
 
 
 def check_layer_recompute(config: RunConfig) -> None:
-    """A plan's per-layer recomputation (``StagePlan.recompute_layers``) runs only under the
-    schedules whose ``ScheduleKind`` says ``recomputes_layers``, without tensor parallelism
-    and without mixed precision (a recomputed forward reads the weights the modules hold
-    when backward runs: ``pipeplan.capture.checkpointed``); ``InputError`` otherwise."""
-    stages = [stage.index for stage in config.plan.stages if stage.recompute_layers]
+    """A plan's per-layer recomputation (``StagePlan.recompute_layers``, and the attention
+    cores of ``selective_layers``) runs only under the schedules whose ``ScheduleKind`` says
+    ``recomputes_layers``, without tensor parallelism and without mixed precision (a
+    recomputed forward reads the weights the modules hold when backward runs:
+    ``pipeplan.capture.checkpointed``); ``InputError`` otherwise."""
+    stages = [stage.index for stage in config.plan.stages if stage.recompute_layers or stage.selective_layers]
     if not stages:
         return
     if not schedule_kind(config.schedule).recomputes_layers:
@@ -380,30 +379,14 @@ def check_layer_recompute(config: RunConfig) -> None:
             f"profiles are for other engines: pipeplan export --to megatron)"
         )
     split = [
-        stage.index for stage in config.plan.stages if stage.recompute_layers and stage.tensor_parallel > 1
+        stage.index
+        for stage in config.plan.stages
+        if (stage.recompute_layers or stage.selective_layers) and stage.tensor_parallel > 1
     ]
     if split:
         raise InputError(
             f"the plan recomputes layers of tensor-parallel stage(s) {split}, which pipeplan does not run "
             f"(such plans of estimated profiles are for other engines: pipeplan export --to megatron)"
-        )
-
-
-def check_selective_and_sequence_parallel(config: RunConfig) -> None:
-    """A plan's selective recomputation (``StagePlan.selective_layers``) and sequence
-    parallelism (``StagePlan.sequence_parallel``) are planned, not run by this runtime;
-    ``InputError`` (one line) naming the stages."""
-    selective = [stage.index for stage in config.plan.stages if stage.selective_layers]
-    if selective:
-        raise InputError(
-            f"the plan recomputes attention cores (selective) of stage(s) {selective}, which this pipeplan "
-            f"runtime does not run (plan it with --recompute full or none, or export it: pipeplan export --to megatron)"
-        )
-    sequence = [stage.index for stage in config.plan.stages if stage.sequence_parallel]
-    if sequence:
-        raise InputError(
-            f"the plan runs sequence parallelism on stage(s) {sequence}, which this pipeplan runtime does not "
-            f"run (plan it with --sequence-parallel off, or export it: pipeplan export --to megatron)"
         )
 
 

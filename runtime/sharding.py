@@ -100,7 +100,7 @@ def check_shard(plan: Plan, schedule: str, mixed: bool, recompute: bool, custom_
             else "--recompute"
             if recompute
             else "recomputed layers (partition --recompute none for it)"
-            if stage.recompute_layers
+            if stage.recompute_layers or stage.selective_layers
             else "tensor-parallel or interleaved stages"
             if stage.tensor_parallel > 1 or plan.virtual_stages > 1
             else f"a sharding group of {stage.shard_degree} of its {stage.replicas} replicas"

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from pipeplan.capture import MODEL_OUTPUT, LayerGraph, StageModule, build_layer_graph
-from pipeplan.capture.checkpointed import checkpoint_layers
+from pipeplan.capture.checkpointed import checkpoint_stage
 from pipeplan.capture.materialise import build_model, materialise, meta_stand_ins, rebind
 from pipeplan.errors import InputError
 from pipeplan.modelfile import ModelFile
@@ -192,8 +192,8 @@ def build_pipeline(
                 f"plan was made for {plan.profile_fingerprint} (re-profile and re-plan this model)"
             )
         modules = split_in_pipeline_order(graph, plan)  # names by identity: the stand-ins
-        modules = [  # the plan's recomputed layers under torch.utils.checkpoint
-            checkpoint_layers(graph, module, stage.recompute_layers)
+        modules = [  # the plan's recomputed layers and attention cores under torch.utils.checkpoint
+            checkpoint_stage(graph, module, stage.recompute_layers, stage.selective_layers)
             for module, stage in zip(modules, plan.stages)
         ]
     if len(modules) != len(plan.stages):

@@ -414,7 +414,8 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     tp_context = None
     if own_mesh is not None and module is not None and any(spec.tp_splits):
         for chunk, splits in zip(spec.chunks, spec.tp_splits):
-            parallelize_stage(chunk.module, splits, own_mesh["tensor"])
+            sequence = config.plan.stages[chunk.index].sequence_parallel
+            parallelize_stage(chunk.module, splits, own_mesh["tensor"], sequence_parallel=sequence)
         tp_context = partial(compute_context, env.device.split(":")[0])
     optimizer, scheduler = state.make_training_optimizer(
         config, model_file, spec, module, shards if mode == "zero1" else None

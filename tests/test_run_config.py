@@ -263,3 +263,19 @@ def test_planned_layer_recomputation_runs_under_flush_schedules_without_mixed_pr
     )
     with pytest.raises(InputError, match="without mixed precision"):
         check_layer_recompute(mixed)
+
+
+def test_planned_selective_recomputation_is_refused_where_layer_recomputation_is(tmp_path: Path) -> None:
+    config = _parse(tmp_path, "--model", "m.py")
+    stages = (dataclasses.replace(config.plan.stages[0], selective_layers=(1,)), *config.plan.stages[1:])
+    selective = dataclasses.replace(config, plan=dataclasses.replace(config.plan, stages=stages))
+    check_layer_recompute(selective)  # 1f1b-flush, float32
+    with pytest.raises(
+        InputError, match=r"recomputes layers of stage\(s\) \[0\], which runs under 1f1b-flush"
+    ):
+        check_layer_recompute(dataclasses.replace(selective, pipeline=ScheduleConfig(schedule="1f1b-rr")))
+    mixed = dataclasses.replace(
+        selective, plan=dataclasses.replace(selective.plan, dtype="bfloat16", master_dtype="float32")
+    )
+    with pytest.raises(InputError, match="without mixed precision"):
+        check_layer_recompute(mixed)

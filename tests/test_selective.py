@@ -346,19 +346,18 @@ def test_partition_cli_and_report_show_selective_and_sequence_parallel_stages(tm
     assert refused.exit_code != 0 and "--sequence-parallel on with tensor-parallel degree 1" in refused.output
 
 
-def test_run_refuses_what_its_runtime_does_not_run_in_one_line() -> None:
+def test_run_refuses_selective_recomputation_on_tensor_parallel_stages_in_one_line() -> None:
     from types import SimpleNamespace
     from typing import cast
 
-    from pipeplan.runtime.config import RunConfig, check_selective_and_sequence_parallel
+    from pipeplan.precision import Precision
+    from pipeplan.runtime.config import RunConfig, check_layer_recompute
 
     plan = _gpt_plan("selective", "on", gib=80, t=2)
-    with pytest.raises(
-        InputError, match=r"^the plan recomputes attention cores \(selective\) of stage\(s\) \[0"
-    ):
-        check_selective_and_sequence_parallel(cast(RunConfig, SimpleNamespace(plan=plan)))
+    config = SimpleNamespace(plan=plan, schedule=plan.schedule, precision=Precision("float32", None))
+    with pytest.raises(InputError, match=r"^the plan recomputes layers of tensor-parallel stage\(s\) \[0"):
+        check_layer_recompute(cast(RunConfig, config))
     plain = dataclasses.replace(
         plan, stages=tuple(dataclasses.replace(s, selective_layers=()) for s in plan.stages)
     )
-    with pytest.raises(InputError, match=r"^the plan runs sequence parallelism on stage\(s\) \[0"):
-        check_selective_and_sequence_parallel(cast(RunConfig, SimpleNamespace(plan=plain)))
+    check_layer_recompute(cast(RunConfig, SimpleNamespace(plan=plain, schedule=plan.schedule)))

@@ -99,7 +99,7 @@ def test_refusals_name_the_entry_or_the_family(monkeypatch: pytest.MonkeyPatch) 
     mistral._tp_plan = {**mistral.tp_plan, "model.layers.*.mlp.up_proj": "sequence_parallel"}
     with pytest.raises(InputError) as exc:
         resolve_splits(mistral, None, {2}, "m.py")
-    assert "entry 'model.layers.*.mlp.up_proj': 'sequence_parallel' cannot run: pipeplan does not split" in (
+    assert "entry 'model.layers.*.mlp.up_proj': 'sequence_parallel' cannot run: pipeplan runs sequence" in (
         _one_line(exc)
     )
     mistral._tp_plan = {"model.layers.*.mlp.up_proj": "grouped_gemm"}
@@ -147,7 +147,8 @@ def test_a_refused_plan_profiles_without_splits_and_says_why(
     assert capsys.readouterr().err == (
         "pipeplan: the profile carries no tensor-parallel splits: m.py: MistralForCausalLM "
         "(transformers' tensor-parallel plan) entry 'model.layers.*.mlp.up_proj': 'sequence_parallel' "
-        "cannot run: pipeplan does not split sequences (no sequence parallelism); define TP_PLAN in "
+        "cannot run: pipeplan runs sequence parallelism from the plan (StagePlan.sequence_parallel), "
+        "not from a tensor-parallel plan's entries; define TP_PLAN in "
         "the model file to split the rest\n"
     )
 

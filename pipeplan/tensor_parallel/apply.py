@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils import _pytree as pytree
 
+from pipeplan.tensor_parallel.sequence import gather_sequence, scatter_sequence, sequence_parallel_modules
+
 __all__ = [
     "SplitParameters",
     "parallelize_stage",
@@ -74,10 +76,14 @@ class SplitParameters(ParallelStyle):
         return module
 
 
-def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh: DeviceMesh) -> None:
+def parallelize_stage(
+    module: nn.Module, splits: dict[str, dict[str, int]], mesh: DeviceMesh, sequence_parallel: bool = False
+) -> None:
     """Split ``module``'s planned parameters over the 1-D tensor ``mesh``, in place.
 
-    ``splits``: local module path in ``module`` -> {parameter name: dim}.
+    ``splits``: local module path in ``module`` -> {parameter name: dim}. ``sequence_parallel``
+    (``StagePlan.sequence_parallel``): Megatron's sequence parallelism
+    (``pipeplan.tensor_parallel.sequence``).
     """
     from pipeplan.tensor_parallel.experts import register_expert_rules
 
@@ -86,7 +92,9 @@ def parallelize_stage(module: nn.Module, splits: dict[str, dict[str, int]], mesh
     _reduce_after_embeddings(module)
     owners = _owners(module)
     parallelize_module(module, mesh, {path: SplitParameters(dims) for path, dims in splits.items()})
-    _megatron_collectives(module)
+    if sequence_parallel:
+        sequence_parallel_modules(module, mesh)
+    _megatron_collectives(module, sequence_parallel)
     for holders in owners.values():  # every other parameter: one replicated DTensor per tensor
         first_owner, first_name = holders[0]
         param = first_owner._parameters[first_name]
@@ -144,7 +152,7 @@ def _reduce_after_embeddings(module: nn.Module) -> None:
             sub.recompile()
 
 
-def _megatron_collectives(module: nn.Module) -> None:
+def _megatron_collectives(module: nn.Module, sequence_parallel: bool = False) -> None:
     """Communicate where Megatron does, around each matmul that reads a split weight.
 
     After it, a partial sum (a row-parallel output) is all-reduced at once; before it, the
@@ -153,8 +161,13 @@ def _megatron_collectives(module: nn.Module) -> None:
     Left to itself, DTensor defers a partial sum through the residual add and then, on
     small layers, gathers the next column-parallel weight instead of splitting its matmul.
     Matmuls are ATen ops reading weights as graph attributes (a ``torch.export`` capture)
-    or calls of ``nn.Linear`` modules (an fx capture).
+    or calls of ``nn.Linear`` modules (an fx capture). Under ``sequence_parallel`` the
+    all-reduces become Megatron's sequence-parallel pair: a partial sum is reduce-scattered
+    onto sequence shards (``scatter_sequence``) and a sequence-sharded activation all-gathered
+    before the matmul (``gather_sequence``: its gradient reduce-scattered back).
     """
+    before = gather_or_reduce if sequence_parallel else reduce_gradient
+    after_split = scatter_or_replicate if sequence_parallel else replicate_partial
     import torch.fx as fx
 
     matmuls = {
@@ -194,10 +207,10 @@ def _megatron_collectives(module: nn.Module) -> None:
                 if isinstance(arg, fx.Node) and arg not in split and arg.op != "get_attr":
                     if arg not in reduced:
                         with sub.graph.inserting_after(arg):
-                            reduced[arg] = sub.graph.call_function(reduce_gradient, (arg,))
+                            reduced[arg] = sub.graph.call_function(before, (arg,))
                     node.replace_input_with(arg, reduced[arg])
             with sub.graph.inserting_after(node):
-                after = sub.graph.call_function(replicate_partial, (node,))
+                after = sub.graph.call_function(after_split, (node,))
             node.replace_all_uses_with(after, delete_user_cb=lambda user: user is not after)
             _gather_once_for_slices(sub, after)
             changed = True
@@ -250,6 +263,20 @@ def replicate_partial(value: object) -> object:
             value.redistribute(value.device_mesh, [Replicate()] * len(value.placements))
         )
     return value
+
+
+def gather_or_reduce(value: object) -> object:
+    """Sequence parallelism before a split matmul: a sequence-sharded activation all-gathered
+    (``gather_sequence``), a replicated one with its gradient all-reduced (``reduce_gradient``)."""
+    gathered = gather_sequence(value)
+    return gathered if gathered is not value else reduce_gradient(value)
+
+
+def scatter_or_replicate(value: object) -> object:
+    """Sequence parallelism after a split matmul: a partial sum reduce-scattered onto sequence
+    shards (``scatter_sequence``), else ``replicate_partial``."""
+    scattered = scatter_sequence(value)
+    return scattered if scattered is not value else replicate_partial(value)
 
 
 def reduce_gradient(value: object) -> object:

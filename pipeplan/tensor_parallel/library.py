@@ -26,7 +26,7 @@ would. So a style comes down to the dimension it splits each parameter on (``STY
   experts' grouped matmul its DTensor rules).
 
 Refused in one line naming the entry (``REFUSED``): ``moe_identity_expert`` (not run),
-``sequence_parallel`` (pipeplan does not split sequences), and any style this table does
+``sequence_parallel`` (sequence parallelism is the plan's: ``StagePlan.sequence_parallel``), and any style this table does
 not know.
 """
 
@@ -67,7 +67,7 @@ STYLES: dict[str, str] = {
 # transformers style -> why pipeplan cannot run it
 REFUSED: dict[str, str] = {
     "moe_identity_expert": "pipeplan has not run the zero experts it marks (LongCat-Flash)",
-    "sequence_parallel": "pipeplan does not split sequences (no sequence parallelism)",
+    "sequence_parallel": "pipeplan runs sequence parallelism from the plan (StagePlan.sequence_parallel), not from a tensor-parallel plan's entries",
 }
 
 
