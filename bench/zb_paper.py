@@ -8,7 +8,7 @@ lists the four GPT models' settings (p, m, T_F, T_B, T_W, T_comm in microseconds
 heads, layers) and computes 1F1B, ZB-H1, ZB-H2, ZB-1p and ZB-2p bubble rates; the docstring
 closing the file holds the LaTeX rows it printed (p, m, T_F, T_B, T_W, T_comm in ms, then the
 five rates), which ``ROWS`` copies. The bubble rate is the script's:
-(cost - m (T_F + T_B + T_W)) / cost, cost being one iteration's time on the slowest stage.
+(cost - m (T_F + T_B + T_W)) / cost, cost being one iteration's makespan.
 The model sizes (1.5B: hidden 2304, 24 layers; 6.2B: 4096, 32; 14.6B: 5120, 48; 28.3B: 6144,
 64) are the paper's names for those settings. The same file's ``arxiv_bubble_rates()`` (the
 ZB-V comparison of the arXiv version) has settings but no printed rates, so no ZB-V figure of
