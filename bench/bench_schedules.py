@@ -2,7 +2,9 @@
 
 ``--gloo STEPS``: instead, every schedule of ``bench/deep_mlp.py`` trained on 4 local gloo
 ranks, measured time per minibatch against predicted. ``--sail``: only pipeplan's simulated
-bubbles beside sail-sg/zero-bubble's published formulas.
+bubbles beside sail-sg/zero-bubble's published formulas. ``--zb-paper``: only the Zero Bubble
+paper's GPT table (``bench/zb_paper.py``: its profiled T_F, T_B, T_W, T_comm) beside
+pipeplan's simulated bubble rates for the same settings.
 
 Three models profiled on this CPU (one thread; the bundled GPT, a small Hugging Face Llama
 ``bench/llama_small.py``, the bundled ResNet), each planned with every schedule of the
@@ -16,6 +18,7 @@ again with the backward's halves assumed 50/50, as before they were measured: th
     python bench/bench_schedules.py --out bench/results/schedules.json
     python bench/bench_schedules.py --models gpt --ranks 4
     python bench/bench_schedules.py --gloo 30 --out bench/results/schedules-gloo.json
+    python bench/bench_schedules.py --zb-paper --out bench/results/zb-paper.json
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from pipeplan.profiler.profile_model import profile_model
 from pipeplan.schedules import SCHEDULE_KINDS, SCHEDULE_NAMES
 from pipeplan.topology import DeviceSpec, Level, Topology
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zb_paper import ROWS, SOURCE, bubble_rate, paper_profile  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -52,9 +58,14 @@ MODELS = (
 )
 
 
+LINK_BYTES_PER_S = 10e9
+
+
 def cpu_ranks(ranks: int) -> Topology:
     """``ranks`` CPU devices of 64 GiB joined by 10 GB/s links (memory never binds here)."""
-    return Topology(f"cpu-{ranks}", DeviceSpec("cpu", 64 * 2**30), (Level("host", ranks, 10e9, 0.0),))
+    return Topology(
+        f"cpu-{ranks}", DeviceSpec("cpu", 64 * 2**30), (Level("host", ranks, LINK_BYTES_PER_S, 0.0),)
+    )
 
 
 def measured_profile(model: Model, folder: Path) -> Profile:
@@ -196,6 +207,63 @@ def sail_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+ZB_PAPER_SCHEDULES = ("1f1b-flush", "zb-h1", "zb-v", "v-half", "v-min", "dualpipev")
+
+
+def zb_paper_comparison() -> list[dict]:
+    """pipeplan's simulated bubble rates (``zb_paper.bubble_rate``) on every setting of the
+    Zero Bubble paper's GPT table, with its T_comm and without, beside the paper's rates."""
+    out = []
+    for r in ROWS:
+        simulated: dict[str, float] = {}
+        for comm in (True, False):
+            profile = paper_profile(r, LINK_BYTES_PER_S if comm else None)
+            for name in ZB_PAPER_SCHEDULES:
+                plan = plan_schedule(profile, r.p, name, microbatches=r.m)
+                if isinstance(plan, str):
+                    raise InfeasibleError(f"{name} on the paper's {r.model} p={r.p} m={r.m}: {plan}")
+                period = simulate_plan(plan, profile).time_per_minibatch_ms
+                simulated[name if comm else f"{name} no comm"] = round(bubble_rate(r, period), 6)
+        out.append(
+            {
+                "model": r.model,
+                "p": r.p,
+                "m": r.m,
+                "t_f_ms": r.forward_ms,
+                "t_b_ms": r.input_grad_ms,
+                "t_w_ms": r.weight_grad_ms,
+                "t_comm_ms": r.comm_ms,
+                "paper": {
+                    "1F1B": r.rate_1f1b,
+                    "ZB-H1": r.rate_zb_h1,
+                    "ZB-H2": r.rate_zb_h2,
+                    "ZB-1p": r.rate_zb_1p,
+                    "ZB-2p": r.rate_zb_2p,
+                },
+                "pipeplan": simulated,
+            }
+        )
+    return out
+
+
+def zb_paper_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| model | p | m | 1F1B: paper | pipeplan 1f1b-flush | ZB-H1: paper | pipeplan zb-h1 "
+        "| ZB-1p: paper | ZB-H2: paper | ZB-2p: paper | pipeplan zb-v | pipeplan v-half | pipeplan v-min "
+        "| pipeplan dualpipev |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        paper, ours = r["paper"], r["pipeplan"]
+        lines.append(
+            f"| {r['model']} | {r['p']} | {r['m']} | {paper['1F1B']:.4f} | {ours['1f1b-flush']:.4f} "
+            f"| {paper['ZB-H1']:.4f} | {ours['zb-h1']:.4f} | {paper['ZB-1p']:.4f} | {paper['ZB-H2']:.4f} "
+            f"| {paper['ZB-2p']:.4f} | {ours['zb-v']:.4f} | {ours['v-half']:.4f} | {ours['v-min']:.4f} "
+            f"| {ours['dualpipev']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def gloo_runs(folder: Path, steps: int) -> list[dict]:
     """Every schedule of ``bench/deep_mlp.py`` (batch 128, profiled here) planned on 4 ranks and
     trained under torchrun on 4 local gloo ranks (one thread each): measured time per
@@ -249,7 +317,12 @@ def gloo_markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results/schedules.json")
+    parser.add_argument("--out", help="JSON file (default bench/results/schedules.json, zb-paper.json)")
+    parser.add_argument(
+        "--zb-paper",
+        action="store_true",
+        help="only the Zero Bubble paper's GPT table beside pipeplan's simulated bubble rates",
+    )
     parser.add_argument(
         "--profiles", default="bench/results/profiles", help="where the CPU profiles are kept"
     )
@@ -266,10 +339,20 @@ def main() -> None:
         help="only the runs on 4 gloo ranks, of STEPS steps each",
     )
     args = parser.parse_args()
+    args.out = args.out or f"bench/results/{'zb-paper' if args.zb_paper else 'schedules'}.json"
     if args.gloo:
         runs = gloo_runs(Path(args.profiles), args.gloo)
         print(gloo_markdown(runs))
         write_json_atomic(args.out, {"schema": "pipeplan.bench.schedules/1", "gloo": runs})
+        return
+    if args.zb_paper:
+        table = zb_paper_comparison()
+        print(zb_paper_markdown(table))
+        print(
+            f"\nbubble rate: (iteration - m (T_F + T_B + T_W)) / iteration, simulated with T_comm as "
+            f"a {LINK_BYTES_PER_S / 1e9:.0f} GB/s send; paper figures from {SOURCE}"
+        )
+        write_json_atomic(args.out, {"schema": "pipeplan.bench.zb_paper/1", "source": SOURCE, "rows": table})
         return
     sail = sail_comparison()
     print(sail_markdown(sail))

@@ -74,6 +74,7 @@ FOREIGN_OPTIONS = {
     "--shapes",  # bench/bench_planner.py
     "--no-pipedream",  # bench/bench_planner.py
     "--sail",  # bench/bench_schedules.py
+    "--zb-paper",  # bench/bench_schedules.py
     "--gloo",  # bench/bench_schedules.py
     "--csv",  # docs/export/train_with_pipelining.py
     "--logdir",  # tensorboard
