@@ -171,9 +171,9 @@ def test_dp_equals_exhaustive(case):
                 l.largest_tensor_bytes for l in profile.layers[stage.layer_start : stage.layer_end]
             ),
         )
-        if stage.shard == "none":
+        if stage.shard == "none" and not (stage.recompute_layers or stage.selective_layers):
             assert memory == stage.memory_bytes
-        else:  # sharded replicas (tests/test_sharding.py): less than unsharded
+        else:  # sharded replicas (tests/test_sharding.py) or recomputed layers: less than plain
             assert stage.memory_bytes < memory
         if options.memory_check:
             assert stage.memory_bytes <= topology.device.memory_bytes
