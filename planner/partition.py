@@ -88,7 +88,8 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
     least_in_flight = _least_in_flight(options, topology.world_size)
     precision = Precision(profile.dtype, profile.master_dtype)
     most = topology.levels[0].count
-    modes = ("none",) + (planned_shard_modes(options, topology) if most > 1 else ())
+    planned = planned_shard_modes(options, topology)  # refuses an offload request first, as the DP does
+    modes = ("none",) + (planned if most > 1 else ())
     out = []
     gains = gain_bytes(profile)
     for layer in profile.layers:
