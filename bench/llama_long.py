@@ -35,6 +35,4 @@ def sample_batch(batch_size: int):
 
 
 def loss_fn(output, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(
-        output.logits.reshape(-1, CONFIG.vocab_size), target.reshape(-1)
-    )
+    return torch.nn.functional.cross_entropy(output.logits.reshape(-1, CONFIG.vocab_size), target.reshape(-1))
