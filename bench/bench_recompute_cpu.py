@@ -75,11 +75,14 @@ def plan_or_none(
 
 def least_memory(prof: Profile, topology: Topology, options: PartitionOptions, resolution: int = MiB) -> int:
     """The least device memory (to ``resolution`` bytes) at which ``options`` plans ``prof``
-    (what fits only grows with memory; the plan at 1 PiB bounds it from above)."""
+    (what fits only grows with memory; the plan at 1 PiB's stage memory, doubled until it
+    plans, bounds it from above)."""
     roomy = plan_or_none(prof, topology, options, 1 << 50)
     if roomy is None:
         raise InfeasibleError(f"recompute {options.recompute}: no plan fits even at 1 PiB per device")
     low, high = 0, max(stage.memory_bytes for stage in roomy.stages)
+    while plan_or_none(prof, topology, options, high) is None:  # the planner may keep headroom
+        low, high = high, 2 * high
     while high - low > resolution:
         middle = (low + high) // 2
         if plan_or_none(prof, topology, options, middle) is None:
