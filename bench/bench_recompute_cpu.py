@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         for column in ("--recompute", "predicted ms / minibatch", "stages: recomputed, MiB"):
             table.add_column(column, justify="left" if column != "predicted ms / minibatch" else "right")
-        rows = []
+        rows: list[dict[str, Any]] = []
         for mode, plan in plans.items():
             predicted = plan.predicted.time_per_minibatch_ms if plan is not None else None
             table.add_row(
