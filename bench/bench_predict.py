@@ -57,7 +57,9 @@ HF_FAMILIES = (
 
 
 def model_target(name: str) -> tuple[str, dict[str, str]]:
-    """(model file, environment) of a bundled model or an HF family (``hf:<family>``)."""
+    """(model file, environment) of a bundled model, an HF family (``hf:<family>``) or a file."""
+    if Path(name).is_file():
+        return name, {}
     if name.startswith("hf:"):
         return str(HF_MODEL), {"PIPEPLAN_HF_FAMILY": name[3:]}
     return str(bundled_model_path(name)), {}
