@@ -48,6 +48,7 @@ __all__ = [
 
 FORWARD = 0
 BACKWARD = 1
+REAP_SCAN = 8  # pending sends ``P2P.reap`` looks at per call (the oldest)
 _HEADER_LEN = 16  # int64: [ndim, dtype code, dim0, dim1, ...]
 _MAX_TAG = 2**31 - 1
 _MIN_TAG_WINDOW = 1 << 16  # work units between two uses of one tag (units in flight are far fewer)
@@ -151,6 +152,7 @@ class _PendingSend:
     peer: int
     label: str
     start_ms: float
+    unit: int = 0  # the work unit of the message (a header: of the message it precedes)
 
 
 class P2P:
@@ -195,10 +197,12 @@ class P2P:
         if direction == FORWARD and (peer, value) not in self._sent_header:
             header = TensorSpec.of(tensor).encode(self.device)
             work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
-            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start))
+            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit))
             self._sent_header.add((peer, value))
         tag = message_tag(value, self.values, unit, direction)
-        self._sends.append(_PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start))
+        self._sends.append(
+            _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit)
+        )
         self.reap()
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> dist.Work:
@@ -211,17 +215,40 @@ class P2P:
             raise self._failure(f"sending {label}", peer, exc) from exc
 
     def reap(self) -> None:
-        """Forget sends that completed (reporting their end time)."""
+        """Forget sends that completed (reporting their end time), looking at the oldest
+        ``REAP_SCAN`` only: O(1) per call however many are pending. gloo's point-to-point
+        sends never report completion before they are waited on (``release`` frees them), so
+        a scan of every pending send made each action cost O(sends so far) (issue 31)."""
         now = time.perf_counter() * 1000.0
         still: list[_PendingSend] = []
-        for send in self._sends:
+        for send in self._sends[:REAP_SCAN]:
             if send.work.is_completed():
                 self._wait(send.work, f"sending {send.label}", send.peer)  # raises its error
                 if self._on_send_done is not None:
                     self._on_send_done(send.label, send.peer, send.start_ms, now)
             else:
                 still.append(send)
-        self._sends = still
+        self._sends[:REAP_SCAN] = still
+
+    def release(self, before_unit: int) -> int:
+        """Wait (bounded) for the sends of units before ``before_unit``, known received, and
+        drop them and the tensors they hold; returns how many. The caller vouches that every
+        peer consumed them (a flush schedule at a step: ``Executor._step``), so the waits
+        return at once; without this a gloo run held every activation it sent until the end."""
+        done = [send for send in self._sends if send.unit < before_unit]
+        if not done:
+            return 0
+        self._sends = [send for send in self._sends if send.unit >= before_unit]
+        for send in done:
+            self._wait(send.work, f"sending {send.label}", send.peer)
+            if self._on_send_done is not None:
+                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
+        return len(done)
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends started and not yet seen complete."""
+        return len(self._sends)
 
     def finish(self) -> None:
         """Wait (bounded) until every send completed (each work is waited on once)."""

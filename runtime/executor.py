@@ -428,6 +428,10 @@ class Executor:
                     self.precision.refresh()
         if self.stash is not None:
             self.stash.stepped()
+        if self._kind is not None and self._kind.flushes:
+            # every peer consumed what this rank sent for earlier minibatches: it ran their
+            # actions before its own step and the next minibatch's, whose messages came here
+            self.comm.release(action.minibatch * self.microbatches)
         self._steps += 1
         self.done_ms[minibatch] = now_ms() - self.recorder.t0_ms
         if self.on_step is not None:

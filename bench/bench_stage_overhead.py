@@ -1,0 +1,219 @@
+"""Benchmark: does a split stage run at its layers' speed? One process, side by side.
+
+For each model (bundled names and ``hf:<family>``: the tiny configs of
+``tests/fixtures/models/hf_family.py``, as ``bench/bench_predict.py`` picks them) and each
+micro-batch size, in one process (one thread), interleaving the variants pass by pass so
+the machine's load from other processes cancels out of the ratios:
+
+- **layers**: the graph cut into its layers, run layer by layer the profiler's way
+  (``pipeplan.profiler.measure.run_pass``): what a profile sums for a stage;
+- **stages**: the same graph split into 2 stages at the half of the layers' time (what
+  ``pipeplan run`` builds: ``LayerGraph.split``), run stage by stage the same way: each stage
+  one module call and one ``torch.autograd.backward`` per micro-batch, as the executor does;
+- **fixed**: the per-call cost of an empty stage (a detached input that requires grad, one
+  module call, one ``autograd.backward``): what every stage pays per micro-batch whatever
+  its layers.
+
+Prints, per model and size: the minima over passes (ms, the passes least disturbed by
+other processes) of the forward + backward sums, stages over
+layers, and how many per-layer calls the split saves; then, on 2 gloo ranks, the round trip
+of one activation-sized message (``--no-p2p`` skips it), against the ``local-cpu`` preset's
+latency. Writes JSON (``--out``, default bench/results/stage_overhead.json).
+
+    python bench/bench_stage_overhead.py
+    python bench/bench_stage_overhead.py --models hf:llama hf:gpt2 --sizes 2 8 --passes 30
+
+The machine's load moves the absolute times (not much the ratios): say so next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+HF_MODEL = ROOT / "tests" / "fixtures" / "models" / "hf_family.py"
+DEFAULT_MODELS = ("mlp", "gpt", "hf:llama", "hf:gpt2", "hf:mixtral", "hf:bert", "hf:t5", "hf:vit")
+
+
+def _target(name: str) -> tuple[str, dict[str, str]]:
+    if name.startswith("hf:"):
+        return str(HF_MODEL), {"PIPEPLAN_HF_FAMILY": name[3:]}
+    from pipeplan.modelfile import bundled_model_path
+
+    return str(bundled_model_path(name)), {}
+
+
+def _halves(times: Sequence[float]) -> list[int]:
+    """Stage of each layer: 0 up to half the total time, then 1 (each stage non-empty)."""
+    total, acc, out = sum(times), 0.0, []
+    for k, t in enumerate(times):
+        out.append(0 if (acc + t / 2 < total / 2 and k < len(times) - 1) or k == 0 else 1)
+        acc += t
+    return out
+
+
+def _empty_stage_ms(passes: int) -> float:
+    """Least ms of one empty stage call: detach, requires_grad, module call, autograd.backward."""
+    import torch
+
+    lin = torch.nn.Identity()
+    x = torch.randn(2, 16)
+    samples = []
+    for _ in range(passes * 10):
+        start = time.perf_counter()
+        inp = x.detach().requires_grad_(True)
+        out = lin(inp) * 1.0
+        torch.autograd.backward([out], [torch.ones_like(out)])
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples)
+
+
+def measure_model(name: str, sizes: Sequence[int], passes: int) -> list[dict[str, Any]]:
+    """In this process: layer sums vs stage sums at each size (see the module docstring)."""
+    import torch
+
+    from pipeplan.capture import build_layer_graph
+    from pipeplan.modelfile import load_model_file
+    from pipeplan.profiler.measure import disable_inplace, run_pass
+    from pipeplan.profiler.timing import CpuTimer
+
+    torch.set_num_threads(1)
+    path, env = _target(name)
+    os.environ.update(env)
+    model_file = load_model_file(path)
+    network = model_file.build().train()
+    disable_inplace(network)
+    timer = CpuTimer()
+    fixed = _empty_stage_ms(passes)
+    rows = []
+    for size in sizes:
+        inputs, targets = model_file.batch(size, seed=0)
+        graph = build_layer_graph(network, inputs, model_file.leaf_modules, model_file.opaque_modules)
+        layers = graph.layer_modules()
+        first = run_pass(layers, inputs.tensors(), targets, model_file.loss_fn, timer)
+        owner = _halves([f + b for f, b in zip(first.forward_ms, first.backward_ms)])
+        variants = {"layers": layers, "stages": graph.split(owner), "whole": graph.split([0] * len(layers))}
+        totals: dict[str, list[float]] = {key: [] for key in variants}
+        for _ in range(3 + passes):  # 3 warm-up passes each, then interleaved
+            for key, modules in variants.items():
+                for module in modules:
+                    for parameter in module.module.parameters():
+                        parameter.grad = None
+                sample = run_pass(modules, inputs.tensors(), targets, model_file.loss_fn, timer)
+                totals[key].append(sum(sample.forward_ms) + sum(sample.backward_ms))
+        # the minimum over passes: the run least disturbed by other processes (a shared machine)
+        medians = {key: min(values[3:]) for key, values in totals.items()}
+        rows.append(
+            {
+                "model": name,
+                "batch": size,
+                "layers": len(layers),
+                "stage_layers": [owner.count(0), owner.count(1)],
+                "layers_ms": medians["layers"],
+                "stages_ms": medians["stages"],
+                "whole_ms": medians["whole"],
+                "stages_over_layers": medians["stages"] / medians["layers"],
+                "fixed_call_ms": fixed,
+                "calls_saved": 2 * (len(layers) - 2),
+                "fixed_share_of_layers": 2 * len(layers) * fixed / medians["layers"],
+            }
+        )
+    return rows
+
+
+def p2p_round_trip_ms(numel: int, rounds: int) -> float:
+    """Median round trip (ms) of a float32 tensor of ``numel`` between 2 gloo ranks (torchrun)."""
+    code = (
+        "import time,statistics,torch,torch.distributed as d;torch.set_num_threads(1);"
+        "d.init_process_group('gloo');r=d.get_rank();x=torch.zeros(%d);s=[]\n"
+        "for i in range(%d):\n"
+        " t=time.perf_counter()\n"
+        " if r==0: d.send(x,1);d.recv(x,1)\n"
+        " else: d.recv(x,0);d.send(x,0)\n"
+        " s.append((time.perf_counter()-t)*1e3)\n"
+        "r==0 and print(statistics.median(s[10:]))\n"
+        "d.destroy_process_group()"
+    ) % (numel, rounds + 10)
+    script = Path(os.environ.get("TMPDIR", "/tmp")) / f"pipeplan_p2p_{os.getpid()}.py"
+    script.write_text(code)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(29400 + os.getpid() % 500), str(script)],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    finally:
+        script.unlink(missing_ok=True)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"gloo round trip failed: {done.stderr.strip()[-300:]}")
+    return float(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8], help="micro-batch sizes (samples)")
+    parser.add_argument("--passes", type=int, default=20, help="timed passes per variant")
+    parser.add_argument("--no-p2p", action="store_true", help="skip the 2-rank gloo round trip")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # child: measure one model, print JSON
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "stage_overhead.json"))
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_model(args.one, args.sizes, args.passes)))
+        return
+    rows: list[dict[str, Any]] = []
+    failures: dict[str, str] = {}
+    for name in args.models:  # one process per model: an HF family is picked at import
+        command = [sys.executable, __file__, "--one", name, "--passes", str(args.passes), "--sizes"]
+        done = subprocess.run(
+            [*command, *map(str, args.sizes)],
+            capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        if done.returncode != 0:
+            failures[name] = (done.stderr.strip().splitlines() or ["failed"])[-1][:300]
+            print(f"{name}: not measured: {failures[name]}")
+            continue
+        rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+    header = (
+        f"{'model':<12} {'batch':>5} {'layers':>6} {'layers ms':>10} {'stages ms':>10} {'whole ms':>9} "
+        f"{'stages/layers':>13} {'empty call ms':>13} {'calls x empty / layers':>22}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['model']:<12} {r['batch']:>5} {r['layers']:>6} {r['layers_ms']:>10.3f} "
+            f"{r['stages_ms']:>10.3f} {r['whole_ms']:>9.3f} {r['stages_over_layers']:>13.2f} "
+            f"{r['fixed_call_ms']:>13.4f} {r['fixed_share_of_layers']:>22.2f}"
+        )
+    if rows:
+        ratios = [r["stages_over_layers"] for r in rows]
+        print(
+            f"stages / layers: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
+        )
+    p2p: dict[str, float] = {}
+    if not args.no_p2p:
+        for numel in (1024, 65536):
+            p2p[str(numel * 4)] = p2p_round_trip_ms(numel, 200)
+            print(f"gloo round trip of {numel * 4} bytes on 2 ranks: {p2p[str(numel * 4)]:.3f} ms "
+                  f"(local-cpu preset: 2 x 0.020 ms latency)")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps({"rows": rows, "p2p_round_trip_ms": p2p, "failures": failures}, indent=1)
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
