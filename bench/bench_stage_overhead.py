@@ -134,15 +134,15 @@ def p2p_round_trip_ms(numel: int, rounds: int) -> float:
     """Median round trip (ms) of a float32 tensor of ``numel`` between 2 gloo ranks (torchrun)."""
     code = (
         "import time,statistics,torch,torch.distributed as d;torch.set_num_threads(1);"
-        "d.init_process_group('gloo');r=d.get_rank();x=torch.zeros(%d);s=[]\n"
-        "for i in range(%d):\n"
+        f"d.init_process_group('gloo');r=d.get_rank();x=torch.zeros({numel});s=[]\n"
+        f"for i in range({rounds + 10}):\n"
         " t=time.perf_counter()\n"
         " if r==0: d.send(x,1);d.recv(x,1)\n"
         " else: d.recv(x,0);d.send(x,0)\n"
         " s.append((time.perf_counter()-t)*1e3)\n"
         "r==0 and print(statistics.median(s[10:]))\n"
         "d.destroy_process_group()"
-    ) % (numel, rounds + 10)
+    )
     script = Path(os.environ.get("TMPDIR", "/tmp")) / f"pipeplan_p2p_{os.getpid()}.py"
     script.write_text(code)
     try:

@@ -428,14 +428,24 @@ class Executor:
                     self.precision.refresh()
         if self.stash is not None:
             self.stash.stepped()
-        if self._kind is not None and self._kind.flushes:
-            # every peer consumed what this rank sent for earlier minibatches: it ran their
-            # actions before its own step and the next minibatch's, whose messages came here
-            self.comm.release(action.minibatch * self.microbatches)
+        if self._kind is not None:
+            self.comm.release(self._received_before(action.minibatch) * self.microbatches)
         self._steps += 1
         self.done_ms[minibatch] = now_ms() - self.recorder.t0_ms
         if self.on_step is not None:
             self.on_step(minibatch)
+
+    def _received_before(self, minibatch: int) -> int:
+        """At the step of ``minibatch``: the minibatches before this one every peer consumed
+        all this rank's messages of. Flush: every earlier one (a peer runs a minibatch's
+        actions before its step, and its step before the next minibatch's actions, whose
+        messages came here). Otherwise the pipeline holds at most ``minibatches_in_flight``
+        minibatches (1F1B-RR: NOAM; 2BW: 2): the input stage admitted this minibatch once
+        that many before it had left every stage; twice that is kept as a margin."""
+        assert self._kind is not None
+        if self._kind.flushes:
+            return minibatch
+        return minibatch - 2 * self._kind.minibatches_in_flight(self.spec.replicas)
 
 
 def _cuda_devices() -> list[int]:

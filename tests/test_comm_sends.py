@@ -8,6 +8,8 @@ ended. The fake ``isend`` below behaves the same way.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from pipeplan.runtime import comm as comm_module
@@ -85,7 +87,7 @@ class _Sync:
 
 def _executor(schedule: str, comm: _Comm) -> Executor:
     executor = Executor(
-        spec=None,  # type: ignore[arg-type]  # _step reads neither
+        spec=SimpleNamespace(replicas=(1, 1)),  # type: ignore[arg-type]  # all _step reads
         actions=(),
         microbatches=4,
         comm=comm,  # type: ignore[arg-type]
@@ -108,8 +110,8 @@ def test_a_flush_step_releases_the_sends_of_earlier_minibatches() -> None:
     assert comm.released == [0, 4, 8]  # before minibatch k's units: k * M
 
 
-def test_a_schedule_without_a_flush_releases_nothing_at_its_steps() -> None:
+def test_without_a_flush_a_step_releases_the_sends_beyond_the_minibatches_in_flight() -> None:
     comm = _Comm()
-    executor = _executor("1f1b-rr", comm)
-    executor._step(Action("S", 2, 0, 0))
-    assert comm.released == []
+    executor = _executor("2bw", comm)  # 2 minibatches in flight: 4 kept as a margin
+    executor._step(Action("S", 6, 0, 0))
+    assert comm.released == [2 * 4]  # minibatches 0 and 1, 4 micro-batches each
