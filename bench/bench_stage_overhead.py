@@ -10,6 +10,9 @@ the machine's load from other processes cancels out of the ratios:
 - **stages**: the same graph split into 2 stages at the half of the layers' time (what
   ``pipeplan run`` builds: ``LayerGraph.split``), run stage by stage the same way: each stage
   one module call and one ``torch.autograd.backward`` per micro-batch, as the executor does;
+- **runtime**: the 2 stages the executor's way (``_runtime_pass``), with every received float
+  requiring grad (the runtime before issue 31: a Llama's rotary cos and sin got gradients in
+  every attention layer) and with only those their producer's output did (now);
 - **fixed**: the per-call cost of an empty stage (a detached input that requires grad, one
   module call, one ``autograd.backward``): what every stage pays per micro-batch whatever
   its layers.
@@ -18,7 +21,8 @@ Prints, per model and size: the minima over passes (ms, the passes least disturb
 other processes) of the forward + backward sums, stages over
 layers, and how many per-layer calls the split saves; then, on 2 gloo ranks, the round trip
 of one activation-sized message (``--no-p2p`` skips it), against the ``local-cpu`` preset's
-latency. Writes JSON (``--out``, default bench/results/stage_overhead.json).
+latency, and the cost of one ``P2P.reap`` (after every send and action) with many gloo sends
+pending, scanning all of them (before issue 31) vs the oldest ``REAP_SCAN``. Writes JSON (``--out``, default bench/results/stage_overhead.json).
 
     python bench/bench_stage_overhead.py
     python bench/bench_stage_overhead.py --models hf:llama hf:gpt2 --sizes 2 8 --passes 30
@@ -37,7 +41,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeplan.capture import StageModule
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_MODEL = ROOT / "tests" / "fixtures" / "models" / "hf_family.py"
@@ -77,6 +86,50 @@ def _empty_stage_ms(passes: int) -> float:
     return min(samples)
 
 
+def _runtime_pass(
+    stages: Sequence[StageModule],
+    inputs: Sequence[torch.Tensor],
+    targets: object,
+    loss_fn: Any,
+    every_float: bool,
+) -> float:
+    """ms of one micro-batch through ``stages`` as the executor runs them: each stage one
+    module call, a received float a fresh leaf, one ``autograd.backward`` per stage. With
+    ``every_float`` every received float requires grad (the runtime before issue 31);
+    otherwise only those their producer's output did (the profiler's way, the runtime's now)."""
+    import torch
+
+    from pipeplan.capture import MODEL_OUTPUT
+
+    start = time.perf_counter()
+    values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
+    runs = []
+    for stage in stages:
+        args = [values[name] for name in stage.input_names]
+        outputs = dict(zip(stage.output_names, stage.module(*args)))
+        runs.append((args, outputs))
+        for name, out in outputs.items():
+            if name != MODEL_OUTPUT:
+                needs = out.is_floating_point() and (every_float or out.requires_grad)
+                values[name] = out.detach().requires_grad_(needs)
+    loss = loss_fn(runs[-1][1][MODEL_OUTPUT], targets)
+    heads, grads = [loss], [torch.ones_like(loss)]
+    for stage in reversed(stages):
+        torch.autograd.backward(heads, grads)
+        received = {name: values[name] for name in stage.input_names if not name.startswith("input:")}
+        previous = {n: o for _, outs in runs for n, o in outs.items() if n in received}
+        pairs = [
+            (previous[n], v.grad if v.grad is not None else torch.zeros_like(v))
+            for n, v in received.items()
+            if v.requires_grad
+        ]
+        heads = [o for o, _ in pairs if o.requires_grad]
+        grads = [g for o, g in pairs if o.requires_grad]
+        if not heads:
+            break
+    return (time.perf_counter() - start) * 1e3
+
+
 def measure_model(name: str, sizes: Sequence[int], passes: int) -> list[dict[str, Any]]:
     """In this process: layer sums vs stage sums at each size (see the module docstring)."""
     import torch
@@ -112,6 +165,20 @@ def measure_model(name: str, sizes: Sequence[int], passes: int) -> list[dict[str
                 totals[key].append(sum(sample.forward_ms) + sum(sample.backward_ms))
         # the minimum over passes: the run least disturbed by other processes (a shared machine)
         medians = {key: min(values[3:]) for key, values in totals.items()}
+        stages = variants["stages"]
+        if len(stages) == 2:  # the runtime's way, before and after issue 31, interleaved
+            tensors = inputs.tensors()
+            runtime: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(3 + passes):
+                for every_float in (True, False):
+                    for module in stages:
+                        for parameter in module.module.parameters():
+                            parameter.grad = None
+                    runtime[every_float].append(
+                        _runtime_pass(stages, tensors, targets, model_file.loss_fn, every_float)
+                    )
+            medians["runtime_before"] = min(runtime[True][3:])
+            medians["runtime_after"] = min(runtime[False][3:])
         rows.append(
             {
                 "model": name,
@@ -122,12 +189,53 @@ def measure_model(name: str, sizes: Sequence[int], passes: int) -> list[dict[str
                 "stages_ms": medians["stages"],
                 "whole_ms": medians["whole"],
                 "stages_over_layers": medians["stages"] / medians["layers"],
+                # the executor's way: every received float requiring grad (before) or as produced
+                "runtime_every_float_ms": medians.get("runtime_before"),
+                "runtime_as_produced_ms": medians.get("runtime_after"),
                 "fixed_call_ms": fixed,
                 "calls_saved": 2 * (len(layers) - 2),
                 "fixed_share_of_layers": 2 * len(layers) * fixed / medians["layers"],
             }
         )
     return rows
+
+
+class _GlooLikeSend:
+    """A send that reports completion only once waited on, as gloo's point-to-point work does."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waited = True
+        return True
+
+
+def reap_us(pending: int, scan: int, calls: int = 2000) -> float:
+    """Least microseconds of one ``P2P.reap`` with ``pending`` gloo-like sends outstanding,
+    looking at ``scan`` of them (the runtime's ``REAP_SCAN``; before issue 31: all)."""
+    import torch
+
+    from pipeplan.runtime import comm
+
+    isend, scan_was = comm.dist.isend, comm.REAP_SCAN
+    comm.dist.isend = lambda tensor, peer, tag=0: _GlooLikeSend()  # type: ignore[assignment]
+    comm.REAP_SCAN = scan
+    try:
+        p2p = comm.P2P(rank=0, values=4, device="cpu", timeout_s=5.0, tagged=True)
+        for unit in range(pending):
+            p2p.send(torch.ones(1), 1, 0, unit, comm.FORWARD, "send")
+        samples = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            p2p.reap()
+            samples.append((time.perf_counter() - start) * 1e6)
+        return min(samples)
+    finally:
+        comm.dist.isend, comm.REAP_SCAN = isend, scan_was  # type: ignore[assignment]
 
 
 def p2p_round_trip_ms(numel: int, rounds: int) -> float:
@@ -186,6 +294,14 @@ def main() -> None:
             print(f"{name}: not measured: {failures[name]}")
             continue
         rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+    for r in rows:
+        if r["runtime_every_float_ms"] is not None:
+            print(
+                f"{r['model']} batch {r['batch']}: 2 stages the executor's way "
+                f"{r['runtime_every_float_ms']:.3f} ms with every received float requiring grad "
+                f"(before issue 31), {r['runtime_as_produced_ms']:.3f} ms as produced "
+                f"({r['runtime_every_float_ms'] / r['runtime_as_produced_ms']:.2f}x)"
+            )
     header = (
         f"{'model':<12} {'batch':>5} {'layers':>6} {'layers ms':>10} {'stages ms':>10} {'whole ms':>9} "
         f"{'stages/layers':>13} {'empty call ms':>13} {'calls x empty / layers':>22}"
@@ -202,6 +318,19 @@ def main() -> None:
         print(
             f"stages / layers: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-{max(ratios):.2f}"
         )
+    # a 30-step run of 4 micro-batches sending 3 values a micro-batch has 360 sends pending
+    # at its end when none is released (gloo's sends report completion only when waited on)
+    from pipeplan.runtime.comm import REAP_SCAN
+
+    reap = {
+        f"{n} pending": {"all": reap_us(n, 10**9), f"{REAP_SCAN}": reap_us(n, REAP_SCAN)} for n in (36, 360)
+    }
+    for key, figures in reap.items():
+        print(
+            f"P2P.reap with {key} gloo-like sends: {figures['all']:.1f} us scanning all of them "
+            f"(before issue 31), {figures[str(REAP_SCAN)]:.1f} us scanning the oldest {REAP_SCAN}; "
+            f"2 reaps an action"
+        )
     p2p: dict[str, float] = {}
     if not args.no_p2p:
         for numel in (1024, 65536):
@@ -210,7 +339,7 @@ def main() -> None:
                   f"(local-cpu preset: 2 x 0.020 ms latency)")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
-        json.dumps({"rows": rows, "p2p_round_trip_ms": p2p, "failures": failures}, indent=1)
+        json.dumps({"rows": rows, "reap_us": reap, "p2p_round_trip_ms": p2p, "failures": failures}, indent=1)
     )
     print(f"wrote {args.out}")
 
