@@ -7,8 +7,9 @@ micro-batch count (``--microbatches``, default 1 and 4) a plan of 2 stages on 2 
 simulated with the profile's layer times, read at the micro-batch size where the profile
 measured them: ``planner/microbatch_time.py``); the table also gives what the proportional
 model (time per micro-batch = 1/M of the minibatch's) predicts for the same plan, and, per
-stage, the measured compute over its layers' predicted compute (the worst of the two
-stages). The Hugging Face families are the tiny configs of ``tests/fixtures/models/hf_family.py``
+stage, the measured compute over the compute the simulator charged it (its micro-batches at
+their measured size and its optimizer step: ``stages[].predicted_compute_ms``; the worst of
+the two stages). The Hugging Face families are the tiny configs of ``tests/fixtures/models/hf_family.py``
 (nothing downloaded), those ``tests/test_hf_families.py`` runs and plans. Prints a rich
 table and writes JSON (``--out``, default bench/results/predict.json).
 

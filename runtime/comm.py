@@ -48,7 +48,8 @@ __all__ = [
 
 FORWARD = 0
 BACKWARD = 1
-_HEADER_LEN = 16  # int64: [ndim, dtype code, dim0, dim1, ...]
+REAP_SCAN = 8  # pending sends ``P2P.reap`` looks at per call (the oldest)
+_HEADER_LEN = 16  # int64: [ndim, dtype code, requires_grad, dim0, dim1, ...]
 _MAX_TAG = 2**31 - 1
 _MIN_TAG_WINDOW = 1 << 16  # work units between two uses of one tag (units in flight are far fewer)
 _DTYPES = (
@@ -91,25 +92,33 @@ class PeerFailure(RuntimeFailure):
 class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # an activation's header: whether its producer takes a gradient of it back (issue 31)
+    requires_grad: bool = False
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> TensorSpec:
-        return cls(tuple(tensor.shape), tensor.dtype)
+    def of(cls, tensor: torch.Tensor, requires_grad: bool = False) -> TensorSpec:
+        return cls(tuple(tensor.shape), tensor.dtype, requires_grad)
 
     def encode(self, device: str) -> torch.Tensor:
-        if len(self.shape) > _HEADER_LEN - 2:
-            raise RuntimeFailure(f"cannot send a tensor of {len(self.shape)} dims (max {_HEADER_LEN - 2})")
+        """``[ndim, dtype code, requires_grad, dim0, dim1, ...]`` as int64.
+
+        >>> TensorSpec.decode(TensorSpec((2, 3), torch.float32, True).encode("cpu"))
+        TensorSpec(shape=(2, 3), dtype=torch.float32, requires_grad=True)
+        """
+        if len(self.shape) > _HEADER_LEN - 3:
+            raise RuntimeFailure(f"cannot send a tensor of {len(self.shape)} dims (max {_HEADER_LEN - 3})")
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         header[0] = len(self.shape)
         header[1] = _DTYPES.index(self.dtype)
-        header[2 : 2 + len(self.shape)] = torch.tensor(self.shape, dtype=torch.int64)
+        header[2] = int(self.requires_grad)
+        header[3 : 3 + len(self.shape)] = torch.tensor(self.shape, dtype=torch.int64)
         return header.to(device)
 
     @classmethod
     def decode(cls, header: torch.Tensor) -> TensorSpec:
         values = header.cpu().tolist()
         ndim = int(values[0])
-        return cls(tuple(int(v) for v in values[2 : 2 + ndim]), _DTYPES[int(values[1])])
+        return cls(tuple(int(v) for v in values[3 : 3 + ndim]), _DTYPES[int(values[1])], bool(values[2]))
 
 
 def message_tag(value: int, values: int, unit: int, direction: int, header: bool = False) -> int:
@@ -151,6 +160,7 @@ class _PendingSend:
     peer: int
     label: str
     start_ms: float
+    unit: int = 0  # the work unit of the message (a header: of the message it precedes)
 
 
 class P2P:
@@ -181,24 +191,38 @@ class P2P:
         self._header_work: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._sends: list[_PendingSend] = []
         self._mailbox: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # to this rank itself
+        self._own_grads: dict[int, bool] = {}  # value -> requires_grad of this rank's own sends
 
     # ------------------------------------------------------------------ sending
     def send(
-        self, tensor: torch.Tensor, peer: int, value: int, unit: int, direction: int, label: str
+        self,
+        tensor: torch.Tensor,
+        peer: int,
+        value: int,
+        unit: int,
+        direction: int,
+        label: str,
+        requires_grad: bool = True,
     ) -> None:
-        """Start sending ``tensor``; the first activation on a channel carries a header."""
+        """Start sending ``tensor``; the first activation on a channel carries a header, which
+        says whether the producer takes its gradient back (``requires_grad``: the same for
+        every unit of the channel; ``expects_gradient`` reads it at the receiver)."""
         if peer == self.rank:
             self._mailbox.setdefault((value, unit, direction), []).append(tensor.detach().clone())
+            if direction == FORWARD:
+                self._own_grads[value] = requires_grad
             return
         tensor = tensor.detach().contiguous()
         start = time.perf_counter() * 1000.0
         if direction == FORWARD and (peer, value) not in self._sent_header:
-            header = TensorSpec.of(tensor).encode(self.device)
+            header = TensorSpec.of(tensor, requires_grad).encode(self.device)
             work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
-            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start))
+            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit))
             self._sent_header.add((peer, value))
         tag = message_tag(value, self.values, unit, direction)
-        self._sends.append(_PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start))
+        self._sends.append(
+            _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit)
+        )
         self.reap()
 
     def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> dist.Work:
@@ -211,17 +235,48 @@ class P2P:
             raise self._failure(f"sending {label}", peer, exc) from exc
 
     def reap(self) -> None:
-        """Forget sends that completed (reporting their end time)."""
+        """Forget sends that completed (reporting their end time), looking at the oldest
+        ``REAP_SCAN`` only: O(1) per call however many are pending. gloo's point-to-point
+        sends never report completion before they are waited on (``release`` frees them), so
+        a scan of every pending send made each action cost O(sends so far) (issue 31)."""
         now = time.perf_counter() * 1000.0
         still: list[_PendingSend] = []
-        for send in self._sends:
+        for send in self._sends[:REAP_SCAN]:
             if send.work.is_completed():
                 self._wait(send.work, f"sending {send.label}", send.peer)  # raises its error
                 if self._on_send_done is not None:
                     self._on_send_done(send.label, send.peer, send.start_ms, now)
             else:
                 still.append(send)
-        self._sends = still
+        self._sends[:REAP_SCAN] = still
+
+    def release(self, before_unit: int) -> int:
+        """Wait (bounded) for the sends of units before ``before_unit``, known received, and
+        drop them and the tensors they hold; returns how many. The caller vouches that every
+        peer consumed them (a flush schedule at a step: ``Executor._step``), so the waits
+        return at once; without this a gloo run held every activation it sent until the end."""
+        done = [send for send in self._sends if send.unit < before_unit]
+        if not done:
+            return 0
+        self._sends = [send for send in self._sends if send.unit >= before_unit]
+        for send in done:
+            self._wait(send.work, f"sending {send.label}", send.peer)
+            if self._on_send_done is not None:
+                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
+        return len(done)
+
+    def expects_gradient(self, peer: int, value: int) -> bool:
+        """Whether ``peer`` takes the gradient of ``value`` back (its header's flag), once an
+        activation of that channel was received; a channel without a header yet: True."""
+        if peer == self.rank:
+            return self._own_grads.get(value, True)
+        spec = self._specs.get((peer, value))
+        return spec.requires_grad if spec is not None else True
+
+    @property
+    def pending_sends(self) -> int:
+        """Sends started and not yet seen complete."""
+        return len(self._sends)
 
     def finish(self) -> None:
         """Wait (bounded) until every send completed (each work is waited on once)."""

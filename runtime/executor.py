@@ -203,7 +203,7 @@ class Executor:
         posted = {}
         for name in self._in_message_order(stage.output_names):
             value = saved.outputs[name]
-            if name == MODEL_OUTPUT or not value.is_floating_point():
+            if name == MODEL_OUTPUT or not value.is_floating_point() or not self._takes_gradient(value):
                 continue
             spec = TensorSpec.of(value)
             peers = dict.fromkeys(self.spec.recv_peer(c, unit) for c in stage.consumers[name])
@@ -219,6 +219,13 @@ class Executor:
                 for peer in peers  # one gradient per consuming rank, summed over its chunks
             ]
         return posted
+
+    def _takes_gradient(self, output: torch.Tensor) -> bool:
+        """Whether this rank takes the gradient of its ``output`` back from the consumers: it
+        requires grad (an output computed from buffers alone, like a rotary embedding's cos
+        and sin, does not), or its forward ran without a graph (``recompute``). Its consumers
+        then make the received value require grad, as the profiler does (issue 31)."""
+        return self.recompute or output.requires_grad
 
     def _wait(self, pending: PendingRecv, action: Action) -> torch.Tensor:
         start = now_ms()
@@ -250,8 +257,9 @@ class Executor:
             if stage.producers[name] < 0:
                 continue
             value = self._take_input(name, unit, action)
-            if value.is_floating_point():
-                value.requires_grad_(True)
+            peer = self.spec.recv_peer(stage.producers[name], unit)
+            if value.is_floating_point() and self.comm.expects_gradient(peer, self.spec.value_ids[name]):
+                value.requires_grad_(True)  # as its producer's output: a gradient goes back
             received[name] = value
         inputs: list[torch.Tensor] = [
             data_inputs[int(name.split(":")[1])] if stage.producers[name] < 0 else received[name]
@@ -274,7 +282,13 @@ class Executor:
                 p for c in stage.consumers[name] for p in self.spec.send_peers(c, unit)
             ):
                 self.comm.send(
-                    outputs[name], peer, self.spec.value_ids[name], unit, FORWARD, f"send {action} ->r{peer}"
+                    outputs[name],
+                    peer,
+                    self.spec.value_ids[name],
+                    unit,
+                    FORWARD,
+                    f"send {action} ->r{peer}",
+                    requires_grad=self._takes_gradient(outputs[name]),
                 )
         if self.recompute:
             outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
@@ -358,8 +372,8 @@ class Executor:
         for name in self._in_message_order(stage.input_names):
             value = inputs_by_name[name]
             producer = stage.producers[name]
-            if producer < 0 or not value.is_floating_point():
-                continue
+            if producer < 0 or not value.is_floating_point() or not value.requires_grad:
+                continue  # a model input, or its producer takes no gradient back (its header said)
             grad = grad_by_name[name]
             grad = grad if grad is not None else torch.zeros_like(value)
             if self._readers[name] > 1:  # several chunks here read it: send their sum once
@@ -428,10 +442,24 @@ class Executor:
                     self.precision.refresh()
         if self.stash is not None:
             self.stash.stepped()
+        if self._kind is not None:
+            self.comm.release(self._received_before(action.minibatch) * self.microbatches)
         self._steps += 1
         self.done_ms[minibatch] = now_ms() - self.recorder.t0_ms
         if self.on_step is not None:
             self.on_step(minibatch)
+
+    def _received_before(self, minibatch: int) -> int:
+        """At the step of ``minibatch``: the minibatches before this one every peer consumed
+        all this rank's messages of. Flush: every earlier one (a peer runs a minibatch's
+        actions before its step, and its step before the next minibatch's actions, whose
+        messages came here). Otherwise the pipeline holds at most ``minibatches_in_flight``
+        minibatches (1F1B-RR: NOAM; 2BW: 2): the input stage admitted this minibatch once
+        that many before it had left every stage; twice that is kept as a margin."""
+        assert self._kind is not None
+        if self._kind.flushes:
+            return minibatch
+        return minibatch - 2 * self._kind.minibatches_in_flight(self.spec.replicas)
 
 
 def _cuda_devices() -> list[int]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from pipeplan.errors import InputError
 from pipeplan.metrics import METRICS_SCHEMA, Metrics, StageMetrics
-from pipeplan.plan import Plan
+from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.predict import predict
 from pipeplan.runtime.checkpoint.persist import CheckpointCost
 from pipeplan.runtime.config import RunConfig
@@ -38,6 +38,7 @@ __all__ = [
     "RankReport",
     "CheckpointReport",
     "rank_report",
+    "predicted_compute_ms",
     "gather_reports",
     "write_outputs",
     "prediction_for_run",
@@ -132,6 +133,27 @@ def steady_period_ms(done_ms: list[float], warmup: int) -> float:
     return (times[-1] - times[start]) / (len(times) - 1 - start)
 
 
+def predicted_compute_ms(stage: StagePlan, flushes: bool) -> float:
+    """The stage's simulated compute (forward + backward of its micro-batches, at their size,
+    and the optimizer step) per minibatch a replica handles: its busy time
+    (``StagePlan.time_per_minibatch_ms``, per replica per minibatch of the pipeline) less its
+    all-reduce. Without a flush a replica handles 1 minibatch in ``replicas``. Not
+    ``StagePlan.compute_ms``: that is one whole minibatch in one call, which M micro-batches
+    of B / M samples exceed by their fixed cost per call (``pipeplan.planner.microbatch_time``).
+    A plan with no simulated busy time (0, or ``Predicted.simulated`` False: the caller's
+    test) keeps ``compute_ms``.
+
+    >>> from pipeplan.plan import StagePlan
+    >>> stage = StagePlan(0, 0, 2, 2, (0, 1), 8.0, 1.0, 0.0, 7.0, 0, 1, 1)
+    >>> predicted_compute_ms(stage, True), predicted_compute_ms(stage, False)
+    (6.0, 13.0)
+    """
+    if stage.time_per_minibatch_ms <= 0:
+        return stage.compute_ms
+    handled = stage.time_per_minibatch_ms * (1 if flushes else stage.replicas)
+    return max(handled - stage.allreduce_ms, 0.0)
+
+
 def prediction_for_run(plan: Plan, schedule: str, microbatches: int) -> Plan:
     """``plan`` predicted for the ``schedule`` and ``microbatches`` that ran.
 
@@ -180,6 +202,7 @@ def write_outputs(
     wall_ms = max(r.wall_ms for r in reports)
     minibatches = len(losses_by_minibatch)
     predicted = prediction_for_run(plan, config.schedule, config.microbatches)
+    kind = schedule_kind(predicted.schedule)
     stages = []
     for r in sorted(reports, key=lambda r: r.rank):
         if r.stage < 0:
@@ -205,7 +228,10 @@ def write_outputs(
                 minibatches=r.minibatches,
                 weight_versions_used=r.peak_versions,
                 predicted_time_per_minibatch_ms=sum(s.time_per_minibatch_ms for s in chunks),
-                predicted_compute_ms=sum(s.compute_ms for s in chunks),
+                predicted_compute_ms=sum(
+                    predicted_compute_ms(s, kind.flushes) if predicted.predicted.simulated else s.compute_ms
+                    for s in chunks
+                ),
                 predicted_weight_versions=chunks[0].weight_versions,
                 memory_kind=r.memory.kind if r.memory is not None else None,
                 baseline_memory_bytes=r.memory.baseline_bytes if r.memory is not None else None,

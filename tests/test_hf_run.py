@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from click.testing import CliRunner
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("transformers")
 
-from reference import train_reference  # noqa: E402  (tests/fixtures/runtime, on sys.path)
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "runtime"))  # reference.py, run alone too
+from reference import train_reference  # noqa: E402
 from test_run_torchrun import LR, assert_params_match, records, torchrun  # noqa: E402
 
 from pipeplan.cli import cli  # noqa: E402
@@ -210,3 +212,29 @@ def test_llama_pretrained_weights_in_and_exported_weights_out(
     profile = profile_model(model, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
     profile.save(tmp_path / "profile.json")
     assert_weights_round_trip(tmp_path, model, tmp_path / "profile.json", "--build", "meta")
+
+
+def test_buffer_only_values_take_no_gradient_back(tmp_path: Path) -> None:
+    # issue 31: a Llama's rotary cos and sin cross the cut computed from buffers alone; the
+    # consumer made every received float require grad, computed their gradients in every
+    # attention layer and sent zeros back (2 of 3 gradient messages). Now the header says
+    # the producer takes none back, and training still equals the single process's.
+    model = str(ROOT / "tests" / "fixtures" / "models" / "hf_family.py")  # llama by default
+    assert os.environ.get("PIPEPLAN_HF_FAMILY", "llama") == "llama"
+    profile = profile_model(model, batch_size=BATCH, device="cpu", warmup=0, repeats=1)
+    profile.save(tmp_path / "profile.json")
+    partition(tmp_path / "profile.json", "1f1b-flush", 2, tmp_path / "plan.json")
+    trace = tmp_path / "trace.json"
+    recs = run(tmp_path, model, tmp_path / "plan.json", STEPS, "--trace", str(trace))
+    reference, _ = train_reference(model, STEPS, BATCH, LR)
+    assert_params_match(recs, reference)
+    events = json.loads(trace.read_text())["traceEvents"]
+    forward = [
+        e for e in events if e.get("cat") == "recv" and e["pid"] == 1 and e["name"].startswith("recv F")
+    ]
+    backward = [
+        e for e in events if e.get("cat") == "recv" and e["pid"] == 0 and e["name"].startswith("recv B")
+    ]
+    units = STEPS * 2
+    assert len(forward) >= 3 * units  # the hidden state(s), and the rotary cos and sin
+    assert len(backward) == len(forward) - 2 * units  # every value's gradient but cos' and sin's

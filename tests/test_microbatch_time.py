@@ -154,3 +154,22 @@ def test_partition_warns_when_the_prediction_is_known_unreliable() -> None:
         "a micro-batch of 8 samples takes 2.0x its proportional share of the minibatch (measured: "
         "per-call costs); the prediction includes it, fewer micro-batches (or --schedule auto) spend less of it"
     ]
+
+
+def test_run_metrics_compare_a_stage_with_its_compute_at_the_micro_batch_size() -> None:
+    # issue 31: a run's stage compute was set against StagePlan.compute_ms, one whole minibatch
+    # in one call; with 4 micro-batches of a fixed 0.1 ms per call the stage computes
+    # 4 (f + b) = 4 * 0.8 = 3.2 ms, not 3.0 (and 3.0 is what its layers' sum still reads)
+    from pipeplan.planner.predict import predict
+    from pipeplan.runtime.rank_metrics import predicted_compute_ms
+
+    base = make_profile([1.0, 1.0], [2.0, 2.0])
+    profile = with_fixed_cost(base, 0.1)
+    plan = make_plan(profile, make_topology(per_server=2, servers=1), [0, 1, 2], [1, 1], "1f1b-flush", 4)
+    simulated = predict(plan, profile)
+    f, b = 0.1 + 0.9 / 4, 0.1 + 1.9 / 4
+    for stage in simulated.stages:
+        assert stage.compute_ms == pytest.approx(3.0)
+        assert predicted_compute_ms(stage, flushes=True) == pytest.approx(4 * (f + b))
+    proportional = predict(plan, base)
+    assert predicted_compute_ms(proportional.stages[0], flushes=True) == pytest.approx(3.0)

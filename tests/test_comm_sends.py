@@ -1,0 +1,117 @@
+"""Pending sends stay few and cheap to look at (issue 31): ``P2P.reap`` scans a bounded
+number of them and ``P2P.release`` frees those a flush schedule knows were received.
+
+gloo's point-to-point sends report ``is_completed()`` False until waited on, so a reap over
+every pending send cost O(sends so far) per action, and each held its tensor until the run
+ended. The fake ``isend`` below behaves the same way.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pipeplan.runtime import comm as comm_module
+from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, REAP_SCAN
+from pipeplan.runtime.executor import Executor
+from pipeplan.runtime.recorder import Recorder
+from pipeplan.schedules import Action, schedule_kind
+
+
+class _GlooLikeSend:
+    """A send that says it is incomplete until ``wait`` (as gloo's p2p work does)."""
+
+    checks = 0
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        _GlooLikeSend.checks += 1
+        return self.waited
+
+    def wait(self, timeout: object = None) -> bool:
+        self.waited = True
+        return True
+
+
+def _p2p(monkeypatch: object, sent: list[_GlooLikeSend]) -> P2P:
+    def isend(tensor: torch.Tensor, peer: int, tag: int = 0) -> _GlooLikeSend:
+        work = _GlooLikeSend()
+        sent.append(work)
+        return work
+
+    monkeypatch.setattr(comm_module.dist, "isend", isend)  # type: ignore[attr-defined]
+    return P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=True)
+
+
+def test_reap_looks_at_a_bounded_number_of_pending_sends(monkeypatch: object) -> None:
+    sent: list[_GlooLikeSend] = []
+    p2p = _p2p(monkeypatch, sent)
+    for unit in range(200):
+        p2p.send(torch.ones(4), 1, 0, unit, FORWARD, f"send F{unit}")
+    assert p2p.pending_sends == 201  # a header, then one message per unit: none completed
+    _GlooLikeSend.checks = 0
+    p2p.reap()
+    assert _GlooLikeSend.checks == REAP_SCAN  # not 201
+
+
+def test_release_waits_for_and_drops_the_sends_of_earlier_units(monkeypatch: object) -> None:
+    sent: list[_GlooLikeSend] = []
+    p2p = _p2p(monkeypatch, sent)
+    for unit in range(12):
+        p2p.send(torch.ones(4), 1, 0, unit, FORWARD, f"send F{unit}")
+        p2p.send(torch.ones(4), 1, 1, unit, BACKWARD, f"send B{unit}")
+    assert p2p.release(8) == 1 + 16  # the header and units 0..7, both directions
+    assert p2p.pending_sends == 8
+    assert all(work.waited for work in sent[:17]) and not any(work.waited for work in sent[17:])
+    assert p2p.release(8) == 0
+    p2p.finish()
+    assert p2p.pending_sends == 0 and all(work.waited for work in sent)
+
+
+class _Comm:
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release(self, before_unit: int) -> int:
+        self.released.append(before_unit)
+        return 0
+
+
+class _Sync:
+    def reduce(self) -> None:
+        pass
+
+
+def _executor(schedule: str, comm: _Comm) -> Executor:
+    executor = Executor(
+        spec=SimpleNamespace(replicas=(1, 1)),  # type: ignore[arg-type]  # all _step reads
+        actions=(),
+        microbatches=4,
+        comm=comm,  # type: ignore[arg-type]
+        data=None,  # type: ignore[arg-type]
+        loss_fn=lambda output, target: output,
+        optimizer=None,
+        sync=_Sync(),  # type: ignore[arg-type]
+        recorder=Recorder(rank=0, stage=0, replica=0, trace=False),
+        schedule=schedule,
+    )
+    executor._kind = schedule_kind(schedule)
+    return executor
+
+
+def test_a_flush_step_releases_the_sends_of_earlier_minibatches() -> None:
+    comm = _Comm()
+    executor = _executor("1f1b-flush", comm)
+    for minibatch in range(3):
+        executor._step(Action("S", minibatch, 0, 0))
+    assert comm.released == [0, 4, 8]  # before minibatch k's units: k * M
+
+
+def test_without_a_flush_a_step_releases_the_sends_beyond_the_minibatches_in_flight() -> None:
+    comm = _Comm()
+    executor = _executor("2bw", comm)  # 2 minibatches in flight: 4 kept as a margin
+    executor._step(Action("S", 6, 0, 0))
+    assert comm.released == [2 * 4]  # minibatches 0 and 1, 4 micro-batches each
