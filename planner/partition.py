@@ -125,7 +125,11 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
 def _infeasible_message(
     arrays: LayerArrays, profile: Profile, topology: Topology, options: PartitionOptions
 ) -> str:
-    """Name the layer that needs the most memory even in the most favourable position."""
+    """Name the layer that needs the most memory even in the most favourable position, or,
+    where no layout exists whatever the memory, say so (``_layout_message``)."""
+    layout = _layout_message(arrays.layers, topology.world_size, options)
+    if layout is not None:
+        return layout
     need = _least_need_bytes(profile, topology, options)
     worst = max(range(len(need)), key=lambda i: need[i])
     memory = topology.device.memory_bytes
@@ -140,6 +144,21 @@ def _infeasible_message(
         f"{topology.world_size} devices: the smallest stage that cannot fit is layer {worst} "
         f"({profile.layers[worst].name}) with its minibatches in flight; it needs at least "
         f"{format_bytes(need[worst])} with one ({_infeasible_hint(options)})"
+    )
+
+
+def _layout_message(layers: int, devices: int, options: PartitionOptions) -> str | None:
+    """Why no plan exists at any memory, or None: ``straight`` puts one device on each stage
+    and, without ``use_fewer_devices``, every device holds one, so a pipeline needs as many
+    stages as devices; ``max_stages`` or the ``layers`` may allow fewer."""
+    most = min(layers, options.max_stages or layers)
+    if not options.straight or options.use_fewer_devices or most >= devices:
+        return None
+    limit = f"--max-stages {options.max_stages}" if most == options.max_stages else f"{layers} layer(s)"
+    return (
+        f"no plan lays out {devices} devices at one device a stage (straight) with {limit}: "
+        f"at most {most} stage(s), whatever the memory (pass --use-fewer-devices, or drop --straight "
+        f"to let a stage hold replicas)"
     )
 
 

@@ -133,6 +133,48 @@ def test_recomputation_pays_first_where_1f1b_holds_most() -> None:
     ]  # 2 x (1 + 2) ms + forwards again
 
 
+def test_one_stage_recomputes_and_a_straight_layout_without_one_says_so() -> None:
+    """A single stage plans recomputation (the colleague's report on bench/llama_long.py:
+    its 60.6 MiB ``none`` plan was one stage at tensor-parallel degree 2, where measured
+    profiles recompute nothing). On one device, 3 layers of 4000 bytes saved, 1 micro-batch:
+    ``none`` keeps 12000 bytes, ``full`` 800 (layers 1 and 2 keep their 400-byte inputs, layer
+    0 reads none) plus one layer re-materialised, 4000; between the two, ``none`` is refused and ``full`` and ``auto`` plan one stage as
+    brute force does. On 2 devices one device a stage (straight) with --max-stages 1 no
+    layout exists at any memory: the message says so, not that a layer needs memory."""
+    profile = _chain([4000] * 3, [400] * 3)
+    options = PartitionOptions(schedule="1f1b-flush", microbatches=1, straight=True)
+    memory = {
+        mode: partition(profile, _topology(1, 10**9), dataclasses.replace(options, recompute=mode))
+        .stages[0]
+        .memory_bytes
+        for mode in ("none", "full")
+    }
+    assert memory["none"] - memory["full"] == 12000 - (800 + 4000)
+    topology = _topology(1, (memory["none"] + memory["full"]) // 2)
+    with pytest.raises(InfeasibleError, match="no plan fits"):
+        partition(profile, topology, dataclasses.replace(options, recompute="none"))
+    # auto: the fewest layers that fit, 9000 bytes = 600 of parameters + 400 + 4000 + 4000
+    for mode, layers in (("full", (0, 1, 2)), ("auto", (0, 1))):
+        plan = partition(profile, topology, dataclasses.replace(options, recompute=mode))
+        assert len(plan.stages) == 1 and plan.stages[0].recompute_layers == layers
+        assert plan.stages[0].memory_bytes <= topology.device.memory_bytes == 9000
+        best, _ = exhaustive_best(profile, topology, dataclasses.replace(options, recompute=mode))
+        assert plan.predicted.stage_bound_ms == pytest.approx(best, rel=1e-9) == 9.0 + len(layers)
+    two = _topology(2, 10**9)
+    for mode in ("none", "full", "auto"):
+        capped = dataclasses.replace(options, recompute=mode, max_stages=1)
+        with pytest.raises(InfeasibleError) as refused:
+            partition(profile, two, capped)
+        assert str(refused.value) == (
+            "no plan lays out 2 devices at one device a stage (straight) with --max-stages 1: at most "
+            "1 stage(s), whatever the memory (pass --use-fewer-devices, or drop --straight to let a "
+            "stage hold replicas)"
+        )
+        assert exhaustive_best(profile, two, capped)[0] == math.inf
+        fewer = partition(profile, two, dataclasses.replace(capped, use_fewer_devices=True))
+        assert len(fewer.stages) == 1 and fewer.stages[0].ranks == (0,)
+
+
 def test_schedules_without_recomputation_refuse_it_in_one_line() -> None:
     profile = _chain([4000] * 4, [400] * 4)
     for schedule in ("1f1b-rr", "zb-h1", "2bw"):
