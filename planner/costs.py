@@ -119,6 +119,11 @@ class LayerArrays:
         both_ends = i == 0 and j == self.layers and self.layers > 1
         return float(self.compute_ms[j] - self.compute_ms[i]) - (self.shared_ends_ms if both_ends else 0.0)
 
+    def compute_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """``compute`` over arrays of ranges: a whole-model stage pays the shared ends once."""
+        whole = (starts == 0) & (ends == self.layers) & (self.layers > 1)
+        return self.compute_ms[ends] - self.compute_ms[starts] - np.where(whole, self.shared_ends_ms, 0.0)
+
     def params(self, i: int, j: int) -> float:
         return float(self.param_bytes[j] - self.param_bytes[i])
 

@@ -371,3 +371,17 @@ def test_refuses_in_one_line_before_allocating_tables_over_the_limit(monkeypatch
         partition(HAND, two_by_two(), PartitionOptions())
     monkeypatch.setenv("PIPEPLAN_PLANNER_MEMORY", str(need))
     assert partition(HAND, two_by_two(), PartitionOptions()).predicted.stage_bound_ms == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_whole_model_stage_pays_the_minibatch_draw_once_as_the_brute_force(devices):
+    """``data_ms`` (drawing the minibatch) is charged to a first and a last stage: a stage that
+    is both pays it once (``LayerArrays.compute``), in the DP's range sums as in the brute force."""
+    profile = replace(chain([4.0, 1.0, 1.0], [10**5] * 3, [10**7] * 3, [10**4] * 3), data_ms=2.0)
+    topology = Topology("t", DeviceSpec("d", 10**9), (Level("l", devices, 1e9),))
+    options = PartitionOptions(optimizer="sgd", use_fewer_devices=True, straight=True)
+    best, _ = exhaustive_best(profile, topology, options)
+    plan = partition(profile, topology, options)
+    assert plan.predicted.stage_bound_ms == pytest.approx(best, rel=1e-9)
+    if devices == 1:  # the whole model, the draw paid once: 6 ms of layers + 2 ms, not 10 ms
+        assert best == pytest.approx(8.0)

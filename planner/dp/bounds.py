@@ -53,7 +53,7 @@ def _top_stage_bound(
     """
     lv = topology.levels[-1]
     per_unit = math.prod(level.count for level in topology.levels[:-1])
-    compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+    compute = arrays.compute_range(starts, ends)
     grads = arrays.sync_range(starts, ends)
     low = np.full(len(starts), INF)
     for m in range(1, lv.count + 1):
@@ -124,7 +124,7 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     ok = (starts + lengths <= n) & (lengths >= 1)
     if not arrays.cut_family.is_prefix:
         ok &= nested_states(arrays)[: n + 1, : n + 1]
-    compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+    compute = arrays.compute_range(starts, ends)
     grads = arrays.sync_range(starts, ends)
     transfer = np.full(2 * n + 2, INF)
     transfer[: n + 1] = transfer_ms(arrays.cut_bytes, lv.bandwidth_bytes_per_s, lv.latency_ms)
@@ -166,7 +166,7 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
         > topology.device.memory_bytes
     ):
         return INF
-    value = float(arrays.compute_ms[-1] - arrays.compute_ms[0]) + _whole_recompute_ms(
+    value = arrays.compute(0, arrays.layers) + _whole_recompute_ms(
         arrays, topology, settings, params, saved, whole
     )
     grads = params * arrays.precision.gradient_ratio

@@ -158,7 +158,7 @@ class DPContext:
             nested = nested_states(arrays)[: span + 1]
             self.valid[:, : nested.shape[1]] &= nested
         s_idx, e_idx = np.minimum(starts, n), np.minimum(ends, n)
-        self.compute = arrays.compute_ms[e_idx] - arrays.compute_ms[s_idx]
+        self.compute = arrays.compute_range(s_idx, e_idx)
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
         self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
         self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
@@ -276,7 +276,7 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
     def fits(f: int) -> Callable[[np.ndarray], np.ndarray]:
         def test(lengths: np.ndarray) -> np.ndarray:
             ends = starts + lengths
-            compute = arrays.compute_ms[ends] - arrays.compute_ms[starts]
+            compute = arrays.compute_range(starts, ends)
             grads = arrays.sync_range(starts, ends)
             allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms) * floor
             return (
