@@ -28,7 +28,7 @@ from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
-from pipeplan.planner.recompute import StageRecompute, gain_bytes
+from pipeplan.planner.recompute import StageRecompute, gain_bytes, selective_freed_bytes
 from pipeplan.planner.recompute_choice import recompute_candidates
 from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms, durations, stage_costs
 from pipeplan.planner.tp_pricing import group_view
@@ -333,11 +333,21 @@ def _recompute_variants(
     replicas: int,
 ) -> tuple[list[Plan], float]:
     """(the plans of one shape that fit, one per recomputation mode of ``recompute_modes``,
-    the least peak bytes per device among them); a mode after one that fits without
-    recomputation is not tried (the same chunks without extra forwards are never slower)."""
+    the least peak bytes per device among them). Not tried: a mode after one that fits
+    without recomputation, and full after selective fits where selective recomputes less
+    on every layer (``_selective_dominates``): the same chunks with no more extra forwards
+    are never slower."""
     plans: list[Plan] = []
+    fitted: set[str] = set()
     smallest = math.inf
     for mode in recompute_modes(options.recompute):
+        if (
+            mode == "full"
+            and plans
+            and plans[-1].stages[0].selective_layers
+            and _selective_dominates(profile)
+        ):
+            break
         plan, peak = interleaved_plan(
             profile, topology, options, arrays, positions, virtual, replicas=replicas, recompute=mode
         )
@@ -346,9 +356,21 @@ def _recompute_variants(
             break
         if not (options.memory_check and peak > topology.device.memory_bytes):
             plans.append(plan)
+            fitted.add(mode)
             if mode == "none":
                 break
     return plans, smallest
+
+
+def _selective_dominates(profile: Profile) -> bool:
+    """Whether selective recomputation's extra ms is at most full's on every layer: each layer
+    with an attention core that frees bytes is also recomputable, its core no slower than
+    its forward. O(layers)."""
+    gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
+    return all(
+        freed[i] <= 0 or (gains[i] > 0 and layer.selective_recompute_ms <= layer.forward_ms)
+        for i, layer in enumerate(profile.layers)
+    )
 
 
 def _fastest(plans: Sequence[Plan], profile: Profile, beat_ms: float = math.inf) -> Plan | None:
