@@ -13,6 +13,9 @@ around the middle. Every (p, d) with p * d devices (``pipeline_shapes``; d = 1 o
 fastest plan that fits device memory (the sum over a device's chunks, with the registry's
 activations in flight per chunk) is kept. The approximation: the cuts balance chunks, not
 the sum over a device's chunks nor the bubble; the simulation compares p, d and v only.
+Recomputation (estimated profiles, ``recompute.schedule_plans_recompute``) is one mode for
+the whole plan, as Megatron's flags are global: each candidate is built under every mode
+``--recompute`` allows (``recompute_modes``) and the simulation compares them too.
 """
 
 from __future__ import annotations
