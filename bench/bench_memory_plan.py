@@ -140,10 +140,22 @@ def stage_summary(plan: Plan) -> str:
 
 
 def shape_text(plan: Plan) -> str:
-    stage = plan.stages[0]
+    """``t p [v] d schedule m``: p pipeline positions (devices per pipeline), v chunks each."""
+    stage, v = plan.stages[0], plan.virtual_stages
+    chunks = f" v{v}" if v > 1 else ""
     return (
-        f"t{stage.tensor_parallel} p{len(plan.stages)} d{stage.replicas} {plan.schedule} m{plan.microbatches}"
+        f"t{stage.tensor_parallel} p{len(plan.stages) // v}{chunks} d{stage.replicas} {plan.schedule} "
+        f"m{plan.microbatches}"
     )
+
+
+def busy_ms(plan: Plan) -> float:
+    """The busiest device's work per minibatch (ms): the stage bound, or under interleaving
+    the sum over a device's chunks (each chunk's time per minibatch)."""
+    if plan.virtual_stages == 1:
+        return plan.predicted.stage_bound_ms
+    positions = len(plan.stages) // plan.virtual_stages
+    return max(sum(s.time_per_minibatch_ms for s in plan.stages[i::positions]) for i in range(positions))
 
 
 def describe(row: Row) -> dict:
@@ -175,11 +187,9 @@ def describe(row: Row) -> dict:
             "peak_memory_gib": max(s.memory_bytes for s in found.stages) / 2**30,
             "planning_s": seconds,
             "planning_cpu_s": cpu_seconds,
-            # the share of the iteration the pipeline idles (1 - the busiest stage's bound / time)
-            "bubble_share": 1 - found.predicted.stage_bound_ms / found.predicted.time_per_minibatch_ms,
-            "bubble_free_mfu": mfu(row, found)
-            * found.predicted.time_per_minibatch_ms
-            / found.predicted.stage_bound_ms,
+            # the share of the iteration the pipeline idles (1 - the busiest device's work / time)
+            "bubble_share": 1 - busy_ms(found) / found.predicted.time_per_minibatch_ms,
+            "bubble_free_mfu": mfu(row, found) * found.predicted.time_per_minibatch_ms / busy_ms(found),
         }
     full, auto = out["full"].get("mfu"), out["auto"].get("mfu")
     out["auto_vs_paper_selective"] = auto / row.present_mfu if auto else None
@@ -194,7 +204,7 @@ def verdict(result: dict) -> str:
     if (result["auto_vs_paper_selective"] or 0) < 1:
         auto = result["auto"]
         why = (
-            f" (pipeplan's 1F1B bubble {100 * auto['bubble_share']:.1f}%; bubble-free "
+            f" (pipeplan's pipeline bubble {100 * auto['bubble_share']:.1f}%; bubble-free "
             f"{100 * auto['bubble_free_mfu']:.1f}%)"
             if "bubble_share" in auto
             else ""

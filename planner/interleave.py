@@ -13,6 +13,9 @@ around the middle. Every (p, d) with p * d devices (``pipeline_shapes``; d = 1 o
 fastest plan that fits device memory (the sum over a device's chunks, with the registry's
 activations in flight per chunk) is kept. The approximation: the cuts balance chunks, not
 the sum over a device's chunks nor the bubble; the simulation compares p, d and v only.
+Recomputation (estimated profiles, ``recompute.schedule_plans_recompute``) is one mode for
+the whole plan, as Megatron's flags are global: each candidate is built under every mode
+``--recompute`` allows (``recompute_modes``) and the simulation compares them too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
+from pipeplan.planner.recompute import StageRecompute, gain_bytes, selective_freed_bytes
+from pipeplan.planner.recompute_choice import recompute_candidates
 from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms, durations, stage_costs
 from pipeplan.planner.tp_pricing import group_view
 from pipeplan.profile import Profile
@@ -40,9 +45,11 @@ __all__ = [
     "balanced_cuts",
     "interleaved_plan",
     "partition_interleaved",
+    "chunk_recompute",
     "pipeline_shapes",
     "plan_interleaved_shape",
     "rechunk",
+    "recompute_modes",
 ]
 
 VIRTUAL_CANDIDATES = (2, 3, 4)  # chunks per device the planner tries
@@ -95,6 +102,7 @@ def interleaved_plan(
     virtual: int,
     ranks: Sequence[int] | None = None,
     replicas: int = 1,
+    recompute: str = "none",
 ) -> tuple[Plan | None, int]:
     """(plan before simulation, peak bytes per device) of v * p balanced chunks, each on
     ``replicas`` devices; (None, a lower bound of the peak) when its weights and optimizer
@@ -102,7 +110,10 @@ def interleaved_plan(
 
     Position i runs on ``ranks[i]`` (default: rank i) without replicas, on ranks
     ``i*d .. i*d + d - 1`` with d replicas; a chunk's all-reduce is the ring's on the
-    outermost level joining its d ranks (``simulate.allreduce_ms``).
+    outermost level joining its d ranks (``simulate.allreduce_ms``). ``recompute`` ("none",
+    "selective" or "full"): every chunk's choice of that mode (``chunk_recompute``), its
+    recomputed forwards in the chunk's compute, a device's largest transient charged to its
+    first chunk (as ``planner.simulate`` charges it).
     """
     micro = options.microbatches
     optimizer = options.optimizer
@@ -124,10 +135,17 @@ def interleaved_plan(
     device_bytes = [0.0] * positions
     segment = _segments(options.schedule, positions, chunks)  # model stage -> its piece of the layers
     stage_at = {piece: q for q, piece in enumerate(segment)}
+    recompute_any = recompute != "none"
+    gains = gain_bytes(profile) if recompute_any else None
+    choices = [
+        chunk_recompute(profile, range(cuts[segment[q]], cuts[segment[q] + 1]), micro, recompute, gains)
+        for q in range(chunks)
+    ]
     stages = []
     for q in range(chunks):
         i, c = q % positions, q // positions
         start, end = cuts[segment[q]], cuts[segment[q] + 1]
+        choice = choices[q]
         comm = 0.0
         if segment[q] + 1 < chunks:
             after = stage_at[segment[q] + 1] % positions
@@ -138,7 +156,7 @@ def interleaved_plan(
             stage_replicas,
             i,
             arrays.params(start, end),
-            arrays.saved(start, end),
+            arrays.saved(start, end) if not recompute_any else choice.activation_bytes,
             optimizer,
             micro,
             virtual,
@@ -147,9 +165,12 @@ def interleaved_plan(
             largest_param_bytes=max(
                 arrays.largest(cuts[segment[k]], cuts[segment[k] + 1]) for k in range(i, chunks, positions)
             ),
+            transient_bytes=max(choices[k].transient_bytes for k in range(i, chunks, positions))
+            if c == 0
+            else 0.0,
         )
         device_bytes[i] += memory
-        compute = arrays.compute(start, end)
+        compute = arrays.compute(start, end) + choice.extra_ms
         reduce = allreduce_ms(topology, groups[i], arrays.sync_bytes(start, end))
         stages.append(
             StagePlan(
@@ -165,11 +186,31 @@ def interleaved_plan(
                 memory_bytes=memory,
                 weight_versions=versions,
                 in_flight=max(1, math.ceil(in_flight)),
+                recompute_layers=choice.layers,
+                selective_layers=choice.selective,
+                recompute_ms=choice.extra_ms,
             )
         )
     time_ms = max(stage.time_per_minibatch_ms for stage in stages)
     plan = assemble_plan(profile, topology, options, arrays, tuple(stages), time_ms, virtual)
     return plan, int(max(device_bytes))
+
+
+def chunk_recompute(
+    profile: Profile,
+    layers: Sequence[int],
+    microbatches: int,
+    mode: str,
+    gains: Sequence[float] | None = None,
+) -> StageRecompute:
+    """A chunk's recomputation under ``mode`` for the whole plan (Megatron's global flags):
+    ``none``; ``selective`` every layer with an attention core (``recompute.selective_option``);
+    ``full`` every recomputable layer (``--recompute-granularity full --recompute-method
+    uniform``: ``recompute.stage_options``' last); ``gains``: the profile's ``gain_bytes``.
+    O(layers) with ``gains``."""
+    if mode == "none":
+        return StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)
+    return recompute_candidates(profile, layers, microbatches, mode, gains)[-1]
 
 
 def _static_device_bytes(arrays: LayerArrays, cuts: Sequence[int], positions: int, optimizer: str) -> float:
@@ -265,10 +306,9 @@ def partition_interleaved(
             refusals.append(str(exc))
             continue
         for v in virtuals:
-            plan, peak = interleaved_plan(profile, topology, options, arrays, positions, v, replicas=d)
+            plans, peak = _recompute_variants(profile, topology, options, arrays, positions, v, d)
             smallest = min(smallest, peak)
-            if plan is not None and not (options.memory_check and peak > memory):
-                fitting.append(plan)
+            fitting += plans
     if not fitting and not math.isfinite(smallest):
         raise InputError(refusals[0])
     if fitting:
@@ -277,6 +317,62 @@ def partition_interleaved(
         f"no {kind.name} plan fits in {format_bytes(memory)} per device (positions x replicas "
         f"{', '.join(f'{p}x{d}' for p, d in shapes)}); the smallest needs {format_bytes(smallest)} "
         "(or more, where its weights and optimizer state alone overflow)"
+    )
+
+
+def recompute_modes(mode: str) -> tuple[str, ...]:
+    """The plan-wide recomputation modes to try for ``options.recompute`` ``mode``: ``auto``
+    none, selective and full (Megatron's flags are global); an explicit mode only itself."""
+    return ("none", "selective", "full") if mode == "auto" else (mode,)
+
+
+def _recompute_variants(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    arrays: LayerArrays,
+    positions: int,
+    virtual: int,
+    replicas: int,
+) -> tuple[list[Plan], float]:
+    """(the plans of one shape that fit, one per recomputation mode of ``recompute_modes``,
+    the least peak bytes per device among them). Not tried: a mode after one that fits
+    without recomputation, and full after selective fits where selective recomputes less
+    on every layer (``_selective_dominates``): the same chunks with no more extra forwards
+    are never slower."""
+    plans: list[Plan] = []
+    fitted: set[str] = set()
+    smallest = math.inf
+    for mode in recompute_modes(options.recompute):
+        if (
+            mode == "full"
+            and plans
+            and plans[-1].stages[0].selective_layers
+            and _selective_dominates(profile)
+        ):
+            break
+        plan, peak = interleaved_plan(
+            profile, topology, options, arrays, positions, virtual, replicas=replicas, recompute=mode
+        )
+        smallest = min(smallest, peak)
+        if plan is None:  # its weights alone overflow: so do every mode's
+            break
+        if not (options.memory_check and peak > topology.device.memory_bytes):
+            plans.append(plan)
+            fitted.add(mode)
+            if mode == "none":
+                break
+    return plans, smallest
+
+
+def _selective_dominates(profile: Profile) -> bool:
+    """Whether selective recomputation's extra ms is at most full's on every layer: each layer
+    with an attention core that frees bytes is also recomputable, its core no slower than
+    its forward. O(layers)."""
+    gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
+    return all(
+        freed[i] <= 0 or (gains[i] > 0 and layer.selective_recompute_ms <= layer.forward_ms)
+        for i, layer in enumerate(profile.layers)
     )
 
 
@@ -341,16 +437,14 @@ def plan_interleaved_shape(
             f"{arrays.layers} layers: the devices must split into whole positions, a layer per chunk"
         )
     kind.check((d,) * positions, options.microbatches, virtual)
-    plan, peak = interleaved_plan(profile, topology, options, arrays, positions, virtual, replicas=d)
-    if plan is None or (options.memory_check and peak > topology.device.memory_bytes):
+    plans, peak = _recompute_variants(profile, topology, options, arrays, positions, virtual, d)
+    fastest = _fastest(plans, profile)
+    if fastest is None:
         raise InfeasibleError(
             f"{kind.name} on {positions} positions x {d} replicas x {virtual} chunks needs "
             f"{format_bytes(peak)} per device or more (has {format_bytes(topology.device.memory_bytes)})"
         )
-    try:
-        return predict(plan, profile, steady=1)  # a flush repeats its minibatch
-    except SimulationTooLarge:
-        return plan
+    return fastest
 
 
 def rechunk(

@@ -34,7 +34,7 @@ from pipeplan.planner.options import (
 from pipeplan.planner.pipedream_dp import PipeDreamSettings, solve_pipedream
 from pipeplan.planner.placement import flatten
 from pipeplan.planner.predict import predict
-from pipeplan.planner.recompute import effective_mode, gain_bytes, planned_on_estimates
+from pipeplan.planner.recompute import effective_mode, gain_bytes, planned_on_estimates, schedule_recomputes
 from pipeplan.planner.recompute_choice import recompute_candidates
 from pipeplan.planner.shard_choice import stage_shard
 from pipeplan.planner.sharding import shard_memory_bytes
@@ -276,6 +276,12 @@ def planned_recompute(
         raise InputError(
             f"--recompute {asked} is not run under mixed precision (bf16 compute, float32 masters); "
             f"pipeplan plans it for estimated profiles only"
+        )
+    if asked in ("full", "selective") and not estimated and not schedule_recomputes(options.schedule):
+        raise InputError(
+            f"--recompute {asked} with schedule {options.schedule}: pipeplan runs recomputation with "
+            f"{or_list(names_where(lambda kind: kind.recomputes_layers))} only (estimated profiles: also "
+            f"interleaved 1F1B, for Megatron-LM)"
         )
     if (
         t > 1 and asked in ("full", "selective") and not estimated

@@ -60,6 +60,7 @@ __all__ = [
     "choose",
     "check_recompute_mode",
     "schedule_recomputes",
+    "schedule_plans_recompute",
     "effective_mode",
     "range_extra_ms",
     "least_activation_bytes",
@@ -171,6 +172,16 @@ def schedule_recomputes(schedule: str) -> bool:
     return schedule_kind(schedule).recomputes_layers
 
 
+def schedule_plans_recompute(schedule: str, estimated: bool) -> bool:
+    """Whether the planner may choose recomputation under ``schedule``: where ``pipeplan
+    run`` runs it, and for an ``estimated`` profile (a plan for Megatron-LM) also under
+    interleaved 1F1B (chunks, whole backwards, no V: one mode for the whole plan,
+    ``planner.interleave``)."""
+    kind = schedule_kind(schedule)
+    chunked = kind.virtual_stages and not kind.split_backward and not kind.v_shape
+    return kind.recomputes_layers or (estimated and chunked)
+
+
 def check_recompute_mode(
     mode: str, schedule: str, tensor_parallel: int | None, estimated: bool = False
 ) -> None:
@@ -182,10 +193,14 @@ def check_recompute_mode(
         raise InputError(f"--recompute {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
     if mode in ("auto", "none"):
         return
-    if not schedule_recomputes(schedule):
+    if not schedule_plans_recompute(schedule, estimated):
         allowed = or_list(names_where(lambda kind: kind.recomputes_layers))
+        chunked = or_list(
+            names_where(lambda kind: schedule_plans_recompute(kind.name, True) and not kind.recomputes_layers)
+        )
         raise InputError(
-            f"--recompute {mode} with schedule {schedule}: pipeplan plans per-layer recomputation with {allowed} only"
+            f"--recompute {mode} with schedule {schedule}: pipeplan plans per-layer recomputation with "
+            f"{allowed} (and {chunked} for estimated profiles) only"
         )
     if tensor_parallel not in (None, 1) and not estimated:
         raise InputError(
@@ -206,7 +221,9 @@ def planned_on_estimates(estimated: bool, tensor_parallel: int, mixed: bool) -> 
 def effective_mode(mode: str, schedule: str, tensor_parallel: int, estimated: bool = False) -> str:
     """``mode`` as planned: ``auto`` is ``none`` where the schedule (or, for a measured
     profile, the degree) runs none."""
-    if mode == "auto" and (not schedule_recomputes(schedule) or (tensor_parallel > 1 and not estimated)):
+    if mode == "auto" and (
+        not schedule_plans_recompute(schedule, estimated) or (tensor_parallel > 1 and not estimated)
+    ):
         return "none"
     return mode
 

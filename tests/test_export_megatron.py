@@ -194,3 +194,68 @@ def test_the_cli_writes_the_arguments_atomically_and_says_the_layout(
         cli, ["export", str(plan_path), "--to", "megatron", "--model", GPT, "--format", "toml"]
     )
     assert refused.exit_code == 2 and "--to megatron writes args, not toml" in refused.output
+
+
+def _planned_interleaved(recompute: str, squeeze: bool = True) -> Plan:
+    """The 4-block gpt planned interleaved (2 devices x 2 chunks, M = 4) from a hand-made
+    estimated profile: each block's ln1 carries its compute (so chunks are whole blocks),
+    every layer saves 1000 B, the attention core (``attn.proj``) frees 800 B under selective
+    recomputation. ``squeeze``: device memory 1 B below what no recomputation needs."""
+    import torch
+
+    from pipeplan.capture import build_layer_graph
+    from pipeplan.modelfile import load_model_file
+    from pipeplan.planner.partition import PartitionOptions, partition
+    from pipeplan.profile import DeviceInfo, LayerProfile, Profile
+    from pipeplan.topology import DeviceSpec, Level, Topology
+
+    torch.manual_seed(0)
+    model_file = load_model_file(GPT)
+    graph = build_layer_graph(model_file.build(), model_file.batch(2, 0)[0])
+    layers = tuple(
+        LayerProfile(
+            node.index,
+            node.name,
+            node.type,
+            node.inputs,
+            1.0 if node.name.endswith("ln1") else 0.0,
+            2.0 if node.name.endswith("ln1") else 0.0,
+            200,
+            100,
+            1000,
+            model_inputs=node.model_inputs,
+            selective_saved_bytes=200 if node.name.endswith("attn.proj") else -1,
+            selective_recompute_ms=0.1 if node.name.endswith("attn.proj") else -1.0,
+        )  # fmt: skip
+        for node in graph.layers
+    )
+    profile = Profile(GPT, graph.fingerprint, DeviceInfo("cpu", "x"), 8, "float32", layers, estimated="test")
+    options = PartitionOptions(
+        schedule="interleaved-1f1b", microbatches=4, virtual_stages=2, optimizer="sgd", straight=True
+    )
+
+    def planned(memory: int, mode: str) -> Plan:
+        topology = Topology("two", DeviceSpec("d", memory), (Level("n", 2, 1e15),))
+        return partition(profile, topology, replace(options, recompute=mode))
+
+    loose = planned(10**9, "none")
+    need = max(sum(s.memory_bytes for s in loose.stages[i::2]) for i in range(2))
+    return planned(need - 1 if squeeze else 10**9, recompute)
+
+
+def test_a_planned_interleaved_plan_exports_its_recomputation(four_blocks: None) -> None:
+    """Interleaved plans choose one recomputation for the whole plan: ``auto`` where nothing
+    else fits picks selective (every chunk's attention core), exported as Megatron's global
+    ``--recompute-granularity selective``; ``full`` recomputes every block of every chunk:
+    ``--recompute-method block --recompute-num-layers 1`` (one block per chunk)."""
+    auto = _planned_interleaved("auto")
+    assert auto.virtual_stages == 2 and len(auto.stages) == 4
+    assert [s.selective_layers for s in auto.stages] == [(EMBED + 2 + BLOCK * b,) for b in range(4)]
+    made = export_megatron(auto, model_structure(GPT, auto))
+    text = made.text()
+    assert made.layout_string == "Et|t|t|tL"
+    assert "--recompute-granularity selective" in text and "--recompute-method" not in text
+    assert "leaves stage" not in text  # every chunk recomputes its core
+    full = _export(_planned_interleaved("full"))
+    assert "--recompute-granularity full \\\n--recompute-method block \\\n--recompute-num-layers 1" in full
+    assert "--recompute" not in _export(_planned_interleaved("auto", squeeze=False))
