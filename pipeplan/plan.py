@@ -298,6 +298,8 @@ def _check_selective_stage(stage: StagePlan) -> None:
     """One line unless ``selective_layers`` are distinct layers of the stage, none of them
     fully recomputed, and ``sequence_parallel`` has a tensor-parallel group to shard over."""
     chosen = stage.selective_layers
+    if not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in chosen):
+        raise InputError(f"plan stage {stage.index}: selective_layers {list(chosen)!r} are not layer indices")
     if (
         set(chosen) - set(stage.layers)
         or len(set(chosen)) != len(chosen)
@@ -311,7 +313,8 @@ def _check_selective_stage(stage: StagePlan) -> None:
         raise InputError(
             f"plan stage {stage.index}: sequence_parallel {stage.sequence_parallel!r} is not true or false"
         )
-    if stage.sequence_parallel and stage.tensor_parallel < 2:
+    t = stage.tensor_parallel
+    if stage.sequence_parallel and (isinstance(t, bool) or not isinstance(t, int) or t < 2):
         raise InputError(
             f"plan stage {stage.index}: sequence_parallel with tensor_parallel {stage.tensor_parallel} "
             f"(it shards the sequence over a tensor-parallel group of 2 or more)"

@@ -409,8 +409,13 @@ def _check_selective(layer: LayerProfile) -> None:
             f"{layer.saved_bytes}"
         )
     ms = layer.selective_recompute_ms
-    if not (isinstance(ms, (int, float)) and (ms == -1 or 0 <= ms <= MAX_MS)):
+    if not (isinstance(ms, (int, float)) and not isinstance(ms, bool) and (ms == -1 or 0 <= ms <= MAX_MS)):
         raise InputError(f"{where}: selective_recompute_ms = {ms!r} is not -1 or a time in ms")
+    if (saved == -1) != (ms == -1):
+        raise InputError(
+            f"{where}: selective_saved_bytes = {saved} and selective_recompute_ms = {ms} must both be -1 "
+            f"(no attention core) or both be known"
+        )
 
 
 def _validate_batch_sizes(profile: Profile) -> None:

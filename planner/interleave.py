@@ -1,4 +1,5 @@
-"""Planning ``interleaved-1f1b`` and ``zb-v``: the planner picks p, d, v and the chunk boundaries.
+"""Planning ``interleaved-1f1b`` and the V schedules (``zb-v``, ``v-half``, ``v-min``,
+``dualpipev``): the planner picks p, d, v and the chunk boundaries.
 
 With p pipeline positions, each on d replicas (PTD-P: the pipeline copied d times, position
 i on ranks ``i*d .. i*d + d - 1``, each replica running its own pipeline on M / d
@@ -9,7 +10,7 @@ cut into v * p contiguous chunks that minimise the largest chunk's compute
 where layers differ); chunk q runs on position q % p. ZB-V (v = 2 in a V): model stage
 q = c * p + i runs piece i for c = 0 and piece 2p - 1 - i for c = 1, the layers mirrored
 around the middle. Every (p, d) with p * d devices (``pipeline_shapes``; d = 1 only with
-``straight`` or a schedule without ``replica_pipelines``, zb-v) and every v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
+``straight`` or a schedule without ``replica_pipelines``: the V schedules) and every v in ``VIRTUAL_CANDIDATES`` (or the user's) is simulated and the
 fastest plan that fits device memory (the sum over a device's chunks, with the registry's
 activations in flight per chunk) is kept. The approximation: the cuts balance chunks, not
 the sum over a device's chunks nor the bubble; the simulation compares p, d and v only.
@@ -341,7 +342,6 @@ def _recompute_variants(
     on every layer (``_selective_dominates``): the same chunks with no more extra forwards
     are never slower."""
     plans: list[Plan] = []
-    fitted: set[str] = set()
     smallest = math.inf
     for mode in recompute_modes(options.recompute):
         if (
@@ -359,7 +359,6 @@ def _recompute_variants(
             break
         if not (options.memory_check and peak > topology.device.memory_bytes):
             plans.append(plan)
-            fitted.add(mode)
             if mode == "none":
                 break
     return plans, smallest

@@ -50,7 +50,7 @@ from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.costs import Elementwise, ring_allreduce_ms
 from pipeplan.planner.memory import optimizer_states, stage_memory_bytes
-from pipeplan.planner.offload import base_mode, offload_freed_copies, variant
+from pipeplan.planner.offload import FSDP_MODES, base_mode, offload_freed_copies, variant
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 
@@ -76,7 +76,6 @@ SHARD_CHOICES = ("auto",) + SHARD_MODES
 # among; zero2 and fsdp are planned when asked for by name (``pipeplan run`` runs them for
 # float32 flush schedules: pipeplan.runtime.sharding)
 RUN_MODES = ("none", "zero1")
-FSDP_MODES = ("zero2", "fsdp")  # what pipeplan run runs with FSDP2 fully_shard
 
 
 def fsdp_runs(

@@ -102,6 +102,15 @@ def test_offload_makes_a_stage_fit_and_the_dp_agrees_with_the_brute_force() -> N
     assert [s.memory_bytes for s in simulated.stages] == [40_000 - 10_000]
     no_offload = partition(_one_layer(saved=0), _gpus(10**9), options)
     assert no_offload.stages[0].offload == "none"  # roomy: offload only costs time
+    # no export carries the offload the plan's memory counts on: one line, each target
+    from pipeplan.export import check_plan
+    from pipeplan.export.megatron import _check_memory_options
+
+    for check in (check_plan, _check_memory_options):
+        with pytest.raises(
+            InputError, match=r"^plan stage\(s\) \[0\] offload to host memory, .*--offload none`$"
+        ):
+            check(plan)
 
 
 def test_auto_offloads_only_what_pipeplan_run_runs() -> None:

@@ -319,7 +319,7 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     type=click.Choice(["auto", "on", "off"]),
     default="auto",
     show_default=True,
-    help="Megatron's sequence parallelism of tensor-parallel stages (layer norms and dropouts sharded over the sequence, activations and their time / t; reduce-scatter + all-gather instead of all-reduce, same bytes): auto on wherever t > 1 for estimated profiles (pipeplan run does not run it yet), on (needs t > 1), off.",
+    help="Megatron's sequence parallelism of tensor-parallel stages (layer norms and dropouts sharded over the sequence, activations and their time / t; reduce-scatter + all-gather instead of all-reduce, same bytes): auto on wherever t > 1 for estimated profiles (measured ones: only with on, as DTensor's linear saves its all-gathered input whole), on (needs t > 1), off.",
 )
 @click.option(
     "--shard",

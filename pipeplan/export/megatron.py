@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 
 from pipeplan.errors import InputError
-from pipeplan.export.structure import CutError, ModelStructure, positions
+from pipeplan.export.structure import CutError, ModelStructure, check_no_offload, positions
 from pipeplan.plan import Plan
 
 __all__ = ["MEGATRON_OPTIONS", "MEGATRON_SCHEDULES", "MegatronExport", "decoder_stack", "export_megatron"]
@@ -258,20 +258,22 @@ def export_megatron(plan: Plan, structure: ModelStructure) -> MegatronExport:
 
 
 def _check_memory_options(plan: Plan) -> None:
-    """One line for the recomputation and sharding Megatron cannot express."""
+    """One line for the recomputation, sharding and offload Megatron cannot express."""
+    check_no_offload(plan)
     selective = [s.index for s in plan.stages if s.selective_layers]
     full = [s.index for s in plan.stages if s.recompute_layers]
     if selective and full:
         raise InputError(
             f"plan recomputes attention cores (selective) on stage(s) {selective} and whole layers on "
             f"stage(s) {full}: Megatron-LM runs one --recompute-granularity for every stage; re-plan with "
-            f"`--recompute selective` or `--recompute full`"
+            f"`--recompute {'selective' if len(selective) >= len(full) else 'full'}` (what most stages chose) or "
+            f"`--recompute {'full' if len(selective) >= len(full) else 'selective'}`"
         )
     fsdp = [s.index for s in plan.stages if s.shard == "fsdp"]
     if fsdp:
         raise InputError(
             f"plan stage(s) {fsdp} shard their replicas fsdp: Megatron-LM's distributed optimizer shards the "
-            f"optimizer state and gradients, not the parameters; re-plan with `--shard zero2` or `--shard auto`"
+            f"optimizer state and gradients, not the parameters; re-plan with `--shard zero2` or `--shard zero1`"
         )
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "ModelAtHand",
     "ModelStructure",
     "check_exportable",
+    "check_no_offload",
     "check_plan",
     "check_shared_parameters",
     "engine_stages",
@@ -186,6 +187,7 @@ def check_plan(plan: Plan) -> None:
             f"`pipeplan partition PROFILE --schedule {DEFAULT_TARGET_SCHEDULE} --straight`"
         )
     replica_degree(plan)
+    check_no_offload(plan)
     for stage in plan.stages:
         expected = range(stage.layer_start, stage.layer_end)
         if tuple(sorted(stage.layers)) != tuple(expected):
@@ -196,6 +198,17 @@ def check_plan(plan: Plan) -> None:
                 f"stage must be a contiguous range of layers; a plan cut along the layer order carries over"
             )
     _check_microbatches(plan)
+
+
+def check_no_offload(plan: Plan) -> None:
+    """``InputError`` (one line) for a plan whose stages offload to host memory: no export
+    carries the offload, and the plan's memory figures count on it."""
+    offloaded = [stage.index for stage in plan.stages if stage.offload != "none"]
+    if offloaded:
+        raise InputError(
+            f"plan stage(s) {offloaded} offload to host memory, which the export does not carry and the "
+            f"plan's memory counts on; re-plan with `--offload none`"
+        )
 
 
 def engine_stages(plan: Plan) -> dict[int, int]:

@@ -409,7 +409,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
         ),
         ScheduleKind(
             "v-half",
-            "V-Half: two chunks in a V, half of 1F1B's activation memory (controllable memory)",
+            "V-Half: two chunks in a V, toward half of 1F1B's activation memory as p grows (controllable memory)",
             flushes=True,
             gradients="exact",
             split_backward=True,
@@ -421,7 +421,7 @@ SCHEDULE_KINDS: dict[str, ScheduleKind] = {
         ),
         ScheduleKind(
             "v-min",
-            "V-Min: two chunks in a V, a third of 1F1B's activation memory (controllable memory)",
+            "V-Min: two chunks in a V, toward a third of 1F1B's activation memory as p grows (controllable memory)",
             flushes=True,
             gradients="exact",
             split_backward=True,

@@ -3,7 +3,7 @@
 Every order here runs two chunks per device in a V (``actions.v_segment``): chunk 0 of
 position i is model stage i, chunk 1 model stage P + i, holding the layers mirrored
 around the middle. An order is a list of (kind, micro-batch, chunk) for one position;
-``worker_v`` lays it out per minibatch (they all flush).
+``_per_minibatch`` lays it out per minibatch (they all flush).
 
 - V-Half and V-Min (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024):
   one *building block* per memory setting (``V_BLOCKS``), the slots at which position i
