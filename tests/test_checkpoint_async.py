@@ -7,6 +7,7 @@ under a hard timeout.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,10 +91,13 @@ def test_a_rank_killed_mid_persist_resumes_the_previous_step_allclose(tmp_path: 
         [*common, "--steps", "4", "--resume", "--record", str(tmp_path / "rec"), "--metrics", str(metrics)]
     )
     assert [code for code, _ in resumed] == [0, 0], resumed
-    assert resumed[0][1].splitlines()[0] == (
-        "resume: skipped step 3 (stage 1 replica 0 has no manifest (its save did not finish)); "
-        "resuming from step 2"
-    )
+    # rank 0's own step-3 persist may not have sealed either before the crash tore it down
+    # (a loaded machine): then no manifest of step 3 is readable at all
+    assert re.fullmatch(
+        r"resume: skipped step 3 \((stage 1 replica 0 has no manifest \(its save did not finish\)"
+        r"|it has no readable manifest)\); resuming from step 2",
+        resumed[0][1].splitlines()[0],
+    ), resumed[0][1]
     reference, losses = train_reference(MLP, 4, 8, LR, optimizer="adam")
     for path in sorted((tmp_path / "rec").glob("rank*.pt")):
         for name, value in torch.load(path)["params"].items():
