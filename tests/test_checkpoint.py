@@ -419,14 +419,12 @@ def test_split_tensors_load_each_ranks_chunk_and_save_whole() -> None:
     """2 gloo ranks: a whole tensor copied into a DTensor leaves each rank DTensor's own chunk
     (uneven 5 = 3 + 2 rows included), gathers back equal, optimizer states take the
     parameter's placements (a scalar does not), and the group's RNG states come back in rank order."""
-    import socket
     import time
 
     import torch.multiprocessing as mp
+    from ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = mp.start_processes(_split_round_trip, args=(port,), nprocs=2, join=False, start_method="spawn")
     deadline_s = 120.0
     start = time.monotonic()

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import tomllib
 from click.testing import CliRunner
+from ports import free_port
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
@@ -109,12 +109,6 @@ def mlp_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert planned.exit_code == 0, planned.output
     assert len(Plan.load(folder / "plan.json").stages) == 2, planned.output
     return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(args: list[str], cwd: Path, timeout_s: float = 180.0) -> str:

@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
-from test_export_targets import free_port, launch, plan_for, run_cli  # noqa: E402
+from ports import free_port  # noqa: E402
+from test_export_targets import launch, plan_for, run_cli  # noqa: E402
 
 from pipeplan.cli import cli  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402

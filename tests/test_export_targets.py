@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 import tomllib
 from click.testing import CliRunner
+from ports import free_port
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -87,12 +87,6 @@ def stage_parameters(profile: Profile, plan: Plan) -> list[list[str]]:
     return [
         sorted({name for i in stage.layers for name in profile.layers[i].parameters}) for stage in plan.stages
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(cases: list[dict], folder: Path, timeout_s: float = 420.0, world: int = 2) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_export_targets import LR, STEPS, free_port, launch
+from ports import free_port
+from test_export_targets import LR, STEPS, launch
 
 from pipeplan.cli import cli
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from ports import free_port
 
 from pipeplan.cli import cli
 from pipeplan.errors import InputError, RuntimeFailure
@@ -371,12 +372,6 @@ def test_pruning_touches_only_this_runs_folders(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------- multi-process harness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env() -> dict[str, str]:

@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 
-from test_run_torchrun import LR, assert_params_match, env, free_port, records  # noqa: E402
+from ports import free_port  # noqa: E402
+from test_run_torchrun import LR, assert_params_match, env, records  # noqa: E402
 
 from pipeplan.cli import cli  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402

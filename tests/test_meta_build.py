@@ -219,7 +219,8 @@ HEADROOM = 800 << 20
 
 @pytest.mark.multiprocess
 def test_a_model_refused_whole_profiles_and_trains_on_two_ranks(tmp_path: Path) -> None:
-    from test_run_torchrun import env, free_port
+    from ports import free_port
+    from test_run_torchrun import env
 
     script = tmp_path / "limited.py"
     script.write_text(LIMITED)
@@ -424,7 +425,8 @@ def test_tied_and_moe_models_built_on_meta_train_on_two_ranks_as_in_one_process(
     the first loss on (the pipeline runs the captured graph, the reference the model's own forward)."""
     pytest.importorskip("transformers")
     from click.testing import CliRunner
-    from test_run_torchrun import LR, assert_params_match, env, free_port, records
+    from ports import free_port
+    from test_run_torchrun import LR, assert_params_match, env, records
 
     from pipeplan.cli import cli
     from pipeplan.plan import Plan

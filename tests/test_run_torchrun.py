@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures" / "runtime"
 sys.path.insert(0, str(FIXTURES))
@@ -25,12 +25,6 @@ from reference import emulate_1f1b_rr, train_reference  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 LR = 0.05
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env() -> dict[str, str]:

@@ -3,13 +3,13 @@ and a one-rank run in this process (gloo, world size 1)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from ports import free_port
 from torch import nn
 
 from pipeplan.errors import InputError, RuntimeFailure
@@ -160,12 +160,6 @@ def test_steps_period() -> None:
     assert steps_period("gpipe", (2, 2)) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
 def test_one_rank_run_in_process_equals_plain_training(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, schedule: str
@@ -177,7 +171,7 @@ def test_one_rank_run_in_process_equals_plain_training(
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
     }.items():
         monkeypatch.setenv(key, value)
     config = RunConfig(
@@ -220,7 +214,7 @@ def test_watchdog_notices_a_silent_rank_and_a_reported_failure() -> None:
 
     from pipeplan.runtime.failure import Watchdog
 
-    port = _free_port()
+    port = free_port()
     master = dist.TCPStore(
         "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False
     )

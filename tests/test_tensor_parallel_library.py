@@ -24,7 +24,8 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
-from test_run_torchrun import env, free_port, records  # noqa: E402
+from ports import free_port  # noqa: E402
+from test_run_torchrun import env, records  # noqa: E402
 
 from pipeplan.errors import InputError  # noqa: E402
 from pipeplan.modelfile import load_model_file  # noqa: E402
