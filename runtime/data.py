@@ -7,7 +7,7 @@ Every such stage draws minibatch k itself, so no model input or target is ever s
   ``k // n0`` of loader ``k % n0`` (``n0`` = replicas of the input stage, the PipeDream
   sharding), each rank opening its own iterators and skipping the items of other
   replicas' minibatches, so every stage sees identical data for minibatch k;
-- otherwise it is ``sample_batch(batch_size)`` under ``torch.manual_seed(seed + k)``, so
+- otherwise it is ``sample_batch(batch_size)`` with the CPU generator seeded by ``seed + k``, so
   runs are reproducible.
 
 A loader with ``state_dict()`` / ``load_state_dict()`` (torchdata's ``StatefulDataLoader``)
