@@ -8,6 +8,20 @@ message tag, so receives may be posted long before they are needed, in any order
 NCCL tags are ignored: receives are posted when they are waited on, in schedule order,
 which both sides of every pair follow: the executor walks values by their global message id.
 
+One forward message per unit and peer: the activations a stage sends to one rank for one
+unit travel packed in one byte buffer (``pack_tensors``), tagged as its first value, because
+each message costs a wakeup of both ranks' communication threads: on a 2-core machine, a
+tiny Llama's three values per cut (hidden states, rotary cos and sin) made its ranks wait
+about twice its compute at 4 micro-batches (issue 31). Both ends know which values a message
+holds: the sender the values it sends that rank, the receiver the values its chunks read
+from that stage, the same set.
+
+On gloo one thread per rank posts every send and receive, in the order the executor
+starts them: gloo's ``isend`` and ``irecv`` take the connection's lock, which its
+communication thread holds while it reads, so a call blocked the executor for 0.25-0.5 ms
+(a tiny Llama at 4 micro-batches on 2 ranks: 1,203 isends took 0.62 s of 3.6 s). The
+executor gets a handle at once; a failure to post is raised by its wait.
+
 Shape handshake: the first activation on each (peer, value) channel is preceded by a
 small header (rank, dtype, shape); afterwards the receiver pre-allocates buffers from
 the cached header. Gradients need no header: their producer knows the activation.
@@ -23,9 +37,14 @@ sending action first on this rank, so the mail is always there when waited for.
 
 from __future__ import annotations
 
+import math
+import queue
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,6 +62,8 @@ __all__ = [
     "P2P",
     "PeerFailure",
     "message_tag",
+    "pack_tensors",
+    "unpack_tensors",
     "short_reason",
 ]
 
@@ -50,6 +71,7 @@ FORWARD = 0
 BACKWARD = 1
 REAP_SCAN = 8  # pending sends ``P2P.reap`` looks at per call (the oldest)
 _HEADER_LEN = 16  # int64: [ndim, dtype code, requires_grad, dim0, dim1, ...]
+_PACK_ALIGN = 16  # bytes: each value of a packed message starts where any dtype may view it
 _MAX_TAG = 2**31 - 1
 _MIN_TAG_WINDOW = 1 << 16  # work units between two uses of one tag (units in flight are far fewer)
 _DTYPES = (
@@ -139,6 +161,45 @@ def message_tag(value: int, values: int, unit: int, direction: int, header: bool
     return (((unit % window) * values + value) * 2 + direction) * 2 + int(header)
 
 
+def _packed_extent(spec: TensorSpec) -> int:
+    nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+    return -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
+
+
+def pack_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Contiguous ``tensors`` as one uint8 buffer, each at an offset aligned to 16 bytes.
+
+    >>> a, b = torch.arange(3.0), torch.tensor([True, False])
+    >>> packed = pack_tensors([a, b])
+    >>> packed.numel(), [t.tolist() for t in unpack_tensors(packed, [TensorSpec.of(a), TensorSpec.of(b)])]
+    (32, [[0.0, 1.0, 2.0], [True, False]])
+    """
+    specs = [TensorSpec.of(t) for t in tensors]
+    buffer = torch.empty(sum(map(_packed_extent, specs)), dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for tensor, spec in zip(tensors, specs):
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += _packed_extent(spec)
+    return buffer
+
+
+def unpack_tensors(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """The tensors ``pack_tensors`` packed, as leaves sharing ``buffer``'s memory (no copy)."""
+    out = []
+    offset = 0
+    for spec in specs:
+        nbytes = math.prod(spec.shape) * spec.dtype.itemsize
+        out.append(buffer[offset : offset + nbytes].view(spec.dtype).view(spec.shape).detach())
+        offset += _packed_extent(spec)
+    return out
+
+
+def packed_bytes(specs: Sequence[TensorSpec]) -> int:
+    """The size of the buffer ``pack_tensors`` makes of tensors with ``specs``."""
+    return sum(map(_packed_extent, specs))
+
+
 @dataclass
 class PendingRecv:
     """A receive posted (or deferred until its header arrives / until its wait on NCCL)."""
@@ -151,6 +212,66 @@ class PendingRecv:
     spec: TensorSpec | None
     buffer: torch.Tensor | None = None
     work: dist.Work | None = None
+    # a packed message (forward, several values): its values, and their headers once known
+    packed: tuple[int, ...] = ()
+    specs: tuple[TensorSpec, ...] | None = None
+
+
+def _work_of(op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    work = op(tensor, peer, tag=tag)
+    if work is None:  # torch's answer for a rank outside the group, which no peer is
+        raise RuntimeError(f"rank {peer} is not in the process group")
+    return work
+
+
+class _Posted:
+    """A gloo send or receive handed to the posting thread; a ``dist.Work`` once posted."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future[dist.Work]) -> None:
+        self.future = future
+
+    def is_completed(self) -> bool:
+        if not self.future.done():
+            return False
+        return self.future.exception() is not None or self.future.result().is_completed()
+
+    def wait(self, timeout: timedelta) -> None:
+        """Posted and completed within ``timeout`` each; a failure to post raises here."""
+        try:
+            work = self.future.result(timeout=timeout.total_seconds())
+        except FutureTimeout:
+            raise RuntimeError("Timed out: the posting thread did not start the message") from None
+        work.wait(timeout=timeout)
+
+
+class _Poster:
+    """One daemon thread that runs posts in the order they come: a daemon, so a post stuck in
+    a dead peer's connection never holds the interpreter's exit."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Future[Any]] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pipeplan-p2p", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((fn, args, future))
+        return future
+
+    def stop(self) -> None:
+        """Stop after the posts already submitted (does not wait for them)."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args, future = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the waiter, which names the message
+                future.set_exception(exc)
 
 
 @dataclass
@@ -192,6 +313,7 @@ class P2P:
         self._sends: list[_PendingSend] = []
         self._mailbox: dict[tuple[int, int, int], list[torch.Tensor]] = {}  # to this rank itself
         self._own_grads: dict[int, bool] = {}  # value -> requires_grad of this rank's own sends
+        self._poster: _Poster | None = None  # gloo: the posting thread, from the first message
 
     # ------------------------------------------------------------------ sending
     def send(
@@ -214,23 +336,63 @@ class P2P:
             return
         tensor = tensor.detach().contiguous()
         start = time.perf_counter() * 1000.0
-        if direction == FORWARD and (peer, value) not in self._sent_header:
-            header = TensorSpec.of(tensor, requires_grad).encode(self.device)
-            work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
-            self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit))
-            self._sent_header.add((peer, value))
+        if direction == FORWARD:
+            self._send_header(tensor, peer, value, unit, label, requires_grad, start)
         tag = message_tag(value, self.values, unit, direction)
         self._sends.append(
             _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit)
         )
         self.reap()
 
-    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> dist.Work:
+    def send_activations(
+        self,
+        tensors: Sequence[torch.Tensor],
+        peer: int,
+        values: Sequence[int],
+        unit: int,
+        label: str,
+        requires_grad: Sequence[bool],
+    ) -> None:
+        """Start sending one unit's activations ``tensors`` (of ``values``, in message order)
+        to ``peer``: one message, packed when there are several (see the module docstring)."""
+        if len(tensors) == 1 or peer == self.rank:
+            for tensor, value, grad in zip(tensors, values, requires_grad):
+                self.send(tensor, peer, value, unit, FORWARD, label, grad)
+            return
+        start = time.perf_counter() * 1000.0
+        tensors = [tensor.detach().contiguous() for tensor in tensors]
+        for tensor, value, grad in zip(tensors, values, requires_grad):
+            self._send_header(tensor, peer, value, unit, label, grad, start)
+        packed = pack_tensors(tensors)
+        tag = message_tag(values[0], self.values, unit, FORWARD)
+        self._sends.append(
+            _PendingSend(self._isend(packed, peer, tag, label), packed, peer, label, start, unit)
+        )
+        self.reap()
+
+    def _send_header(
+        self, tensor: torch.Tensor, peer: int, value: int, unit: int, label: str, grad: bool, start: float
+    ) -> None:
+        """The (peer, value) channel's header, before its first activation."""
+        if (peer, value) in self._sent_header:
+            return
+        header = TensorSpec.of(tensor, grad).encode(self.device)
+        work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
+        self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit))
+        self._sent_header.add((peer, value))
+
+    def _start(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Start ``op`` (``dist.isend`` or ``dist.irecv``): on gloo from the posting thread
+        (see the module docstring), on NCCL here, in posting order."""
+        if not self.tagged:
+            return _work_of(op, tensor, peer, 0)
+        if self._poster is None:
+            self._poster = _Poster()
+        return _Posted(self._poster.submit(_work_of, op, tensor, peer, tag))
+
+    def _isend(self, tensor: torch.Tensor, peer: int, tag: int, label: str) -> Any:
         try:
-            work = dist.isend(tensor, peer, tag=tag if self.tagged else 0)
-            if work is None:  # torch's answer for a rank outside the group, which no peer is
-                raise RuntimeError(f"rank {peer} is not in the process group")
-            return work
+            return self._start(dist.isend, tensor, peer, tag)
         except Exception as exc:
             raise self._failure(f"sending {label}", peer, exc) from exc
 
@@ -279,12 +441,16 @@ class P2P:
         return len(self._sends)
 
     def finish(self) -> None:
-        """Wait (bounded) until every send completed (each work is waited on once)."""
+        """Wait (bounded) until every send completed (each work is waited on once), and stop
+        the posting thread (a later message starts another)."""
         for send in self._sends:
             self._wait(send.work, f"sending {send.label}", send.peer)
             if self._on_send_done is not None:
                 self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
         self._sends = []
+        if self._poster is not None:
+            self._poster.stop()
+            self._poster = None
 
     # ---------------------------------------------------------------- receiving
     def post(
@@ -295,6 +461,21 @@ class P2P:
         if self.tagged and peer != self.rank:
             self._advance(pending, block=False)
         return pending
+
+    def post_activations(self, peer: int, values: Sequence[int], unit: int, label: str) -> PendingRecv:
+        """Post the receive of ``send_activations``' message (``values`` in message order, two
+        or more, from another rank); ``wait_activations`` completes it."""
+        pending = PendingRecv(peer, values[0], unit, FORWARD, label, None, packed=tuple(values))
+        if self.tagged:
+            self._advance(pending, block=False)
+        return pending
+
+    def wait_activations(self, pending: PendingRecv) -> list[torch.Tensor]:
+        """The tensors of a posted packed message, in its values' order."""
+        self._advance(pending, block=True)
+        self._wait(pending.work, f"receiving {pending.label}", pending.peer)
+        assert pending.buffer is not None and pending.specs is not None
+        return unpack_tensors(pending.buffer, pending.specs)
 
     def wait(self, pending: PendingRecv) -> torch.Tensor:
         """The received tensor; blocks at most ``timeout_s`` per message."""
@@ -316,33 +497,42 @@ class P2P:
     def _advance(self, pending: PendingRecv, block: bool) -> None:
         if pending.work is not None:
             return
-        if pending.spec is None:
-            pending.spec = self._header(pending, block)
+        if pending.packed:
+            if pending.specs is None:
+                specs = [self._header(pending.peer, v, pending.label, block) for v in pending.packed]
+                if any(spec is None for spec in specs):
+                    return
+                pending.specs = tuple(spec for spec in specs if spec is not None)
+            size = packed_bytes(pending.specs)
+            pending.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        else:
             if pending.spec is None:
-                return
-        pending.buffer = torch.empty(pending.spec.shape, dtype=pending.spec.dtype, device=self.device)
+                pending.spec = self._header(pending.peer, pending.value, pending.label, block)
+                if pending.spec is None:
+                    return
+            pending.buffer = torch.empty(pending.spec.shape, dtype=pending.spec.dtype, device=self.device)
         tag = message_tag(pending.value, self.values, pending.unit, pending.direction)
         try:
-            pending.work = dist.irecv(pending.buffer, pending.peer, tag=tag if self.tagged else 0)
+            pending.work = self._start(dist.irecv, pending.buffer, pending.peer, tag)
         except Exception as exc:
             raise self._failure(f"receiving {pending.label}", pending.peer, exc) from exc
 
-    def _header(self, pending: PendingRecv, block: bool) -> TensorSpec | None:
-        channel = (pending.peer, pending.value)
+    def _header(self, peer: int, value: int, label: str, block: bool) -> TensorSpec | None:
+        channel = (peer, value)
         if channel in self._specs:
             return self._specs[channel]
         if channel not in self._header_work:
             buffer = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            tag = message_tag(pending.value, self.values, 0, FORWARD, True)
+            tag = message_tag(value, self.values, 0, FORWARD, True)
             try:
-                work = dist.irecv(buffer, pending.peer, tag=tag if self.tagged else 0)
+                work = self._start(dist.irecv, buffer, peer, tag)
             except Exception as exc:
-                raise self._failure(f"receiving {pending.label} (header)", pending.peer, exc) from exc
+                raise self._failure(f"receiving {label} (header)", peer, exc) from exc
             self._header_work[channel] = (work, buffer)
         work, buffer = self._header_work[channel]
         if not block and not work.is_completed():
             return None
-        self._wait(work, f"receiving {pending.label} (header)", pending.peer)
+        self._wait(work, f"receiving {label} (header)", peer)
         self._specs[channel] = TensorSpec.decode(buffer)
         del self._header_work[channel]
         return self._specs[channel]

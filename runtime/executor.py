@@ -65,6 +65,21 @@ class _Saved:
     weight_work: WeightGradients | None = None  # after "I": what "W" still computes
 
 
+class _Message:
+    """A packed forward message shared by the values it holds: waited for once, by the first
+    value taken."""
+
+    def __init__(self, names: list[str], pending: PendingRecv) -> None:
+        self.names = names
+        self.pending = pending
+        self.tensors: dict[str, torch.Tensor] | None = None
+
+    def take(self, name: str, wait: Callable[[PendingRecv], list[torch.Tensor]]) -> torch.Tensor:
+        if self.tensors is None:
+            self.tensors = dict(zip(self.names, wait(self.pending)))
+        return self.tensors[name]
+
+
 @dataclass
 class UnitRecord:
     """What one unit's forward and backward used (for ``--record`` and the stashing test)."""
@@ -119,6 +134,7 @@ class Executor:
         default_factory=dict
     )  # (name, unit) -> [grad sum, grads left]
     _readers: dict[str, int] = field(default_factory=dict)  # value name -> this rank's chunks reading it
+    _sources: dict[int, list[str]] = field(default_factory=dict)  # producer stage -> values read from it
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -173,24 +189,46 @@ class Executor:
                 self._posted[key] = self._post_grads(action, unit)
 
     def _post_inputs(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
-        """Post the chunk's input receives; a value another chunk here also reads is posted once."""
+        """Post the chunk's input receives; a value another chunk here also reads is posted once.
+
+        What one producing stage sends this rank for a unit is one message
+        (``P2P.send_activations``): every value this rank's chunks read from that stage."""
         stage = self._chunk(action)
         for name in self._in_message_order(stage.input_names):
             producer = stage.producers[name]
             if producer < 0 or (name, unit) in self._inbound:
                 continue
             peer = self.spec.recv_peer(producer, unit)
-            pending = self.comm.post(
-                peer, self.spec.value_ids[name], unit, FORWARD, f"{name!r} of {action} from rank {peer}"
+            names = self._read_from(producer)
+            if len(names) == 1 or peer == self.comm.rank:
+                pending = self.comm.post(
+                    peer, self.spec.value_ids[name], unit, FORWARD, f"{name!r} of {action} from rank {peer}"
+                )
+                self._inbound[(name, unit)] = [pending, self._readers[name]]
+                continue
+            values = [self.spec.value_ids[n] for n in names]
+            message = _Message(
+                names, self.comm.post_activations(peer, values, unit, f"{action} from rank {peer}")
             )
-            self._inbound[(name, unit)] = [pending, self._readers[name]]
+            for other in names:
+                self._inbound[(other, unit)] = [message, self._readers[other]]
         return {}
+
+    def _read_from(self, producer: int) -> list[str]:
+        """The values this rank's chunks read from model stage ``producer``, in message order."""
+        if producer not in self._sources:
+            self._sources[producer] = self._in_message_order(
+                {n for chunk in self.spec.chunks for n, p in chunk.producers.items() if p == producer}
+            )
+        return self._sources[producer]
 
     def _take_input(self, name: str, unit: int, action: Action) -> torch.Tensor:
         """The received value (waited for by its first reader on this rank), as a fresh leaf."""
         entry = self._inbound[(name, unit)]
         if isinstance(entry[0], PendingRecv):
             entry[0] = self._wait(entry[0], action)
+        elif isinstance(entry[0], _Message):
+            entry[0] = entry[0].take(name, lambda pending: self._wait_message(pending, action))
         entry[1] -= 1
         value = entry[0] if entry[1] == 0 else entry[0].detach()
         if entry[1] == 0:
@@ -240,6 +278,19 @@ class Executor:
         )
         return value
 
+    def _wait_message(self, pending: PendingRecv, action: Action) -> list[torch.Tensor]:
+        start = now_ms()
+        values = self.comm.wait_activations(pending)
+        self.recorder.add(
+            "recv",
+            f"recv {action} <-r{pending.peer}",
+            start,
+            now_ms(),
+            action.minibatch + self.minibatch_offset,
+            action.microbatch,
+        )
+        return values
+
     # ----------------------------------------------------------------- forward
     def _forward(self, action: Action) -> None:
         unit = self._unit(action)
@@ -277,19 +328,21 @@ class Executor:
             self.units[unit] = UnitRecord(action.minibatch, action.microbatch, version.id)
         if loss is not None:
             self.losses[minibatch] = self.losses.get(minibatch, 0.0) + float(loss.detach())
+        to_peer: dict[int, list[str]] = {}  # one message per peer (P2P.send_activations)
         for name in self._in_message_order(stage.output_names):
             for peer in dict.fromkeys(
                 p for c in stage.consumers[name] for p in self.spec.send_peers(c, unit)
             ):
-                self.comm.send(
-                    outputs[name],
-                    peer,
-                    self.spec.value_ids[name],
-                    unit,
-                    FORWARD,
-                    f"send {action} ->r{peer}",
-                    requires_grad=self._takes_gradient(outputs[name]),
-                )
+                to_peer.setdefault(peer, []).append(name)
+        for peer, names in to_peer.items():
+            self.comm.send_activations(
+                [outputs[name] for name in names],
+                peer,
+                [self.spec.value_ids[name] for name in names],
+                unit,
+                f"send {action} ->r{peer}",
+                [self._takes_gradient(outputs[name]) for name in names],
+            )
         if self.recompute:
             outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
             loss = None
