@@ -16,11 +16,15 @@ about twice its compute at 4 micro-batches (issue 31). Both ends know which valu
 holds: the sender the values it sends that rank, the receiver the values its chunks read
 from that stage, the same set.
 
-On gloo one thread per rank posts every send and receive, in the order the executor
-starts them: gloo's ``isend`` and ``irecv`` take the connection's lock, which its
-communication thread holds while it reads, so a call blocked the executor for 0.25-0.5 ms
+Where units overlap on gloo (more than one micro-batch, or a schedule without flushes),
+one thread per rank posts every send and receive, in the order the executor starts them:
+gloo's ``isend`` and ``irecv`` take the connection's lock, which its communication thread
+holds while it reads, so with traffic both ways a call blocked the executor for 0.25-0.5 ms
 (a tiny Llama at 4 micro-batches on 2 ranks: 1,203 isends took 0.62 s of 3.6 s). The
-executor gets a handle at once; a failure to post is raised by its wait.
+executor gets a handle at once; a failure to post is raised by its wait. With one unit at a
+time the ranks take turns, an inline post does not wait, and the thread's hand-offs of the
+GIL cost more than they save (GPT-2 at one micro-batch: 3.6-4.6 ms inline, 5.3-5.4 ms with
+the thread), so those runs post inline.
 
 Shape handshake: the first activation on each (peer, value) channel is preceded by a
 small header (rank, dtype, shape); afterwards the receiver pre-allocates buffers from
@@ -288,7 +292,8 @@ class P2P:
     """Tagged non-blocking sends/receives of one rank; see the module docstring.
 
     ``on_send_done(label, peer, start_ms, end_ms)`` is called when a send is seen complete
-    (for traces). Times are ``time.perf_counter()`` in milliseconds.
+    (for traces). Times are ``time.perf_counter()`` in milliseconds. ``post_thread`` (gloo
+    only) posts from the posting thread.
     """
 
     def __init__(
@@ -299,6 +304,7 @@ class P2P:
         timeout_s: float,
         tagged: bool,
         on_send_done: Callable[[str, int, float, float], None] | None = None,
+        post_thread: bool = False,
     ) -> None:
         self.rank = rank
         self.values = max(1, values)
@@ -306,6 +312,7 @@ class P2P:
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.tagged = tagged
+        self.post_thread = post_thread and tagged  # NCCL posts inline: its calls do not block
         self._on_send_done = on_send_done
         self._sent_header: set[tuple[int, int]] = set()  # (peer, value)
         self._specs: dict[tuple[int, int], TensorSpec] = {}  # (peer, value) -> header
@@ -382,10 +389,10 @@ class P2P:
         self._sent_header.add((peer, value))
 
     def _start(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> Any:
-        """Start ``op`` (``dist.isend`` or ``dist.irecv``): on gloo from the posting thread
-        (see the module docstring), on NCCL here, in posting order."""
-        if not self.tagged:
-            return _work_of(op, tensor, peer, 0)
+        """Start ``op`` (``dist.isend`` or ``dist.irecv``), from the posting thread where
+        ``post_thread`` (see the module docstring), else here; in posting order."""
+        if not self.post_thread:
+            return _work_of(op, tensor, peer, tag if self.tagged else 0)
         if self._poster is None:
             self._poster = _Poster()
         return _Posted(self._poster.submit(_work_of, op, tensor, peer, tag))

@@ -524,6 +524,7 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         config.timeout_s,
         tagged=_tagged(env.backend),
         on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e),
+        post_thread=config.microbatches > 1 or not schedule_kind(config.schedule).flushes,
     )
     data = BatchSource(
         prepared.model_file,

@@ -109,7 +109,7 @@ def gloo(monkeypatch: pytest.MonkeyPatch) -> _FakeGloo:
 def test_activations_travel_as_one_message_per_unit_after_their_headers(gloo: _FakeGloo) -> None:
     """Rank 0 sends rank 1 three values of units 0 and 1; rank 1 (the same fake link, seen
     from the other end) gets them back by value, with each header's gradient flag."""
-    sender = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True)
+    sender = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
     hidden, cos, mask = torch.randn(2, 4, 8), torch.randn(4, 2), torch.ones(2, 4, dtype=torch.bool)
     for unit in (0, 1):
         sender.send_activations(
@@ -125,7 +125,7 @@ def test_activations_travel_as_one_message_per_unit_after_their_headers(gloo: _F
 
     # the receiving end: rank 1 hears from rank 0 on the same tags
     gloo.sent = {(1, 0, tag): tensor for (_, _, tag), tensor in gloo.sent.items()}
-    receiver = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True)
+    receiver = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
     for unit in (0, 1):
         pending = receiver.post_activations(1, [0, 1, 2], unit, f"F{unit} from rank 1")
         got = receiver.wait_activations(pending)
@@ -147,14 +147,17 @@ def test_one_value_or_a_message_to_itself_is_sent_as_before(gloo: _FakeGloo) -> 
 
 def test_a_send_that_fails_on_the_posting_thread_fails_its_wait(gloo: _FakeGloo) -> None:
     gloo.fail_sends = True
-    p2p = P2P(rank=0, values=1, device="cpu", timeout_s=5.0, tagged=True)
+    p2p = P2P(rank=0, values=1, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
     with pytest.raises(PeerFailure, match=r"rank 0: sending send F0 \(header\) failed: connection lost"):
         p2p.send(torch.ones(2), 1, 0, 0, FORWARD, "send F0")  # seen by this send's reap, or:
         p2p.finish()
 
 
-def test_nccl_posts_on_the_calling_thread(gloo: _FakeGloo) -> None:
-    p2p = P2P(rank=0, values=1, device="cpu", timeout_s=5.0, tagged=False)
+@pytest.mark.parametrize("tagged", [False, True])
+def test_nccl_and_one_unit_at_a_time_post_on_the_calling_thread(gloo: _FakeGloo, tagged: bool) -> None:
+    """NCCL (untagged) never takes the thread; gloo takes it only where asked (units overlap)."""
+    p2p = P2P(rank=0, values=1, device="cpu", timeout_s=5.0, tagged=tagged, post_thread=not tagged)
     p2p.send(torch.ones(2), 1, 0, 0, FORWARD, "send F0")
     p2p.finish()
     assert gloo.threads == [threading.current_thread().name] * 2  # header and data
+    assert {tag for _, _, tag in gloo.sent} == ({0, 1} if tagged else {0})  # data, header; NCCL: no tags

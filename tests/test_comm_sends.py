@@ -43,7 +43,7 @@ def _p2p(monkeypatch: object, sent: list[_GlooLikeSend]) -> P2P:
         return work
 
     monkeypatch.setattr(comm_module.dist, "isend", isend)  # type: ignore[attr-defined]
-    return P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=True)
+    return P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
 
 
 def test_reap_looks_at_a_bounded_number_of_pending_sends(monkeypatch: object) -> None:
