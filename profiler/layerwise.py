@@ -29,7 +29,7 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
+from pipeplan.profiler.measure import Progress, backward_to_inputs, detached, input_grad_part, loss_backward
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     count_saved,
@@ -150,7 +150,7 @@ def measure_layerwise(
                     )
                 )
                 for name, value in zip(stage.output_names, outputs):
-                    values[name] = _detached(value)
+                    values[name] = detached(value)
                 del outputs, args, counter
                 for name in stage.input_names:
                     remaining[name] -= 1
@@ -216,15 +216,6 @@ def as_input(value: object) -> Any:
         return tensor.detach().requires_grad_(tensor.is_floating_point() and tensor.requires_grad)
 
     return pytree.tree_map(leaf, value)
-
-
-def _detached(value: object) -> object:
-    import torch
-    from torch.utils import _pytree as pytree
-
-    return pytree.tree_map(
-        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value
-    )
 
 
 def _run(stage: StageModule, args: tuple[object, ...]) -> tuple[object, ...]:

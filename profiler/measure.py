@@ -133,7 +133,7 @@ def disable_inplace(model: nn.Module) -> int:
     return changed
 
 
-def _detached(value: object) -> object:
+def detached(value: object) -> object:
     """``value`` (a tensor, or the model's output structure) with every tensor detached."""
     import torch
     from torch.utils import _pytree as pytree
@@ -217,7 +217,7 @@ def run_pass(
                 sample.forward_ms[position] = timer.stop()
             produced.append(outputs)
             args_of.append(args if input_only else ())
-            values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
+            values.update((name, detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
         loss_backward(loss_fn, result, targets)

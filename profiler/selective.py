@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeplan.profiler.measure import detached
 from pipeplan.profiler.memory import SavedTensorCounter, count_saved
 from pipeplan.profiler.timing import Timer, read, robust_stats
 
@@ -59,7 +60,7 @@ def measure_selective(
             if stage.index in cores:
                 out[stage.index] = measure_layer(graph, stage, args, timer, warmup, repeats)
             outputs = tuple(stage.module(*args))
-            values.update((name, _detached(value)) for name, value in zip(stage.output_names, outputs))
+            values.update((name, detached(value)) for name, value in zip(stage.output_names, outputs))
     return out
 
 
@@ -139,18 +140,6 @@ def _core_ms(module: nn.Module, args: tuple[object, ...], timer: Timer, warmup: 
         if iteration >= max(warmup, 1):
             samples.append(elapsed)
     return robust_stats(samples).median
-
-
-def _detached(value: object) -> object:
-    import torch
-    from torch.utils import _pytree as pytree
-
-    def detach(leaf: object) -> object:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        return leaf.detach().requires_grad_(leaf.requires_grad)
-
-    return pytree.tree_map(detach, value)
 
 
 def selective_saved(saved_bytes: int, selective: Selective | None) -> int:
