@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -53,6 +53,7 @@ from pipeplan.schedules import Action, ScheduleKind, schedule_kind
 __all__ = ["Executor", "UnitRecord"]
 
 _Key = tuple[int, int]  # (unit, chunk)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -266,21 +267,15 @@ class Executor:
         return self.recompute or output.requires_grad
 
     def _wait(self, pending: PendingRecv, action: Action) -> torch.Tensor:
-        start = now_ms()
-        value = self.comm.wait(pending)
-        self.recorder.add(
-            "recv",
-            f"recv {action} <-r{pending.peer}",
-            start,
-            now_ms(),
-            action.minibatch + self.minibatch_offset,
-            action.microbatch,
-        )
-        return value
+        return self._recorded_wait(self.comm.wait, pending, action)
 
     def _wait_message(self, pending: PendingRecv, action: Action) -> list[torch.Tensor]:
+        return self._recorded_wait(self.comm.wait_activations, pending, action)
+
+    def _recorded_wait(self, wait: Callable[[PendingRecv], _T], pending: PendingRecv, action: Action) -> _T:
+        """``wait(pending)``, traced as the action's receive."""
         start = now_ms()
-        values = self.comm.wait_activations(pending)
+        received = wait(pending)
         self.recorder.add(
             "recv",
             f"recv {action} <-r{pending.peer}",
@@ -289,7 +284,7 @@ class Executor:
             action.minibatch + self.minibatch_offset,
             action.microbatch,
         )
-        return values
+        return received
 
     # ----------------------------------------------------------------- forward
     def _forward(self, action: Action) -> None:
