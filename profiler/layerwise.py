@@ -29,7 +29,8 @@ from pipeplan.errors import InputError, one_line
 from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
-from pipeplan.profiler.measure import Progress, backward_to_inputs, detached, input_grad_part, loss_backward
+from pipeplan.profiler.detach import detached
+from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     count_saved,

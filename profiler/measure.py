@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeplan.errors import InputError, one_line
 from pipeplan.profile import LayerProfile
+from pipeplan.profiler.detach import detached
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     count_saved,
@@ -131,19 +132,6 @@ def disable_inplace(model: nn.Module) -> int:
             setattr(module, "inplace", False)  # noqa: B010
             changed += 1
     return changed
-
-
-def detached(value: object) -> object:
-    """``value`` (a tensor, or the model's output structure) with every tensor detached."""
-    import torch
-    from torch.utils import _pytree as pytree
-
-    def detach(leaf: object) -> object:
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        return leaf.detach().requires_grad_(leaf.requires_grad)
-
-    return pytree.tree_map(detach, value)
 
 
 def _leaves(value: object) -> list[Any]:

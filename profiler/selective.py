@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeplan.profiler.measure import detached
+from pipeplan.profiler.detach import detached
 from pipeplan.profiler.memory import SavedTensorCounter, count_saved
 from pipeplan.profiler.timing import Timer, read, robust_stats
 
