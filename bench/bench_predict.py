@@ -15,6 +15,11 @@ table and writes JSON (``--out``, default bench/results/predict.json).
 
     python bench/bench_predict.py
     python bench/bench_predict.py --models mlp hf:llama --microbatches 1 4 --steps 100
+    python bench/bench_predict.py --device cuda --models hf:llama hf:gpt2 hf:mixtral
+
+``--device cuda`` profiles with CUDA events and plans on ``--topology`` (default
+``bench/one-h100.yaml``: one GPU, so one stage on one NCCL rank, torchrun's
+``--nproc-per-node`` is the topology's device count); the CPU default is ``local-cpu``.
 
 The machine's load moves every figure: run it on an idle machine and say so next to them.
 """
@@ -42,7 +47,7 @@ from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.partition import partition
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.profile import Profile
-from pipeplan.topology import preset
+from pipeplan.topology import Topology, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -50,11 +55,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 from launch import torchrun_pipeplan  # noqa: E402
 
 HF_MODEL = ROOT / "tests" / "fixtures" / "models" / "hf_family.py"
+ONE_GPU = ROOT / "bench" / "one-h100.yaml"
 # tests/test_hf_families.py: RUN and PLAN_ONLY
 HF_FAMILIES = (
     "resnet", "llama", "mistral", "qwen2", "gemma3", "mixtral", "t5", "bart", "whisper", "vit",
     "qwen3", "phi3", "olmo", "gpt_neox", "qwen2_moe", "deepseek_v3", "modernbert", "gpt2", "bert",
 )  # fmt: skip
+
+
+def _device_name(device: str) -> str:
+    """The GPU's name on cuda, else the processor's."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    return platform.processor() or platform.machine()
 
 
 def model_target(name: str) -> tuple[str, dict[str, str]]:
@@ -67,12 +82,12 @@ def model_target(name: str) -> tuple[str, dict[str, str]]:
 
 
 def profile(
-    name: str, batch_size: int, repeats: int, folder: Path, timeout_s: float
+    name: str, batch_size: int, repeats: int, folder: Path, timeout_s: float, device: str = "cpu"
 ) -> tuple[Profile, float]:
     """``pipeplan profile`` in its own process (an HF family is picked at import); (profile, s)."""
     path, env = model_target(name)
     out = folder / "profile.json"
-    command = [sys.executable, "-m", "pipeplan", "profile", path, "--device", "cpu", "--threads", "1"]
+    command = [sys.executable, "-m", "pipeplan", "profile", path, "--device", device, "--threads", "1"]
     command += ["--batch-size", str(batch_size), "--repeats", str(repeats), "-o", str(out)]
     start = time.perf_counter()
     done = subprocess.run(
@@ -94,17 +109,24 @@ def proportional(profile: Profile) -> Profile:
 
 
 def measure(
-    name: str, prof: Profile, microbatches: int, steps: int, folder: Path, timeout_s: float
+    name: str,
+    prof: Profile,
+    microbatches: int,
+    steps: int,
+    folder: Path,
+    timeout_s: float,
+    topology: Topology,
 ) -> dict[str, Any]:
-    """Plan 2 stages with ``microbatches`` (1F1B-flush) and train them on 2 gloo ranks."""
+    """Plan one stage per device of ``topology`` with ``microbatches`` (1F1B-flush) and train
+    it on as many ranks (gloo on CPUs, NCCL on GPUs)."""
     options = PartitionOptions(schedule="1f1b-flush", microbatches=microbatches, straight=True)
-    plan = partition(prof, preset("local-cpu"), options)
+    plan = partition(prof, topology, options)
     plan_path = folder / f"plan-m{microbatches}.json"
     plan.save(plan_path)
     path, env = model_target(name)
     os.environ.update(env)
     metrics, _ = torchrun_pipeplan(
-        2,
+        topology.world_size,
         [
             str(plan_path),
             "--model",
@@ -156,17 +178,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=10, help="profile repeats")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per profile or launch")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "predict.json"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to profile and run")
+    parser.add_argument(
+        "--topology", default=None, help="file or preset (default: local-cpu, or bench/one-h100.yaml on cuda)"
+    )
+    parser.add_argument("--out", default=None, help="JSON (default: bench/results/predict[_cuda].json)")
     args = parser.parse_args()
+    topology = resolve(args.topology or ("local-cpu" if args.device == "cpu" else str(ONE_GPU)))
+    out = args.out or str(
+        ROOT / "bench" / "results" / f"predict{'_cuda' if args.device == 'cuda' else ''}.json"
+    )
+    where = _device_name(args.device)
+    backend = "NCCL" if args.device == "cuda" else "gloo"
     console = Console()
     rows: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                prof, profile_s = profile(name, args.batch_size, args.repeats, Path(tmp), args.timeout)
+                prof, profile_s = profile(
+                    name, args.batch_size, args.repeats, Path(tmp), args.timeout, args.device
+                )
                 for m in args.microbatches:
-                    row = measure(name, prof, m, args.steps, Path(tmp), args.timeout)
+                    row = measure(name, prof, m, args.steps, Path(tmp), args.timeout, topology)
                     row["profile_s"] = profile_s
                     rows.append(row)
                     console.print(
@@ -180,8 +214,9 @@ def main() -> None:
                 )
                 console.print(f"[red]{name}: {failures[name]}[/]")
     table = Table(
-        title=f"measured / predicted time per minibatch: 2 stages on 2 gloo ranks, 1F1B-flush, batch "
-        f"{args.batch_size}, {args.steps} steps ({platform.processor() or platform.machine()})"
+        title=f"measured / predicted time per minibatch: {topology.world_size} stage(s) on "
+        f"{topology.world_size} {backend} rank(s), 1F1B-flush, batch {args.batch_size}, "
+        f"{args.steps} steps ({where})"
     )
     for column in (
         "model",
@@ -215,20 +250,22 @@ def main() -> None:
         console.print(line, highlight=False)
     for name, why in failures.items():
         console.print(f"not measured: {name}: {why}", highlight=False)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
-        args.out,
+        out,
         {
             "batch_size": args.batch_size,
             "steps": args.steps,
             "microbatches": args.microbatches,
-            "machine": platform.processor() or platform.machine(),
+            "device": args.device,
+            "ranks": topology.world_size,
+            "machine": where,
             "rows": rows,
             "summary": {k: v for k, v in summary.items() if k != "lines"},
             "failures": failures,
         },
     )
-    console.print(f"wrote {args.out}")
+    console.print(f"wrote {out}")
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """A small Hugging Face Llama on long sequences, built from a config (no download), for
-`bench/bench_recompute_cpu.py`.
+`bench/bench_recompute.py`.
 
 hidden 128, 4 decoder layers, 4 heads (2 key-value heads), intermediate 256, vocabulary 512,
 1,024 tokens, eager attention: the attention core is the explicit matmul-softmax-dropout-matmul

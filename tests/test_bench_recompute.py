@@ -1,4 +1,4 @@
-"""The memory limit of bench/bench_recompute_cpu.py: the least memory each ``--recompute`` mode
+"""The memory limit of bench/bench_recompute.py: the least memory each ``--recompute`` mode
 plans at is tight (one resolution less plans nothing), and the limit between ``auto``'s and
 ``none``'s makes ``none`` refuse while ``auto`` recomputes; on
 tests/fixtures/runtime/recompute_blocks.profile.json (no processes launched)."""
@@ -18,7 +18,7 @@ from pipeplan.topology import preset
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_recompute_cpu import MiB, auto_against_none, least_memory, memory_limit, plan_or_none  # noqa: E402
+from bench_recompute import MiB, auto_against_none, least_memory, memory_limit, plan_or_none  # noqa: E402
 
 PROFILE = Profile.load(ROOT / "tests" / "fixtures" / "runtime" / "recompute_blocks.profile.json")
 BASE = PartitionOptions(schedule="1f1b-flush", microbatches=2, straight=True)

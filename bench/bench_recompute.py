@@ -1,4 +1,4 @@
-"""Benchmark: recomputation planned per stage on a CPU profile, run, measured against the plan.
+"""Benchmark: recomputation planned per stage on a measured profile, run, measured against the plan.
 
 Issue 30's measured check: `bench/llama_long.py` (a small eager-attention HF Llama on 1,024
 tokens, whose attention probabilities dominate its activations) is profiled on this CPU
@@ -16,8 +16,13 @@ measured ms per minibatch (the run's metrics) against predicted,
 and each rank's held memory (peak less baseline, RSS) against the plan's figure. Prints
 tables and writes JSON (``--out``, default bench/results/recompute_cpu.json).
 
-    python bench/bench_recompute_cpu.py
-    python bench/bench_recompute_cpu.py --steps 10 --microbatches 2
+``--device cuda`` profiles on the GPU and plans on ``--topology`` (default
+``bench/one-h100.yaml``: one GPU, so one stage on one NCCL rank, whose held memory is the
+CUDA allocator's peak over its baseline); its JSON defaults to bench/results/recompute_cuda.json.
+
+    python bench/bench_recompute.py
+    python bench/bench_recompute.py --steps 10 --microbatches 2
+    python bench/bench_recompute.py --device cuda --batch-size 8
 
 Figures move with the machine's load: the JSON records the load average before and after.
 """
@@ -43,12 +48,12 @@ from pipeplan.plan import Plan
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.partition import partition
 from pipeplan.profile import Profile
-from pipeplan.topology import Topology, preset
+from pipeplan.topology import Topology, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_predict import profile  # noqa: E402
+from bench_predict import ONE_GPU, _device_name, profile  # noqa: E402
 from launch import torchrun_pipeplan  # noqa: E402
 
 MODEL = ROOT / "bench" / "llama_long.py"
@@ -137,12 +142,12 @@ def stage_choices(plan: Plan) -> str:
 
 
 def run_plan(plan: Plan, name: str, folder: Path, steps: int, timeout_s: float) -> dict[str, Any]:
-    """Train ``plan`` on 2 gloo ranks; measured against predicted time and memory per rank."""
+    """Train ``plan`` on its ranks; measured against predicted time and memory per rank."""
     path = folder / f"plan-{name}.json"
     plan.save(path)
     args = [str(path), "--model", str(MODEL), "--steps", str(steps), "--lr", "1e-4", "--no-progress"]
     metrics, _ = torchrun_pipeplan(
-        2, args, folder / f"metrics-{name}.json", threads=1, timeout_s=timeout_s, what=name
+        plan.world_size, args, folder / f"metrics-{name}.json", threads=1, timeout_s=timeout_s, what=name
     )
     ranks = [
         {
@@ -185,15 +190,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="profile repeats")
     parser.add_argument("--no-reference", action="store_true", help="do not run the none plan")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per profile or launch")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "recompute_cpu.json"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to profile and run")
+    parser.add_argument(
+        "--topology", default=None, help="file or preset (default: local-cpu, or bench/one-h100.yaml on cuda)"
+    )
+    parser.add_argument("--out", default=None, help="JSON (default: bench/results/recompute_<device>.json)")
     args = parser.parse_args(argv)
+    args.out = args.out or str(ROOT / "bench" / "results" / f"recompute_{args.device}.json")
     console = Console()
     load_before = load_average()
     base = PartitionOptions(schedule="1f1b-flush", microbatches=args.microbatches, straight=True)
-    topology = preset("local-cpu")
+    topology = resolve(args.topology or ("local-cpu" if args.device == "cpu" else str(ONE_GPU)))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        prof, profile_s = profile(str(MODEL), args.batch_size, args.repeats, folder, args.timeout)
+        prof, profile_s = profile(
+            str(MODEL), args.batch_size, args.repeats, folder, args.timeout, args.device
+        )
         console.print(
             f"profile: {len(prof.layers)} layers, batch {args.batch_size}, {profile_s:.0f} s; "
             f"saved for backward {sum(layer.saved_bytes for layer in prof.layers) / MiB:.1f} MiB, "
@@ -214,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         assert auto is not None, "auto plans at its own least memory, below the limit"
         checks = auto_against_none(prof, topology, options, (limit, least["none"], 1 << 50))
         table = Table(
-            title=f"{MODEL.name} on local-cpu, 2 devices of {limit / MiB:.1f} MiB, 1f1b-flush, "
+            title=f"{MODEL.name} on {topology.name}, {topology.world_size} device(s) of {limit / MiB:.1f} MiB, 1f1b-flush, "
             f"batch {args.batch_size} x {args.microbatches} micro-batches"
         )
         for column in ("--recompute", "predicted ms / minibatch", "stages: recomputed, MiB"):
@@ -244,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs.append(run_plan(reference, "none, unlimited memory", folder, args.steps, args.timeout))
     load_after = load_average()
     measured = Table(
-        title=f"measured on 2 gloo ranks, {args.steps} steps, 1 thread each (load average before "
+        title=f"measured on {topology.world_size} {'NCCL' if args.device == 'cuda' else 'gloo'} rank(s), "
+        f"{args.steps} steps, 1 thread each (load average before "
         f"{load_before}, after {load_after})"
     )
     for column in (
@@ -269,7 +282,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     write_json_atomic(
         args.out,
         {
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "device": _device_name(args.device),
+            },
             "load_average": {"before": load_before, "after": load_after},
             "settings": vars(args),
             "profile_s": profile_s,
