@@ -8,7 +8,8 @@ tensor-parallel fields and ``estimated``) still load, and so do /2 files without
 optional fields of a meta-device profile (``build``, ``step_not_measured``,
 ``optimizer_sample_bytes``, ``LayerProfile.reused_from``) or ``master_dtype``, or
 ``LayerProfile.backward_input_ms`` (the input gradient's part of the backward; where
-absent, ``input_grad_ms`` assumes half).
+absent, ``input_grad_ms`` assumes half) or ``LayerProfile.backward_working_bytes`` (where
+absent, -1: the planner charges no backward working memory and says so).
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -118,6 +119,14 @@ class LayerProfile:
     # core's ms to ``tp_split_forward_ms``: both split by heads.
     selective_saved_bytes: int = -1
     selective_recompute_ms: float = -1.0
+    # the most bytes the layer's backward holds beyond what its forward saved: the gradients of
+    # its outputs handed in, plus what its backward allocates and still holds at its peak
+    # (activation gradients, temporaries such as softmax's), less the parameter gradients it
+    # leaves (the planner charges those as gradients); measured as live tensor bytes, one
+    # minibatch. A stage holds one layer's at a time, beside its saved activations
+    # (``planner.memory``). -1: not measured (older, imported and estimated profiles): the
+    # planner charges none and says so.
+    backward_working_bytes: int = -1
     # of backward_ms, the input gradient's part ("B" of a zero-bubble schedule; the rest,
     # the weight gradient, is "W"): measured as a backward to the layer's inputs alone
     # (``torch.autograd.grad``), or derived from FLOPs in a what-if profile; None: not
@@ -367,6 +376,15 @@ def validate(profile: Profile) -> None:
                 f"{layer.recompute_kept_bytes!r} is not -1 or a byte count"
             )
         _check_selective(layer)
+        if not (
+            isinstance(layer.backward_working_bytes, int)
+            and not isinstance(layer.backward_working_bytes, bool)
+            and -1 <= layer.backward_working_bytes <= MAX_BYTES
+        ):
+            raise InputError(
+                f"profile layer {layer.index} ({layer.name}): backward_working_bytes = "
+                f"{layer.backward_working_bytes!r} is not -1 or a byte count"
+            )
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "

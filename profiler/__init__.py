@@ -1,7 +1,8 @@
 """``pipeplan.profiler``: measure a model layer by layer (times, bytes) into a ``Profile``.
 
 Modules: ``timing`` (CUDA-event / perf_counter timers, median and IQR), ``memory``
-(output, parameter and saved-for-backward bytes), ``measure`` (the layer-by-layer
+(output, parameter, saved-for-backward and backward working bytes), ``live_bytes`` (the
+tensor storage bytes a window of code makes), ``measure`` (the layer-by-layer
 training pass and the whole step), ``device`` (device, dtype, device name),
 ``profile_model`` (model file -> ``Profile``), ``pipedream_graph`` (PipeDream's profiled
 graph file -> ``Profile``). The profile's table and summary are ``pipeplan.reporting.profile_table``.

@@ -14,7 +14,11 @@ figures (``LayerProfile.reused_from``) unless ``every_layer``.
 
 Saved bytes follow the whole-pass rule of ``pipeplan.profiler.measure``: a storage counts
 in the first layer that saves it, so an input that its producer (or an earlier reader)
-already saved does not count again.
+already saved does not count again. Backward working bytes are counted as there too
+(``memory.backward_working_bytes``), on that same first forward, every layer (reused or
+not). The output gradients handed in are those the eager pass hands in, or their like:
+the loss's own for the model output's tensors it differentiates, ones for the outputs a
+later layer reads, none for the others.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pipeplan.profiler.detach import detached
 from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
+    backward_working_bytes,
     count_saved,
     largest_param_bytes,
     output_bytes,
@@ -126,6 +131,13 @@ def measure_layerwise(
                         counted.add(name)
                 saved = counter.saved_bytes
                 produced = output_bytes(outputs)
+                wanted = {name for name in stage.output_names if remaining.get(name, 0) > 0}
+                loss_grads = (
+                    _loss_grads(outputs[stage.output_names.index(MODEL_OUTPUT)], targets, loss_fn)
+                    if MODEL_OUTPUT in stage.output_names
+                    else []
+                )
+                working = _working_bytes(stage, args, outputs, wanted, loss_grads)
                 key = layer_signature(stage, args)
                 reuse = None if every_layer else timed.get(key)
                 if reuse is None:
@@ -148,6 +160,7 @@ def measure_layerwise(
                         largest_param_bytes(stage.module.parameters()),
                         output_bytes(args),
                         selective,
+                        working,
                     )
                 )
                 for name, value in zip(stage.output_names, outputs):
@@ -165,6 +178,60 @@ def measure_layerwise(
             if progress is not None:
                 progress(position + 1, len(graph.layers), f"layer {position + 1}/{len(graph.layers)}")
     return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}))
+
+
+def _loss_grads(output: object, targets: object, loss_fn: Callable[[Any, Any], Any]) -> list[Any]:
+    """The loss's gradient of each leaf of the model output (None where it has none), as the
+    eager pass hands them to the last layer's backward."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    value = as_input(output)
+    with torch.enable_grad():
+        loss_backward(loss_fn, value, targets)
+    return [leaf.grad if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(value)]
+
+
+def _working_bytes(
+    stage: StageModule,
+    args: tuple[object, ...],
+    outputs: tuple[object, ...],
+    wanted: set[str],
+    loss_grads: list[Any],
+) -> int:
+    """The layer's backward working bytes, from the forward just run (``outputs`` of ``args``):
+    ones are handed to the ``wanted`` outputs (those later layers read), ``loss_grads`` to the
+    model output's leaves. The gradients it leaves on its parameters and inputs are cleared."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from pipeplan.capture import MODEL_OUTPUT
+    from pipeplan.profiler.memory import tensors_in
+
+    heads, grads = [], []
+    for name, value in zip(stage.output_names, outputs):
+        leaves = pytree.tree_leaves(value)
+        if name == MODEL_OUTPUT:
+            given = loss_grads
+        else:  # ones, not random: the values do not change the bytes
+            given = [
+                torch.ones_like(t)
+                if name in wanted and isinstance(t, torch.Tensor) and t.requires_grad
+                else None
+                for t in leaves
+            ]
+        for leaf, grad in zip(leaves, given):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
+                heads.append(leaf)
+                grads.append(grad)
+    if not heads:
+        return 0
+    with torch.enable_grad():
+        working = backward_working_bytes(heads, grads, stage.module.parameters(), args)
+    for tensor in (*stage.module.parameters(), *tensors_in(list(args))):
+        if isinstance(tensor, torch.Tensor):
+            tensor.grad = None
+    return working
 
 
 def _model_tensors(stage_module: nn.Module, model: nn.Module) -> list[torch.Tensor]:
@@ -338,6 +405,7 @@ def _layer_profile(
     largest: int,
     kept: int = -1,
     selective: Selective | None = None,
+    working: int = -1,
 ) -> LayerProfile:
     return LayerProfile(
         index=node.index,
@@ -359,4 +427,5 @@ def _layer_profile(
         recompute_kept_bytes=kept,
         selective_saved_bytes=selective_saved(saved, selective),
         selective_recompute_ms=selective.recompute_ms if selective is not None else -1.0,
+        backward_working_bytes=working,
     )

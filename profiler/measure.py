@@ -29,6 +29,7 @@ from pipeplan.profile import LayerProfile
 from pipeplan.profiler.detach import detached
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
+    backward_working_bytes,
     count_saved,
     largest_param_bytes,
     output_bytes,
@@ -91,6 +92,8 @@ class LayerMeasurement:
     kept_bytes: int = -1
     # ms of the backward to the layer's inputs alone (``input_only`` passes); None: not measured
     backward_input: Stats | None = None
+    # what its backward holds beyond its saved bytes (LayerProfile.backward_working_bytes)
+    working_bytes: int = -1
 
     @property
     def backward_input_ms(self) -> float | None:
@@ -117,6 +120,8 @@ class PassSample:
     kept_bytes: list[int] = field(
         default_factory=list
     )  # its input tensors (LayerProfile.recompute_kept_bytes)
+    # what its backward holds beyond its saved bytes (0: no gradient reached it)
+    working_bytes: list[int] = field(default_factory=list)
 
 
 def disable_inplace(model: nn.Module) -> int:
@@ -175,7 +180,9 @@ def run_pass(
 
     With ``count_bytes``, a layer's saved bytes are the storages autograd saves during its
     forward that no earlier layer saved (a layer's output saved again as the next layer's
-    input counts once), so the layers sum to the whole forward's figure. With
+    input counts once), so the layers sum to the whole forward's figure; and a layer's
+    backward working bytes are what its backward holds beyond them
+    (``memory.backward_working_bytes``). With
     ``input_only``, each layer's backward runs to its inputs alone (``backward_to_inputs``:
     the input gradient "B" of a zero-bubble schedule, without the weight gradient "W").
     """
@@ -184,9 +191,11 @@ def run_pass(
     from pipeplan.capture import MODEL_OUTPUT
 
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
+    if count_bytes:  # filled in reverse; a layer no gradient reaches holds none
+        sample.working_bytes = [0] * len(stages)
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     produced: list[tuple[object, ...]] = []
-    args_of: list[tuple[object, ...]] = []  # each layer's inputs (for ``input_only``)
+    args_of: list[tuple[object, ...]] = []  # each layer's inputs (for ``input_only`` and ``count_bytes``)
     # one counter for the whole pass: a storage counts in the first layer that saves it
     counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
     with torch.enable_grad():
@@ -204,7 +213,7 @@ def run_pass(
                 outputs = _run(stage, args)
                 sample.forward_ms[position] = timer.stop()
             produced.append(outputs)
-            args_of.append(args if input_only else ())
+            args_of.append(args if input_only or count_bytes else ())
             values.update((name, detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
@@ -226,6 +235,10 @@ def run_pass(
                 timer.start()
                 if input_only:
                     backward_to_inputs(heads, grads, _leaves(list(args_of[position])))
+                elif count_bytes:
+                    sample.working_bytes[position] = backward_working_bytes(
+                        heads, grads, stage.module.parameters(), args_of[position]
+                    )
                 else:
                     torch.autograd.backward(heads, grads)
                 sample.backward_ms[position] = timer.stop()
@@ -412,6 +425,7 @@ def measure_stages(
             saved_bytes=counted.saved_bytes[position],
             largest_param_bytes=largest_param_bytes(stage.module.parameters()),
             kept_bytes=counted.kept_bytes[position],
+            working_bytes=counted.working_bytes[position],
             backward_input=(
                 robust_stats([s.backward_ms[position] for s in input_samples]) if input_samples else None
             ),
@@ -483,6 +497,7 @@ def measure_layers(
             backward_input_ms=layer.backward_input_ms,
             selective_saved_bytes=selective_saved(layer.saved_bytes, selective.get(node.index)),
             selective_recompute_ms=(selective[node.index].recompute_ms if node.index in selective else -1.0),
+            backward_working_bytes=layer.working_bytes,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -7,11 +7,16 @@ of ``untyped_storage()``, at its full size, since a saved view keeps its whole s
 alive) and leave out the storages of parameters, which exist once per device whatever
 the number of minibatches in flight. A saved layer *input* does count: autograd keeps
 it alive until the backward pass, once per minibatch in flight.
+
+``backward_working_bytes`` is what a layer's backward holds beyond that: the output
+gradients handed in plus the most bytes its backward's new storages hold at once
+(``pipeplan.profiler.live_bytes``), less the parameter gradients it leaves, which the
+planner charges as gradients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +33,7 @@ __all__ = [
     "PackCounter",
     "counting_hooks",
     "count_saved",
+    "backward_working_bytes",
 ]
 
 
@@ -163,3 +169,58 @@ def counting_hooks(counter: PackCounter) -> torch.autograd.graph.saved_tensors_h
         return tensor if alive is None else alive.pack(tensor)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, SavedTensorCounter.unpack)
+
+
+def _distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        seen[storage_key(tensor)] = _storage_nbytes(tensor)
+    return sum(seen.values())
+
+
+def backward_working_bytes(
+    heads: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    parameters: Iterable[torch.Tensor],
+    inputs: Iterable[object] = (),
+) -> int:
+    """Run ``torch.autograd.backward(heads, grads)`` and return the most bytes it held beyond
+    what the forward saved: ``grads`` (each storage once) plus the peak of the storages made
+    during the call, less the gradients of ``parameters`` made during it and alive at its end.
+
+    The gradients already on ``parameters`` and on the layer's ``inputs`` (the leaves it
+    reads) are set aside for the call and added back after it, so the figure is what the
+    backward makes when it is the first to give them a gradient, whatever ran before. Added
+    into an existing gradient, it would make no storage of its own (a layer passing its input
+    through) or a temporary of the parameter's size (which the planner charges as
+    ``largest_param_bytes``). So layers measured alone (``pipeplan.profiler.layerwise``) and
+    in one pass (``pipeplan.profiler.measure``) agree where values and weights have several
+    readers (a tied weight, a residual stream).
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(1024, 1024)  # a 4 MiB weight, tiny activations
+    >>> x = torch.randn(2, 1024, requires_grad=True)
+    >>> y = layer(x)
+    >>> backward_working_bytes([y], [torch.ones_like(y)], layer.parameters(), [x])  # dy in, dx out
+    16384
+    """
+    import torch
+
+    from pipeplan.profiler.live_bytes import LiveBytes
+
+    owned = list({id(p): p for p in parameters}.values())
+    leaves = [t for t in tensors_in(list(inputs)) if t.requires_grad and t.is_leaf]
+    aside = list({id(t): t for t in (*owned, *leaves)}.values())
+    earlier = [t.grad for t in aside]
+    for tensor in aside:
+        tensor.grad = None
+    try:
+        with LiveBytes() as live:
+            torch.autograd.backward(list(heads), list(grads))
+            made = {storage_key(g): live.storage_bytes(g) for p in owned if (g := p.grad) is not None}
+            peak = live.peak
+    finally:
+        for tensor, grad in zip(aside, earlier):
+            if grad is not None:
+                tensor.grad = grad if tensor.grad is None else grad + tensor.grad
+    return _distinct_storage_bytes(grads) + max(0, peak - sum(made.values()))

@@ -104,11 +104,18 @@ def test_layer_by_layer_profile_counts_the_bytes_of_the_whole_model() -> None:
     assert (eager.build, meta.build) == ("eager", "meta")
     assert meta.fingerprint == eager.fingerprint
     for mine, theirs in zip(meta.layers, eager.layers):
-        assert (mine.param_bytes, mine.largest_param_bytes, mine.output_bytes, mine.parameters) == (
+        assert (
+            mine.param_bytes,
+            mine.largest_param_bytes,
+            mine.output_bytes,
+            mine.parameters,
+            mine.backward_working_bytes,
+        ) == (
             theirs.param_bytes,
             theirs.largest_param_bytes,
             theirs.output_bytes,
             theirs.parameters,
+            theirs.backward_working_bytes,
         ), mine.name
     assert meta.modules == eager.modules and meta.modules
     assert sum(l.saved_bytes for l in meta.layers) == sum(l.saved_bytes for l in eager.layers)
@@ -393,6 +400,11 @@ def test_a_profile_on_meta_captures_the_eager_profiles_layers(
         (layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["meta"].layers
     ] == [(layer.param_bytes, layer.output_bytes, layer.parameters) for layer in profiles["eager"].layers]
     assert profiles["meta"].modules == profiles["eager"].modules
+    # the backward's working bytes too: the same output gradients handed in (none to the encoder
+    # state a seq2seq model's head passes through, which the loss leaves alone), the same inputs'
+    assert [layer.backward_working_bytes for layer in profiles["meta"].layers] == [
+        layer.backward_working_bytes for layer in profiles["eager"].layers
+    ]
     assert profiles["meta"].step_ms > 0  # small: the whole step too, every parameter materialised at once
 
 

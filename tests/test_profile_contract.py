@@ -87,9 +87,33 @@ def test_older_files_without_optional_fields_still_load(tmp_path: Path) -> None:
     assert recorded.largest_tensor_bytes == 1536
 
 
+def test_backward_working_bytes_round_trip_and_default_to_not_measured(tmp_path: Path) -> None:
+    base = make_profile()
+    layers = tuple(
+        replace(layer, backward_working_bytes=1000 * (k + 1)) for k, layer in enumerate(base.layers)
+    )
+    profile = replace(base, layers=layers)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert [layer["backward_working_bytes"] for layer in json.loads(path.read_text())["layers"]] == [
+        1000,
+        2000,
+        3000,
+    ]
+    old = profile.to_dict()  # written before the field existed
+    for layer in old["layers"]:
+        del layer["backward_working_bytes"]
+    assert [layer.backward_working_bytes for layer in Profile.from_dict(old).layers] == [-1, -1, -1]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
+        (
+            lambda raw: raw["layers"][0].update(backward_working_bytes=-2),
+            "backward_working_bytes = -2 is not -1 or a byte count",
+        ),
         (lambda raw: raw.update(schema="pipeplan.profile/0"), "schema is 'pipeplan.profile/0'"),
         (lambda raw: raw.pop("fingerprint"), "missing field 'fingerprint'"),
         (lambda raw: raw["layers"][1].update(index=5), "layer at position 1 has index 5"),

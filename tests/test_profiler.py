@@ -11,7 +11,7 @@ from torch import nn
 from pipeplan.capture import build_layer_graph
 from pipeplan.errors import InputError
 from pipeplan.profiler.measure import disable_inplace, measure_layers, measure_stages
-from pipeplan.profiler.memory import count_saved, output_bytes, param_bytes
+from pipeplan.profiler.memory import backward_working_bytes, count_saved, output_bytes, param_bytes
 from pipeplan.profiler.profile_model import profile_model, resolve_model_path
 from pipeplan.profiler.timing import CpuTimer, robust_stats
 from pipeplan.reporting.profile_table import format_bytes, summary_lines
@@ -73,6 +73,125 @@ def test_saved_bytes_match_what_autograd_packs() -> None:
     with count_saved(exclude=layer.parameters()) as counter:
         layer(x)
     assert counter.saved_bytes == LINEAR_IN  # the parameter storage is left out
+
+
+def test_backward_working_bytes_are_the_gradients_in_and_out_not_the_weight_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 1024), nn.Linear(1024, 1024), nn.Softmax(-1))
+    x, y = torch.randn(2, 8), torch.randint(0, 1024, (2,))
+    _, (layers, _) = measure(model, (x,), y)
+    activation = 2 * 1024 * 4  # every layer's (2, 1024) float32 output and its gradient
+    # the first Linear: the output gradient in, no input gradient (the model input needs none),
+    # its (1024, 8) weight's and bias's gradients left out
+    # the second: the output gradient in and the input gradient out; its 4 MiB weight
+    # gradient, made and kept by the same backward, is left out (charged as gradients)
+    # Softmax: the output gradient in and its backward's result (the input gradient)
+    assert [layer.backward_working_bytes for layer in layers] == [activation, 2 * activation, 2 * activation]
+
+
+class _Scratch(torch.autograd.Function):
+    """``x * w``, whose backward holds a 1 MiB scratch tensor while it makes the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        scratch = torch.zeros(1 << 18)  # 1 MiB
+        dx = grad * w  # (4, 256): 4 KiB
+        dw = (grad * x).sum(0)  # a 4 KiB product, freed once summed into 1 KiB
+        del scratch
+        return dx, dw
+
+
+def test_a_backward_temporary_counts_and_the_parameter_gradient_does_not() -> None:
+    x = torch.randn(4, 256, requires_grad=True)
+    w = nn.Parameter(torch.randn(256))
+    out = _Scratch.apply(x, w)
+    grad = torch.ones_like(out)  # 4 KiB handed in
+    working = backward_working_bytes([out], [grad], [w])
+    # grad in + (scratch + dx + the product + dw at the peak) - dw, which w.grad keeps
+    assert working == 4096 + (1 << 20) + 4096 + 4096
+    assert w.grad is not None and x.grad is not None
+    torch.testing.assert_close(w.grad, x.detach().sum(0))
+
+
+def test_working_bytes_do_not_depend_on_gradients_accumulated_before() -> None:
+    """A parameter's gradient from an earlier layer (a tied weight) is set aside for the count
+    and added back: the figure is a first minibatch's, and the gradients those of a backward."""
+    layer = nn.Linear(256, 256)
+    x = torch.randn(4, 256, requires_grad=True)
+    figures, grads = [], []
+    for earlier in (None, torch.ones(256, 256)):
+        layer.weight.grad = None if earlier is None else earlier.clone()
+        x.grad = None
+        out = layer(x)
+        figures.append(backward_working_bytes([out], [torch.ones_like(out)], layer.parameters()))
+        grads.append(layer.weight.grad.clone())
+    assert figures == [2 * 4 * 256 * 4] * 2  # the output gradient in, the input gradient out
+    torch.testing.assert_close(grads[1], grads[0] + 1)
+
+
+def test_eager_and_layer_by_layer_profiles_measure_the_same_working_bytes() -> None:
+    """The one-pass profile and the meta build's layer-by-layer one agree, on a model whose
+    output head shares the embedding's weight (its gradient exists when the embedding's
+    backward runs in one pass, not when measured alone)."""
+    path = Path(__file__).parent / "fixtures" / "runtime" / "tied.py"
+    eager = profile_model(path, batch_size=2, device="cpu", warmup=0, repeats=1, build="eager")
+    meta = profile_model(path, batch_size=2, device="cpu", warmup=0, repeats=1, build="meta")
+    working = [layer.backward_working_bytes for layer in eager.layers]
+    assert [layer.backward_working_bytes for layer in meta.layers] == working
+    activation = 2 * 5 * 8 * 4  # (2, 5, 8) float32
+    # wte: the gradient in (its weight's gradient left out); h1: in, tanh's and the input's;
+    # head: the (2, 5, 11) logits' gradient in and the input's out
+    assert (working[0], working[1], working[-1]) == (activation, 3 * activation, 2 * 5 * 11 * 4 + activation)
+
+
+PASS_THROUGH = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h), h  # the loss reads the first alone
+
+
+def build_model():
+    return Net()
+
+
+def sample_batch(batch_size):
+    return torch.randn(batch_size, 16), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(output, target):
+    return nn.functional.cross_entropy(output[0], target)
+"""
+
+
+def test_an_output_the_loss_leaves_alone_is_handed_no_gradient_in_either_profile(tmp_path: Path) -> None:
+    """The last layer returns its input beside the logits; the loss differentiates the logits
+    alone, so the layer-by-layer profile hands it the loss's gradients, as the eager pass does."""
+    path = tmp_path / "pass_through.py"
+    path.write_text(PASS_THROUGH)
+    profiles = [
+        profile_model(path, batch_size=2, device="cpu", warmup=0, repeats=1, build=build)
+        for build in ("eager", "meta")
+    ]
+    working = [[layer.backward_working_bytes for layer in profile.layers] for profile in profiles]
+    assert working[0] == working[1]
+    # b: the (2, 4) logits' gradient in, its (2, 16) input's out; a: (2, 16) in, relu's out
+    assert working[0][-1] == 2 * 4 * 4 + 2 * 16 * 4
 
 
 def test_bfloat16_halves_the_bytes() -> None:

@@ -162,7 +162,8 @@ def test_plans_refuse_selective_layers_outside_the_stage_or_fully_recomputed() -
 @pytest.mark.slow  # a Hugging Face Llama, profiled twice
 def test_layer_by_layer_profiles_measure_the_same_selective_bytes() -> None:
     """A meta build (``pipeplan.profiler.layerwise``: one layer materialised at a time) measures
-    each attention layer's selective bytes as the eager build does."""
+    each attention layer's selective bytes, and every layer's backward working bytes, as the
+    eager build does."""
     from pipeplan.profiler.profile_model import profile_model
 
     eager = profile_model(EAGER_LLAMA, batch_size=2, device="cpu", warmup=0, repeats=1, build="eager")
@@ -173,3 +174,11 @@ def test_layer_by_layer_profiles_measure_the_same_selective_bytes() -> None:
     assert all(
         (layer.selective_recompute_ms > 0) == (layer.selective_saved_bytes >= 0) for layer in meta.layers
     )
+    working = [layer.backward_working_bytes for layer in eager.layers]
+    assert [layer.backward_working_bytes for layer in meta.layers] == working
+    # an attention layer's backward holds its softmax's gradients, (batch, heads, seq, seq) float32
+    # each: the probabilities' handed to softmax's backward and the scores' it makes
+    *_, graph = _graph(EAGER_LLAMA)
+    cores = attention_cores(graph.graph_module.graph, graph.layer_of_node)
+    probabilities = 2 * 4 * 32 * 32 * 4
+    assert len(cores) == 2 and all(2 * probabilities < working[k] < 3 * probabilities for k in cores)
