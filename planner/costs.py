@@ -93,6 +93,9 @@ class LayerArrays:
     selective_layer_freed: np.ndarray | None = None
     # per layer (not summed): its parameter bytes (FSDP's gathered layer, planner.sharding)
     layer_param_bytes: np.ndarray | None = None
+    # per layer (not summed): what its backward holds beyond the saved bytes, one minibatch
+    # (``LayerProfile.backward_working_bytes``; 0 where not measured): planner.memory
+    working_bytes: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -150,6 +153,17 @@ class LayerArrays:
         """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
         elementwise; ``range_max``)."""
         return range_max(self.largest_param_bytes, self.cut_family, starts, ends)
+
+    def working(self, i: int, j: int) -> float:
+        """The largest backward working bytes (one minibatch) of the stage from state i to j."""
+        if self.working_bytes is None:
+            return 0.0
+        layers = list(self.cut_family.stage_layers(i, j))
+        return float(self.working_bytes[layers].max()) if layers else 0.0
+
+    def working_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """``working`` of every stage [starts, ends) (elementwise; ``range_max``)."""
+        return range_max(self.working_bytes, self.cut_family, starts, ends)
 
     def recompute_transient(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The largest recomputable layer's saved bytes of every stage [starts, ends)
@@ -295,6 +309,7 @@ class _RecomputeFields(TypedDict):
     selective_ms: np.ndarray
     selective_layer_freed: np.ndarray
     layer_param_bytes: np.ndarray
+    working_bytes: np.ndarray
 
 
 def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray]) -> _RecomputeFields:
@@ -314,6 +329,9 @@ def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray
         ),
         selective_layer_freed=np.array(freed, dtype=np.float64),
         layer_param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=np.float64),
+        working_bytes=np.array(
+            [max(0, layer.backward_working_bytes) for layer in profile.layers], dtype=np.float64
+        ),
     )
 
 

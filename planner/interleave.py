@@ -169,6 +169,9 @@ def interleaved_plan(
             transient_bytes=max(choices[k].transient_bytes for k in range(i, chunks, positions))
             if c == 0
             else 0.0,
+            working_bytes=max(
+                arrays.working(cuts[segment[k]], cuts[segment[k] + 1]) for k in range(i, chunks, positions)
+            ),
         )
         device_bytes[i] += memory
         compute = arrays.compute(start, end) + choice.extra_ms

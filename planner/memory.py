@@ -44,6 +44,7 @@ __all__ = [
     "parameter_copies",
     "stage_memory_bytes",
     "gradient_temporary_bytes",
+    "backward_temporary_bytes",
     "in_flight_after",
     "plan_stage_memory",
 ]
@@ -147,6 +148,35 @@ def gradient_temporary_bytes(
     return largest_param_bytes if precision.mixed or microbatches > 1 else 0.0
 
 
+@overload
+def backward_temporary_bytes(
+    largest_param_bytes: float, working_bytes: float, microbatches: int, precision: Precision = ...
+) -> float: ...
+@overload
+def backward_temporary_bytes(
+    largest_param_bytes: np.ndarray, working_bytes: np.ndarray, microbatches: int, precision: Precision = ...
+) -> Elementwise: ...
+def backward_temporary_bytes(
+    largest_param_bytes: Elementwise,
+    working_bytes: Elementwise,
+    microbatches: int,
+    precision: Precision = Precision(),
+) -> Elementwise:
+    """What a stage holds at its peak beside its kept gradients and saved activations: the
+    gradient temporary (``gradient_temporary_bytes``) plus one micro-batch of its hungriest
+    layer's backward working memory (``working_bytes``, one minibatch's: the output gradients
+    handed in and what the backward allocates, ``LayerProfile.backward_working_bytes``). Both
+    are maxima over the stage's layers, charged together (a bound: they may peak in different
+    layers). Elementwise on numpy arrays.
+
+    >>> backward_temporary_bytes(64, 400, microbatches=4)
+    164.0
+    """
+    return (
+        gradient_temporary_bytes(largest_param_bytes, microbatches, precision) + working_bytes / microbatches
+    )
+
+
 def in_flight_after(devices_from_stage: int, replicas: int) -> int:
     """1F1B-RR minibatches in flight at a stage: ceil(devices of it and later stages / replicas).
 
@@ -171,6 +201,7 @@ def plan_stage_memory(
     precision: Precision = Precision(),
     largest_param_bytes: float = 0.0,
     transient_bytes: float = 0.0,
+    working_bytes: float = 0.0,
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
@@ -178,7 +209,8 @@ def plan_stage_memory(
     peak; the device's gradient temporary is charged to its first chunk); without, the
     whole stage's. ``largest_param_bytes``: the stage's largest parameter (0: none charged).
     ``transient_bytes``: what a recomputed layer re-materialises in backward
-    (``planner.recompute``), held beside everything else at the peak.
+    (``planner.recompute``), held beside everything else at the peak. ``working_bytes``: the
+    stage's largest backward working memory, one minibatch (``backward_temporary_bytes``).
     """
     kind = schedule_kind(schedule)
     versions = kind.weight_versions(stage_replicas, stage)
@@ -186,7 +218,11 @@ def plan_stage_memory(
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
-    temporary = 0.0 if chunk else gradient_temporary_bytes(largest_param_bytes, microbatches, precision)
+    temporary = (
+        0.0
+        if chunk
+        else backward_temporary_bytes(largest_param_bytes, working_bytes, microbatches, precision)
+    )
     temporary += transient_bytes
     memory = stage_memory_bytes(
         param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary

@@ -22,7 +22,7 @@ from pipeplan.planner.cuts import CutFamily, cut_family
 from pipeplan.planner.dp import DPSettings, StageNode, reconstruct, solve
 from pipeplan.planner.flush_bound import flush_period_bound_ms
 from pipeplan.planner.interleave import partition_interleaved, plan_interleaved_shape
-from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.memory import backward_temporary_bytes
 from pipeplan.planner.offload import base_mode, host_bandwidth, offload_of
 from pipeplan.planner.options import (
     PartitionOptions,
@@ -109,8 +109,11 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
                     options.optimizer,
                     precision,
                     most,
-                    gradient_temporary_bytes(
-                        float(layer.largest_tensor_bytes), options.microbatches, precision
+                    backward_temporary_bytes(
+                        float(layer.largest_tensor_bytes),
+                        float(max(0, layer.backward_working_bytes)),
+                        options.microbatches,
+                        precision,
                     )
                     + choice.transient_bytes,
                     float(layer.param_bytes),

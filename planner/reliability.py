@@ -3,7 +3,9 @@
 The prediction adds the profile's layer times up per stage; it holds when the layers
 measured one by one add up to the whole step, when their readings are steady, and when a
 micro-batch's time is known at its size. Each warning is one line that says which of these
-fails, by how much, and what to do.
+fails, by how much, and what to do. The predicted memory leaves out what a backward holds
+beyond the saved activations where the profile did not measure it
+(``LayerProfile.backward_working_bytes``): that is said too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
         out.append(
             f"the profile's readings vary by {spread / medians:.0%} of their medians (interquartile "
             f"ranges summed): profile again on an idle machine or with more --repeats"
+        )
+    if profile.layers and all(layer.backward_working_bytes < 0 for layer in profile.layers):
+        out.append(
+            "the profile does not record its layers' backward working memory (activation "
+            "gradients and temporaries; profiles made before it was, imported or estimated): "
+            "each stage's memory figure leaves it out; profile again to have it charged"
         )
     micro = plan.microbatches
     if micro > 1 and not profile.timed_batch_sizes:

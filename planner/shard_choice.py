@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
 from pipeplan.planner.dp.sharded import largest_layer_range
-from pipeplan.planner.memory import gradient_temporary_bytes, plan_stage_memory
+from pipeplan.planner.memory import backward_temporary_bytes, plan_stage_memory
 from pipeplan.planner.offload import FSDP_MODES, base_mode, host_bandwidth, offload_ms
 from pipeplan.planner.placement import FlatStage
 from pipeplan.planner.recompute import StageRecompute, choose
@@ -100,6 +100,7 @@ def stage_shard(
     if candidates is None:
         candidates = [StageRecompute((), 0.0, arrays.saved(stage.start, stage.end), 0.0)]
     largest_param = arrays.largest(stage.start, stage.end)
+    working = arrays.working(stage.start, stage.end)
 
     def unsharded_memory(option: StageRecompute) -> int:
         return plan_stage_memory(
@@ -113,6 +114,7 @@ def stage_shard(
             precision=precision,
             largest_param_bytes=largest_param,
             transient_bytes=option.transient_bytes,
+            working_bytes=working,
         )[0]
 
     _, versions, in_flight = plan_stage_memory(
@@ -129,7 +131,7 @@ def stage_shard(
     lv = topology.levels[0]
     above = math.prod(node.units for node in stage.path[:-1])
     largest_layer = float(largest_layer_range(arrays, stage.start, stage.end))
-    temporary = gradient_temporary_bytes(largest_param, microbatches, precision)
+    temporary = backward_temporary_bytes(largest_param, working, microbatches, precision)
     higher = _higher_sync_ms(stage, arrays, topology)
     compute, _, comm, _ = figures
     best: StageShard | None = None

@@ -22,7 +22,7 @@ from pipeplan.errors import InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.cost_models import cost_model
 from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
-from pipeplan.planner.memory import OPTIMIZER_STATES, gradient_temporary_bytes
+from pipeplan.planner.memory import OPTIMIZER_STATES, backward_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
 from pipeplan.planner.sharding import stage_shard_memory, stage_sync_ms
@@ -71,6 +71,7 @@ class StageCosts:
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
     allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
     largest_param_bytes: int = 0  # the stage's largest parameter (its gradient temporary; planner.memory)
+    working_bytes: int = 0  # its hungriest layer's backward working memory, one minibatch (planner.memory)
     # activation recomputation (planner.recompute): saved bytes of the stage's largest
     # recomputable layer, one minibatch (re-materialised one micro-batch at a time); 0: none
     recompute_peak_bytes: int = 0
@@ -189,6 +190,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 # offload's host-link copies and host step (planner.offload) beside the step
                 step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
+                working_bytes=max((max(0, layer.backward_working_bytes) for layer in layers), default=0),
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
                 curve=stage_curve(profile, stage.layers),
@@ -537,12 +539,14 @@ def _all_lanes(
 def _temporary_bytes(
     costs: Sequence[StageCosts], q: int, positions: int, microbatches: int, plan: Plan
 ) -> float:
-    """Model stage ``q``'s gradient temporary (``planner.memory``): a device's, charged to its first chunk."""
+    """Model stage ``q``'s gradient temporary and backward working memory (``planner.memory``):
+    a device's, charged to its first chunk."""
     if q >= positions:
         return 0.0
     largest = max(c.largest_param_bytes for c in costs[q::positions])
+    working = max(c.working_bytes for c in costs[q::positions])
     recompute = max(c.recompute_peak_bytes for c in costs[q::positions]) / microbatches
-    return float(gradient_temporary_bytes(largest, microbatches, plan.precision)) + recompute
+    return float(backward_temporary_bytes(largest, working, microbatches, plan.precision)) + recompute
 
 
 def simulate_plan(

@@ -146,8 +146,11 @@ def test_partition_warns_when_the_prediction_is_known_unreliable() -> None:
     warnings = prediction_warnings(base, plan)
     assert any("sum to 2.00x the measured whole step (24.000 ms vs 12.000 ms)" in w for w in warnings)
     assert any("proportional to its size" in w for w in warnings)  # no times at smaller sizes
-    assert prediction_warnings(with_fixed_cost(replace(base, step_ms=24.0), 0.4), plan) == []  # 1.4x
-    measured = with_fixed_cost(replace(base, step_ms=24.0), 1.0)
+    assert any("backward working memory" in w for w in warnings)  # not measured: said
+    working = replace(base, layers=tuple(replace(layer, backward_working_bytes=0) for layer in base.layers))
+    assert not any("backward working memory" in w for w in prediction_warnings(working, plan))
+    assert prediction_warnings(with_fixed_cost(replace(working, step_ms=24.0), 0.4), plan) == []  # 1.4x
+    measured = with_fixed_cost(replace(working, step_ms=24.0), 1.0)
     warnings = prediction_warnings(measured, plan)
     # a micro-batch of 8 per layer: forward 1 + 1 / 4, backward 1 + 3 / 4: 3 ms for 6 / 4 = 1.5 proportional
     assert warnings == [

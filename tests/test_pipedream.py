@@ -114,11 +114,18 @@ def test_pipedream_mode_warns_when_pipeplan_memory_exceeds_the_device(tmp_path):
     plan = Plan.load(out)
     over = [s for s in plan.stages if s.memory_bytes > 16 * 2**30]
     assert [s.index for s in over] == [0]
-    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    # besides the one line every imported profile gets: no backward working memory recorded
+    unrecorded = "does not record its layers' backward working memory"
+    warnings = [
+        line for line in result.output.splitlines() if line.startswith("warning:") and unrecorded not in line
+    ]
     assert len(warnings) == 1
     assert (
         "1 stage(s) exceed 16.0 GiB per device by pipeplan's memory model (stage 0: 24.1 GiB)" in warnings[0]
     )
     assert "cut states searched: all-downsets (41 states)" in result.output
     fitting = CliRunner().invoke(cli, ["partition", graph, "--topology", "cluster-a", "-o", str(out)])
-    assert fitting.exit_code == 0 and "warning:" not in fitting.output
+    assert fitting.exit_code == 0
+    assert [line for line in fitting.output.splitlines() if line.startswith("warning:")] == [
+        next(line for line in result.output.splitlines() if unrecorded in line)
+    ]

@@ -31,11 +31,26 @@ from pipeplan.topology import DeviceSpec, Level, Topology
 FIXTURE_PROFILE = Path(__file__).parent / "fixtures" / "runtime" / "recompute_blocks.profile.json"
 
 
-def _chain(saved: list[int], outputs: list[int], forward: list[float] | None = None) -> Profile:
+def _chain(
+    saved: list[int],
+    outputs: list[int],
+    forward: list[float] | None = None,
+    working: list[int] | None = None,
+) -> Profile:
     forward = forward or [1.0] * len(saved)
+    working = working or [-1] * len(saved)
     layers = tuple(
         LayerProfile(
-            i, f"l{i}", "Block", (i - 1,) if i else (), forward[i], 2 * forward[i], outputs[i], 100, s
+            i,
+            f"l{i}",
+            "Block",
+            (i - 1,) if i else (),
+            forward[i],
+            2 * forward[i],
+            outputs[i],
+            100,
+            s,
+            backward_working_bytes=working[i],
         )
         for i, s in enumerate(saved)
     )
@@ -74,7 +89,8 @@ def _cases(draw: st.DrawFn) -> tuple[Profile, Topology, PartitionOptions]:
     saved = [draw(st.integers(0, 4000)) for _ in range(n)]
     outputs = [draw(st.integers(0, 1500)) for _ in range(n)]
     forward = [draw(st.floats(0.1, 5.0)) for _ in range(n)]
-    profile = _chain(saved, outputs, forward)
+    working = [draw(st.sampled_from([-1, 0, 700, 2500])) for _ in range(n)]
+    profile = _chain(saved, outputs, forward, working)
     schedule = draw(st.sampled_from(["gpipe", "1f1b-flush"]))
     micro = draw(st.sampled_from([1, 2])) if schedule == "gpipe" else 1
     options = PartitionOptions(
@@ -105,6 +121,29 @@ def test_dp_choice_equals_brute_force(case: tuple[Profile, Topology, PartitionOp
         )
         if options.recompute == "none":
             assert stage.recompute_layers == ()
+
+
+def test_a_stage_holds_its_hungriest_backward_beside_its_activations() -> None:
+    """3 layers of 1000 bytes saved on one device, 2 micro-batches (gpipe: both in flight):
+    the stage holds 3000 saved bytes, its parameters (100 bytes each, SGD: weights and one
+    gradient, 600), the gradient temporary of its largest parameter (100, as M > 1) and one
+    micro-batch of its hungriest layer's backward working memory (1800 / 2 = 900): 4600. With
+    5000 bytes it fits without recomputation; with 4200 only by recomputing the first layer
+    (its 1000 saved bytes become 0, the layer re-materialised in backward holds 500),
+    where a profile without the working figure (3700 bytes) plans none at 4200."""
+    saved, outputs = [1000] * 3, [10] * 3
+    options = PartitionOptions(schedule="gpipe", microbatches=2, optimizer="sgd")
+    plan = partition(_chain(saved, outputs, working=[200, 1800, 400]), _topology(1, 5000), options)
+    assert plan.stages[0].memory_bytes == 3000 + 600 + 100 + 900
+    assert plan.stages[0].recompute_layers == ()
+    simulated = simulate_plan(plan, _chain(saved, outputs, working=[200, 1800, 400]))
+    assert simulated.stages[0].memory_bytes == plan.stages[0].memory_bytes
+    plan = partition(_chain(saved, outputs, working=[200, 1800, 400]), _topology(1, 4200), options)
+    assert plan.stages[0].recompute_layers == (0,)
+    assert plan.stages[0].memory_bytes == 2000 + 600 + 100 + 900 + 500
+    unmeasured = partition(_chain(saved, outputs), _topology(1, 4200), options)
+    assert unmeasured.stages[0].recompute_layers == ()
+    assert unmeasured.stages[0].memory_bytes == 3000 + 600 + 100
 
 
 def test_recomputation_pays_first_where_1f1b_holds_most() -> None:

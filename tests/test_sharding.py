@@ -138,6 +138,7 @@ def cases(draw):
             p,
             draw(st.integers(0, 3000)),
             largest_param_bytes=draw(st.integers(0, p)),
+            backward_working_bytes=draw(st.sampled_from([-1, 0, 3000, 9000])),
         )  # fmt: skip
         for i, p in enumerate(params)
     )

@@ -159,15 +159,15 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
         arrays.saved_bytes[-1:] - arrays.saved_bytes[:1],
     )
     first, last = np.array([0]), np.array([len(arrays.param_bytes) - 1])
-    whole = arrays.largest_range(first, last)
+    whole, working = arrays.largest_range(first, last), arrays.working_range(first, last)
     if (
         settings.memory_check
-        and float(device_need_bytes(settings, params, saved, 0, whole, arrays, first, last)[0])
+        and float(device_need_bytes(settings, params, saved, 0, whole, working, arrays, first, last)[0])
         > topology.device.memory_bytes
     ):
         return INF
     value = arrays.compute(0, arrays.layers) + _whole_recompute_ms(
-        arrays, topology, settings, params, saved, whole
+        arrays, topology, settings, params, saved, whole, working
     )
     grads = params * arrays.precision.gradient_ratio
     for level in topology.levels:
@@ -183,6 +183,7 @@ def _whole_recompute_ms(
     params: np.ndarray,
     saved: np.ndarray,
     largest: np.ndarray,
+    working: np.ndarray,
 ) -> float:
     """The recomputation (ms) the whole model as one stage at tau 0 chooses (``device_time``'s)."""
     mode = settings.recompute
@@ -190,7 +191,7 @@ def _whole_recompute_ms(
         return 0.0
     assert arrays.recompute_gain is not None and arrays.recompute_forward_ms is not None
     first, last = np.array([0]), np.array([len(arrays.param_bytes) - 1])
-    need = device_need_bytes(settings, params, np.zeros(1), 0, largest)
+    need = device_need_bytes(settings, params, np.zeros(1), 0, largest, working)
     spare = topology.device.memory_bytes - need if settings.memory_check else np.full(1, INF)
     extra = range_extra_ms(
         arrays.recompute_gain,
@@ -228,8 +229,18 @@ def some_layer_never_fits(ctx: DPContext) -> bool:
     params, saved = np.diff(ctx.arrays.param_bytes), np.diff(ctx.arrays.saved_bytes)
     states = np.arange(len(ctx.arrays.param_bytes))
     largest = ctx.arrays.largest_range(states[:-1], states[1:])
+    working = ctx.arrays.working_range(states[:-1], states[1:])
     need = least_need_bytes(
-        ctx.settings, params, saved, 0, largest, ctx.levels[0].count, ctx.arrays, states[:-1], states[1:]
+        ctx.settings,
+        params,
+        saved,
+        0,
+        largest,
+        working,
+        ctx.levels[0].count,
+        ctx.arrays,
+        states[:-1],
+        states[1:],
     )  # device_table at tau = 0 for single layers, in the least hungry shard mode
     return bool(np.any(need > ctx.topology.device.memory_bytes))
 
@@ -252,6 +263,7 @@ def fewest_stages(arrays: LayerArrays, topology: Topology, settings: DPSettings)
             arrays.saved_bytes[ends] - arrays.saved_bytes[start],
             0,
             arrays.largest_range(np.full(len(ends), start), ends),
+            arrays.working_range(np.full(len(ends), start), ends),
             topology.levels[0].count,
             arrays,
             np.full(len(ends), start),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
-from pipeplan.planner.memory import gradient_temporary_bytes, parameter_copies
+from pipeplan.planner.memory import backward_temporary_bytes, parameter_copies
 from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
 from pipeplan.planner.sharding import replica_microbatches, sync_floor_factor, sync_floor_ms
 from pipeplan.precision import Precision
@@ -163,6 +163,7 @@ class DPContext:
         self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
         self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
         self.largest = arrays.largest_range(s_idx, e_idx)
+        self.working = arrays.working_range(s_idx, e_idx)  # backward working bytes (planner.memory)
         self.starts, self.ends = (np.broadcast_to(x, self.compute.shape) for x in (s_idx, e_idx))
         self.transient = (
             arrays.recompute_transient(s_idx, e_idx) / settings.microbatches
@@ -363,13 +364,15 @@ def versions_in_flight(settings: DPSettings, tau: int) -> tuple[int, float]:
     return schedule_kind(settings.schedule).weight_versions((1,), 0), settings.flush_in_flight
 
 
-def _parameter_bytes(settings: DPSettings, params: np.ndarray, tau: int, largest: np.ndarray) -> np.ndarray:
-    """Bytes of everything but the activations: weight versions, gradients, optimizer
-    states (and masters), the gradient temporary."""
+def _parameter_bytes(
+    settings: DPSettings, params: np.ndarray, tau: int, largest: np.ndarray, working: np.ndarray | float
+) -> np.ndarray:
+    """Bytes of everything but the saved activations: weight versions, gradients, optimizer
+    states (and masters), the gradient temporary and the backward working memory."""
     versions, _ = versions_in_flight(settings, tau)
     return params * parameter_copies(
         versions, settings.optimizer, settings.precision
-    ) + gradient_temporary_bytes(largest, settings.microbatches, settings.precision)
+    ) + backward_temporary_bytes(largest, working, settings.microbatches, settings.precision)
 
 
 def device_need_bytes(
@@ -378,15 +381,17 @@ def device_need_bytes(
     saved: np.ndarray,
     tau: int,
     largest: np.ndarray,
+    working: np.ndarray | float,
     arrays: LayerArrays | None = None,
     starts: np.ndarray | None = None,
     ends: np.ndarray | None = None,
 ) -> np.ndarray:
     """Bytes one device needs for ranges of ``params`` and ``saved`` bytes, whose largest
-    parameters are ``largest``, at ``tau``. Given ``arrays`` and the ranges' ``starts`` and
-    ``ends``, the fewest that ``settings.recompute`` allows (``planner.recompute``). Unsharded:
-    the sharded figures are ``planner.dp.sharded``'s, on the same activation side."""
-    return _parameter_bytes(settings, params, tau, largest) + activation_need_bytes(
+    parameters are ``largest`` and largest backward working memory ``working`` (one
+    minibatch), at ``tau``. Given ``arrays`` and the ranges' ``starts`` and ``ends``, the
+    fewest that ``settings.recompute`` allows (``planner.recompute``). Unsharded: the sharded
+    figures are ``planner.dp.sharded``'s, on the same activation side."""
+    return _parameter_bytes(settings, params, tau, largest, working) + activation_need_bytes(
         settings, saved, tau, arrays, starts, ends
     )
 
@@ -424,7 +429,9 @@ def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
     on one device at ``tau``, with the recomputation ``ctx.settings.recompute`` chooses for
     it (``planner.recompute``); inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
-    parameters = _parameter_bytes(ctx.settings, ctx.params[where], tau, ctx.largest[where])
+    parameters = _parameter_bytes(
+        ctx.settings, ctx.params[where], tau, ctx.largest[where], ctx.working[where]
+    )
     return time + recompute_extra_ms(ctx, tau, where, parameters)
 
 

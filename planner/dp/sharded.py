@@ -28,7 +28,7 @@ from pipeplan.planner.dp.context import (
     recompute_extra_ms,
     versions_in_flight,
 )
-from pipeplan.planner.memory import gradient_temporary_bytes
+from pipeplan.planner.memory import backward_temporary_bytes
 from pipeplan.planner.offload import FSDP_MODES, base_mode, offload_ms
 from pipeplan.planner.sharding import replica_microbatches, shard_memory_bytes, shard_sync_ms
 
@@ -92,7 +92,9 @@ def sharded_stage_values(ctx: DPContext, tau: int, units: int, where: tuple) -> 
     lv = ctx.levels[0]
     valid = ctx.valid[where]
     compute, params = ctx.compute[where], ctx.params[where]
-    temporary = gradient_temporary_bytes(ctx.largest[where], settings.microbatches, settings.precision)
+    temporary = backward_temporary_bytes(
+        ctx.largest[where], ctx.working[where], settings.microbatches, settings.precision
+    )
     micro = replica_microbatches(settings.schedule, settings.microbatches, units)
     fsdp = any(base_mode(mode) == "fsdp" for mode in settings.shard)
     largest = _largest_layers(ctx)[where] if fsdp else 0.0
@@ -128,6 +130,7 @@ def least_need_bytes(
     saved: np.ndarray,
     tau: int,
     largest: np.ndarray,
+    working: np.ndarray,
     most: int,
     arrays: LayerArrays | None = None,
     starts: np.ndarray | None = None,
@@ -138,7 +141,7 @@ def least_need_bytes(
     left out), with the fewest activation bytes recomputation allows (given ``arrays`` and
     the ranges' ``starts`` and ``ends``: ``context.activation_need_bytes``): a lower bound
     for the DP's memory bounds."""
-    temporary = gradient_temporary_bytes(largest, settings.microbatches, settings.precision)
+    temporary = backward_temporary_bytes(largest, working, settings.microbatches, settings.precision)
     modes = settings.shard if most > 1 else ("none",)
     if "none" not in modes:
         modes = ("none",) + modes  # a stage on one device does not shard
