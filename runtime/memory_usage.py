@@ -18,7 +18,9 @@ kernels' code pages, the autograd engine's thread, the allocator's arenas (measu
 MiB on torch 2.13 for a step of an 8-unit MLP, which is 2.4x the bundled MLP's 16 MiB of
 parameters). ``warm_up`` runs such a step on a tiny model before the baseline is taken,
 and ``MemoryMeter`` records what it added as ``overhead_bytes``: the fixed part, shown
-apart, in the baseline. Just before its first step a rank holds, besides its stage's
+apart, in the baseline. On a GPU the same step runs on the rank's device: cuBLAS keeps a
+workspace per handle and stream from the allocator once a first matmul ran (tens of MiB
+on Hopper), which ``memory_allocated`` counts though no stage holds it. Just before its first step a rank holds, besides its stage's
 parameters and buffers, what the runtime set up: the rest of a model built whole and
 split, the minibatches drawn ahead (``runtime/data.py``), communication buffers. ``steps_begin``
 records that as ``setup_bytes`` (the RSS then, less the baseline and the stage's tensor
@@ -73,17 +75,19 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def warm_up(optimizer: str) -> None:
-    """One training step (forward, loss, backward, an ``optimizer`` step) of a tiny MLP, so
-    the process's fixed costs of a first step are paid before a baseline. O(1)."""
+def warm_up(optimizer: str, device: str = "cpu") -> None:
+    """One training step (forward, loss, backward, an ``optimizer`` step) of a tiny MLP on
+    ``device``, so the process's fixed costs of a first step are paid before a baseline. O(1)."""
     import torch
 
     from pipeplan.optimizers import make_optimizer
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
-    step = make_optimizer(optimizer, list(model.parameters()), lr=1e-3)
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        step = make_optimizer(optimizer, list(model.parameters()), lr=1e-3)
+        sample, target = torch.randn(2, 8), torch.tensor([0, 1])
     for _ in range(2):
-        loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 8)), torch.tensor([0, 1]))
+        loss = torch.nn.functional.cross_entropy(model(sample), target)
         loss.backward()
         step.step()
         step.zero_grad(set_to_none=True)
@@ -102,6 +106,11 @@ class MemoryMeter:
             import torch
 
             torch.cuda.init()  # the allocator's statistics exist once CUDA is initialised (torch 2.11 raised before)
+            if optimizer is not None:  # cuBLAS's workspaces stay allocated after a first matmul
+                before = int(torch.cuda.memory_allocated(device))
+                warm_up(optimizer, device)
+                torch.cuda.synchronize(device)
+                self.overhead = max(0, int(torch.cuda.memory_allocated(device)) - before)
             torch.cuda.reset_peak_memory_stats(device)
             self.baseline = int(torch.cuda.memory_allocated(device))
         else:
@@ -124,7 +133,7 @@ class MemoryMeter:
             import torch
 
             peak = int(torch.cuda.max_memory_allocated(self.device))
-            return MemoryReading(CUDA_ALLOCATED, self.baseline, max(peak, self.baseline))
+            return MemoryReading(CUDA_ALLOCATED, self.baseline, max(peak, self.baseline), self.overhead)
         peak = max(peak_rss_bytes(), self.baseline)
         return MemoryReading(RSS, self.baseline, peak, self.overhead, min(self.setup, peak - self.baseline))
 
