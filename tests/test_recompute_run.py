@@ -8,10 +8,10 @@ the first stage (it holds both micro-batches; the last holds one). It trains on 
 ranks to the parameters of single-process training, and each rank's held memory is the
 plan's figure within 15%.
 
-Why a 64 MiB parameter per block: pipeplan's memory rule counts parameters, gradients,
-optimizer state and the activations autograd saves, not the runtime's activation
-gradients in backward, the outputs a stage keeps for its backward, or the minibatch drawn
-on both ranks (together about 45-50 MiB per rank here). On this activation-only model
+Why a 64 MiB parameter per block: the fixture profile predates
+``LayerProfile.backward_working_bytes`` (it records none, so the plan charges no activation
+gradients in backward), and pipeplan's memory rule never counts the outputs a stage keeps for
+its backward or the minibatch drawn on both ranks (together about 45-50 MiB per rank here). On this activation-only model
 (no table) the ranks held 1.5x and 1.9x the plan's figure, with and without recomputation
 alike; with the parameters, what the rule leaves out is under 15% of the total.
 """
