@@ -142,12 +142,14 @@ class LayerArrays:
         """``sync_bytes`` of every range [starts, ends) (numpy indices, elementwise)."""
         return (self.param_bytes[ends] - self.param_bytes[starts]) * self.precision.gradient_ratio
 
+    def _stage_max(self, values: np.ndarray | None, i: int, j: int) -> float:
+        """The largest of the per-layer ``values`` in the stage from state i to j (0: none)."""
+        layers = list(self.cut_family.stage_layers(i, j))
+        return float(values[layers].max()) if values is not None and layers else 0.0
+
     def largest(self, i: int, j: int) -> float:
         """Bytes of the largest parameter of the stage from state i to state j (0: none recorded)."""
-        if self.largest_param_bytes is None:
-            return 0.0
-        layers = list(self.cut_family.stage_layers(i, j))
-        return float(self.largest_param_bytes[layers].max()) if layers else 0.0
+        return self._stage_max(self.largest_param_bytes, i, j)
 
     def largest_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
@@ -156,10 +158,7 @@ class LayerArrays:
 
     def working(self, i: int, j: int) -> float:
         """The largest backward working bytes (one minibatch) of the stage from state i to j."""
-        if self.working_bytes is None:
-            return 0.0
-        layers = list(self.cut_family.stage_layers(i, j))
-        return float(self.working_bytes[layers].max()) if layers else 0.0
+        return self._stage_max(self.working_bytes, i, j)
 
     def working_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``working`` of every stage [starts, ends) (elementwise; ``range_max``)."""
