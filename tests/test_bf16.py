@@ -291,6 +291,8 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
         saved = sum(profile.layers[i].saved_bytes for i in planned.layers)
         largest = max(profile.layers[i].largest_param_bytes for i in planned.layers)
         assert largest == 512 * 512 * 2  # the W x W weight in bf16: its gradient temporary
+        working = max(profile.layers[i].backward_working_bytes for i in planned.layers)
+        assert working > 0  # measured: the activation gradients of its hungriest backward
         rule, _, _ = plan_stage_memory(
             "1f1b-flush",
             [1, 1],
@@ -301,6 +303,7 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
             2,
             precision=MIXED,
             largest_param_bytes=largest,
+            working_bytes=working,
         )
         assert stage["predicted_memory_bytes"] == planned.memory_bytes == rule
         assert stage["memory_kind"] == "rss" and stage["peak_memory_bytes"] > stage["baseline_memory_bytes"]
