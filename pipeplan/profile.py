@@ -9,7 +9,9 @@ optional fields of a meta-device profile (``build``, ``step_not_measured``,
 ``optimizer_sample_bytes``, ``LayerProfile.reused_from``) or ``master_dtype``, or
 ``LayerProfile.backward_input_ms`` (the input gradient's part of the backward; where
 absent, ``input_grad_ms`` assumes half) or ``LayerProfile.backward_working_bytes`` (where
-absent, -1: the planner charges no backward working memory and says so).
+absent, -1: the planner charges no backward working memory and says so) or
+``shared_parameter_bytes`` (where absent, a tied parameter is priced at its users' smallest
+``param_bytes``).
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -226,6 +228,11 @@ class Profile:
     # forward_ms_at / backward_ms_at were measured; () when not measured (older files,
     # meta-built and imported profiles): time is then taken as proportional to the batch
     timed_batch_sizes: tuple[int, ...] = ()
+    # bytes of each parameter that more than one layer uses (``LayerProfile.parameters``: a
+    # tied embedding and head); a plan that puts its users in different stages all-reduces
+    # its gradient between them every step (planner.ties). {}: none, or not recorded (older
+    # files: the planner then takes the smallest of its users' param_bytes)
+    shared_parameter_bytes: dict[str, int] = field(default_factory=dict)
     schema: str = field(default=PROFILE_SCHEMA)
 
     def __post_init__(self) -> None:
@@ -405,6 +412,14 @@ def validate(profile: Profile) -> None:
         raise InputError(f"profile tp_efficiency = {profile.tp_efficiency!r} is outside (0, 1]")
     for optimizer, value in profile.optimizer_ms.items():
         _check_amount(value, MAX_MS, f"profile optimizer_ms[{optimizer!r}]")
+    if not isinstance(profile.shared_parameter_bytes, dict):
+        raise InputError("profile shared_parameter_bytes must be an object of parameter names to bytes")
+    for name, value in profile.shared_parameter_bytes.items():
+        if not isinstance(name, str) or not name:
+            raise InputError(
+                f"profile shared_parameter_bytes has a key {name!r} that is not a parameter name"
+            )
+        _check_amount(value, MAX_BYTES, f"profile shared_parameter_bytes[{name!r}]", integer=True)
     _validate_modules(profile.modules)
     reach, n = profile.pipelining_reach, len(profile.layers)
     if reach and (len(reach) != n or not all(isinstance(r, int) and -1 <= r < n for r in reach)):

@@ -26,6 +26,7 @@ from pipeplan.planner.memory import OPTIMIZER_STATES, backward_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
 from pipeplan.planner.sharding import stage_shard_memory, stage_sync_ms
+from pipeplan.planner.ties import tie_allreduce_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, replica_lanes, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
@@ -70,6 +71,7 @@ class StageCosts:
     sends: tuple[tuple[int, int], ...]  # (consumer stage, bytes) of activations sent forward
     step_ms: float = 0.0  # the optimizer step after the gradient all-reduce
     allreduce_ms: float | None = None  # the replicas' all-reduce; None: ring formula on the gradient bytes
+    tie_allreduce_ms: float = 0.0  # its parameters tied to other stages' all-reduce (planner.ties)
     largest_param_bytes: int = 0  # the stage's largest parameter (its gradient temporary; planner.memory)
     working_bytes: int = 0  # its hungriest layer's backward working memory, one minibatch (planner.memory)
     # activation recomputation (planner.recompute): saved bytes of the stage's largest
@@ -175,6 +177,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
         c - l.compute_ms - u for c, l, u in zip(layer_compute_ms(profile, charged), profile.layers, update)
     ]
     gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
+    ties = tie_allreduce_ms(plan, profile)
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
@@ -191,6 +194,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
                 working_bytes=max((max(0, layer.backward_working_bytes) for layer in layers), default=0),
+                tie_allreduce_ms=ties[stage.index],
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
                 curve=stage_curve(profile, stage.layers),
@@ -382,15 +386,19 @@ def durations(plan: Plan, costs: Sequence[StageCosts], microbatches: int) -> Dur
     A micro-batch's compute is its share of the minibatch's (``planner.microbatch_time``:
     measured at its size where the profile has the times, else 1/M).
     The replicas all-reduce gradients in the plan's gradient dtype (``Precision.gradient_ratio``:
-    float32 gradients of bf16 weights under mixed precision)."""
+    float32 gradients of bf16 weights under mixed precision); stages sharing a tied parameter
+    add its all-reduce (``planner.ties``)."""
     ranks = [stage.ranks for stage in plan.stages]
     ratio = plan.precision.gradient_ratio
     reduce = [
-        c.allreduce_ms
-        if c.allreduce_ms is not None
-        else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
-        if plan.stages[q].shard == "none"
-        else stage_sync_ms(plan, q, c.param_bytes)
+        (
+            c.allreduce_ms
+            if c.allreduce_ms is not None
+            else allreduce_ms(plan.topology, ranks[q], c.param_bytes * ratio)
+            if plan.stages[q].shard == "none"
+            else stage_sync_ms(plan, q, c.param_bytes)
+        )
+        + c.tie_allreduce_ms
         for q, c in enumerate(costs)
     ]
     forward = [c.forward_ms * microbatch_share(c.curve, microbatches) for c in costs]

@@ -34,6 +34,7 @@ __all__ = [
     "counting_hooks",
     "count_saved",
     "backward_working_bytes",
+    "shared_parameter_bytes",
 ]
 
 
@@ -224,3 +225,19 @@ def backward_working_bytes(
             if grad is not None:
                 tensor.grad = grad if tensor.grad is None else grad + tensor.grad
     return _distinct_storage_bytes(grads) + max(0, peak - sum(made.values()))
+
+
+def shared_parameter_bytes(model: torch.nn.Module, users: Iterable[Iterable[str]]) -> dict[str, int]:
+    """Bytes of each of ``model``'s parameters named by more than one layer (``users``: each
+    layer's qualified parameter names, as ``LayerProfile.parameters``): a tied weight. Sizes
+    only, so a model on the meta device answers too.
+
+    >>> import torch
+    >>> shared_parameter_bytes(torch.nn.Linear(4, 2), [("weight",), ("weight", "bias")])
+    {'weight': 32}
+    """
+    from collections import Counter
+
+    counts = Counter(name for names in users for name in set(names))
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    return {name: sizes[name] for name, count in sorted(counts.items()) if count > 1 and name in sizes}

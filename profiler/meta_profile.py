@@ -28,7 +28,7 @@ from pipeplan.profiler.measure import (
     time_optimizer_steps,
     time_step,
 )
-from pipeplan.profiler.memory import output_bytes
+from pipeplan.profiler.memory import output_bytes, shared_parameter_bytes
 from pipeplan.profiler.timing import Stats, Timer, make_timer, robust_stats
 from pipeplan.units import format_bytes
 
@@ -188,6 +188,7 @@ def profile_on_meta(
         master_dtype=Precision.for_dtype(dtype).master_dtype,
         pipelining_reach=reach,
         pipelining_blocked=blocked,
+        shared_parameter_bytes=shared_parameter_bytes(network, (layer.parameters for layer in layers)),
     )
 
 

@@ -15,7 +15,7 @@ from pipeplan.profile import Profile
 from pipeplan.profiler.batch_sizes import measure_smaller_sizes, with_size_times
 from pipeplan.profiler.device import device_info, resolve_device, resolve_dtype
 from pipeplan.profiler.measure import Progress, disable_inplace, measure_layers, time_optimizer_steps
-from pipeplan.profiler.memory import output_bytes
+from pipeplan.profiler.memory import output_bytes, shared_parameter_bytes
 from pipeplan.profiler.timing import make_timer, robust_stats
 
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
@@ -302,6 +302,7 @@ def _profile(
         build="eager",
         master_dtype=Precision.for_dtype(dtype).master_dtype,
         timed_batch_sizes=(*smaller.batch_sizes, batch_size),
+        shared_parameter_bytes=shared_parameter_bytes(network, (layer.parameters for layer in layers)),
     )
 
 

@@ -148,6 +148,8 @@ def test_eager_and_layer_by_layer_profiles_measure_the_same_working_bytes() -> N
     # wte: the gradient in (its weight's gradient left out); h1: in, tanh's and the input's;
     # head: the (2, 5, 11) logits' gradient in and the input's out
     assert (working[0], working[1], working[-1]) == (activation, 3 * activation, 2 * 5 * 11 * 4 + activation)
+    # the tied weight, used by the embedding and the head: its bytes, in both builds
+    assert eager.shared_parameter_bytes == meta.shared_parameter_bytes == {"wte.weight": 11 * 8 * 4}
 
 
 PASS_THROUGH = """
