@@ -4,7 +4,9 @@ A replica of a stage keeps (bytes per device)::
 
     params * (weight_versions + 1 gradient + optimizer_states) + saved * activations_in_flight
 
-``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam; ``params`` and ``saved``
+``optimizer_states`` is 0 for SGD, 1 for momentum, 2 for Adam (and, where a stage keeps
+more than one weight version, one more copy: the live weights beside the stashed
+snapshots, ``parameter_copies``); ``params`` and ``saved``
 are the profile's bytes, in its dtype. Under mixed precision (``pipeplan.precision``:
 a bf16 profile plans bf16 compute with float32 masters) the weight versions are the
 compute copies and the rest is float32, ``master / compute`` bytes per compute byte::
@@ -28,14 +30,14 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, overload
 
+import numpy as np
+
 from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
 
 if TYPE_CHECKING:  # typing only
-    import numpy as np
-
     from pipeplan.planner.costs import Elementwise
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "stage_memory_bytes",
     "gradient_temporary_bytes",
     "backward_temporary_bytes",
+    "live_weight_copies",
     "in_flight_after",
     "plan_stage_memory",
 ]
@@ -71,11 +74,35 @@ def parameter_copies(
 ) -> Elementwise:
     """Bytes per byte of (compute-dtype) parameters: the weight versions, the gradient,
     the optimizer's states and, under mixed precision, the masters (module docstring).
+    Where a stage keeps several versions (1F1B-RR, 2BW), each is a snapshot beside the live
+    weights the optimizer updates (``pipeplan.runtime.stash``): one more copy, unless the
+    live weights are the float32 masters, which mixed precision counts already.
 
     >>> parameter_copies(1, "adam"), parameter_copies(1, "adam", Precision("bfloat16", "float32"))
     (4.0, 9.0)
+    >>> parameter_copies(2, "sgd"), parameter_copies(2, "sgd", Precision("bfloat16", "float32"))
+    (4.0, 6.0)
     """
-    return versions + precision.state_copies(optimizer_states(optimizer))
+    return (
+        versions
+        + live_weight_copies(versions, precision)
+        + precision.state_copies(optimizer_states(optimizer))
+    )
+
+
+def live_weight_copies(versions: Elementwise, precision: Precision) -> Elementwise:
+    """1 where a stage keeps several weight versions as snapshots beside its live weights
+    (``pipeplan.runtime.stash``) and those live weights are not the float32 masters that
+    mixed precision charges already; else 0. Elementwise on numpy arrays.
+
+    >>> live_weight_copies(1, Precision()), live_weight_copies(3, Precision())
+    (0.0, 1.0)
+    """
+    if precision.mixed:
+        return 0.0
+    if isinstance(versions, np.ndarray):
+        return np.where(versions > 1, 1.0, 0.0)
+    return 1.0 if versions > 1 else 0.0
 
 
 @overload

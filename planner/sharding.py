@@ -49,7 +49,7 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.costs import Elementwise, ring_allreduce_ms
-from pipeplan.planner.memory import optimizer_states, stage_memory_bytes
+from pipeplan.planner.memory import live_weight_copies, optimizer_states, stage_memory_bytes
 from pipeplan.planner.offload import FSDP_MODES, base_mode, offload_freed_copies, variant
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
@@ -151,10 +151,11 @@ def shard_copies(
     states = optimizer_states(optimizer)
     copies = precision.state_copies(states)
     own = 0.0 if precision.mixed else 1.0
+    weights = versions + live_weight_copies(versions, precision)
     if mode == "none":
-        return versions + copies - freed
+        return weights + copies - freed
     if mode == "zero1":
-        return versions + copies - precision.gradient_ratio * states * (1.0 - 1.0 / d) - freed
+        return weights + copies - precision.gradient_ratio * states * (1.0 - 1.0 / d) - freed
     if mode == "zero2":
         return 1.0 + (copies + own) / d - freed
     if mode == "fsdp":

@@ -63,23 +63,24 @@ def test_hand_checked_2x2():
     assert [(s.layer_start, s.layer_end, s.ranks) for s in plan.stages] == [(0, 2, (0, 1)), (2, 4, (2, 3))]
     assert plan.in_flight == 2
     assert plan.stages[0].in_flight == 2 and plan.stages[1].in_flight == 1
-    # memory: params * (versions + grad) + saved * in flight
-    assert plan.stages[0].memory_bytes == 2 * 10**6 * (2 + 1) + 2 * 10**5 * 2
+    # memory: params * (2 stashed versions + the live weights + grad) + saved * in flight
+    assert plan.stages[0].memory_bytes == 2 * 10**6 * (2 + 1 + 1) + 2 * 10**5 * 2
 
 
 def test_hand_checked_memory_changes_the_plan():
-    """Same case with 6 MB per device: the replicated [0,2) stage needs 6.4 MB, so server 0
-    runs [0,1) and [1,2) on one device each (in flight 4 and 3: 5.4 MB and 4.3 MB); the
-    period stays max(4, 2e5/1e9 s = 0.2, 4, 2, 4) = 4 ms."""
-    plan = partition(HAND, two_by_two(6 * 10**6), PartitionOptions())
+    """Same case with 7 MB per device: the replicated [0,2) stage needs 8.4 MB (2 stashed
+    versions and the live weights), so server 0 runs [0,1) and [1,2) on one device each (in
+    flight 4 and 3: 1 MB x (4 + 1 + 1) + 0.1 MB x 4 = 6.4 MB and 5.3 MB); the period stays
+    max(4, 2e5/1e9 s = 0.2, 4, 2, 4) = 4 ms."""
+    plan = partition(HAND, two_by_two(7 * 10**6), PartitionOptions())
     assert plan.predicted.stage_bound_ms == pytest.approx(4.0)
     assert [(s.layer_start, s.layer_end, s.replicas) for s in plan.stages] == [
         (0, 1, 1),
         (1, 2, 1),
         (2, 4, 2),
     ]
-    assert [s.memory_bytes for s in plan.stages] == [5_400_000, 4_300_000, 4_200_000]
-    assert all(s.memory_bytes <= 6 * 10**6 for s in plan.stages)
+    assert [s.memory_bytes for s in plan.stages] == [6_400_000, 5_300_000, 4_200_000]
+    assert all(s.memory_bytes <= 7 * 10**6 for s in plan.stages)
 
 
 def test_infeasible_names_the_layer():
@@ -170,8 +171,9 @@ def test_dp_equals_exhaustive(case):
         )
         if stage.shard == "none" and not (stage.recompute_layers or stage.selective_layers):
             assert memory == stage.memory_bytes
-        else:  # sharded replicas (tests/test_sharding.py) or recomputed layers: less than plain
-            assert stage.memory_bytes < memory
+        else:  # sharded replicas (tests/test_sharding.py) or recomputed layers: no more than
+            # plain (as much where nothing shards: no bytes, or ZeRO-1 of SGD's absent state)
+            assert stage.memory_bytes <= memory
         if options.memory_check:
             assert stage.memory_bytes <= topology.device.memory_bytes
 

@@ -15,10 +15,12 @@ def test_in_flight_matches_schedule():
 
 
 def test_memory_formula():
-    # adam: weights x versions + gradient + 2 states; activations x in flight
-    assert stage_memory_bytes(100, 10, 3, 3, "adam") == 100 * 6 + 30
+    # adam: weights x versions (stashed snapshots, plus the live weights where there are
+    # several: runtime/stash.py) + gradient + 2 states; activations x in flight
+    assert stage_memory_bytes(100, 10, 3, 3, "adam") == 100 * (3 + 1 + 1 + 2) + 30
+    assert stage_memory_bytes(100, 10, 1, 3, "adam") == 100 * (1 + 1 + 2) + 30  # the live weights alone
     memory, versions, in_flight = plan_stage_memory("1f1b-rr", [1, 1, 1], 0, 100, 10, "momentum")
-    assert (memory, versions, in_flight) == (100 * 5 + 30, 3, 3.0)
+    assert (memory, versions, in_flight) == (100 * (3 + 1 + 1 + 1) + 30, 3, 3.0)
     memory, versions, in_flight = plan_stage_memory("gpipe", [1, 1, 1], 0, 100, 10, "sgd", microbatches=4)
     assert (memory, versions, in_flight) == (200 + 10, 1, 1.0)
     with pytest.raises(InputError):

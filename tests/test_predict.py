@@ -175,12 +175,13 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     marked = [line for line in rows if line.split("│")[1].strip() == "*"]
     # 1F1B-RR and 2BW both take 6 ms (no bubble): the tie goes to fewer micro-batches
     # although 2BW holds less on stage 0 (2 layers of 1000 B of parameters and 1000 B
-    # saved): 2000 (2 + 1) + 2000 x 4 micro-batches of 1/4 + one layer's 1000 B gradient
-    # temporary (it accumulates 4 micro-batches; the profile records no largest parameter)
-    # = 8.79 KiB against 1F1B-RR's 2000 (4 + 1) + 2000 x 4 minibatches = 17.6 KiB
+    # saved): 2000 (2 versions + the live weights + 1 gradient) + 2000 x 4 micro-batches of
+    # 1/4 + one layer's 1000 B gradient temporary (it accumulates 4 micro-batches; the
+    # profile records no largest parameter) = 10.7 KiB against 1F1B-RR's 2000 (4 + 1 + 1)
+    # + 2000 x 4 minibatches = 19.5 KiB
     assert len(marked) == 1 and " 1f1b-rr " in marked[0] and " 6.000 " in marked[0]
     two = next(line for line in rows if " 2bw " in line)
-    assert " 6.000 " in two and " 8.79 KiB " in two and " 17.6 KiB " in marked[0]
+    assert " 6.000 " in two and " 10.7 KiB " in two and " 19.5 KiB " in marked[0]
     for text in (" 1f1b-flush ", " 10.500 ", " interleaved-1f1b ", " 8.250 ", " zb-h1 ", " 7.500 "):
         assert text in result.output
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output
