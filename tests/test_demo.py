@@ -60,13 +60,16 @@ def test_demo_runs_the_whole_flow_end_to_end(tmp_path: Path) -> None:
     assert "measured / predicted" in done.stdout and "measured throughput:" in done.stdout
     # memory: the runtime's fixed cost (a warm-up step) and its set-up before the first step
     # (the build, minibatches drawn ahead) are shown apart; what the stage held was 3.9-5.4x
-    # its plan when they were in it, now within 1.6x (the rest: a step's transient tensors)
+    # its plan when they were in it, now within 1.6x (the rest: what glibc keeps cached). The
+    # plan now counts the backward's working memory and 1F1B-RR's live weights beside its
+    # snapshots (35.5 MiB of tensors at stage 0's peak, 36.0 planned), and RSS can read below
+    # it: steps reuse memory the set-up freed (measured in CI: 30.0 MiB held, 34.6 planned)
     assert "set-up" in done.stdout and "fixed" in done.stdout
     for stage in metrics["stages"]:
         fixed, setup = stage["overhead_memory_bytes"], stage["setup_memory_bytes"]
         assert fixed > 0 and setup > 0, stage
         held = stage["peak_memory_bytes"] - stage["baseline_memory_bytes"] - setup
-        assert 0.9 < held / stage["predicted_memory_bytes"] < 1.6, stage
+        assert 0.8 < held / stage["predicted_memory_bytes"] < 1.6, stage
 
 
 def test_demo_with_a_missing_model_file_is_one_line_exit_2(tmp_path: Path) -> None:
