@@ -63,7 +63,7 @@ HF_FAMILIES = (
 )  # fmt: skip
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     """The GPU's name on cuda, else the processor's."""
     if device == "cuda":
         import torch
@@ -188,7 +188,7 @@ def main() -> None:
     out = args.out or str(
         ROOT / "bench" / "results" / f"predict{'_cuda' if args.device == 'cuda' else ''}.json"
     )
-    where = _device_name(args.device)
+    where = device_name(args.device)
     backend = "NCCL" if args.device == "cuda" else "gloo"
     console = Console()
     rows: list[dict[str, Any]] = []

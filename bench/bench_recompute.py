@@ -53,7 +53,7 @@ from pipeplan.topology import Topology, resolve
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_predict import ONE_GPU, _device_name, profile  # noqa: E402
+from bench_predict import ONE_GPU, device_name, profile  # noqa: E402
 from launch import torchrun_pipeplan  # noqa: E402
 
 MODEL = ROOT / "bench" / "llama_long.py"
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "machine": {
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
-                "device": _device_name(args.device),
+                "device": device_name(args.device),
             },
             "load_average": {"before": load_before, "after": load_after},
             "settings": vars(args),

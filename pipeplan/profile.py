@@ -153,6 +153,12 @@ class LayerProfile:
         return self.largest_param_bytes or self.param_bytes
 
     @property
+    def charged_working_bytes(self) -> int:
+        """The backward working bytes the planner charges: ``backward_working_bytes``, 0 where
+        not measured (-1)."""
+        return max(0, self.backward_working_bytes)
+
+    @property
     def splits(self) -> bool:
         """Whether the layer can be split across tensor-parallel ranks."""
         return self.tp_units > 0

@@ -328,9 +328,7 @@ def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray
         ),
         selective_layer_freed=np.array(freed, dtype=np.float64),
         layer_param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=np.float64),
-        working_bytes=np.array(
-            [max(0, layer.backward_working_bytes) for layer in profile.layers], dtype=np.float64
-        ),
+        working_bytes=np.array([layer.charged_working_bytes for layer in profile.layers], dtype=np.float64),
     )
 
 

@@ -111,7 +111,7 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
                     most,
                     backward_temporary_bytes(
                         float(layer.largest_tensor_bytes),
-                        float(max(0, layer.backward_working_bytes)),
+                        float(layer.charged_working_bytes),
                         options.microbatches,
                         precision,
                     )

@@ -193,7 +193,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 # offload's host-link copies and host step (planner.offload) beside the step
                 step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
-                working_bytes=max((max(0, layer.backward_working_bytes) for layer in layers), default=0),
+                working_bytes=max((layer.charged_working_bytes for layer in layers), default=0),
                 tie_allreduce_ms=ties[stage.index],
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
