@@ -18,7 +18,7 @@ from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan
 from pipeplan.planner.interleave import VIRTUAL_CANDIDATES
 from pipeplan.planner.options import PartitionOptions
-from pipeplan.planner.partition import partition, resimulated
+from pipeplan.planner.partition import Dominated, partition, resimulated
 from pipeplan.profile import Profile
 from pipeplan.schedules import SCHEDULE_KINDS, schedule_kind
 from pipeplan.topology import Topology
@@ -44,6 +44,7 @@ class Candidate:
     peak_memory_bytes: int  # per device (0: no plan)
     fits: bool
     note: str = ""  # why it has no plan, when it has none
+    pruned: bool = False  # proven slower than a plan found before it, so not planned further
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,17 @@ def search(
     options: PartitionOptions,
     schedules: Sequence[str] | None = None,
     misfit_memory: bool = True,
+    every_candidate: bool = False,
 ) -> SearchResult:
     """Plan every candidate shape (of ``schedules`` only, when given); the fastest that
     fits (ties within ``TIE_REL``: fewer micro-batches, whose per-message costs the time
     model leaves out, then the smaller peak memory, then the earlier candidate).
+
+    Candidates are planned most micro-batches first (``_search_order``), each against the
+    fastest fitting plan so far: one that provably cannot beat it (``partition``'s
+    ``Dominated``: its DP's slowest stage or flush bound is higher, or its simulation is)
+    is ``pruned``, listed without a figure. The choice is the same as planning every
+    candidate in full, which ``every_candidate`` does (for a table of every figure).
 
     A candidate with no plan that fits is planned again without the memory check to
     report the memory it would need; with ``misfit_memory=False`` only when no candidate
@@ -130,10 +138,10 @@ def search(
     """
     if not misfit_memory:
         try:
-            return _search(profile, topology, options, schedules, misfit_memory=False)
+            return _search(profile, topology, options, schedules, False, every_candidate)
         except InfeasibleError:
             pass  # none fits: the full search names the smallest memory that would
-    return _search(profile, topology, options, schedules, misfit_memory=True)
+    return _search(profile, topology, options, schedules, True, every_candidate)
 
 
 def _search(
@@ -142,10 +150,14 @@ def _search(
     options: PartitionOptions,
     schedules: Sequence[str] | None,
     misfit_memory: bool,
+    every_candidate: bool,
 ) -> SearchResult:
-    candidates: list[Candidate] = []
-    plans: list[Plan | None] = []
-    for name, micro, virtual in candidate_shapes(options, profile.batch_size, topology.world_size, schedules):
+    shapes = candidate_shapes(options, profile.batch_size, topology.world_size, schedules)
+    candidates: list[Candidate | None] = [None] * len(shapes)
+    plans: list[Plan | None] = [None] * len(shapes)
+    fastest_ms = math.inf  # of the fitting plans so far: a candidate that cannot beat it is pruned
+    for i in _search_order(shapes):
+        name, micro, virtual = shapes[i]
         shape = replace(
             options,
             schedule=name,
@@ -156,7 +168,14 @@ def _search(
         note = ""
         fits = True
         try:
-            plan = partition(profile, topology, shape, resimulate=False)  # the chosen one is, below
+            # the chosen one is resimulated, below; a tie within TIE_REL may still win on its count
+            beat_ms = math.inf if every_candidate else fastest_ms * (1 + TIE_REL)
+            plan = partition(profile, topology, shape, resimulate=False, beat_ms=beat_ms)
+        except Dominated:
+            candidates[i] = Candidate(
+                name, micro, virtual or 1, math.inf, 0, False, f"slower than {fastest_ms:.3f} ms", pruned=True
+            )
+            continue
         except InputError as exc:
             note = str(exc)
         except InfeasibleError as exc:
@@ -169,14 +188,36 @@ def _search(
                 except (InputError, InfeasibleError) as exc:
                     note = str(exc)
         if plan is None:
-            candidates.append(Candidate(name, micro, virtual or 1, math.inf, 0, False, note))
+            candidates[i] = Candidate(name, micro, virtual or 1, math.inf, 0, False, note)
         else:
             peak = device_peak_bytes(plan)
             fits = fits and peak <= topology.device.memory_bytes
-            candidates.append(
-                Candidate(name, micro, plan.virtual_stages, plan.predicted.time_per_minibatch_ms, peak, fits)
+            candidates[i] = Candidate(
+                name, micro, plan.virtual_stages, plan.predicted.time_per_minibatch_ms, peak, fits
             )
-        plans.append(plan)
+            if fits:
+                fastest_ms = min(fastest_ms, plan.predicted.time_per_minibatch_ms)
+        plans[i] = plan
+    planned = tuple(c for c in candidates if c is not None)
+    assert len(planned) == len(shapes)  # every index planned once
+    return _choose(profile, topology, options, planned, plans)
+
+
+def _search_order(shapes: Sequence[tuple[str, int, int | None]]) -> list[int]:
+    """Indices of ``shapes`` in the order to plan them: more micro-batches first, else as
+    listed. Large models win with many (the bubble shrinks), so the slower counts after
+    them are pruned before their DP fills its tables; small ones lose nothing but order."""
+    return sorted(range(len(shapes)), key=lambda i: -shapes[i][1])
+
+
+def _choose(
+    profile: Profile,
+    topology: Topology,
+    options: PartitionOptions,
+    candidates: tuple[Candidate, ...],
+    plans: Sequence[Plan | None],
+) -> SearchResult:
+    """The search's answer over planned ``candidates`` (see ``search``)."""
     fitting = [i for i, c in enumerate(candidates) if c.fits]
     if not fitting:
         planned = [c for c in candidates if c.peak_memory_bytes > 0]
@@ -201,13 +242,15 @@ def _search(
     return SearchResult(tuple(candidates), chosen, resimulated(plan, profile, shape))
 
 
-def choose_schedule(profile: Profile, topology: Topology, options: PartitionOptions) -> tuple[str, int, str]:
+def choose_schedule(
+    profile: Profile, topology: Topology, options: PartitionOptions, every_candidate: bool = False
+) -> tuple[str, int, str]:
     """(schedule, micro-batches, one-line reason): the best simulated throughput that fits.
 
     ``planner.auto.search`` over schedule x micro-batches x virtual stages; raises
     ``InfeasibleError`` when none fits.
     """
-    found = search(profile, topology, options)
+    found = search(profile, topology, options, every_candidate=every_candidate)
     best = found.best
     others = ", ".join(
         f"{c.schedule} M={c.microbatches} {c.time_per_minibatch_ms:.3f} ms"
@@ -221,4 +264,7 @@ def choose_schedule(profile: Profile, topology: Topology, options: PartitionOpti
     )
     if others:
         reason += f"; vs {others}"
+    pruned = sum(c.pruned for c in found.candidates)
+    if pruned:
+        reason += f"; {pruned} more pruned (provably slower)"
     return best.schedule, best.microbatches, reason

@@ -48,6 +48,7 @@ from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 
 __all__ = [
+    "Dominated",
     "PartitionOptions",
     "partition",
     "resimulated",
@@ -175,8 +176,9 @@ def _infeasible_hint(options: PartitionOptions) -> str:
 
 
 def _solve_pipedream(
-    arrays: LayerArrays, topology: Topology, options: PartitionOptions
+    arrays: LayerArrays, topology: Topology, options: PartitionOptions, cap_ms: float = math.inf
 ) -> tuple[float, tuple[StageNode, ...], frozenset]:
+    del cap_ms  # PipeDream's DP fills every table: no limit to prune with
     result = solve_pipedream(
         arrays,
         topology,
@@ -191,7 +193,7 @@ def _solve_pipedream(
 
 
 def _solve_pipeplan(
-    arrays: LayerArrays, topology: Topology, options: PartitionOptions
+    arrays: LayerArrays, topology: Topology, options: PartitionOptions, cap_ms: float = math.inf
 ) -> tuple[float, tuple[StageNode, ...], frozenset]:
     settings = DPSettings(
         options.schedule,
@@ -208,7 +210,7 @@ def _solve_pipeplan(
         fsdp_recomputes=options.shard != "auto",
         host_bandwidth_bytes_per_s=host_bandwidth(topology),
     )
-    solution = solve(arrays, topology, settings)
+    solution = solve(arrays, topology, settings, cap_ms=cap_ms)
     if not math.isfinite(solution.time_ms):
         return math.inf, (), frozenset()
     return solution.time_ms, reconstruct(solution), frozenset()
@@ -327,6 +329,7 @@ def partition(
     options: PartitionOptions = PartitionOptions(),
     *,
     resimulate: bool = True,
+    beat_ms: float = math.inf,
 ) -> Plan:
     """The best plan of ``profile`` on ``topology`` under ``options``, over the
     tensor-parallel degrees ``planner.tp_pricing.degrees`` allows: one exact plan per
@@ -337,6 +340,8 @@ def partition(
     ``InfeasibleError`` when no degree fits.
     ``resimulate=False`` keeps the one-minibatch window the uniform candidates were
     compared on (``resimulated`` does the rest: ``planner.auto`` calls it for its choice).
+    With ``beat_ms`` (the time of a plan the caller already has) raises ``Dominated``
+    when it can prove that no plan is faster, often without simulating any.
     """
     options.validate()
     if options.uniform is None:  # transformers (splitting layers) also try Megatron's uniform shapes
@@ -345,6 +350,7 @@ def partition(
         )
     found: list[tuple[float, int, Plan]] = []
     failure: InfeasibleError | InputError | None = None
+    dominated = False
     choices = [1] if options.export_target else tp.degrees(profile, topology, options.tensor_parallel)
     if not schedule_kind(options.schedule).runs_tensor_parallel:  # plan only what `pipeplan run` runs
         if options.tensor_parallel not in (None, 1):
@@ -355,10 +361,11 @@ def partition(
         choices = [1]
     for t in sorted(choices, reverse=True):  # large degrees first: big models' best, pruning the rest sooner
         # only simulated periods prune: a plan too large to simulate has its bubble-free figure
-        beat_ms = min((item[0] for item in found if item[2].predicted.simulated), default=math.inf)
+        beat = min([beat_ms] + [item[0] for item in found if item[2].predicted.simulated])
         try:
-            plan = _partition_at_tensor_degree(profile, topology, options, t, beat_ms)
-        except _Dominated:
+            plan = _partition_at_tensor_degree(profile, topology, options, t, beat)
+        except Dominated:
+            dominated = True
             continue
         except InfeasibleError as exc:
             failure = exc
@@ -371,11 +378,14 @@ def partition(
             continue
         found.append((plan.predicted.time_per_minibatch_ms, t, plan))
     if not found:
-        raise (
-            failure if failure is not None else InfeasibleError("no plan (internal: every degree dominated)")
-        )
+        if dominated:  # by the caller's plan: whatever the other degrees' failures, one is faster
+            raise Dominated(f"no plan beats {beat_ms:.6g} ms per minibatch")
+        assert failure is not None  # every degree either planned, was dominated or failed
+        raise failure
     # simulated periods first: a plan too large to simulate has only its bubble-free figure
     best = min(found, key=lambda item: (not item[2].predicted.simulated, item[0], item[1]))[2]
+    if best.predicted.time_per_minibatch_ms > beat_ms:  # its bound passed, its simulation did not
+        raise Dominated(f"no plan beats {beat_ms:.6g} ms per minibatch")
     return resimulated(best, profile, options) if resimulate else best
 
 
@@ -446,8 +456,9 @@ def _expanded(
     return tp.expand_plan(plan, topology, t, baselines_ms=baselines, sequence_parallel=sequence_parallel)
 
 
-class _Dominated(Exception):
-    """No plan of this degree can beat the best of an earlier one (its stage bound is higher)."""
+class Dominated(Exception):
+    """No plan can beat a plan the search already has (``beat_ms``): every candidate's
+    lower bound (its slowest stage, its flush bubble) is higher."""
 
 
 def _partition_at_tensor_degree(
@@ -505,7 +516,7 @@ def _partition_pipeline(
     ``planner.interleave`` (the planner picks v unless ``options.virtual_stages``).
     With ``options.uniform`` and a flush schedule, the uniform shapes of
     ``planner.uniform`` compete with the DP's plan (simulated over one minibatch, which
-    flush schedules repeat exactly); ``_Dominated`` when none can beat ``beat_ms``.
+    flush schedules repeat exactly); ``Dominated`` when none can beat ``beat_ms``.
     Raises ``InputError`` for bad options and ``InfeasibleError`` (one line) when no plan
     fits device memory.
     """
@@ -514,7 +525,7 @@ def _partition_pipeline(
     if kind.virtual_stages:
         chunked = partition_interleaved(profile, topology, options, beat_ms)
         if chunked is None:
-            raise _Dominated()
+            raise Dominated()
         return chunked
     model = cost_model(options.cost_model)
     family = _target_family(profile, topology, options) if options.export_target else cut_family(profile)
@@ -527,22 +538,23 @@ def _partition_pipeline(
         raise InfeasibleError(
             _infeasible_message(arrays, profile, topology, options)
         )  # what the DP would find
-    time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options)
     uniform = options.uniform and kind.flushes
+    charged = model.charged_optimizer(options.optimizer)
+    bubble = model.predicts_by_simulation(kind)  # the flush bound holds for simulated periods
+    # a flush plan's period is never below its slowest stage, the DP's time: the DP need not
+    # look past the plan to beat (ties kept: the caller prefers the smaller degree)
+    cap_ms = beat_ms * (1 + 1e-9) if uniform and bubble else math.inf
+    time_ms, tree, single_nodes = _SOLVERS[model.name](arrays, topology, options, cap_ms)
     if not math.isfinite(time_ms) and not uniform:
         raise InfeasibleError(_infeasible_message(arrays, profile, topology, options))
     if not uniform:
         return _tree_plan(profile, topology, options, arrays, tree, time_ms, single_nodes)
-    charged = model.charged_optimizer(options.optimizer)
-    bubble = model.predicts_by_simulation(kind)  # the flush bound holds for simulated periods
 
     def bound_ms(stage_ms: float, shape: tuple[StageNode, ...]) -> float:
         if not bubble:
             return stage_ms
         flat = flatten(shape, topology)
-        bound = flush_period_bound_ms(
-            profile, family, flat, topology, options.schedule, options.microbatches, charged
-        )
+        bound = flush_period_bound_ms(profile, family, flat, options.schedule, options.microbatches, charged)
         return max(
             stage_ms, bound * (1 - 1e-12)
         )  # 1e-12: its sums add in another order than the simulation's
@@ -552,8 +564,8 @@ def _partition_pipeline(
     # min(M, p - s) / M: with few micro-batches the DP may find nothing that the uniform shapes do
     candidates = [(bound_ms(time_ms, tree), time_ms, tree, single_nodes)] if math.isfinite(time_ms) else []
     failure: Exception = (
-        _Dominated()
-        if candidates
+        Dominated()
+        if candidates or math.isfinite(cap_ms)  # a DP capped at the plan to beat found none faster
         else InfeasibleError(_infeasible_message(arrays, profile, topology, options))
     )
     for _, _, shape in uniform_trees(arrays, topology):

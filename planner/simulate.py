@@ -293,12 +293,14 @@ def default_minibatches(
     Stashed gradients (1f1b-rr): the warm-up and the drain each cover the in-flight
     minibatches of every worker, max_s n_s (W_s + 1), the window ``steady`` minibatches
     per replica of the most replicated stage; all rounded up to lcm(replicas). Flush
-    schedules: one minibatch each side, ``steady`` in the window. Others (2bw): the
-    minibatches in flight each side.
+    schedules: one minibatch of warm-up, then ``steady`` in the window, and no drain: a
+    worker's actions of minibatch k + 1 follow its "S" of k, and every forward of k + 1
+    follows position 0's first, after its "S" of k (the window's end), so nothing after
+    the window reaches back into it. Others (2bw): the minibatches in flight each side.
     """
     kind = schedule_kind(schedule)
     if kind.flushes:
-        return steady + 2, 1, steady
+        return steady + 1, 1, steady
     if kind.gradients != "stashed":
         warm = kind.minibatches_in_flight(stage_replicas)
         return 2 * warm + steady, warm, steady

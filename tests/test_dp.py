@@ -239,6 +239,25 @@ def test_pruned_equals_unpruned(case):
     assert data_parallel_bound_ms(arrays, topology, dp_settings) >= full.time_ms * (1 - 1e-12)
 
 
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(large_world_cases(), st.sampled_from([0.5, 1.0 - 1e-6, 1.0, 1.0 + 1e-6, 3.0]))
+def test_capped_solve_is_exact_up_to_its_cap(case, ratio):
+    """``cap_ms``: the unpruned optimum and plan when the optimum is within the cap
+    (at it too), no plan (inf) above it."""
+    profile, topology, dp_settings = case
+    arrays = layer_arrays(profile)
+    full = solve(arrays, topology, dp_settings, prune=False)
+    if not math.isfinite(full.time_ms):
+        assert not math.isfinite(solve(arrays, topology, dp_settings, cap_ms=1.0).time_ms)
+        return
+    cap = full.time_ms * ratio
+    capped = solve(arrays, topology, dp_settings, cap_ms=cap)
+    if full.time_ms <= cap:
+        assert capped.time_ms == full.time_ms and reconstruct(capped) == reconstruct(full)
+    else:
+        assert capped.time_ms == math.inf
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(large_world_cases(), st.integers(1, 4))
 def test_sparse_and_blocked_combines_equal_unpruned(case, block):

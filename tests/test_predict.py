@@ -165,6 +165,7 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
             "4",
             "--schedule",
             "auto",
+            "--every-candidate",
             "-o",
             str(out),
         ],
@@ -184,7 +185,31 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     assert " 6.000 " in two and " 10.7 KiB " in two and " 19.5 KiB " in marked[0]
     for text in (" 1f1b-flush ", " 10.500 ", " interleaved-1f1b ", " 8.250 ", " zb-h1 ", " 7.500 "):
         assert text in result.output
-    assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output
+    assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output and "pruned" not in result.output
+    # by default the candidates planned after a faster one (most micro-batches first) that
+    # provably cannot beat it are pruned: the same choice, "pruned" rows without figures
+    default = CliRunner().invoke(
+        cli,
+        [
+            "partition",
+            str(profile_path),
+            "--topology",
+            str(topology),
+            "--straight",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "auto",
+            "-o",
+            str(out),
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert default.exit_code == 0, default.output
+    assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in default.output
+    pruned = [line for line in default.output.splitlines() if "│" in line and " pruned " in line]
+    assert pruned and all(" - " in line for line in pruned)
+    assert "candidate(s) whose lower bound" in default.output
 
 
 def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -> None:
@@ -211,3 +236,38 @@ def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -
         search(
             heavy, make_topology(per_server=2, servers=1, memory_bytes=1 << 26), options, misfit_memory=False
         )
+
+
+def test_search_prunes_only_candidates_slower_than_its_choice() -> None:
+    """Candidates whose bound is above a plan already found are pruned (not planned further):
+    the search chooses the same plan as when every candidate is planned, and each pruned one
+    planned in full is slower than that choice or does not fit."""
+    from unittest import mock
+
+    from pipeplan.planner import auto
+    from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
+    from pipeplan.topology import DeviceSpec, Level
+
+    profile = estimate_gpt(GPTShape(16, 2048, 16), DEVICE_RATES["a100-80gb"], 256)
+    topology = Topology(
+        "t", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005))
+    )
+    options = PartitionOptions(optimizer="adam")
+    schedules = ("1f1b-flush", "gpipe", "interleaved-1f1b")
+    pruned = search(profile, topology, options, schedules, misfit_memory=False)
+
+    def unpruned(*args, beat_ms=math.inf, **kwargs):
+        return partition(*args, **kwargs)
+
+    with mock.patch.object(auto, "partition", unpruned):
+        every = search(profile, topology, options, schedules, misfit_memory=False)
+    assert (pruned.chosen, pruned.plan) == (every.chosen, every.plan)
+    skipped = [i for i, c in enumerate(pruned.candidates) if c.pruned]
+    assert skipped and not any(c.pruned for c in every.candidates)
+    best = every.best.time_per_minibatch_ms
+    for i, (a, b) in enumerate(zip(pruned.candidates, every.candidates)):
+        if i in skipped:
+            assert not b.fits or b.time_per_minibatch_ms > best * (1 + auto.TIE_REL)
+            assert a.note.startswith("slower than ") and not a.fits
+        else:
+            assert a == b

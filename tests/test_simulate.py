@@ -283,7 +283,7 @@ def test_default_minibatches_cover_warmup_window_and_drain() -> None:
     assert default_minibatches("1f1b-rr", (1, 1, 1, 1), 8) == (16, 4, 8)
     total, warm, window = default_minibatches("1f1b-rr", (2, 3), 8)
     assert warm % 6 == 0 and window % 6 == 0 and window >= 24 and total == 2 * warm + window
-    assert default_minibatches("gpipe", (2, 3), 5) == (7, 1, 5)
+    assert default_minibatches("gpipe", (2, 3), 5) == (6, 1, 5)
 
 
 def test_events_cover_every_task() -> None:
@@ -338,7 +338,11 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
 
     profile = make_profile([1.0] * 8, param_bytes=1000, saved_bytes=1000)
     options = partition_module.PartitionOptions(microbatches=4, straight=True)
-    name, microbatches, reason = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
+    every = choose_schedule(profile, make_topology(per_server=4, servers=1), options, every_candidate=True)
+    name, microbatches, reason = every
+    # the default search prunes the slower candidates: the same choice, fewer figures
+    pruned = choose_schedule(profile, make_topology(per_server=4, servers=1), options)
+    assert pruned[:2] == every[:2] and "pruned (provably slower)" in pruned[2]
     # balanced straight pipeline: 1F1B-RR and 2BW have no bubble (1F1B-RR, with fewer
     # micro-batches, wins the tie), flush schedules (4+4-1)/4, interleaved (v=2) 6 (1 + 3/8),
     # ZB-H1 7.5
@@ -356,7 +360,7 @@ def test_choose_schedule_prefers_throughput_within_memory() -> None:
     # the others at most one; with 3 GiB per device no 1F1B-RR plan fits, 2BW does
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     tight = make_topology(per_server=4, servers=1, memory_bytes=3 << 30)
-    name, _, reason = choose_schedule(heavy, tight, options)
+    name, _, reason = choose_schedule(heavy, tight, options, every_candidate=True)
     assert name == "2bw" and "1f1b-rr M=1" not in reason
     assert "1f1b-flush M=4 10.500 ms" in reason
 
@@ -369,7 +373,7 @@ def test_choose_schedule_tries_micro_batch_counts_when_not_given() -> None:
     heavy = make_profile([1.0] * 8, saved_bytes=1 << 30)
     tight = make_topology(per_server=2, servers=1, memory_bytes=5 << 30)
     options = partition_module.PartitionOptions(straight=True)
-    name, microbatches, reason = choose_schedule(heavy, tight, options)
+    name, microbatches, reason = choose_schedule(heavy, tight, options, every_candidate=True)
     assert name == "2bw" and microbatches == 2  # every 2BW count takes 12 ms: the fewest wins
     assert reason.startswith("2bw (M=2, v=1) simulates 12.000 ms/minibatch")
     assert "1f1b-flush M=8 13.500 ms" in reason and "zb-h1 M=8 12.500 ms" in reason

@@ -70,7 +70,11 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
         chosen = i == found.chosen
         time = f"{c.time_per_minibatch_ms:.3f}" if c.peak_memory_bytes else "-"
         memory = format_bytes(c.peak_memory_bytes) if c.peak_memory_bytes else "-"
-        fits = "yes" if c.fits else ("no" if c.peak_memory_bytes else "no plan (below)")
+        fits = (
+            "yes"
+            if c.fits
+            else ("no" if c.peak_memory_bytes else "pruned" if c.pruned else "no plan (below)")
+        )
         style = "bold green" if chosen else None
         table.add_row(
             "*" if chosen else "",
@@ -85,10 +89,16 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
     console = Console()
     console.print(table)
     for c in found.candidates:
-        if not c.peak_memory_bytes:
+        if not c.peak_memory_bytes and not c.pruned:
             console.print(
                 f"no plan for {c.schedule}, {c.microbatches} micro-batches, v={c.virtual_stages}: {c.note}"
             )
+    pruned = sum(c.pruned for c in found.candidates)
+    if pruned:
+        console.print(
+            f"pruned: {pruned} candidate(s) whose lower bound (slowest stage, flush bubble) was above a "
+            f"plan already found; not planned further"
+        )
     best = found.best
     console.print(
         f"* chosen: {best.schedule}, {best.microbatches} micro-batches, v={best.virtual_stages}: "
@@ -354,6 +364,13 @@ def _print_plan(plan: Plan, estimated: str = "") -> None:
     help="PipeDream mode: count activation transfers, divided by this ratio.",
 )
 @click.option(
+    "--every-candidate",
+    is_flag=True,
+    default=False,
+    help="--schedule auto: plan every candidate in full, for each one's time and memory in the table "
+    "(slower; by default a candidate proven slower than a plan already found is pruned).",
+)
+@click.option(
     "--batch-size",
     type=int,
     default=64,
@@ -382,6 +399,7 @@ def partition(
     batch_size: int,
     recompute: str,
     sequence_parallel: str,
+    every_candidate: bool,
 ) -> None:
     """Split a profiled model into pipeline stages for a topology (PipeDream's DP).
 
@@ -435,7 +453,7 @@ def partition(
     if schedule == "auto":
         from pipeplan.planner.auto import search
 
-        found = search(profile, topology, options)
+        found = search(profile, topology, options, every_candidate=every_candidate)
         _print_candidates(found, topology.device.memory_bytes)
         plan = found.plan
     else:

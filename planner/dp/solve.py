@@ -32,6 +32,7 @@ def _exact_pass(
     upper_ms: float = INF,
     prune: bool = True,
     start_ms: float | None = None,
+    cap_ms: float = INF,
 ) -> DPSolution:
     """The optimum with top stages of at most ``band`` layers, on pruned tables.
 
@@ -40,10 +41,11 @@ def _exact_pass(
     band is known (``upper_ms``, or a pruned pass's finite answer, the time of a real
     plan), the next pass runs at that plan's time and proves; with none known the limit
     grows fourfold (``next_limit``), the last attempt without pruning (the only one
-    when not ``prune``).
+    when not ``prune``). The limit never passes ``cap_ms``: a pass at the cap that finds
+    no plan within it proves there is none, and the answer is inf (``solve``).
     """
     start = start_ms if start_ms is not None else lower_bound_ms(arrays, topology, settings)
-    limit = min(start, upper_ms) if prune else INF
+    limit = min(start, upper_ms, cap_ms) if prune else INF
     check_memory(arrays, topology, settings, band)
     attempt = 0
     while True:
@@ -53,12 +55,26 @@ def _exact_pass(
             return solution
         if not math.isfinite(solution.time_ms) and some_layer_never_fits(ctx):
             return solution  # infeasible under any limit
+        if limit >= cap_ms:
+            return _none(arrays, topology, settings)  # every plan within the cap is in the tables
         attempt += 1
         upper_ms = min(upper_ms, solution.time_ms)
-        limit = upper_ms if math.isfinite(upper_ms) else next_limit(limit, attempt)
+        limit = min(upper_ms if math.isfinite(upper_ms) else next_limit(limit, attempt), cap_ms)
 
 
-def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prune: bool = True) -> DPSolution:
+def _none(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> DPSolution:
+    """The solution of no plan (time inf)."""
+    return DPSolution(INF, arrays, topology, settings, 0, np.full((1, 1, 1), INF))
+
+
+def solve(
+    arrays: LayerArrays,
+    topology: Topology,
+    settings: DPSettings,
+    *,
+    prune: bool = True,
+    cap_ms: float = INF,
+) -> DPSolution:
     """Fill the tables and return the optimum (``time_ms`` is inf when nothing fits).
 
     A first pass runs at a lower bound of the answer (``lower_bound_ms``; with few
@@ -70,7 +86,9 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     over that band a pass at ``LIMIT_GROWTH`` times the lower bound (cheap, and often
     enough), else one at that plan's time, proves the exact optimum. Passes run on pruned tables
     (``_exact_pass``). ``prune=False`` fills every entry of one pass over every band
-    (same answer and plan, slower: for tests).
+    (same answer and plan, slower: for tests). With ``cap_ms`` only plans within it are
+    wanted (the caller has one as fast): the answer is inf when the optimum is above it,
+    and no pass runs at a higher limit, which is what makes a dominated search cheap.
     Raises nothing: ``reconstruct`` and ``partition`` report infeasibility.
     """
     n = arrays.layers
@@ -79,12 +97,14 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     ):
         # no plan has so few stages that each fits on a device: infeasible, without the passes
         # that would grow the limit to inf to prove it
-        return DPSolution(INF, arrays, topology, settings, 0, np.full((1, 1, 1), INF))
+        return _none(arrays, topology, settings)
     if not prune:
         return _exact_pass(arrays, topology, settings, n, prune=False)
     whole = data_parallel_bound_ms(arrays, topology, settings)
     floor = level_sync_floor(settings, len(topology.levels))
     lower = lower_bound_ms(arrays, topology, settings)
+    if lower > cap_ms:
+        return _none(arrays, topology, settings)
     guess = min(n, max(8, 2 * math.ceil(n / topology.levels[-1].count)))
     reach = band_bound(arrays, topology, lower, floor)  # top stages a plan at the lower bound may use
     band = min(n, max(guess, reach) if reach <= FIRST_BAND_GROWTH * guess else guess)
@@ -93,11 +113,13 @@ def solve(arrays: LayerArrays, topology: Topology, settings: DPSettings, *, prun
     first = fill_solution(DPContext(arrays, topology, settings, band, limit), band)
     if first.time_ms <= limit and (band == n or band_bound(arrays, topology, first.time_ms, floor) <= band):
         return first
-    bound = min(first.time_ms, whole)
+    bound = min(first.time_ms, whole, cap_ms)  # the cap bounds what a wanted plan may use
     if not math.isfinite(bound):  # no plan known yet: grow the limit on this band first
         first = _exact_pass(arrays, topology, settings, band)
         if band == n or band_bound(arrays, topology, first.time_ms, floor) <= band:
             return first
         bound = first.time_ms
     band = min(n, max(band, band_bound(arrays, topology, bound, floor)))
-    return _exact_pass(arrays, topology, settings, band, bound, start_ms=min(bound, lower * LIMIT_GROWTH))
+    return _exact_pass(
+        arrays, topology, settings, band, bound, start_ms=min(bound, lower * LIMIT_GROWTH), cap_ms=cap_ms
+    )
