@@ -28,10 +28,10 @@ from dataclasses import dataclass, replace
 from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.jsonio import write_json_atomic
 from pipeplan.plan import Plan
-from pipeplan.planner.auto import TIE_REL, SearchResult, device_peak_bytes, search
+from pipeplan.planner.auto import SearchResult, device_peak_bytes, search
 from pipeplan.planner.partition import PartitionOptions, partition, plan_uniform
 from pipeplan.profiler.estimate import DEVICE_RATES, MATMUL_EFFICIENCY, GPTShape, estimate_gpt
-from pipeplan.schedules import names_where, schedule_kind
+from pipeplan.schedules import names_where
 from pipeplan.topology import DeviceSpec, Level, Topology
 
 TARGET_S = 10.0
@@ -212,16 +212,17 @@ def bubble(p: int, d: int, microbatches: int, virtual: int = 1) -> float:
     return (p - 1) / (virtual * microbatches / d)
 
 
-def one_chunk_best(found: SearchResult) -> tuple[str, int, float] | None:
-    """(schedule, micro-batches, ms per iteration) of the fastest fitting candidate with one
-    chunk per device: what the search chose before the schedules of several chunks joined."""
-    fitting = [c for c in found.candidates if c.fits and not schedule_kind(c.schedule).virtual_stages]
-    if not fitting:
+def one_chunk_best(row: Row) -> tuple[str, int, float] | None:
+    """(schedule, micro-batches, ms per iteration) of the search's choice among the
+    schedules of one chunk per device (``ONE_CHUNK``): what the table chose before the
+    schedules of several chunks joined. A search of its own, untimed: the timed search
+    prunes the candidates that cannot beat its choice, so it has no figure for them."""
+    try:
+        plan, _, _, found = plan_row(row, schedules=ONE_CHUNK)
+    except InfeasibleError:
         return None
-    fastest = min(c.time_per_minibatch_ms for c in fitting)
-    tied = [c for c in fitting if c.time_per_minibatch_ms <= fastest * (1 + TIE_REL)]
-    best = min(tied, key=lambda c: (c.microbatches, c.peak_memory_bytes))  # the search's own tie rule
-    return best.schedule, best.microbatches, best.time_per_minibatch_ms
+    assert found is not None  # plan_row searches without a schedule
+    return plan.schedule, plan.microbatches, found.best.time_per_minibatch_ms
 
 
 def describe(
@@ -230,7 +231,7 @@ def describe(
     t = plan.stages[0].tensor_parallel
     v = plan.virtual_stages
     p, d = len(plan.stages) // v, plan.stages[0].replicas
-    one = one_chunk_best(found) if found is not None else None
+    one = one_chunk_best(row) if found is not None else None
     paper_d = row.gpus // (row.t * row.p)
     return {
         "params_billions": row.billions,
