@@ -24,6 +24,7 @@ later layer reads, none for the others.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from pipeplan.profiler.memory import (
     storage_key,
 )
 from pipeplan.profiler.selective import Selective, selective_saved
-from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
+from pipeplan.profiler.timing import Stats, Timer, read, robust_stats, time_backward
 from pipeplan.units import format_bytes
 
 if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
@@ -349,12 +350,15 @@ def time_layer(
                 ]
                 backward_ms = 0.0
                 if heads:
-                    timer.start()
-                    if input_only:
-                        backward_to_inputs(heads, grads[: len(heads)], tensors_in(list(args)))
-                    else:
-                        torch.autograd.backward(heads, grads[: len(heads)])
-                    backward_ms = read(timer.stop())
+                    inputs, head_grads = tensors_in(list(args)), grads[: len(heads)]
+                    reading = time_backward(
+                        timer,
+                        heads,
+                        functools.partial(backward_to_inputs, heads, head_grads, inputs)
+                        if input_only
+                        else functools.partial(torch.autograd.backward, heads, head_grads),
+                    )
+                    backward_ms = read(reading)
             del outputs, heads
             for parameter in stage.module.parameters():
                 parameter.grad = None

@@ -20,6 +20,7 @@ model's mask helpers and cache) no stage ever runs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,7 +36,7 @@ from pipeplan.profiler.memory import (
     output_bytes,
     param_bytes,
 )
-from pipeplan.profiler.timing import Stats, Timer, read, robust_stats
+from pipeplan.profiler.timing import Stats, Timer, read, robust_stats, time_backward
 
 if TYPE_CHECKING:  # typing only: torch and the capture are imported where they are used
     import torch
@@ -232,16 +233,19 @@ def run_pass(
                 values[name] = None  # as a whole-model backward would
             if pairs:
                 heads, grads = [o for o, _ in pairs], [g for _, g in pairs]
-                timer.start()
-                if input_only:
-                    backward_to_inputs(heads, grads, _leaves(list(args_of[position])))
-                elif count_bytes:
+                if count_bytes:
                     sample.working_bytes[position] = backward_working_bytes(
                         heads, grads, stage.module.parameters(), args_of[position]
                     )
+                elif input_only:
+                    inputs = _leaves(list(args_of[position]))
+                    sample.backward_ms[position] = time_backward(
+                        timer, heads, functools.partial(backward_to_inputs, heads, grads, inputs)
+                    )
                 else:
-                    torch.autograd.backward(heads, grads)
-                sample.backward_ms[position] = timer.stop()
+                    sample.backward_ms[position] = time_backward(
+                        timer, heads, functools.partial(torch.autograd.backward, heads, grads)
+                    )
             args_of[position] = ()
             del pairs
     sample.forward_ms = [read(t) for t in sample.forward_ms]

@@ -5,20 +5,34 @@ On a GPU a timer records a pair of CUDA events around the work and does *not* wa
 thus keeps queueing kernels ahead of the device, as in a real training step, and each
 reading is device time, not launch latency plus a synchronisation per layer. On the CPU
 a timer reads ``time.perf_counter`` (the work is synchronous). Times are milliseconds.
+
+``time_backward`` times one autograd call from inside the engine, from its first node to
+its end: the profiler runs each layer's backward as its own call, whose set-up and return
+a stage's one backward call pays once, not once per layer.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
     import torch
 
-__all__ = ["Timer", "CpuTimer", "CudaTimer", "PendingMs", "read", "make_timer", "Stats", "robust_stats"]
+__all__ = [
+    "Timer",
+    "CpuTimer",
+    "CudaTimer",
+    "PendingMs",
+    "read",
+    "make_timer",
+    "time_backward",
+    "Stats",
+    "robust_stats",
+]
 
 
 class PendingMs:
@@ -86,6 +100,40 @@ def make_timer(device: torch.device | str) -> Timer:
     if getattr(device, "type", str(device)) == "cuda":
         return CudaTimer(device)
     return CpuTimer()
+
+
+def time_backward(
+    timer: Timer, heads: Sequence[torch.Tensor], backward: Callable[[], object]
+) -> float | PendingMs:
+    """Run ``backward()``, one autograd call from ``heads``, and time it from its first node
+    (a hook on the first head the engine reaches) to its end (an engine callback queued
+    from that hook, run before the call returns). The call's set-up and return are left
+    out: on an H200 they took 36 us per call (16 small layers, a call each, against one call
+    through them all), about 10 us on a CPU. Without a hook firing (no gradient reaches a
+    head), the whole call."""
+    import torch
+
+    readings: list[float | PendingMs] = []
+    started = False
+
+    def finish() -> None:
+        readings.append(timer.stop())
+
+    def first(grad: torch.Tensor) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            timer.start()
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    handles = [head.register_hook(first) for head in heads if head.requires_grad]
+    timer.start()  # the whole call, unless a hook restarts it
+    try:
+        backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return readings[0] if readings else timer.stop()
 
 
 @dataclass(frozen=True)

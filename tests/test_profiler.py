@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -331,7 +332,6 @@ def test_cuda_without_cuda_is_an_input_error() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")
 def test_profile_on_cuda_uses_cuda_events() -> None:
     profile = profile_model("gpt", batch_size=8, device="cuda", dtype="bfloat16", warmup=2, repeats=5)
@@ -339,6 +339,102 @@ def test_profile_on_cuda_uses_cuda_events() -> None:
     assert all(layer.forward_ms > 0 for layer in profile.layers)
     assert 0.3 <= profile.layers_vs_step_ratio <= 3.0
     assert profile.layers[0].output_bytes == 8 * 64 * 128 * 2  # (batch, seq, dim) bfloat16
+
+
+class LoggingTimer:
+    """A timer that logs its calls (and returns the log's length as its reading)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def start(self) -> None:
+        self.log.append("start")
+
+    def stop(self) -> float:
+        self.log.append("stop")
+        return float(len(self.log))
+
+
+def test_time_backward_reads_from_the_first_node_to_the_engines_end() -> None:
+    """The reading starts in a hook on the head, as the engine reaches it (after the call's
+    set-up), and stops in the engine's end-of-pass callback, after the last node and before
+    the call returns; a call that reaches no head is read whole."""
+    from pipeplan.profiler.timing import time_backward
+
+    log: list[str] = []
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            log.append("node")
+            return grad * 2
+
+    x = torch.randn(3, requires_grad=True)
+    y = Node.apply(x)
+
+    def call() -> None:
+        log.append("call")
+        torch.autograd.backward([y], [torch.ones(3)])
+        log.append("returned")
+
+    reading = time_backward(LoggingTimer(log), [y], call)
+    assert log == ["start", "call", "start", "node", "stop", "returned"]
+    assert reading == 5.0 and torch.equal(x.grad, torch.full((3,), 2.0))
+    log.clear()
+    assert time_backward(LoggingTimer(log), [], lambda: log.append("nothing")) == 3.0
+    assert log == ["start", "nothing", "stop"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")
+def test_time_backward_leaves_out_each_backward_calls_set_up_on_cuda() -> None:
+    """16 small layers, each backward its own autograd call (as the profiler times them):
+    read with ``time_backward`` they sum to about one backward call through the chain
+    (what a stage runs); read around each call they carry its set-up on top."""
+    import statistics
+
+    from pipeplan.profiler.timing import CudaTimer, read, time_backward
+
+    layers = [torch.nn.Linear(64, 64, device="cuda") for _ in range(16)]
+    x0 = torch.randn(8, 64, device="cuda")
+    timer = CudaTimer("cuda")
+
+    def per_layer(inside: bool) -> float:
+        ins, outs, x = [], [], x0
+        for layer in layers:
+            ins.append(x.detach().requires_grad_())
+            outs.append(torch.tanh(layer(ins[-1])))
+            x = outs[-1]
+        grad, readings = torch.ones_like(x), []
+        for y, x_in in zip(reversed(outs), reversed(ins)):
+            call = functools.partial(torch.autograd.backward, [y], [grad])
+            if inside:
+                readings.append(time_backward(timer, [y], call))
+            else:
+                timer.start()
+                call()
+                readings.append(timer.stop())
+            grad = x_in.grad
+        return sum(read(r) for r in readings)
+
+    def one_call() -> float:
+        x = x0
+        for layer in layers:
+            x = torch.tanh(layer(x))
+        timer.start()
+        x.backward(torch.ones_like(x))
+        return read(timer.stop())
+
+    def median(fn, *args) -> float:
+        return statistics.median([fn(*args) for _ in range(60)][10:])
+
+    chain, inside, around = median(one_call), median(per_layer, True), median(per_layer, False)
+    assert inside <= chain * 1.3 + 0.02, (inside, chain)
+    assert around - inside >= 16 * 0.005, (around, inside)  # at least 5 us of set-up per call
 
 
 def test_optimizer_steps_are_timed_for_every_optimizer() -> None:
