@@ -1,0 +1,19 @@
+"""Benchmark model: four Linear(4, 4) layers, so that a 2-stage pipeline's time is its
+messages and the runtime's own cost per action, not its compute (docs/benchmarks.md, "What
+a message costs the runtime here")."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def sample_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch_size, 4), torch.randint(0, 4, (batch_size,))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
