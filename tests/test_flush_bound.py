@@ -32,6 +32,14 @@ def flat_of(plan: Plan) -> list[FlatStage]:
     return [FlatStage(stage.layer_start, stage.layer_end, stage.ranks, ()) for stage in plan.stages]
 
 
+def bound_of(profile: Profile, plan: Plan) -> float:
+    """The flush bound of ``plan``'s own stages, schedule and micro-batches."""
+    family = CutFamily("prefix", len(profile.layers))
+    return flush_period_bound_ms(
+        profile, family, flat_of(plan), plan.schedule, plan.microbatches, plan.optimizer
+    )
+
+
 @st.composite
 def plans(draw):
     n = draw(st.integers(2, 7))
@@ -73,15 +81,7 @@ def test_bound_never_exceeds_the_simulated_period(case):
     plan = partition(profile, topology, options)
     for steady in (1, 8):
         period = simulate_plan(plan, profile, steady=steady).time_per_minibatch_ms
-        bound = flush_period_bound_ms(
-            profile,
-            CutFamily("prefix", len(profile.layers)),
-            flat_of(plan),
-            options.schedule,
-            options.microbatches,
-            "adam",
-        )
-        assert 0 < bound <= period * (1 + 1e-12)
+        assert 0 < bound_of(profile, plan) <= period * (1 + 1e-12)
 
 
 @st.composite
@@ -109,15 +109,7 @@ def replicated_chains(draw):
 def test_bound_holds_for_replicated_stages_feeding_slower_ones(case):
     profile, plan = case
     period = simulate_plan(plan, profile, steady=1).time_per_minibatch_ms
-    bound = flush_period_bound_ms(
-        profile,
-        CutFamily("prefix", len(profile.layers)),
-        flat_of(plan),
-        plan.schedule,
-        plan.microbatches,
-        "sgd",
-    )
-    assert 0 < bound <= period * (1 + 1e-12)
+    assert 0 < bound_of(profile, plan) <= period * (1 + 1e-12)
 
 
 def test_round_trip_term_bounds_a_replicated_stage_feeding_a_slower_one():
@@ -128,8 +120,7 @@ def test_round_trip_term_bounds_a_replicated_stage_feeding_a_slower_one():
     say less. The simulation (no sends, free links) takes no less."""
     profile = replace(make_profile([48.0, 144.0], [96.0, 288.0]), batch_size=48)  # per minibatch
     plan = make_plan(profile, make_topology(), [0, 1, 2], [3, 6], "1f1b-flush", 48)
-    bound = flush_period_bound_ms(profile, CutFamily("prefix", 2), flat_of(plan), "1f1b-flush", 48, "sgd")
-    assert bound == pytest.approx(96.0, rel=1e-12)
+    assert bound_of(profile, plan) == pytest.approx(96.0, rel=1e-12)
     period = simulate_plan(plan, profile, steady=1).time_per_minibatch_ms
     assert 96.0 <= period <= 96.0 * 1.1
 

@@ -153,24 +153,9 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
         "name: t\ndevice: {name: a, memory: 16 GiB}\nlevels:\n  - {name: s, count: 4, bandwidth: 100 GB/s}\n"
     )
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(
-        cli,
-        [
-            "partition",
-            str(profile_path),
-            "--topology",
-            str(topology),
-            "--straight",
-            "--microbatches",
-            "4",
-            "--schedule",
-            "auto",
-            "--every-candidate",
-            "-o",
-            str(out),
-        ],
-        env={"COLUMNS": "200"},
-    )
+    command = ["partition", str(profile_path), "--topology", str(topology), "--straight"]
+    command += ["--microbatches", "4", "--schedule", "auto", "-o", str(out)]
+    result = CliRunner().invoke(cli, [*command, "--every-candidate"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if "│" in line and ("ms" not in line)]
     marked = [line for line in rows if line.split("│")[1].strip() == "*"]
@@ -188,23 +173,7 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in result.output and "pruned" not in result.output
     # by default the candidates planned after a faster one (most micro-batches first) that
     # provably cannot beat it are pruned: the same choice, "pruned" rows without figures
-    default = CliRunner().invoke(
-        cli,
-        [
-            "partition",
-            str(profile_path),
-            "--topology",
-            str(topology),
-            "--straight",
-            "--microbatches",
-            "4",
-            "--schedule",
-            "auto",
-            "-o",
-            str(out),
-        ],
-        env={"COLUMNS": "200"},
-    )
+    default = CliRunner().invoke(cli, command, env={"COLUMNS": "200"})
     assert default.exit_code == 0, default.output
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in default.output
     pruned = [line for line in default.output.splitlines() if "│" in line and " pruned " in line]
