@@ -130,8 +130,9 @@ def search(
     candidate in full, which ``every_candidate`` does (for a table of every figure).
 
     A candidate with no plan that fits is planned again without the memory check to
-    report the memory it would need; with ``misfit_memory=False`` only when no candidate
-    fits (the others are listed without a figure: one partition each saved).
+    report the memory it would need (pruned too when even that plan cannot beat the fastest
+    fitting one); with ``misfit_memory=False`` only when no candidate fits (the others are
+    listed without a figure: one partition each saved).
     Raises ``InfeasibleError`` naming the smallest per-device memory that one of the
     candidates' plans needs when none fits. Time: one partition and one simulation per
     candidate (two for one that does not fit).
@@ -167,24 +168,26 @@ def _search(
         plan: Plan | None = None
         note = ""
         fits = True
+        # a tie within TIE_REL may still win on its count; the chosen one is resimulated, below
+        beat_ms = math.inf if every_candidate else fastest_ms * (1 + TIE_REL)
         try:
-            # the chosen one is resimulated, below; a tie within TIE_REL may still win on its count
-            beat_ms = math.inf if every_candidate else fastest_ms * (1 + TIE_REL)
             plan = partition(profile, topology, shape, resimulate=False, beat_ms=beat_ms)
         except Dominated:
-            candidates[i] = Candidate(
-                name, micro, virtual or 1, math.inf, 0, False, f"slower than {fastest_ms:.3f} ms", pruned=True
-            )
+            candidates[i] = _pruned(shape, f"slower than {fastest_ms:.3f} ms")
             continue
         except InputError as exc:
             note = str(exc)
         except InfeasibleError as exc:
             fits = False
             note = f"no plan fits: {exc}"
-            if misfit_memory:
+            if misfit_memory:  # the memory it would need, unless it could not beat a fitting plan anyway
                 note = ""
                 try:
-                    plan = partition(profile, topology, replace(shape, memory_check=False), resimulate=False)
+                    unchecked = replace(shape, memory_check=False)
+                    plan = partition(profile, topology, unchecked, resimulate=False, beat_ms=beat_ms)
+                except Dominated:
+                    candidates[i] = _pruned(shape, f"does not fit, and slower than {fastest_ms:.3f} ms")
+                    continue
                 except (InputError, InfeasibleError) as exc:
                     note = str(exc)
         if plan is None:
@@ -201,6 +204,13 @@ def _search(
     planned = tuple(c for c in candidates if c is not None)
     assert len(planned) == len(shapes)  # every index planned once
     return _choose(profile, topology, options, planned, plans)
+
+
+def _pruned(shape: PartitionOptions, why: str) -> Candidate:
+    """A candidate proven not to beat a fitting plan found before it: no figures."""
+    return Candidate(
+        shape.schedule, shape.microbatches, shape.virtual_stages or 1, math.inf, 0, False, why, True
+    )
 
 
 def _search_order(shapes: Sequence[tuple[str, int, int | None]]) -> list[int]:

@@ -178,7 +178,7 @@ def test_partition_auto_cli_prints_candidates(tmp_path) -> None:
     assert "* chosen: 1f1b-rr, 1 micro-batches, v=1" in default.output
     pruned = [line for line in default.output.splitlines() if "│" in line and " pruned " in line]
     assert pruned and all(" - " in line for line in pruned)
-    assert "candidate(s) whose lower bound" in default.output
+    assert "candidate(s) proven slower than a fitting plan" in default.output
 
 
 def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -> None:
@@ -207,36 +207,36 @@ def test_auto_without_misfit_memory_chooses_the_same_and_lifts_the_count_cap() -
         )
 
 
-def test_search_prunes_only_candidates_slower_than_its_choice() -> None:
+@pytest.mark.parametrize("misfit_memory", [False, True])
+def test_search_prunes_only_candidates_slower_than_its_choice(misfit_memory: bool) -> None:
     """Candidates whose bound is above a plan already found are pruned (not planned further):
     the search chooses the same plan as when every candidate is planned, and each pruned one
-    planned in full is slower than that choice or does not fit."""
-    from unittest import mock
-
+    planned in full is slower than that choice or does not fit; with ``misfit_memory`` one
+    that does not fit is pruned only when its plan without the memory check is slower too."""
     from pipeplan.planner import auto
     from pipeplan.profiler.estimate import DEVICE_RATES, GPTShape, estimate_gpt
     from pipeplan.topology import DeviceSpec, Level
 
     profile = estimate_gpt(GPTShape(16, 2048, 16), DEVICE_RATES["a100-80gb"], 256)
+    # 8 GiB per GPU: 1F1B-RR and some slower candidates do not fit
     topology = Topology(
-        "t", DeviceSpec("A100", 80 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005))
+        "t", DeviceSpec("A100", 8 * 2**30), (Level("node", 8, 300e9, 0.002), Level("c", 4, 200e9, 0.005))
     )
     options = PartitionOptions(optimizer="adam")
-    schedules = ("1f1b-flush", "gpipe", "interleaved-1f1b")
-    pruned = search(profile, topology, options, schedules, misfit_memory=False)
-
-    def unpruned(*args, beat_ms=math.inf, **kwargs):
-        return partition(*args, **kwargs)
-
-    with mock.patch.object(auto, "partition", unpruned):
-        every = search(profile, topology, options, schedules, misfit_memory=False)
+    schedules = ("1f1b-flush", "gpipe", "interleaved-1f1b", "1f1b-rr")
+    pruned = search(profile, topology, options, schedules, misfit_memory=misfit_memory)
+    every = search(profile, topology, options, schedules, misfit_memory=misfit_memory, every_candidate=True)
     assert (pruned.chosen, pruned.plan) == (every.chosen, every.plan)
     skipped = [i for i, c in enumerate(pruned.candidates) if c.pruned]
     assert skipped and not any(c.pruned for c in every.candidates)
+    unfit = [c for c in pruned.candidates if c.note.startswith("does not fit")]
+    assert bool(unfit) == misfit_memory  # without it, one that does not fit is never planned twice
     best = every.best.time_per_minibatch_ms
     for i, (a, b) in enumerate(zip(pruned.candidates, every.candidates)):
-        if i in skipped:
-            assert not b.fits or b.time_per_minibatch_ms > best * (1 + auto.TIE_REL)
-            assert a.note.startswith("slower than ") and not a.fits
-        else:
+        if i not in skipped:
             assert a == b
+        elif a.note.startswith("does not fit"):
+            assert misfit_memory and not b.fits and b.time_per_minibatch_ms > best * (1 + auto.TIE_REL)
+        else:
+            assert a.note.startswith("slower than ") and not a.fits
+            assert not b.fits or b.time_per_minibatch_ms > best * (1 + auto.TIE_REL)

@@ -96,8 +96,8 @@ def _print_candidates(found: SearchResult, memory_bytes: int) -> None:
     pruned = sum(c.pruned for c in found.candidates)
     if pruned:
         console.print(
-            f"pruned: {pruned} candidate(s) whose lower bound (slowest stage, flush bubble) was above a "
-            f"plan already found; not planned further"
+            f"pruned: {pruned} candidate(s) proven slower than a fitting plan found before them (their "
+            f"bound, or their simulation); not planned further (--every-candidate plans them all)"
         )
     best = found.best
     console.print(
