@@ -1,0 +1,115 @@
+"""Benchmark: what an exchange costs pipeplan's runtime on this machine, beside what the plan charges.
+
+``bench/exchange_only.py`` (four ``Linear(4, 4)`` layers: 75 us of compute at batch 8) is
+profiled, planned as 2 stages on ``--topology`` (default ``local-cpu``: one stage per device,
+1F1B-flush) at each micro-batch count, and trained on 2 gloo ranks: with next to no compute,
+a minibatch's time is its messages and the runtime's own cost per action. For each count the
+table gives the predicted and measured ms per minibatch, the excess per message (measured -
+predicted over the 2 M messages of the minibatch), and the per-message latency at which the
+simulator would predict the measured time (the topology's levels all set to it; the simulator
+overlaps latencies, so a cost that does not overlap needs a larger one as M grows).
+
+    python bench/bench_exchange.py
+    python bench/bench_exchange.py --microbatches 1 2 4 8 --steps 300
+
+Writes JSON (``--out``, default bench/results/exchange.json). The machine's load moves every
+figure: run it idle, and say the load next to the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeplan.jsonio import write_json_atomic
+from pipeplan.plan import Plan
+from pipeplan.planner.simulate import simulate_plan
+from pipeplan.profile import Profile
+from pipeplan.topology import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_predict import measure, profile  # noqa: E402
+
+MODEL = ROOT / "bench" / "exchange_only.py"
+
+
+def with_latency(plan: Plan, latency_ms: float) -> Plan:
+    """``plan`` on its topology with every level's latency set to ``latency_ms``."""
+    levels = tuple(replace(level, latency_ms=latency_ms) for level in plan.topology.levels)
+    return replace(plan, topology=replace(plan.topology, levels=levels))
+
+
+def fitted_latency_ms(plan: Plan, prof: Profile, measured_ms: float, tolerance_ms: float = 1e-4) -> float:
+    """The per-message latency (ms) at which the simulated period of ``plan`` is ``measured_ms``
+    (bisection: the period grows with the latency); 0.0 when even no latency predicts more."""
+
+    def period(latency_ms: float) -> float:
+        return simulate_plan(with_latency(plan, latency_ms), prof).time_per_minibatch_ms
+
+    low, high = 0.0, 1.0
+    if period(low) >= measured_ms:
+        return 0.0
+    while period(high) < measured_ms:
+        low, high = high, 2 * high
+    while high - low > tolerance_ms:
+        middle = (low + high) / 2
+        low, high = (middle, high) if period(middle) < measured_ms else (low, middle)
+    return (low + high) / 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--topology", default="local-cpu")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "exchange.json"))
+    args = parser.parse_args()
+    topology = resolve(args.topology)
+    rows: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        prof, _ = profile(str(MODEL), 8, 5, folder, args.timeout)
+        for micro in args.microbatches:
+            row = measure(str(MODEL), prof, micro, args.steps, folder, args.timeout, topology)
+            plan = Plan.load(folder / f"plan-m{micro}.json")
+            row["excess_per_message_ms"] = (row["measured_ms"] - row["predicted_ms"]) / (2 * micro)
+            row["fitted_latency_ms"] = fitted_latency_ms(plan, prof, row["measured_ms"])
+            rows.append(row)
+    table = Table(
+        title=f"2 gloo ranks, {args.topology} (latency {topology.levels[0].latency_ms * 1e3:.0f} us), "
+        f"{args.steps} steps; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
+    )
+    for column in ("M", "predicted ms", "measured ms", "excess per message ms", "latency that fits, ms"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["microbatches"]),
+            f"{row['predicted_ms']:.3f}",
+            f"{row['measured_ms']:.3f}",
+            f"{row['excess_per_message_ms']:.3f}",
+            f"{row['fitted_latency_ms']:.3f}",
+        )
+    Console().print(table)
+    write_json_atomic(
+        Path(args.out),
+        {"topology": args.topology, "steps": args.steps, "load_before": load_before, "rows": rows},
+    )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
