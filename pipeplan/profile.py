@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_MS",
     "MAX_BYTES",
     "ASSUMED_INPUT_GRAD_SHARE",
+    "shared_parameters",
 ]
 
 PROFILE_SCHEMA = "pipeplan.profile/2"
@@ -59,6 +61,21 @@ MAX_MS = 1e9  # 11.6 days for one layer's forward on one minibatch
 MAX_BYTES = 2**60  # 1 EiB
 # of a backward, the input gradient's part where a profile did not measure it (the rest: weights)
 ASSUMED_INPUT_GRAD_SHARE = 0.5
+
+
+def shared_parameters(holders: Iterable[tuple[int, Iterable[str]]]) -> dict[str, tuple[int, ...]]:
+    """Each parameter name more than one holder uses, with those holders' ids (ascending), by
+    name: ``holders`` are (id, qualified parameter names) pairs, a layer's
+    ``LayerProfile.parameters`` or a stage's parameters. A tied embedding and head.
+
+    >>> shared_parameters([(0, ["emb.weight"]), (1, ["fc.weight"]), (3, ["emb.weight", "emb.weight"])])
+    {'emb.weight': (0, 3)}
+    """
+    users: dict[str, set[int]] = {}
+    for holder, names in holders:
+        for name in names:
+            users.setdefault(name, set()).add(holder)
+    return {name: tuple(sorted(ids)) for name, ids in sorted(users.items()) if len(ids) > 1}
 
 
 @dataclass(frozen=True)

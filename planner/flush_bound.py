@@ -67,10 +67,10 @@ def flush_period_bound_ms(
     >>> flush_period_bound_ms(profile, CutFamily("prefix", 4), flat, "1f1b-flush", 4, None)  # 6 (1 + 1/4)
     7.5
     """
-    if not schedule_kind(schedule).flush_period_bounded or not flat:
+    kind = schedule_kind(schedule)
+    if not kind.flush_period_bounded or not flat:
         return 0.0
     m = microbatches
-    kind = schedule_kind(schedule)
     replicas = [stage.replicas for stage in flat]
     per_micro = [_microbatch_ms(profile, family.stage_layers(stage.start, stage.end), m) for stage in flat]
     round_trip = list(itertools.accumulate(reversed(per_micro)))[::-1]  # L_s

@@ -12,22 +12,16 @@ is summed locally and costs nothing here.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from pipeplan.plan import Plan
 from pipeplan.planner.costs import ring_allreduce_ms
-from pipeplan.profile import Profile
+from pipeplan.profile import Profile, shared_parameters
 
 __all__ = ["tied_parameters", "tie_allreduce_ms"]
 
 
 def tied_parameters(profile: Profile) -> dict[str, tuple[int, ...]]:
     """Each parameter more than one layer uses, with those layers (ascending)."""
-    users: dict[str, list[int]] = defaultdict(list)
-    for layer in profile.layers:
-        for name in set(layer.parameters):
-            users[name].append(layer.index)
-    return {name: tuple(layers) for name, layers in users.items() if len(layers) > 1}
+    return shared_parameters((layer.index, layer.parameters) for layer in profile.layers)
 
 
 def _tie_bytes(profile: Profile, name: str, users: tuple[int, ...]) -> int:
@@ -45,7 +39,7 @@ def tie_allreduce_ms(plan: Plan, profile: Profile) -> list[float]:
     out = [0.0] * len(plan.stages)
     ratio = plan.precision.gradient_ratio
     topology = plan.topology
-    for name, users in sorted(tied_parameters(profile).items()):
+    for name, users in tied_parameters(profile).items():
         stages = sorted({stage_of[i] for i in users})
         ranks = sorted({plan.stages[q].ranks[0] for q in stages})
         if len(ranks) < 2:

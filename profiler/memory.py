@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
 
+from pipeplan.profile import shared_parameters
+
 if TYPE_CHECKING:  # typing only: torch is imported where it is used
     import torch
 
@@ -236,8 +238,5 @@ def shared_parameter_bytes(model: torch.nn.Module, users: Iterable[Iterable[str]
     >>> shared_parameter_bytes(torch.nn.Linear(4, 2), [("weight",), ("weight", "bias")])
     {'weight': 32}
     """
-    from collections import Counter
-
-    counts = Counter(name for names in users for name in set(names))
     sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
-    return {name: sizes[name] for name, count in sorted(counts.items()) if count > 1 and name in sizes}
+    return {name: sizes[name] for name in shared_parameters(enumerate(users)) if name in sizes}

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from pipeplan.capture import MODEL_OUTPUT, LayerGraph, StageModule, build_layer_graph, model_input_name
 from pipeplan.errors import InputError
 from pipeplan.model_inputs import ModelInputs
+from pipeplan.profile import shared_parameters
 
 __all__ = [
     "PipeliningStageModule",
@@ -142,11 +143,7 @@ def split_graph(graph: LayerGraph, stage_of_layer: Sequence[int]) -> list[Pipeli
 
 def tied_parameters(modules: Sequence[PipeliningStageModule]) -> dict[str, tuple[int, ...]]:
     """Qualified name -> the stages holding it, for each parameter held by more than one."""
-    holders: dict[str, set[int]] = {}
-    for module in modules:
-        for qualified in set(module.parameter_names.values()):
-            holders.setdefault(qualified, set()).add(module.index)
-    return {name: tuple(sorted(s)) for name, s in sorted(holders.items()) if len(s) > 1}
+    return shared_parameters((module.index, module.parameter_names.values()) for module in modules)
 
 
 def staged_loss(
