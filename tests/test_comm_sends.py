@@ -36,27 +36,43 @@ class _GlooLikeSend:
         return True
 
 
-def _p2p(monkeypatch: object, sent: list[_GlooLikeSend]) -> P2P:
+def _p2p(monkeypatch: object, sent: list[_GlooLikeSend], tagged: bool = True) -> P2P:
     def isend(tensor: torch.Tensor, peer: int, tag: int = 0) -> _GlooLikeSend:
         work = _GlooLikeSend()
         sent.append(work)
         return work
 
     monkeypatch.setattr(comm_module.dist, "isend", isend)  # type: ignore[attr-defined]
-    return P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
+    return P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=tagged, post_thread=tagged)
 
 
 def test_reap_looks_at_a_bounded_number_of_pending_sends(monkeypatch: object) -> None:
     sent: list[_GlooLikeSend] = []
-    p2p = _p2p(monkeypatch, sent)
+    p2p = _p2p(monkeypatch, sent, tagged=False)  # NCCL's sends report completion: a scan may find some
     for unit in range(200):
         p2p.send(torch.ones(4), 1, 0, unit, FORWARD, f"send F{unit}")
     assert p2p.pending_sends == 201  # a header, then one message per unit: none completed
+    _GlooLikeSend.checks = 0
+    p2p.reap()
+    assert _GlooLikeSend.checks == REAP_SCAN  # not 201
+    for work in sent[:3]:
+        work.waited = True
+    p2p.reap()
+    assert p2p.pending_sends == 198  # the completed ones are forgotten
+
+
+def test_on_gloo_reap_looks_at_no_send(monkeypatch: object) -> None:
+    """gloo's sends never read complete before their wait: a scan would find none."""
+    sent: list[_GlooLikeSend] = []
+    p2p = _p2p(monkeypatch, sent)
+    for unit in range(20):
+        p2p.send(torch.ones(4), 1, 0, unit, FORWARD, f"send F{unit}")
     assert p2p._poster is not None
     p2p._poster.submit(lambda: None).result()  # every send posted by the posting thread
     _GlooLikeSend.checks = 0
     p2p.reap()
-    assert _GlooLikeSend.checks == REAP_SCAN  # not 201
+    assert _GlooLikeSend.checks == 0 and p2p.pending_sends == 21
+    p2p.finish()
 
 
 def test_release_waits_for_and_drops_the_sends_of_earlier_units(monkeypatch: object) -> None:
