@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeplan.errors import RuntimeFailure
+from pipeplan.runtime.collectives import sum_over
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.sync import GradSync
@@ -74,7 +75,7 @@ class GradNorm:
             return local
         if self.across_pipeline:
             try:
-                dist.all_reduce(square, group=self.group)
+                sum_over(square, self.group, self.group_ranks)
             except Exception as exc:
                 raise RuntimeFailure(
                     f"rank {self.rank}: all-reduce of the gradient norm among ranks "

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipeplan.errors import RuntimeFailure
+from pipeplan.runtime.collectives import sum_over
 from pipeplan.runtime.comm import short_reason
 from pipeplan.runtime.stage import PipelineSpec, rank_names_of
 from pipeplan.tensor_parallel.apply import local, settle_gradients
@@ -106,7 +107,7 @@ class GradSync:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
         try:
-            dist.all_reduce(flat, group=group)
+            sum_over(flat, group, ranks)
         except Exception as exc:
             raise RuntimeFailure(
                 f"rank {self.rank}: all-reduce of {what} among ranks {list(ranks)} failed: "
