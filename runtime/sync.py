@@ -12,7 +12,8 @@
 
 Every process group is created on all ranks in one fixed order (``dist.new_group`` is
 collective), replica groups first (by stage), then tie groups (by sorted stage tuple,
-then replica). Gradients are flattened into one buffer per all-reduce.
+then replica). Gradients are flattened into one buffer per all-reduce (two ranks on gloo: one
+exchange and an add, ``pipeplan.runtime.collectives``).
 
 Tensor parallelism: a stage's replicas all-reduce over the data dimension of its
 (data, tensor) mesh (``pipeplan.runtime.device_mesh``): rank k of each
