@@ -419,17 +419,6 @@ def test_split_tensors_load_each_ranks_chunk_and_save_whole() -> None:
     """2 gloo ranks: a whole tensor copied into a DTensor leaves each rank DTensor's own chunk
     (uneven 5 = 3 + 2 rows included), gathers back equal, optimizer states take the
     parameter's placements (a scalar does not), and the group's RNG states come back in rank order."""
-    import time
+    from spawned_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-    from ports import free_port
-
-    port = free_port()
-    context = mp.start_processes(_split_round_trip, args=(port,), nprocs=2, join=False, start_method="spawn")
-    deadline_s = 120.0
-    start = time.monotonic()
-    while not context.join(timeout=5):
-        if time.monotonic() - start > deadline_s:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the 2 ranks did not finish within {deadline_s:.0f} s")
+    run_ranks(_split_round_trip, 2)

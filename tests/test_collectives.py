@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
+from spawned_ranks import run_ranks
 
 WORLD = 3
 DEADLINE_S = 120.0
@@ -62,15 +62,4 @@ def _sums_agree(rank: int, port: int) -> None:
 
 @pytest.mark.multiprocess
 def test_a_pair_on_gloo_sums_as_all_reduce_does() -> None:
-    import torch.multiprocessing as mp
-    from ports import free_port
-
-    context = mp.start_processes(
-        _sums_agree, args=(free_port(),), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    start = time.monotonic()
-    while not context.join(timeout=5):
-        if time.monotonic() - start > DEADLINE_S:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {DEADLINE_S:.0f} s")
+    run_ranks(_sums_agree, WORLD, DEADLINE_S)
