@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from pipeplan.cli import cli
 from pipeplan.errors import InputError
 from pipeplan.metrics import Metrics
-from pipeplan.reporting.run_vs_plan import Comparison, compare, load_report
+from pipeplan.reporting.run_vs_plan import Comparison, compare, explain_pipeline, load_report
 
 METRICS = {
     "schema": "pipeplan.metrics/1",
@@ -59,6 +59,9 @@ METRICS = {
 }
 
 
+WITHIN = {**METRICS, "stages": METRICS["stages"][1:]}  # stage 0's replicas: compute 0.94x, 0.97x
+
+
 def test_comparison_ratio_and_flag() -> None:
     assert Comparison(10.0, 12.0).ratio == pytest.approx(1.2)
     assert not Comparison(10.0, 12.0).off
@@ -102,11 +105,39 @@ def test_report_cli(tmp_path) -> None:
     assert "stage 1 replica 0 (1.30x)" in out.output
     strict = runner.invoke(cli, ["report", str(path), "--strict"])
     assert strict.exit_code == 1
-    fine = {**METRICS, "stages": METRICS["stages"][1:]}
-    path.write_text(json.dumps(fine))
+    path.write_text(json.dumps(WITHIN))
     out = runner.invoke(cli, ["report", str(path), "--strict"], catch_exceptions=False)
     assert out.exit_code == 0 and "every stage within 20%" in out.output
     assert "memory per rank" not in out.output  # a metrics/1 file has no memory figures
+
+
+def test_a_pipeline_off_while_every_stage_is_within_is_explained() -> None:
+    line = explain_pipeline(compare({**WITHIN, "time_per_minibatch_ms": 15.0}))
+    assert line is not None and line.startswith("the pipeline: 1.50x its predicted 10.00 ms/minibatch")
+    assert "every stage computes within 20% of its prediction (worst 0.97x)" in line
+    assert "waiting up to 1.00 ms/minibatch" in line and "The time goes between the stages" in line
+    assert "Fewer micro-batches" in line
+
+
+@pytest.mark.parametrize(
+    ("metrics", "expected"),
+    [
+        ({**WITHIN, "time_per_minibatch_ms": 11.0}, None),  # 1.10x: within
+        ({**METRICS, "time_per_minibatch_ms": 15.0}, "a stage computes slower than profiled"),
+        ({**WITHIN, "time_per_minibatch_ms": 7.0}, "faster than planned"),
+    ],
+)
+def test_the_pipeline_line_says_which_part_is_off(metrics: dict, expected: str | None) -> None:
+    line = explain_pipeline(compare(metrics))
+    assert (line is None) if expected is None else (line is not None and expected in line)
+
+
+def test_report_strict_fails_on_a_pipeline_off_with_every_stage_within(tmp_path) -> None:
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({**WITHIN, "time_per_minibatch_ms": 15.0}))
+    out = CliRunner().invoke(cli, ["report", str(path), "--strict"])
+    assert out.exit_code == 1, out.output
+    assert "every stage within 20%" in out.output and "the pipeline: 1.50x" in out.output
 
 
 def test_report_cli_prints_each_rank_memory_against_the_plan(tmp_path) -> None:

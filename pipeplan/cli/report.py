@@ -18,12 +18,12 @@ __all__ = ["report", "memory_table", "print_checkpoints"]
     epilog="""\b
 Examples:
   pipeplan report metrics.json
-  pipeplan report metrics.json --strict    # exit 1 when a stage is off by > 20 %
+  pipeplan report metrics.json --strict    # exit 1 when the pipeline or a stage is off by > 20 %
   pipeplan report runs/first --plot loss.png   # a --log-dir: loss and lr per step
 """,
 )
 @click.argument("metrics_path", metavar="METRICS", type=click.Path())
-@click.option("--strict", is_flag=True, help="Exit with status 1 when a stage is flagged.")
+@click.option("--strict", is_flag=True, help="Exit with status 1 when the pipeline or a stage is flagged.")
 @click.option(
     "--plot",
     "plot_path",
@@ -36,7 +36,8 @@ def report(metrics_path: str, strict: bool, plot_path: str | None) -> None:
     or summarise a run's --log-dir (METRICS: the folder or its metrics.jsonl).
 
     A stage whose measured time per minibatch is more than 20 % away from the
-    prediction is flagged.
+    prediction is flagged, and so is the pipeline's period (its stages may each be
+    within while the time between them is not).
     """
     from pathlib import Path
 
@@ -86,10 +87,17 @@ def _log_summary(path: str, console: Console) -> None:
 
 
 def _compare(metrics_path: str, console: Console) -> bool:
-    """The predicted-vs-measured tables; True when a stage is flagged."""
+    """The predicted-vs-measured tables; True when the pipeline or a stage is flagged."""
     from rich.table import Table
 
-    from pipeplan.reporting.run_vs_plan import OFF_THRESHOLD, Comparison, compare, explain, read_metrics
+    from pipeplan.reporting.run_vs_plan import (
+        OFF_THRESHOLD,
+        Comparison,
+        compare,
+        explain,
+        explain_pipeline,
+        read_metrics,
+    )
 
     metrics = read_metrics(metrics_path)
     result = compare(metrics, where=metrics_path)
@@ -159,6 +167,9 @@ def _compare(metrics_path: str, console: Console) -> bool:
     for line in recompute_lines(metrics.plan or {}) + offload_lines(metrics.plan or {}):
         console.print(line, markup=False, soft_wrap=True)
     print_checkpoints(metrics.to_dict(), console)
+    pipeline = explain_pipeline(result)
+    if pipeline is not None:
+        console.print(pipeline, markup=False, highlight=False)
     flagged = result.flagged
     if flagged:
         names = ", ".join(
@@ -171,7 +182,7 @@ def _compare(metrics_path: str, console: Console) -> bool:
             console.print(explain(stage), markup=False, highlight=False)
         return True
     console.print(f"every stage within {OFF_THRESHOLD:.0%} of its prediction")
-    return False
+    return pipeline is not None
 
 
 def recompute_lines(plan: Mapping[str, Any]) -> list[str]:

@@ -120,11 +120,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
         f"(predicted {ms(summary['predicted_time_per_minibatch_ms'])} ms)"
     )
     from pipeplan.errors import InputError
-    from pipeplan.reporting.run_vs_plan import compare, explain
+    from pipeplan.reporting.run_vs_plan import compare, explain, explain_pipeline
 
     try:
-        flagged = compare(summary, "run").flagged
+        result = compare(summary, "run")
     except InputError:  # a figure the comparison refuses (no steady period): nothing to explain
-        flagged = ()
-    for stage in flagged:
-        console.print(explain(stage), style="red", markup=False, highlight=False)
+        return
+    lines = [explain_pipeline(result), *(explain(stage) for stage in result.flagged)]
+    for line in lines:
+        if line is not None:
+            console.print(line, style="red", markup=False, highlight=False)

@@ -26,6 +26,7 @@ __all__ = [
     "compare",
     "load_report",
     "explain",
+    "explain_pipeline",
 ]
 
 OFF_THRESHOLD = 0.20  # flag a measurement more than 20 % away from its prediction
@@ -171,4 +172,46 @@ def explain(stage: StageComparison) -> str:
     return (
         f"{head}; {within}, and {rest:.2f} ms/minibatch go neither to compute nor to waiting "
         f"(the optimizer step, weight copies, sends): see them in the trace (--trace)"
+    )
+
+
+def explain_pipeline(report: MetricsReport) -> str | None:
+    """One line when the pipeline's period is off its prediction by more than 20 %: which part
+    is off (the stages' compute, or the time between them) and what the user can do; None
+    when it is within.
+
+    Every stage can be within its own prediction while the pipeline is not: the stages then
+    compute as planned and the period goes to what lies between them (waiting, the runtime's
+    work per action, posting messages), which no stage line flags.
+    """
+    period = report.time_per_minibatch
+    if not period.off or period.ratio is None or period.measured_ms is None or period.predicted_ms is None:
+        return None
+    head = (
+        f"the pipeline: {period.ratio:.2f}x its predicted {period.predicted_ms:.2f} ms/minibatch "
+        f"({period.measured_ms:.2f} ms measured)"
+    )
+    if period.ratio < 1.0:
+        return (
+            f"{head}: faster than planned. The profile was taken on a slower or busier machine, or "
+            f"with other --threads: profile again on this one"
+        )
+    known = [s for s in report.stages if s.compute.ratio is not None]
+    if any(s.compute.off and (s.compute.ratio or 0.0) > 1.0 for s in known):
+        return f"{head}: a stage computes slower than profiled (below)"
+    worst = max(known, key=lambda s: s.compute.ratio or 0.0, default=None)
+    within = (
+        f"every stage computes within {OFF_THRESHOLD:.0%} of its prediction (worst {worst.compute.ratio:.2f}x)"
+        if worst is not None
+        else "no stage has a compute prediction"
+    )
+    waits = [s.wait_ms for s in report.stages if s.wait_ms is not None]
+    wait = f", waiting up to {max(waits):.2f} ms/minibatch" if waits else ""
+    return (
+        f"{head}: {within}{wait}. The time goes between the stages: each exchange (a send, a "
+        f"receive, a step's all-reduce) costs more here than the topology's links charge; on "
+        f"CPU ranks sharing a few cores a message also costs both ranks' cores time the plan "
+        f"does not count (docs/benchmarks.md, 'What a message costs the runtime here'). Fewer "
+        f"micro-batches exchange fewer messages (partition --schedule auto compares them); "
+        f"--trace shows the gaps"
     )
