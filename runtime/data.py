@@ -52,6 +52,7 @@ class BatchSource:
     _loaders: dict[int, _Reader] = field(default_factory=dict)
     _resume: dict[int, tuple[int, Any]] = field(default_factory=dict)  # replica -> (position, state)
     _cache: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
+    _chunks: dict[int, list[tuple[tuple[torch.Tensor, ...], Any]]] = field(default_factory=dict)
     _names: tuple[str, ...] | None = None  # the flat input tensors' argument names
 
     def __post_init__(self) -> None:
@@ -61,13 +62,25 @@ class BatchSource:
             )
 
     def microbatch(self, minibatch: int, microbatch: int) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """(flat input tensors, targets) of one micro-batch, on this rank's device."""
-        inputs, targets = self._minibatch(minibatch)
+        """(flat input tensors, targets) of one micro-batch, on this rank's device.
+
+        A minibatch is split once, at its first micro-batch, and its chunks kept while it may
+        be in flight: every forward asked for it again, and cutting it each time cost 13.8 us
+        per call against 2.2 us (a tiny Llama's minibatch of 8 in 4 micro-batches; issue 31)."""
         m = self.microbatches
         if m == 1:
-            return inputs, targets
-        chunk = tuple(t.tensor_split(m, dim=0)[microbatch] for t in inputs)
-        return chunk, targets.tensor_split(m, dim=0)[microbatch]
+            return self._minibatch(minibatch)
+        chunks = self._chunks.get(minibatch)
+        if chunks is None:
+            inputs, targets = self._minibatch(minibatch)
+            split = [t.tensor_split(m, dim=0) for t in inputs]
+            chunks = [
+                (tuple(s[j] for s in split), part) for j, part in enumerate(targets.tensor_split(m, dim=0))
+            ]
+            for old in [key for key in self._chunks if key < minibatch - 1]:  # as the cache evicts
+                del self._chunks[old]
+            self._chunks[minibatch] = chunks
+        return chunks[microbatch]
 
     def draw_ahead(self, minibatches: Iterable[int], most: int = 64, budget_bytes: int = 256 << 20) -> int:
         """Draw ``minibatches`` (global ids, in order) now, before the timed loop: at most

@@ -107,6 +107,16 @@ def test_batch_source_draws_ahead_within_its_bounds() -> None:
         inputs, targets = model_file.batch(8, seed=10 + k)
         torch.testing.assert_close(torch.cat([source.microbatch(k, m)[1] for m in range(2)]), targets)
     assert sorted(source._cache) == [7, 8]  # taking minibatch 8 let go of those before 7
+    assert sorted(source._chunks) == [7, 8]  # and of their split, kept beside
+
+
+def test_batch_source_splits_a_minibatch_once() -> None:
+    """Every forward asks for its micro-batch: the minibatch is cut at the first ask only."""
+    source = BatchSource(load_model_file(FIXTURES / "mlp.py"), 8, 4, seed=10, loader_replicas=1)
+    first = [source.microbatch(2, m) for m in range(4)]
+    again = [source.microbatch(2, m) for m in range(4)]
+    assert all(a[0][0] is b[0][0] and a[1] is b[1] for a, b in zip(first, again))
+    assert [chunk[1].shape[0] for chunk in first] == [2, 2, 2, 2]
 
 
 def test_batch_source_shards_a_data_loader_like_pipedream(tmp_path: Path) -> None:
