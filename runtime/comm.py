@@ -288,6 +288,7 @@ class _PendingSend:
     label: str
     start_ms: float
     unit: int = 0  # the work unit of the message (a header: of the message it precedes)
+    activations: tuple[int, ...] = ()  # the values a forward message (or its header) carries
 
 
 class P2P:
@@ -348,8 +349,9 @@ class P2P:
         if direction == FORWARD:
             self._send_header(tensor, peer, value, unit, label, requires_grad, start)
         tag = message_tag(value, self.values, unit, direction)
+        carried = (value,) if direction == FORWARD else ()
         self._sends.append(
-            _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit)
+            _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit, carried)
         )
         self.reap()
 
@@ -375,7 +377,9 @@ class P2P:
         packed = pack_tensors(tensors)
         tag = message_tag(values[0], self.values, unit, FORWARD)
         self._sends.append(
-            _PendingSend(self._isend(packed, peer, tag, label), packed, peer, label, start, unit)
+            _PendingSend(
+                self._isend(packed, peer, tag, label), packed, peer, label, start, unit, tuple(values)
+            )
         )
         self.reap()
 
@@ -387,7 +391,7 @@ class P2P:
             return
         header = TensorSpec.of(tensor, grad).encode(self.device)
         work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
-        self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit))
+        self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit, (value,)))
         self._sent_header.add((peer, value))
 
     def _start(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> Any:
@@ -444,6 +448,26 @@ class P2P:
             self._wait(send.work, f"sending {send.label}", send.peer)
             if self._on_send_done is not None:
                 self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
+        return len(done)
+
+    def release_taken(self, peer: int, value: int, unit: int) -> int:
+        """Wait for and drop the forward messages (and headers) to ``peer`` that carried
+        ``value`` for ``unit``; returns how many. The caller received ``value``'s gradient for
+        ``unit`` from ``peer``, which ``peer`` computed after the forward that took them, so
+        the waits return at once. Without it gloo, whose sends report completion only once
+        waited on, kept each activation sent until a step released it (the demo's 1F1B-RR:
+        up to 3 MiB per stage; issue 31)."""
+        done = [s for s in self._sends if s.peer == peer and s.unit == unit and value in s.activations]
+        if not done:
+            return 0
+        self._sends = [
+            s for s in self._sends if not (s.peer == peer and s.unit == unit and value in s.activations)
+        ]
+        now = time.perf_counter() * 1000.0
+        for send in done:
+            self._wait(send.work, f"sending {send.label}", send.peer)
+            if self._on_send_done is not None:
+                self._on_send_done(send.label, send.peer, send.start_ms, now)
         return len(done)
 
     def expects_gradient(self, peer: int, value: int) -> bool:

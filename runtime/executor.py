@@ -384,6 +384,7 @@ class Executor:
             total = None
             for pending in pendings:
                 g = self._wait(pending, action)
+                self.comm.release_taken(pending.peer, pending.value, unit)  # the peer took the forward's
                 total = g if total is None else total + g
             if total is not None:
                 grads_in[name] = total

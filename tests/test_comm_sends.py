@@ -89,6 +89,23 @@ def test_release_waits_for_and_drops_the_sends_of_earlier_units(monkeypatch: obj
     assert p2p.pending_sends == 0 and all(work.waited for work in sent)
 
 
+def test_a_gradient_received_releases_the_forward_messages_it_proves_taken(monkeypatch: object) -> None:
+    """The peer sent value 0's gradient of a unit back: it took that unit's message carrying
+    value 0 (and its header), not another unit's nor a message without value 0."""
+    sent: list[_GlooLikeSend] = []
+    p2p = _p2p(monkeypatch, sent)
+    for unit in range(4):
+        p2p.send(torch.ones(4), 1, 0, unit, FORWARD, f"send F{unit}")
+    p2p.send(torch.ones(4), 1, 1, 2, FORWARD, "send F2 value 1")  # its header, then the data
+    p2p.send(torch.ones(4), 1, 0, 2, BACKWARD, "send B2")
+    assert p2p.pending_sends == 1 + 4 + 2 + 1
+    assert p2p.release_taken(1, 0, 2) == 1 and p2p.pending_sends == 7
+    assert sent[3].waited and not any(work.waited for i, work in enumerate(sent) if i != 3)
+    assert p2p.release_taken(1, 0, 0) == 2  # unit 0's data and the channel's header
+    assert p2p.release_taken(2, 0, 1) == 0 and p2p.release_taken(1, 0, 2) == 0  # another peer; done
+    p2p.finish()
+
+
 class _Comm:
     def __init__(self) -> None:
         self.released: list[int] = []
