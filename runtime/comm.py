@@ -289,6 +289,7 @@ class _PendingSend:
     start_ms: float
     unit: int = 0  # the work unit of the message (a header: of the message it precedes)
     activations: tuple[int, ...] = ()  # the values a forward message (or its header) carries
+    gradients: tuple[int, ...] = ()  # the values a backward message carries the gradient of
 
 
 class P2P:
@@ -349,10 +350,11 @@ class P2P:
         if direction == FORWARD:
             self._send_header(tensor, peer, value, unit, label, requires_grad, start)
         tag = message_tag(value, self.values, unit, direction)
-        carried = (value,) if direction == FORWARD else ()
-        self._sends.append(
-            _PendingSend(self._isend(tensor, peer, tag, label), tensor, peer, label, start, unit, carried)
-        )
+        work = self._isend(tensor, peer, tag, label)
+        if direction == FORWARD:
+            self._sends.append(_PendingSend(work, tensor, peer, label, start, unit, activations=(value,)))
+        else:
+            self._sends.append(_PendingSend(work, tensor, peer, label, start, unit, gradients=(value,)))
         self.reap()
 
     def send_activations(
@@ -454,15 +456,24 @@ class P2P:
         """Wait for and drop the forward messages (and headers) to ``peer`` that carried
         ``value`` for ``unit``; returns how many. The caller received ``value``'s gradient for
         ``unit`` from ``peer``, which ``peer`` computed after the forward that took them, so
-        the waits return at once. Without it gloo, whose sends report completion only once
-        waited on, kept each activation sent until a step released it (the demo's 1F1B-RR:
-        up to 3 MiB per stage; issue 31)."""
-        done = [s for s in self._sends if s.peer == peer and s.unit == unit and value in s.activations]
+        the waits return at once. Without it and ``release_gradients`` gloo, whose sends report
+        completion only once waited on, kept each message sent until a step released it (the
+        demo's 1F1B-RR: up to 3.0-3.5 MiB of sends per rank, 1.0 MiB with both; issue 31)."""
+        return self._release(lambda s: s.peer == peer and s.unit == unit and value in s.activations)
+
+    def release_gradients(self, peer: int, unit: int, values: frozenset[int]) -> int:
+        """Wait for and drop the gradient messages to ``peer`` of ``values`` for ``unit``; returns
+        how many. The caller knows ``peer`` ran the backward that took them (a later forward of
+        ``peer``'s reached it: ``Executor._gradients_taken``), so the waits return at once."""
+        return self._release(
+            lambda s: s.peer == peer and s.unit == unit and not values.isdisjoint(s.gradients)
+        )
+
+    def _release(self, taken: Callable[[_PendingSend], bool]) -> int:
+        done = [send for send in self._sends if taken(send)]
         if not done:
             return 0
-        self._sends = [
-            s for s in self._sends if not (s.peer == peer and s.unit == unit and value in s.activations)
-        ]
+        self._sends = [send for send in self._sends if not taken(send)]
         now = time.perf_counter() * 1000.0
         for send in done:
             self._wait(send.work, f"sending {send.label}", send.peer)

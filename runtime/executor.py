@@ -30,7 +30,7 @@ maps them to global minibatch ids for data (a resumed run continues the data str
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from pipeplan.schedules import Action, ScheduleKind, schedule_kind
 __all__ = ["Executor", "UnitRecord"]
 
 _Key = tuple[int, int]  # (unit, chunk)
+_PEER_SCAN = 1024  # actions of a peer looked through for the forward that sent a message
 _T = TypeVar("_T")
 
 
@@ -136,6 +137,11 @@ class Executor:
     )  # (name, unit) -> [grad sum, grads left]
     _readers: dict[str, int] = field(default_factory=dict)  # value name -> this rank's chunks reading it
     _sources: dict[int, list[str]] = field(default_factory=dict)  # producer stage -> values read from it
+    # peer rank -> its actions (the schedule every rank shares): a peer's forward proves it
+    # took this rank's gradients of its backwards before it (``_gradients_taken``)
+    peer_actions: Mapping[int, Sequence[Action]] = field(default_factory=dict)
+    _peer_cursor: dict[int, int] = field(default_factory=dict)  # peer -> its first action not yet passed
+    _gradient_values: dict[int, frozenset[int]] = field(default_factory=dict)  # producer stage -> value ids
 
     # ------------------------------------------------------------------ driver
     def run(self) -> None:
@@ -236,6 +242,48 @@ class Executor:
             del self._inbound[(name, unit)]
         return value
 
+    def _gradients_taken(self, peer: int, producer: int, action: Action) -> None:
+        """``peer`` sent model stage ``producer``'s activations of ``action``'s unit, so it had
+        run every action before that forward: free this rank's gradient sends that its
+        backwards among them took. gloo keeps a send until it is waited on, and a step alone
+        released them: a last stage held a minibatch's gradients, or 1F1B-RR's twice
+        ``minibatches_in_flight`` (issue 31)."""
+        actions = self.peer_actions.get(peer)
+        if actions is None or peer == self.comm.rank:
+            return
+        positions = self.spec.stages
+        chunk = producer // positions
+        start = self._peer_cursor.get(peer, 0)
+        forward = next(
+            (
+                i
+                for i in range(start, min(len(actions), start + _PEER_SCAN))
+                if actions[i].kind == "F"
+                and actions[i].chunk == chunk
+                and (actions[i].minibatch, actions[i].microbatch) == (action.minibatch, action.microbatch)
+            ),
+            None,
+        )
+        if forward is None:  # not within reach (taken out of the peer's order): the step frees them
+            return
+        for done in actions[start:forward]:
+            if done.kind in ("B", "I"):
+                values = self._gradient_values_of(done.chunk * positions + producer % positions)
+                if values:
+                    self.comm.release_gradients(peer, self._unit(done), values)
+        self._peer_cursor[peer] = forward + 1
+
+    def _gradient_values_of(self, producer: int) -> frozenset[int]:
+        """The ids of the values model stage ``producer`` sends this rank's chunks."""
+        if producer not in self._gradient_values:
+            self._gradient_values[producer] = frozenset(
+                self.spec.value_ids[name]
+                for chunk in self.spec.chunks
+                for name, p in chunk.producers.items()
+                if p == producer
+            )
+        return self._gradient_values[producer]
+
     def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
         stage = self._chunk(action)
         saved = self._saved[(unit, action.chunk)]
@@ -311,6 +359,8 @@ class Executor:
             data_inputs[int(name.split(":")[1])] if stage.producers[name] < 0 else received[name]
             for name in stage.input_names
         ]
+        for producer in {p for p in stage.producers.values() if p >= 0}:
+            self._gradients_taken(self.spec.recv_peer(producer, unit), producer, action)
         with self.recorder.span("forward", str(action), minibatch, action.microbatch):
             rng = _rng_state() if self.recompute else None
             version = None

@@ -107,6 +107,7 @@ from pipeplan.runtime.stage import PipelineSpec, build_pipeline
 from pipeplan.runtime.stash import WeightStash
 from pipeplan.runtime.sync import GradSync, make_grad_sync
 from pipeplan.schedules import (
+    Action,
     Schedule,
     ScheduleKind,
     build_schedule,
@@ -470,6 +471,16 @@ def _build(config: RunConfig, prepared: Prepared) -> BuiltStage:
     )
 
 
+def _actions_by_rank(schedule: Schedule, spec: PipelineSpec) -> dict[int, tuple[Action, ...]]:
+    """Every rank's actions in ``schedule`` (a tensor-parallel group's ranks share theirs)."""
+    out: dict[int, tuple[Action, ...]] = {}
+    for position in range(spec.stages):
+        t = spec.tensor_parallel[position]
+        for index, rank in enumerate(spec.ranks[position]):
+            out[rank] = schedule.actions.get((position, index // t), ())
+    return out
+
+
 def _checkpoint_group(config: RunConfig, spec: PipelineSpec) -> dist.ProcessGroup | None:
     """A gloo group of every rank with a stage (collective: every rank calls it), for
     asynchronous or ``auto`` checkpoints; None otherwise.
@@ -572,6 +583,7 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         recompute=config.pipeline.recompute,
         minibatch_offset=offset,
         lookahead=2 * (peak_in_flight(actions) + 1),
+        peer_actions=_actions_by_rank(schedule, spec) if remaining > 0 else {},
         on_step=step_end,
         schedule=config.schedule,
         compute_context=built.tp_context,

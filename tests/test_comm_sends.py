@@ -103,6 +103,9 @@ def test_a_gradient_received_releases_the_forward_messages_it_proves_taken(monke
     assert sent[3].waited and not any(work.waited for i, work in enumerate(sent) if i != 3)
     assert p2p.release_taken(1, 0, 0) == 2  # unit 0's data and the channel's header
     assert p2p.release_taken(2, 0, 1) == 0 and p2p.release_taken(1, 0, 2) == 0  # another peer; done
+    assert p2p.release_taken(1, 0, 2) == 0 and p2p.pending_sends == 5  # B2 is no forward message
+    assert p2p.release_gradients(1, 2, frozenset({1})) == 0  # not value 1's gradient
+    assert p2p.release_gradients(1, 2, frozenset({0, 3})) == 1 and p2p.pending_sends == 4
     p2p.finish()
 
 
@@ -150,3 +153,46 @@ def test_without_a_flush_a_step_releases_the_sends_beyond_the_minibatches_in_fli
     executor = _executor("2bw", comm)  # 2 minibatches in flight: 4 kept as a margin
     executor._step(Action("S", 6, 0, 0))
     assert comm.released == [2 * 4]  # minibatches 0 and 1, 4 micro-batches each
+
+
+class _Releases:
+    """A comm that records which gradient sends an executor frees."""
+
+    rank = 1
+
+    def __init__(self) -> None:
+        self.freed: list[tuple[int, int, frozenset[int]]] = []
+
+    def release_gradients(self, peer: int, unit: int, values: frozenset[int]) -> int:
+        self.freed.append((peer, unit, values))
+        return 1
+
+
+def test_a_producers_forward_frees_the_gradients_its_earlier_backwards_took() -> None:
+    """Stage 0 (rank 0) runs 1F1B-RR with 2 minibatches in flight: F0 F1 B0 F2 B1 F3 B2. Its
+    activation of minibatch 2 reaching rank 1 proves B0 ran, so rank 1's gradient of
+    minibatch 0 was taken; minibatch 3's proves B1."""
+    peer = tuple(Action.parse(a) for a in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "S0"))
+    comm = _Releases()
+    executor = Executor(
+        spec=SimpleNamespace(  # type: ignore[arg-type]  # all _gradients_taken reads
+            stages=2, chunks=(SimpleNamespace(producers={"x:0": -1, "h": 0}),), value_ids={"h": 7}
+        ),
+        actions=(),
+        microbatches=1,
+        comm=comm,  # type: ignore[arg-type]
+        data=None,  # type: ignore[arg-type]
+        loss_fn=lambda output, target: output,
+        optimizer=None,
+        sync=_Sync(),  # type: ignore[arg-type]
+        recorder=Recorder(rank=1, stage=1, replica=0, trace=False),
+        peer_actions={0: peer},
+    )
+    executor._gradients_taken(0, 0, Action("F", 1))
+    assert comm.freed == []  # F1 comes before any backward
+    executor._gradients_taken(0, 0, Action("F", 2))
+    assert comm.freed == [(0, 0, frozenset({7}))]
+    executor._gradients_taken(0, 0, Action("F", 1))  # behind the peer's cursor: frees nothing
+    executor._gradients_taken(2, 0, Action("F", 3))  # a rank whose actions are unknown: nothing
+    executor._gradients_taken(0, 0, Action("F", 3))
+    assert comm.freed == [(0, 0, frozenset({7})), (0, 1, frozenset({7}))]
