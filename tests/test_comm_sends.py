@@ -123,11 +123,14 @@ class _Sync:
         pass
 
 
-def _executor(schedule: str, comm: _Comm) -> Executor:
+def _executor(
+    schedule: str, comm: object, spec: object = None, microbatches: int = 4, **fields: object
+) -> Executor:
+    """An executor with ``comm``, and ``spec`` (default: what ``_step`` reads)."""
     executor = Executor(
-        spec=SimpleNamespace(replicas=(1, 1)),  # type: ignore[arg-type]  # all _step reads
+        spec=spec or SimpleNamespace(replicas=(1, 1)),  # type: ignore[arg-type]
         actions=(),
-        microbatches=4,
+        microbatches=microbatches,
         comm=comm,  # type: ignore[arg-type]
         data=None,  # type: ignore[arg-type]
         loss_fn=lambda output, target: output,
@@ -135,6 +138,7 @@ def _executor(schedule: str, comm: _Comm) -> Executor:
         sync=_Sync(),  # type: ignore[arg-type]
         recorder=Recorder(rank=0, stage=0, replica=0, trace=False),
         schedule=schedule,
+        **fields,  # type: ignore[arg-type]
     )
     executor._kind = schedule_kind(schedule)
     return executor
@@ -174,20 +178,10 @@ def test_a_producers_forward_frees_the_gradients_its_earlier_backwards_took() ->
     minibatch 0 was taken; minibatch 3's proves B1."""
     peer = tuple(Action.parse(a) for a in ("F0", "F1", "B0", "F2", "B1", "F3", "B2", "S0"))
     comm = _Releases()
-    executor = Executor(
-        spec=SimpleNamespace(  # type: ignore[arg-type]  # all _gradients_taken reads
-            stages=2, chunks=(SimpleNamespace(producers={"x:0": -1, "h": 0}),), value_ids={"h": 7}
-        ),
-        actions=(),
-        microbatches=1,
-        comm=comm,  # type: ignore[arg-type]
-        data=None,  # type: ignore[arg-type]
-        loss_fn=lambda output, target: output,
-        optimizer=None,
-        sync=_Sync(),  # type: ignore[arg-type]
-        recorder=Recorder(rank=1, stage=1, replica=0, trace=False),
-        peer_actions={0: peer},
+    spec = SimpleNamespace(
+        stages=2, chunks=(SimpleNamespace(producers={"x:0": -1, "h": 0}),), value_ids={"h": 7}
     )
+    executor = _executor("1f1b-rr", comm, spec, microbatches=1, peer_actions={0: peer})
     executor._gradients_taken(0, 0, Action("F", 1))
     assert comm.freed == []  # F1 comes before any backward
     executor._gradients_taken(0, 0, Action("F", 2))
