@@ -380,7 +380,13 @@ class P2P:
         tag = message_tag(values[0], self.values, unit, FORWARD)
         self._sends.append(
             _PendingSend(
-                self._isend(packed, peer, tag, label), packed, peer, label, start, unit, tuple(values)
+                self._isend(packed, peer, tag, label),
+                packed,
+                peer,
+                label,
+                start,
+                unit,
+                activations=tuple(values),
             )
         )
         self.reap()
@@ -393,7 +399,9 @@ class P2P:
             return
         header = TensorSpec.of(tensor, grad).encode(self.device)
         work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
-        self._sends.append(_PendingSend(work, header, peer, f"{label} (header)", start, unit, (value,)))
+        self._sends.append(
+            _PendingSend(work, header, peer, f"{label} (header)", start, unit, activations=(value,))
+        )
         self._sent_header.add((peer, value))
 
     def _start(self, op: Callable[..., Any], tensor: torch.Tensor, peer: int, tag: int) -> Any:
@@ -442,15 +450,7 @@ class P2P:
         drop them and the tensors they hold; returns how many. The caller vouches that every
         peer consumed them (a flush schedule at a step: ``Executor._step``), so the waits
         return at once; without this a gloo run held every activation it sent until the end."""
-        done = [send for send in self._sends if send.unit < before_unit]
-        if not done:
-            return 0
-        self._sends = [send for send in self._sends if send.unit >= before_unit]
-        for send in done:
-            self._wait(send.work, f"sending {send.label}", send.peer)
-            if self._on_send_done is not None:
-                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
-        return len(done)
+        return self._release(lambda send: send.unit < before_unit)
 
     def release_taken(self, peer: int, value: int, unit: int) -> int:
         """Wait for and drop the forward messages (and headers) to ``peer`` that carried
@@ -470,15 +470,19 @@ class P2P:
         )
 
     def _release(self, taken: Callable[[_PendingSend], bool]) -> int:
-        done = [send for send in self._sends if taken(send)]
+        """Wait (bounded) for the pending sends ``taken`` picks, reporting each one's end, and
+        drop them and the tensors they hold; returns how many."""
+        done: list[_PendingSend] = []
+        still: list[_PendingSend] = []
+        for send in self._sends:
+            (done if taken(send) else still).append(send)
         if not done:
             return 0
-        self._sends = [send for send in self._sends if not taken(send)]
-        now = time.perf_counter() * 1000.0
+        self._sends = still
         for send in done:
             self._wait(send.work, f"sending {send.label}", send.peer)
             if self._on_send_done is not None:
-                self._on_send_done(send.label, send.peer, send.start_ms, now)
+                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
         return len(done)
 
     def expects_gradient(self, peer: int, value: int) -> bool:
@@ -497,11 +501,7 @@ class P2P:
     def finish(self) -> None:
         """Wait (bounded) until every send completed (each work is waited on once), and stop
         the posting thread (a later message starts another)."""
-        for send in self._sends:
-            self._wait(send.work, f"sending {send.label}", send.peer)
-            if self._on_send_done is not None:
-                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
-        self._sends = []
+        self._release(lambda send: True)
         if self._poster is not None:
             self._poster.stop()
             self._poster = None

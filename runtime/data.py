@@ -77,7 +77,7 @@ class BatchSource:
             chunks = [
                 (tuple(s[j] for s in split), part) for j, part in enumerate(targets.tensor_split(m, dim=0))
             ]
-            for old in [key for key in self._chunks if key < minibatch - 1]:  # as the cache evicts
+            for old in [key for key in self._chunks if key not in self._cache]:  # the cache let it go
                 del self._chunks[old]
             self._chunks[minibatch] = chunks
         return chunks[microbatch]
