@@ -83,3 +83,25 @@ def test_first_stage_has_no_input_gradient() -> None:
     model(tokens).square().mean().backward()
     for got, p in zip(split, model.parameters()):
         torch.testing.assert_close(got, p.grad)
+
+
+def test_weight_gradients_accumulate_in_place_over_micro_batches() -> None:
+    """A second micro-batch's "W" adds into the kept ``.grad``: one new gradient at a time, as
+    autograd's AccumulateGrad does, not the old, the new and their sum at once."""
+    from pipeplan.profiler.live_bytes import LiveBytes
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 256, bias=False)  # a 256 KiB weight
+    xs = [torch.randn(8, 256, requires_grad=True) for _ in range(2)]
+    works = []
+    for x in xs:
+        _, work = backward_input([layer(x).sum()], [torch.ones(())], [x], [layer.weight])
+        works.append(work)
+    backward_weight(works[0])
+    kept = layer.weight.grad
+    assert kept is not None
+    with LiveBytes() as live:
+        backward_weight(works[1])
+    assert layer.weight.grad is kept  # added into, not replaced
+    assert live.peak == 256 * 256 * 4  # the second gradient only (out of place: 2x)
+    torch.testing.assert_close(kept, sum(x.detach().sum(0) for x in xs).expand(256, 256))
