@@ -60,6 +60,10 @@ class StageMetrics:
     # (CPU: the build's leftovers, minibatches drawn ahead, communication); not the stage's
     setup_memory_bytes: int | None = None
     peak_memory_bytes: int | None = None  # the most at any moment of the run
+    # CPU: the stage's parameters and buffers and the most bytes of tensors made in the first
+    # steps alive at once (the steady state's peak among them), with no allocator in it: what
+    # predicted_memory_bytes predicts (None: not counted)
+    tensor_held_bytes: int | None = None
     predicted_memory_bytes: int | None = None  # StagePlan.memory_bytes (summed over the rank's chunks)
     # checkpoints of this rank over the run (totals; None: the run took none, or an older file)
     checkpoints: int = 0
@@ -90,6 +94,7 @@ class StageMetrics:
             "overhead_memory_bytes",
             "setup_memory_bytes",
             "peak_memory_bytes",
+            "tensor_held_bytes",
             "predicted_memory_bytes",
             "checkpoint_bytes",
         ):

@@ -44,6 +44,8 @@ __all__ = [
     "prediction_for_run",
     "steady_period_ms",
     "warmup_minibatches",
+    "tensor_count_steps",
+    "timed_from",
 ]
 
 
@@ -82,6 +84,34 @@ def warmup_minibatches(schedule: str, replicas: tuple[int, ...], total: int) -> 
     """
     fill = schedule_kind(schedule).minibatches_in_flight(replicas)
     return min(fill, max(total - 1, 0))
+
+
+def tensor_count_steps(schedule: str, replicas: tuple[int, ...], period: int) -> int:
+    """Steps over which a CPU rank counts its live tensors (``MemoryMeter.stop_counting``): the
+    pipeline's fill and one step of the steady state, where the stage's peak falls (every
+    weight version stashed, every micro-batch of the fill in flight, the optimizer's state made).
+
+    >>> tensor_count_steps("1f1b-rr", (1, 1), 1), tensor_count_steps("1f1b-flush", (1, 1), 1)
+    (3, 2)
+    """
+    fill = schedule_kind(schedule).minibatches_in_flight(replicas)
+    return -(-fill // period) + 1
+
+
+def timed_from(
+    schedule: str, replicas: tuple[int, ...], total: int, period: int, counted_tensors: bool
+) -> int:
+    """Minibatches at the start of a run left out of its timings: the pipeline's fill
+    (``warmup_minibatches``) and, where the ranks counted their live tensors, the steps counted
+    (``tensor_count_steps``: the counter's cost per operator is in them).
+
+    >>> timed_from("1f1b-rr", (1, 1), 20, 1, False), timed_from("1f1b-rr", (1, 1), 20, 1, True)
+    (2, 3)
+    """
+    fill = warmup_minibatches(schedule, replicas, total)
+    if not counted_tensors:
+        return fill
+    return min(max(fill, tensor_count_steps(schedule, replicas, period) * period), max(total - 1, 0))
 
 
 def rank_report(
@@ -196,8 +226,9 @@ def write_outputs(
             for k, t in r.done_ms.items():
                 done_by_minibatch[k] = max(done_by_minibatch.get(k, t), t)
     input_done = list(done_by_minibatch.values())
+    counted = any(r.memory is not None and r.memory.tensor_held_bytes is not None for r in reports)
     period_ms = steady_period_ms(
-        input_done, warmup_minibatches(config.schedule, spec.replicas, len(input_done))
+        input_done, timed_from(config.schedule, spec.replicas, len(input_done), period, counted)
     )
     wall_ms = max(r.wall_ms for r in reports)
     minibatches = len(losses_by_minibatch)
@@ -238,6 +269,7 @@ def write_outputs(
                 overhead_memory_bytes=r.memory.overhead_bytes if r.memory is not None else None,
                 setup_memory_bytes=r.memory.setup_bytes if r.memory is not None else None,
                 peak_memory_bytes=r.memory.peak_bytes if r.memory is not None else None,
+                tensor_held_bytes=r.memory.tensor_held_bytes if r.memory is not None else None,
                 predicted_memory_bytes=sum(s.memory_bytes for s in chunks),
                 **_checkpoint_fields(r),
             )

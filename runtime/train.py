@@ -90,7 +90,8 @@ from pipeplan.runtime.rank_metrics import (
     CheckpointReport,
     gather_reports,
     rank_report,
-    warmup_minibatches,
+    tensor_count_steps,
+    timed_from,
     write_outputs,
 )
 from pipeplan.runtime.recorder import Recorder
@@ -225,7 +226,7 @@ def _prepare(config: RunConfig) -> Prepared:
             model_file.make_optimizer is not None,
         )
         # the baseline: imports done, a tiny step taken (the fixed costs), nothing of the model built
-        meter = MemoryMeter(env.device, config.optimizer)
+        meter = MemoryMeter(env.device, config.optimizer, count_tensors=_counts_tensors(config, env.device))
         with memory_step(
             f"rank {env.rank} built its stage (--build {config.build.mode})",
             "with --build meta each rank materialises only its own layers; or plan more stages",
@@ -271,6 +272,20 @@ def _prepare(config: RunConfig) -> Prepared:
     except InputError as exc:
         raise PrepareError(str(exc)) from exc
     return Prepared(env, model_file, spec, schedule, identity, meter)
+
+
+def _counts_tensors(config: RunConfig, device: str) -> bool:
+    """Whether the rank counts its live tensors over its first steps (``MemoryMeter``): on the
+    CPU, for a run long enough to time steps after them, of plain tensors (a tensor-parallel
+    or sharded stage's DTensors and hooks are left to RSS)."""
+    plain = all(s.tensor_parallel == 1 and s.shard == "none" for s in config.plan.stages)
+    if device != "cpu" or not plain:
+        return False
+    replicas = tuple(
+        s.replicas for s in config.plan.stages[: len(config.plan.stages) // config.plan.virtual_stages]
+    )
+    period = steps_period(config.schedule, replicas)
+    return config.steps > tensor_count_steps(config.schedule, replicas, period)
 
 
 def _optimizer_identity(config: RunConfig, model_file: ModelFile) -> str:
@@ -525,8 +540,12 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         trace=bool(config.outputs.trace_path),
         cuda=env.device.startswith("cuda"),
     )
-    recorder.count_from = offset + warmup_minibatches(
-        config.schedule, spec.replicas, max(remaining, 0) * period
+    window = tensor_count_steps(config.schedule, spec.replicas, period)
+    if remaining <= window:  # a resumed run with too few steps left to time after the count
+        prepared.meter.discard_tensors()
+    counting = prepared.meter.count_tensors
+    recorder.count_from = offset + timed_from(
+        config.schedule, spec.replicas, max(remaining, 0) * period, period, counting
     )
     comm = P2P(
         env.rank,
@@ -568,6 +587,7 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         _loader_keys(data, period, spec.replicas[0]) if data.reads_loaders else None,
     )
     step_end = _StepEnd(config, prepared, built, watchdog, recorder, progress, live, checkpointer)
+    step_end.count_tensors_until = built.done_steps + window if counting else None
     executor = Executor(
         spec=spec,
         actions=actions,
@@ -653,6 +673,7 @@ class _StepEnd:
     executor: Executor | None = None  # set once the executor this hook belongs to exists
     digests: list[dict[str, float]] = field(default_factory=list)  # --record: after each step
     first_step_ms: float | None = None  # the process's age when its first step ended
+    count_tensors_until: int | None = None  # the step after which live tensors are no longer counted
     _published: dict[str, float] = field(default_factory=lambda: {"compute_ms": 0.0})
     _fault: Callable[[int], None] = field(init=False)
 
@@ -686,6 +707,9 @@ class _StepEnd:
             self.digests.append(digests(self.built.module))
         if self.first_step_ms is None:
             self.first_step_ms = process_age_ms()
+        if self.count_tensors_until is not None and completed >= self.count_tensors_until:
+            self.prepared.meter.stop_counting()
+            self.count_tensors_until = None
         self.checkpointer.at_step_end(completed)
         self.progress.update(completed)
         self._fault(completed)

@@ -115,3 +115,24 @@ def test_two_ranks_hold_what_the_plan_says(
         # the baseline since runtime/memory_usage.py's warm-up
         assert 0 <= rank["runtime_bytes"] < 40 * MiB
         assert 0.95 <= rank["held_over_planned"] <= 1.15, rank
+
+
+def test_the_meter_counts_the_stage_tensors_over_the_counted_steps_only() -> None:
+    from pipeplan.runtime.memory_usage import MemoryMeter
+
+    meter = MemoryMeter("cpu", count_tensors=True)
+    try:
+        stage = torch.ones(8 * MiB // 4)  # built before the steps: its bytes are given
+        setup = torch.ones(4 * MiB // 4)  # a minibatch drawn ahead: not the stage's
+        meter.steps_begin(8 * MiB)
+        view = setup[: MiB // 4]  # a view of it made in the steps: no new memory
+        block = torch.ones(16 * MiB // 4)
+        del block, setup, view
+        meter.stop_counting()
+        after = torch.ones(32 * MiB // 4)  # past the counted steps: not counted
+        reading = meter.read()
+    finally:
+        meter.discard_tensors()
+    assert reading.tensor_held_bytes == 24 * MiB  # the stage's 8 MiB and the steps' 16 MiB
+    assert MemoryMeter("cpu").read().tensor_held_bytes is None  # not asked: RSS only
+    del stage, after

@@ -180,6 +180,35 @@ def test_report_memory_table_shows_set_up_and_fixed_apart_from_what_the_stage_he
     assert "held = peak - baseline - set-up" in out.output
 
 
+def test_report_memory_table_shows_the_counted_tensors_beside_rss(tmp_path) -> None:
+    memory = {
+        "memory_kind": "rss",
+        "baseline_memory_bytes": 300 << 20,
+        "overhead_memory_bytes": 40 << 20,
+        "setup_memory_bytes": 22 << 20,
+        "peak_memory_bytes": 487 << 20,  # RSS: 165 MiB held, 1.29x
+        "tensor_held_bytes": 132 << 20,  # 1.03x
+        "predicted_memory_bytes": 128 << 20,
+    }
+    metrics = {**METRICS, "schema": "pipeplan.metrics/2", "stages": [{**METRICS["stages"][0], **memory}]}
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps(metrics))
+    stage = Metrics.load(path).stages[0]
+    assert stage.tensor_held_bytes == 132 << 20
+    out = CliRunner(env={"COLUMNS": "220"}).invoke(cli, ["report", str(path)], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    header = next(line for line in out.output.splitlines() if "tensors/planned" in line)
+    assert header.index("tensors/planned") < header.index("held/planned")
+    row = next(line for line in out.output.splitlines() if "132.0 MiB" in line)
+    assert "1.03" in row and "165.0 MiB" in row and "1.29" in row
+    title = " ".join(out.output.split())
+    assert "tensors: the most bytes of live tensors at once over the first steps" in title
+    metrics["stages"][0]["tensor_held_bytes"] = -1
+    path.write_text(json.dumps(metrics))
+    bad = CliRunner().invoke(cli, ["report", str(path)])
+    assert bad.exit_code != 0 and "tensor_held_bytes = -1 is negative" in bad.output
+
+
 def test_a_flagged_stage_says_which_part_is_off_and_what_to_do() -> None:
     from pipeplan.reporting.run_vs_plan import StageComparison, explain
 

@@ -239,8 +239,10 @@ def offload_lines(plan: Mapping[str, Any]) -> list[str]:
 
 def memory_table(stages: list[dict[str, Any]], plan_stages: list[dict[str, Any]] | None = None) -> Any:
     """Per rank: the plan's per-device figure against what the rank held for its stage
-    (peak - baseline - set-up), the set-up and the fixed part shown apart; with ``plan_stages``
-    (the plan's, as JSON) a ``shard`` column where a stage shards its replicas."""
+    (peak - baseline - set-up), the set-up and the fixed part shown apart; where the ranks
+    counted their live tensors (CPU), those they held beside it, which the plan predicts
+    without the allocator's caching; with ``plan_stages`` (the plan's, as JSON) a ``shard``
+    column where a stage shards its replicas."""
     from rich.table import Table
 
     from pipeplan.metrics import StageMetrics
@@ -249,40 +251,44 @@ def memory_table(stages: list[dict[str, Any]], plan_stages: list[dict[str, Any]]
     def size(value: int | None) -> str:
         return "-" if value is None else format_bytes(value)
 
+    def ratio(value: int | None, planned: int | None) -> str:
+        return f"{value / planned:.2f}" if value is not None and planned else "-"
+
     kinds = {s.get("memory_kind") for s in stages} - {None}
     what = "GPU: torch.cuda max_memory_allocated" if kinds == {"cuda_allocated"} else "CPU: the process's RSS"
     shards = {p["index"]: p for p in plan_stages or [] if p.get("shard", "none") != "none"}
+    counted = any(s.get("tensor_held_bytes") is not None for s in stages)
+    tensors_note = (
+        "; tensors: the most bytes of live tensors at once over the first steps, the stage's "
+        "parameters and what the steps made (what the plan predicts; RSS also holds what the "
+        "allocator keeps of freed memory)"
+        if counted
+        else ""
+    )
     table = Table(
         title=f"memory per rank ({what}; held = peak - baseline - set-up; set-up: held before the first "
         "step beyond the stage's parameters (the build, minibatches drawn ahead, communication); fixed: "
-        "of the baseline, a first step's own cost, measured on a tiny model)"
+        f"of the baseline, a first step's own cost, measured on a tiny model{tensors_note})"
     )
-    for column in (
-        "stage",
-        "replica",
-        "rank",
-        "planned",
-        "held",
-        "held/planned",
-        "set-up",
-        "fixed",
-        "peak",
-        "baseline",
-    ):
+    columns = ["stage", "replica", "rank", "planned"]
+    columns += ["tensors", "tensors/planned"] if counted else []
+    columns += ["held", "held/planned", "set-up", "fixed", "peak", "baseline"]
+    for column in columns:
         table.add_column(column, justify="right")
     if shards:
         table.add_column("shard", justify="right")
     for s in stages:
         planned = s.get("predicted_memory_bytes")
         held = StageMetrics.from_dict(s, "stage").held_memory_bytes
-        ratio = f"{held / planned:.2f}" if held is not None and planned else "-"
+        tensors = s.get("tensor_held_bytes")
         table.add_row(
             str(s["stage"]),
             str(s["replica"]),
             str(s["rank"]),
             size(planned),
+            *([size(tensors), ratio(tensors, planned)] if counted else []),
             size(held),
-            ratio,
+            ratio(held, planned),
             size(s.get("setup_memory_bytes")),
             size(s.get("overhead_memory_bytes")),
             size(s.get("peak_memory_bytes")),
