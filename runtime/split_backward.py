@@ -153,42 +153,49 @@ def backward_input(
 
 
 def backward_weight(work: WeightGradients) -> None:
-    """Accumulate the deferred weight gradients into ``.grad`` of the parameters; drops the graph."""
+    """Accumulate the deferred weight gradients into ``.grad`` of the parameters; drops the graph.
+
+    One group's gradients are alive at a time: each is added and let go before the next
+    group's are computed (a loop variable kept them past that: two layers' at once, measured).
+    """
     for group in work.groups:
-        if not group.nodes:
-            found = torch.autograd.grad(
-                work.outputs, group.params, work.output_grads, retain_graph=True, allow_unused=True
-            )
-            _accumulate(group.params, found)
-            continue
-        edges, seeds = [], []
-        for node, grads in zip(group.nodes, group.grads):
-            for i, g in enumerate(grads or ()):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    seeds.append(g)
-        if not edges:
-            continue
-        pins: list[Any] = []
-        if len(group.nodes) > 1:  # each boundary node's recorded gradient is final
-            for node, grads in zip(group.nodes, group.grads):
-                pins.append(node.register_prehook(lambda _g, saved=grads: saved))
-        try:
-            targets = [GradientEdge(_node_of(p), 0) for p in group.params]  # type: ignore[arg-type]
-            found = torch.autograd.grad(edges, targets, seeds, retain_graph=True, allow_unused=True)
-        finally:
-            for pin in pins:
-                pin.remove()
-        _accumulate(group.params, found)
+        _accumulate(group.params, _group_gradients(group, work))
     work.groups.clear()
     work.outputs.clear()
     work.output_grads.clear()
 
 
+def _group_gradients(group: _Group, work: WeightGradients) -> Sequence[torch.Tensor | None]:
+    """The gradients of one group's parameters, from its boundary nodes' recorded gradients.
+    A group without any (every parameter of a first stage, whose input needs no gradient)
+    runs a plain backward from the stage's outputs into ``.grad``, as one backward would:
+    each gradient is added as it is made, not all of them held at once, and none is returned."""
+    if not group.nodes:
+        torch.autograd.backward(work.outputs, work.output_grads, inputs=group.params, retain_graph=True)
+        return ()
+    edges, seeds = [], []
+    for node, grads in zip(group.nodes, group.grads):
+        for i, g in enumerate(grads or ()):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                seeds.append(g)
+    if not edges:
+        return ()
+    pins: list[Any] = []
+    if len(group.nodes) > 1:  # each boundary node's recorded gradient is final
+        for node, grads in zip(group.nodes, group.grads):
+            pins.append(node.register_prehook(lambda _g, saved=grads: saved))
+    try:
+        targets = [GradientEdge(_node_of(p), 0) for p in group.params]  # type: ignore[arg-type]
+        return torch.autograd.grad(edges, targets, seeds, retain_graph=True, allow_unused=True)
+    finally:
+        for pin in pins:
+            pin.remove()
+
+
 def _accumulate(params: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Into ``.grad`` in place, as autograd's AccumulateGrad does: an out-of-place sum held the
-    old gradient, the new one and their sum at once (measured: ZB-H1's stage 0 of the MLP
-    held 1.34x its plan's tensors)."""
+    old gradient, the new one and their sum at once."""
     with torch.no_grad():
         for param, grad in zip(params, grads):
             if grad is None:

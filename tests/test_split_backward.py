@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,3 +106,33 @@ def test_weight_gradients_accumulate_in_place_over_micro_batches() -> None:
     assert layer.weight.grad is kept  # added into, not replaced
     assert live.peak == 256 * 256 * 4  # the second gradient only (out of place: 2x)
     torch.testing.assert_close(kept, sum(x.detach().sum(0) for x in xs).expand(256, 256))
+
+
+def test_a_first_stage_weight_pass_holds_one_new_gradient_at_a_time() -> None:
+    """A first stage's input needs no gradient: its "W" is the whole backward, which adds each
+    weight's gradient into ``.grad`` as it is made (one 256 KiB temporary and the activation
+    gradients), not all the layers' gradients at once before adding them."""
+    from pipeplan.profiler.live_bytes import LiveBytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(3)))
+    tokens = torch.randn(8, 256)  # a first stage's input: no gradient
+    works = []
+    for _ in range(2):
+        grads, work = backward_input(
+            [model(tokens).sum()], [torch.ones(())], [tokens], list(model.parameters())
+        )
+        assert grads == [None] and not [g for g in work.groups if g.nodes]
+        works.append(work)
+    backward_weight(works[0])
+    with LiveBytes() as live:
+        backward_weight(works[1])
+    weight = 256 * 256 * 4
+    assert weight <= live.peak < 2 * weight  # was 3 weights' gradients at once
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():
+        p.grad = None
+    for _ in range(2):
+        reference(tokens).sum().backward()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
