@@ -11,7 +11,8 @@ optional fields of a meta-device profile (``build``, ``step_not_measured``,
 absent, ``input_grad_ms`` assumes half) or ``LayerProfile.backward_working_bytes`` (where
 absent, -1: the planner charges no backward working memory and says so) or
 ``shared_parameter_bytes`` (where absent, a tied parameter is priced at its users' smallest
-``param_bytes``).
+``param_bytes``) or ``loss_saved_bytes`` / ``loss_working_bytes`` (where absent, -1: the
+planner charges the loss stage none of the loss's memory and says so).
 
 The module tree (``Profile.modules``, every module in ``named_modules()`` order with its
 calls per forward pass, and ``LayerProfile.parameters``) says where an export target can
@@ -31,6 +32,7 @@ ranks, each backward ``tp_backward_allreduces`` (a Megatron block: 2 and 2).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterable
@@ -204,6 +206,11 @@ class Profile:
     # counts only storages no earlier layer saved, so the layers sum to this figure
     step_saved_bytes: int = 0
     loss_ms: float = 0.0  # loss forward+backward on the model output: in step_ms, in no layer
+    # the loss's own memory, one minibatch, charged to the last layer as its time is: what
+    # autograd saves in the loss's forward (a cross-entropy's log-probabilities: the logits'
+    # size) and the most its backward holds at once (the logits' gradient); -1: not measured
+    loss_saved_bytes: int = -1
+    loss_working_bytes: int = -1
     # one optimizer step over all parameters, by optimizer ("sgd", "momentum", "adam"), ms;
     # not in step_ms; empty when not measured (an imported PipeDream graph)
     optimizer_ms: dict[str, float] = field(default_factory=dict)
@@ -275,6 +282,24 @@ class Profile:
         """Whether every layer with a backward has its input-gradient part (``backward_input_ms``);
         where not, the simulator assumes half of that layer's backward (``ASSUMED_INPUT_GRAD_SHARE``)."""
         return all(layer.backward_input_ms is not None for layer in self.layers if layer.backward_ms > 0)
+
+    @functools.cached_property
+    def charged_saved_bytes(self) -> tuple[int, ...]:
+        """Per layer, the saved bytes the planner charges: ``saved_bytes``, and the loss's on
+        the last layer (where measured), as ``loss_ms`` is charged there."""
+        saved = [layer.saved_bytes for layer in self.layers]
+        if saved:
+            saved[-1] += max(0, self.loss_saved_bytes)
+        return tuple(saved)
+
+    @functools.cached_property
+    def charged_working_bytes(self) -> tuple[int, ...]:
+        """Per layer, the backward working bytes the planner charges
+        (``LayerProfile.charged_working_bytes``); the last layer's at least the loss's."""
+        working = [layer.charged_working_bytes for layer in self.layers]
+        if working:
+            working[-1] = max(working[-1], self.loss_working_bytes)
+        return tuple(working)
 
     @property
     def is_chain(self) -> bool:
@@ -429,6 +454,10 @@ def validate(profile: Profile) -> None:
         _check_amount(getattr(profile, name), MAX_MS, f"profile {name}")
     for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats", "optimizer_sample_bytes"):
         _check_amount(getattr(profile, name), MAX_BYTES, f"profile {name}", integer=True)
+    for name in ("loss_saved_bytes", "loss_working_bytes"):
+        value = getattr(profile, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= MAX_BYTES):
+            raise InputError(f"profile {name} = {value!r} is not -1 or a byte count")
     if profile.build not in ("", "eager", "meta"):
         raise InputError(f"profile build = {profile.build!r} is not one of eager, meta")
     if not (isinstance(profile.tp_efficiency, (int, float)) and 0 < profile.tp_efficiency <= 1):

@@ -288,7 +288,7 @@ def layer_arrays(
     return LayerArrays(
         compute_ms=_prefix(layer_compute_ms(profile, optimizer)),
         param_bytes=_prefix([layer.param_bytes for layer in layers]),
-        saved_bytes=_prefix([layer.saved_bytes for layer in layers]),
+        saved_bytes=_prefix(list(profile.charged_saved_bytes)),
         output_bytes=_prefix([layer.output_bytes for layer in layers]),
         cut_bytes=cut,
         frontier_bytes=frontier,
@@ -328,7 +328,7 @@ def _recompute_fields(profile: Profile, sums: Callable[[list[float]], np.ndarray
         ),
         selective_layer_freed=np.array(freed, dtype=np.float64),
         layer_param_bytes=np.array([layer.param_bytes for layer in profile.layers], dtype=np.float64),
-        working_bytes=np.array([layer.charged_working_bytes for layer in profile.layers], dtype=np.float64),
+        working_bytes=np.array(profile.charged_working_bytes, dtype=np.float64),
     )
 
 
@@ -356,7 +356,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
     return LayerArrays(
         compute_ms=family.sums(np.array(layer_compute_ms(profile, optimizer))),
         param_bytes=family.sums(np.array([layer.param_bytes for layer in layers])),
-        saved_bytes=family.sums(np.array([layer.saved_bytes for layer in layers])),
+        saved_bytes=family.sums(np.array(profile.charged_saved_bytes)),
         output_bytes=family.sums(output),
         cut_bytes=cut,
         frontier_bytes=frontier,

@@ -213,7 +213,7 @@ def chunk_recompute(
     uniform``: ``recompute.stage_options``' last); ``gains``: the profile's ``gain_bytes``.
     O(layers) with ``gains``."""
     if mode == "none":
-        return StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)
+        return StageRecompute((), 0.0, float(sum(profile.charged_saved_bytes[i] for i in layers)), 0.0)
     return recompute_candidates(profile, layers, microbatches, mode, gains)[-1]
 
 

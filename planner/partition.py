@@ -112,7 +112,7 @@ def _least_need_bytes(profile: Profile, topology: Topology, options: PartitionOp
                     most,
                     backward_temporary_bytes(
                         float(layer.largest_tensor_bytes),
-                        float(layer.charged_working_bytes),
+                        float(profile.charged_working_bytes[layer.index]),
                         options.microbatches,
                         precision,
                     )

@@ -111,7 +111,7 @@ def stage_options(
     plus the tuples of recomputed layers)."""
     gains = gain_bytes(profile) if gains is None else gains
     recomputable = [i for i in sorted(layers) if gains[i] > 0]
-    saved = float(sum(profile.layers[i].saved_bytes for i in layers))
+    saved = float(sum(profile.charged_saved_bytes[i] for i in layers))
     transient = max((profile.layers[i].saved_bytes for i in recomputable), default=0) / microbatches
     out = [StageRecompute((), 0.0, saved, 0.0)]
     extra, freed = 0.0, 0.0
@@ -139,7 +139,7 @@ def selective_option(
     attention core that frees bytes recomputes it. O(layers)."""
     freed = selective_freed_bytes(profile) if freed is None else freed
     chosen = tuple(i for i in sorted(layers) if freed[i] > 0)
-    saved = float(sum(profile.layers[i].saved_bytes for i in layers))
+    saved = float(sum(profile.charged_saved_bytes[i] for i in layers))
     return StageRecompute(
         (),
         float(sum(profile.layers[i].selective_recompute_ms for i in chosen)),

@@ -22,7 +22,7 @@ def recompute_candidates(
     (``recompute.choose``): ``none`` only that; ``full`` ``stage_options`` (k = 0..|R|);
     ``selective`` that and the selective choice; ``auto`` all of them."""
     if mode == "none":
-        return [StageRecompute((), 0.0, float(sum(profile.layers[i].saved_bytes for i in layers)), 0.0)]
+        return [StageRecompute((), 0.0, float(sum(profile.charged_saved_bytes[i] for i in layers)), 0.0)]
     options = stage_options(profile, layers, microbatches, gains)
     if mode == "full":
         return options

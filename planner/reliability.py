@@ -5,7 +5,8 @@ measured one by one add up to the whole step, when their readings are steady, an
 micro-batch's time is known at its size. Each warning is one line that says which of these
 fails, by how much, and what to do. The predicted memory leaves out what a backward holds
 beyond the saved activations where the profile did not measure it
-(``LayerProfile.backward_working_bytes``): that is said too.
+(``LayerProfile.backward_working_bytes``), or the loss's memory (``Profile.loss_saved_bytes``):
+that is said too.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
             "the profile does not record its layers' backward working memory (activation "
             "gradients and temporaries; profiles made before it was, imported or estimated): "
             "each stage's memory figure leaves it out; profile again to have it charged"
+        )
+    elif profile.layers and profile.loss_saved_bytes < 0:
+        out.append(
+            "the profile does not record the loss's memory (what its forward saves, a "
+            "cross-entropy's log-probabilities, and its backward's logit gradients; profiles made "
+            "before it was): the last stage's memory figure leaves it out; profile again to have it charged"
         )
     micro = plan.microbatches
     if micro > 1 and not profile.timed_batch_sizes:

@@ -188,12 +188,12 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 # the recomputed layers' forwards run again in backward (planner.recompute)
                 backward_ms=sum(layer.backward_ms for layer in layers) + recompute_ms,
                 param_bytes=sum(layer.param_bytes for layer in layers),
-                saved_bytes=int(sum(layer.saved_bytes for layer in layers) - freed_bytes),
+                saved_bytes=int(sum(profile.charged_saved_bytes[i] for i in stage.layers) - freed_bytes),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 # offload's host-link copies and host step (planner.offload) beside the step
                 step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,
                 largest_param_bytes=max((layer.largest_tensor_bytes for layer in layers), default=0),
-                working_bytes=max((layer.charged_working_bytes for layer in layers), default=0),
+                working_bytes=max((profile.charged_working_bytes[i] for i in stage.layers), default=0),
                 tie_allreduce_ms=ties[stage.index],
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),

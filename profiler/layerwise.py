@@ -35,7 +35,13 @@ from pipeplan.host_memory import return_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.profile import LayerProfile
 from pipeplan.profiler.detach import detached
-from pipeplan.profiler.measure import Progress, backward_to_inputs, input_grad_part, loss_backward
+from pipeplan.profiler.measure import (
+    Progress,
+    backward_to_inputs,
+    input_grad_part,
+    loss_backward,
+    loss_bytes,
+)
 from pipeplan.profiler.memory import (
     SavedTensorCounter,
     backward_working_bytes,
@@ -63,6 +69,8 @@ class LayerwiseResult:
     layers: list[LayerProfile]
     loss: Stats  # ms: loss forward + backward on the model output
     measured: int  # layers timed (the others reuse a timed layer's figures)
+    loss_saved_bytes: int = -1  # the loss's memory, one minibatch (``measure.loss_bytes``)
+    loss_working_bytes: int = -1
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ def measure_layerwise(
     counted: set[str] = set()  # values (by name) some earlier layer saved
     layers: list[LayerProfile] = []
     loss = robust_stats([0.0])
+    loss_memory = (-1, -1)  # (saved, working) bytes of the loss
     with _frozen_heap():  # each layer's collection traverses only what the layers made
         for position in range(len(stages)):  # (enumerate would keep the last stage alive)
             stage = stages[position]
@@ -133,11 +142,10 @@ def measure_layerwise(
                 saved = counter.saved_bytes
                 produced = output_bytes(outputs)
                 wanted = {name for name in stage.output_names if remaining.get(name, 0) > 0}
-                loss_grads = (
-                    _loss_grads(outputs[stage.output_names.index(MODEL_OUTPUT)], targets, loss_fn)
-                    if MODEL_OUTPUT in stage.output_names
-                    else []
-                )
+                loss_grads: list[Any] = []
+                if MODEL_OUTPUT in stage.output_names:
+                    output = outputs[stage.output_names.index(MODEL_OUTPUT)]
+                    loss_grads, loss_memory = _loss_grads(output, targets, loss_fn, counter)
                 working = _working_bytes(stage, args, outputs, wanted, loss_grads)
                 key = layer_signature(stage, args)
                 reuse = None if every_layer else timed.get(key)
@@ -178,19 +186,23 @@ def measure_layerwise(
             return_freed_blocks()  # and glibc keeps freed blocks unless told: the next layer starts clean
             if progress is not None:
                 progress(position + 1, len(graph.layers), f"layer {position + 1}/{len(graph.layers)}")
-    return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}))
+    return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}), *loss_memory)
 
 
-def _loss_grads(output: object, targets: object, loss_fn: Callable[[Any, Any], Any]) -> list[Any]:
+def _loss_grads(
+    output: object, targets: object, loss_fn: Callable[[Any, Any], Any], counter: SavedTensorCounter
+) -> tuple[list[Any], tuple[int, int]]:
     """The loss's gradient of each leaf of the model output (None where it has none), as the
-    eager pass hands them to the last layer's backward."""
+    eager pass hands them to the last layer's backward, and the loss's (saved, working) bytes
+    (``measure.loss_bytes``; ``counter``: what the last layer saved, not counted again)."""
     import torch
     from torch.utils import _pytree as pytree
 
     value = as_input(output)
     with torch.enable_grad():
-        loss_backward(loss_fn, value, targets)
-    return [leaf.grad if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(value)]
+        memory = loss_bytes(loss_fn, value, targets, counter)
+    grads = [leaf.grad if isinstance(leaf, torch.Tensor) else None for leaf in pytree.tree_leaves(value)]
+    return grads, memory
 
 
 def _working_bytes(

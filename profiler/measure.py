@@ -123,6 +123,8 @@ class PassSample:
     )  # its input tensors (LayerProfile.recompute_kept_bytes)
     # what its backward holds beyond its saved bytes (0: no gradient reached it)
     working_bytes: list[int] = field(default_factory=list)
+    loss_saved_bytes: int = -1  # the loss's (``loss_bytes``), when counted
+    loss_working_bytes: int = -1
 
 
 def disable_inplace(model: nn.Module) -> int:
@@ -160,12 +162,41 @@ def _run(stage: StageModule, args: tuple[object, ...]) -> tuple[object, ...]:
 
 def loss_backward(loss_fn: Callable[[Any, Any], Any], output: object, targets: object) -> None:
     """The loss on the captured layers' output and its backward; ``LossError`` if ``loss_fn`` raises."""
-    try:
-        loss = loss_fn(output, targets)
-    except Exception as exc:
-        raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
+    loss = _loss(loss_fn, output, targets)
     if loss.requires_grad:
         loss.backward()
+
+
+def loss_bytes(
+    loss_fn: Callable[[Any, Any], Any],
+    output: object,
+    targets: object,
+    counter: SavedTensorCounter | None = None,
+) -> tuple[int, int]:
+    """``loss_backward``, measured: (saved, working) bytes of the loss, one minibatch. Saved:
+    the storages autograd saves in the loss's forward that ``counter`` (the pass's: what a
+    layer saved) has not counted (a cross-entropy's log-probabilities, the logits' size).
+    Working: the most bytes its backward's new storages hold at once (the output's gradient,
+    handed to the last layer, among them)."""
+    from pipeplan.profiler.live_bytes import LiveBytes
+
+    counter = SavedTensorCounter() if counter is None else counter
+    before = counter.saved_bytes
+    with count_saved(counter=counter):
+        loss = _loss(loss_fn, output, targets)
+    saved = counter.saved_bytes - before
+    if not loss.requires_grad:
+        return saved, 0
+    with LiveBytes() as live:
+        loss.backward()
+    return saved, live.peak
+
+
+def _loss(loss_fn: Callable[[Any, Any], Any], output: object, targets: object) -> Any:
+    try:
+        return loss_fn(output, targets)
+    except Exception as exc:
+        raise LossError(f"loss_fn raised on the output of the captured layers: {one_line(exc)}") from exc
 
 
 def run_pass(
@@ -218,7 +249,10 @@ def run_pass(
             values.update((name, detached(value)) for name, value in zip(stage.output_names, outputs))
         result = values[MODEL_OUTPUT]
         timer.start()
-        loss_backward(loss_fn, result, targets)
+        if count_bytes:
+            sample.loss_saved_bytes, sample.loss_working_bytes = loss_bytes(loss_fn, result, targets, counter)
+        else:
+            loss_backward(loss_fn, result, targets)
         sample.loss_ms = timer.stop()
         for position in reversed(range(len(stages))):
             stage = stages[position]
@@ -379,6 +413,8 @@ class Measurements:
     loss: Stats  # ms
     step: Stats  # whole-model forward + loss + backward, ms
     step_saved_bytes: int
+    loss_saved_bytes: int = -1  # the loss's memory, one minibatch (``loss_bytes``)
+    loss_working_bytes: int = -1
 
 
 def measure_stages(
@@ -436,7 +472,14 @@ def measure_stages(
         )
         for position, stage in enumerate(stages)
     ]
-    return Measurements(layers, robust_stats([s.loss_ms for s in samples]), robust_stats(steps), whole_saved)
+    return Measurements(
+        layers,
+        robust_stats([s.loss_ms for s in samples]),
+        robust_stats(steps),
+        whole_saved,
+        counted.loss_saved_bytes,
+        counted.loss_working_bytes,
+    )
 
 
 class WholeGraph:

@@ -175,6 +175,8 @@ def profile_on_meta(
         repeats=repeats,
         step_saved_bytes=whole_saved,
         loss_ms=result.loss.median,
+        loss_saved_bytes=result.loss_saved_bytes,
+        loss_working_bytes=result.loss_working_bytes,
         optimizer_ms=optimizer_ms,
         data_ms=data_ms,
         capture=graph.kind,

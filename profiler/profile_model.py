@@ -290,6 +290,8 @@ def _profile(
         repeats=repeats,
         step_saved_bytes=measured.step_saved_bytes,
         loss_ms=measured.loss.median,
+        loss_saved_bytes=measured.loss_saved_bytes,
+        loss_working_bytes=measured.loss_working_bytes,
         optimizer_ms=optimizer_ms,
         data_ms=data_ms,
         capture=graph.kind,

@@ -147,8 +147,15 @@ def test_partition_warns_when_the_prediction_is_known_unreliable() -> None:
     assert any("sum to 2.00x the measured whole step (24.000 ms vs 12.000 ms)" in w for w in warnings)
     assert any("proportional to its size" in w for w in warnings)  # no times at smaller sizes
     assert any("backward working memory" in w for w in warnings)  # not measured: said
-    working = replace(base, layers=tuple(replace(layer, backward_working_bytes=0) for layer in base.layers))
+    working = replace(
+        base,
+        layers=tuple(replace(layer, backward_working_bytes=0) for layer in base.layers),
+        loss_saved_bytes=0,
+        loss_working_bytes=0,
+    )
     assert not any("backward working memory" in w for w in prediction_warnings(working, plan))
+    no_loss = replace(working, loss_saved_bytes=-1, loss_working_bytes=-1)  # a profile from before
+    assert any("does not record the loss's memory" in w for w in prediction_warnings(no_loss, plan))
     assert prediction_warnings(with_fixed_cost(replace(working, step_ms=24.0), 0.4), plan) == []  # 1.4x
     measured = with_fixed_cost(replace(working, step_ms=24.0), 1.0)
     warnings = prediction_warnings(measured, plan)

@@ -107,12 +107,35 @@ def test_backward_working_bytes_round_trip_and_default_to_not_measured(tmp_path:
     assert [layer.backward_working_bytes for layer in Profile.from_dict(old).layers] == [-1, -1, -1]
 
 
+def test_the_loss_memory_round_trips_and_defaults_to_not_measured(tmp_path: Path) -> None:
+    profile = replace(make_profile(), loss_saved_bytes=5000, loss_working_bytes=9000)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert profile.charged_saved_bytes[-1] == profile.layers[-1].saved_bytes + 5000
+    assert profile.charged_working_bytes[-1] == 9000  # above the last layer's -1 (not measured)
+    old = profile.to_dict()  # written before the fields existed: nothing of the loss charged
+    del old["loss_saved_bytes"], old["loss_working_bytes"]
+    loaded = Profile.from_dict(old)
+    assert (loaded.loss_saved_bytes, loaded.loss_working_bytes) == (-1, -1)
+    assert loaded.charged_saved_bytes == tuple(layer.saved_bytes for layer in loaded.layers)
+    assert loaded.charged_working_bytes[-1] == 0
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (
             lambda raw: raw["layers"][0].update(backward_working_bytes=-2),
             "backward_working_bytes = -2 is not -1 or a byte count",
+        ),
+        (
+            lambda raw: raw.update(loss_saved_bytes=-2),
+            "profile loss_saved_bytes = -2 is not -1 or a byte count",
+        ),
+        (
+            lambda raw: raw.update(loss_working_bytes=1.5),
+            "field 'loss_working_bytes' must be an integer, got 1.5",
         ),
         (lambda raw: raw.update(schema="pipeplan.profile/0"), "schema is 'pipeplan.profile/0'"),
         (lambda raw: raw.pop("fingerprint"), "missing field 'fingerprint'"),

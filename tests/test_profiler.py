@@ -153,6 +153,24 @@ def test_eager_and_layer_by_layer_profiles_measure_the_same_working_bytes() -> N
     assert eager.shared_parameter_bytes == meta.shared_parameter_bytes == {"wte.weight": 11 * 8 * 4}
 
 
+def test_the_loss_memory_is_measured_the_same_in_both_builds() -> None:
+    """The default loss, a cross-entropy over the (2, 5, 11) logits: its forward saves the
+    log-probabilities (the logits' size), the int64 targets and a scalar; its backward holds
+    the log-probabilities' gradient and the logits' at once, and the loss's own."""
+    path = Path(__file__).parent / "fixtures" / "runtime" / "tied.py"
+    eager = profile_model(path, batch_size=2, device="cpu", warmup=0, repeats=1, build="eager")
+    meta = profile_model(path, batch_size=2, device="cpu", warmup=0, repeats=1, build="meta")
+    logits = 2 * 5 * 11 * 4
+    assert (eager.loss_saved_bytes, eager.loss_working_bytes) == (logits + 2 * 5 * 8 + 4, 2 * logits + 4)
+    assert (meta.loss_saved_bytes, meta.loss_working_bytes) == (
+        eager.loss_saved_bytes,
+        eager.loss_working_bytes,
+    )
+    # the planner charges them to the last layer, as it charges the loss's time
+    assert eager.charged_saved_bytes[-1] == eager.layers[-1].saved_bytes + eager.loss_saved_bytes
+    assert eager.charged_saved_bytes[:-1] == tuple(layer.saved_bytes for layer in eager.layers[:-1])
+
+
 PASS_THROUGH = """
 import torch
 from torch import nn

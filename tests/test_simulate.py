@@ -377,3 +377,20 @@ def test_choose_schedule_tries_micro_batch_counts_when_not_given() -> None:
     assert name == "2bw" and microbatches == 2  # every 2BW count takes 12 ms: the fewest wins
     assert reason.startswith("2bw (M=2, v=1) simulates 12.000 ms/minibatch")
     assert "1f1b-flush M=8 13.500 ms" in reason and "zb-h1 M=8 12.500 ms" in reason
+
+
+def test_the_last_stage_is_charged_the_loss_memory() -> None:
+    """The loss's saved bytes count as the last layer's (as its time does), its backward's
+    working bytes as the last layer's at least: one micro-batch of each at 1F1B-flush's last
+    stage (M = 2: 1 of 2 in flight), nothing at the first."""
+    from pipeplan.planner.options import PartitionOptions
+    from pipeplan.planner.partition import partition
+
+    base = make_profile([1.0] * 4, param_bytes=1000, saved_bytes=4000)
+    options = PartitionOptions(schedule="1f1b-flush", microbatches=2, straight=True, max_stages=2)
+    topology = make_topology(per_server=2, servers=1)
+    without = partition(base, topology, options)
+    with_loss = partition(replace(base, loss_saved_bytes=6000, loss_working_bytes=10000), topology, options)
+    assert [s.layers for s in with_loss.stages] == [s.layers for s in without.stages] == [(0, 1), (2, 3)]
+    assert with_loss.stages[0].memory_bytes == without.stages[0].memory_bytes
+    assert with_loss.stages[1].memory_bytes - without.stages[1].memory_bytes == 6000 / 2 + 10000 / 2
