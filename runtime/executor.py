@@ -507,8 +507,13 @@ class Executor:
         grads = self.stash.collect_grads(saved.version)
         total = self._minibatch_grads.setdefault(action.minibatch, {})
         for name, g in grads.items():
-            if g is not None:
-                total[name] = g if total.get(name) is None else total[name] + g  # type: ignore[operator]
+            if g is None:
+                continue
+            kept = total.get(name)
+            if kept is None:
+                total[name] = g
+            else:  # in place, as autograd accumulates: no third parameter-sized tensor at once
+                kept.add_(g)
         self.units[self._unit(action)].backward_version = saved.version.id
 
     def _rematerialise(

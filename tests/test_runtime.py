@@ -286,3 +286,34 @@ def test_watchdog_notices_a_silent_rank_and_a_reported_failure() -> None:
     for dog in dogs:
         dog.stop()
     del master
+
+
+def test_a_minibatchs_stashed_weight_gradients_add_in_place() -> None:
+    """2BW with 2 micro-batches: each unit's gradients, moved out of its weight version, are
+    added into the minibatch's kept ones in place (the same tensor after), so a backward's
+    gradients, the kept ones and no third copy exist at once; the sum is exact."""
+    from pipeplan.profiler.live_bytes import LiveBytes
+    from pipeplan.runtime.executor import UnitRecord, _Saved
+    from pipeplan.schedules import Action
+    from tests.test_comm_sends import _executor
+
+    torch.manual_seed(0)
+    module = nn.Linear(256, 256, bias=False)  # a 256 KiB weight
+    stash = WeightStash(module, max_versions=2, delayed=True)
+    executor = _executor("2bw", comm=None, microbatches=2, stash=stash)
+    xs = [torch.randn(4, 256) for _ in range(2)]
+    version = stash.acquire(0)
+    stash.acquire(0)  # both micro-batches of minibatch 0 run on version 0
+    for m, x in enumerate(xs):
+        executor.units[m] = UnitRecord(0, m, version.id)
+        stash.forward(version, (x,)).sum().backward()
+        action = Action("B", 0, m)
+        if m == 0:
+            executor._weights_done(action, _Saved([], {}, None, version))
+            kept = executor._minibatch_grads[0]["weight"]
+            continue
+        with LiveBytes() as live:
+            executor._weights_done(action, _Saved([], {}, None, version))
+    assert executor._minibatch_grads[0]["weight"] is kept  # added into, not replaced
+    assert live.peak == 0  # out of place, the sum was a new 256 KiB tensor
+    torch.testing.assert_close(kept, sum(x.sum(0) for x in xs).expand(256, 256))
