@@ -70,6 +70,7 @@ from pipeplan.host_memory import keep_freed_blocks
 from pipeplan.memory_errors import memory_step
 from pipeplan.modelfile import ModelFile, load_model_file, resolve_model_path
 from pipeplan.optimizers import OPTIMIZERS
+from pipeplan.planner.simulate import plan_positions
 from pipeplan.runtime import training_state as state
 from pipeplan.runtime.checkpoint import store
 from pipeplan.runtime.checkpoint.persist import CheckpointCost
@@ -281,9 +282,7 @@ def _counts_tensors(config: RunConfig, device: str) -> bool:
     plain = all(s.tensor_parallel == 1 and s.shard == "none" for s in config.plan.stages)
     if device != "cpu" or not plain:
         return False
-    replicas = tuple(
-        s.replicas for s in config.plan.stages[: len(config.plan.stages) // config.plan.virtual_stages]
-    )
+    replicas = tuple(s.replicas for s in config.plan.stages[: plan_positions(config.plan)])
     period = steps_period(config.schedule, replicas)
     return config.steps > tensor_count_steps(config.schedule, replicas, period)
 
