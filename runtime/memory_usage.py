@@ -182,12 +182,8 @@ class MemoryMeter:
             peak = int(torch.cuda.max_memory_allocated(self.device))
             return MemoryReading(CUDA_ALLOCATED, self.baseline, max(peak, self.baseline), self.overhead)
         peak = max(peak_rss_bytes(), self.baseline)
+        self.stop_counting()  # a run that ended inside its counted steps: counted to its end
         setup = min(self.setup, peak - self.baseline)
-        if self.tensors is None:
-            return MemoryReading(RSS, self.baseline, peak, self.overhead, setup)
-        self.stop_counting()
-        if self.counted is None:
-            return MemoryReading(RSS, self.baseline, peak, self.overhead, setup)
         return MemoryReading(RSS, self.baseline, peak, self.overhead, setup, self.counted)
 
 
