@@ -423,23 +423,10 @@ def validate(profile: Profile) -> None:
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): parameters must be non-empty names"
             )
-        if not (
-            isinstance(layer.recompute_kept_bytes, int) and -1 <= layer.recompute_kept_bytes <= MAX_BYTES
-        ):
-            raise InputError(
-                f"profile layer {layer.index} ({layer.name}): recompute_kept_bytes = "
-                f"{layer.recompute_kept_bytes!r} is not -1 or a byte count"
-            )
+        where = f"profile layer {layer.index} ({layer.name})"
+        _check_optional_bytes(layer.recompute_kept_bytes, f"{where}: recompute_kept_bytes")
         _check_selective(layer)
-        if not (
-            isinstance(layer.backward_working_bytes, int)
-            and not isinstance(layer.backward_working_bytes, bool)
-            and -1 <= layer.backward_working_bytes <= MAX_BYTES
-        ):
-            raise InputError(
-                f"profile layer {layer.index} ({layer.name}): backward_working_bytes = "
-                f"{layer.backward_working_bytes!r} is not -1 or a byte count"
-            )
+        _check_optional_bytes(layer.backward_working_bytes, f"{where}: backward_working_bytes")
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
@@ -455,9 +442,7 @@ def validate(profile: Profile) -> None:
     for name in ("input_bytes", "step_saved_bytes", "warmup", "repeats", "optimizer_sample_bytes"):
         _check_amount(getattr(profile, name), MAX_BYTES, f"profile {name}", integer=True)
     for name in ("loss_saved_bytes", "loss_working_bytes"):
-        value = getattr(profile, name)
-        if not (isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= MAX_BYTES):
-            raise InputError(f"profile {name} = {value!r} is not -1 or a byte count")
+        _check_optional_bytes(getattr(profile, name), f"profile {name}")
     if profile.build not in ("", "eager", "meta"):
         raise InputError(f"profile build = {profile.build!r} is not one of eager, meta")
     if not (isinstance(profile.tp_efficiency, (int, float)) and 0 < profile.tp_efficiency <= 1):
@@ -544,6 +529,12 @@ def _validate_modules(modules: tuple[ModuleRecord, ...]) -> None:
         _check_amount(module.calls, MAX_BYTES, f"profile module {module.name!r}: calls", integer=True)
         if not isinstance(module.container, bool):
             raise InputError(f"profile module {module.name!r}: container must be true or false")
+
+
+def _check_optional_bytes(value: object, what: str) -> None:
+    """``InputError`` unless ``value`` is a byte count or -1 (not measured)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= MAX_BYTES):
+        raise InputError(f"{what} = {value!r} is not -1 or a byte count")
 
 
 def _check_amount(value: object, bound: float, what: str, integer: bool = False) -> None:
