@@ -44,7 +44,7 @@ from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpe
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.mixed_precision import MixedPrecision
 from pipeplan.runtime.recorder import Recorder, now_ms
-from pipeplan.runtime.split_backward import WeightGradients, backward_input, backward_weight
+from pipeplan.runtime.split_backward import WeightGradients, add_gradient, backward_input, backward_weight
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash, WeightVersion
 from pipeplan.runtime.sync import GradSync
@@ -507,13 +507,8 @@ class Executor:
         grads = self.stash.collect_grads(saved.version)
         total = self._minibatch_grads.setdefault(action.minibatch, {})
         for name, g in grads.items():
-            if g is None:
-                continue
-            kept = total.get(name)
-            if kept is None:
-                total[name] = g
-            else:  # in place, as autograd accumulates: no third parameter-sized tensor at once
-                kept.add_(g)
+            if g is not None:
+                total[name] = add_gradient(total.get(name), g)
         self.units[self._unit(action)].backward_version = saved.version.id
 
     def _rematerialise(

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightGradients", "backward_input", "backward_weight"]
+__all__ = ["WeightGradients", "backward_input", "backward_weight", "add_gradient"]
 
 
 @dataclass(eq=False)
@@ -194,13 +194,16 @@ def _group_gradients(group: _Group, work: WeightGradients) -> Sequence[torch.Ten
 
 
 def _accumulate(params: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Into ``.grad`` in place, as autograd's AccumulateGrad does: an out-of-place sum held the
-    old gradient, the new one and their sum at once."""
+    for param, grad in zip(params, grads):
+        if grad is not None:
+            param.grad = add_gradient(param.grad, grad)
+
+
+def add_gradient(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """The gradient to keep once ``new`` is added to ``kept``: ``new`` itself at first, then
+    ``kept`` added into in place, as autograd's AccumulateGrad does (an out-of-place sum holds
+    the old gradient, the new one and their sum at once)."""
+    if kept is None:
+        return new
     with torch.no_grad():
-        for param, grad in zip(params, grads):
-            if grad is None:
-                continue
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+        return kept.add_(new)
