@@ -12,6 +12,8 @@ A topology file lists the levels innermost first, any number of them::
     device: {name: V100-16GB, memory: 16 GiB}          # kind: cuda (default) | cpu
     levels:
       - {name: server,  count: 4, bandwidth: 10 GB/s}   # latency: 5 us (optional)
+        # message_overhead: 200 us (optional): what each end of a message costs its own
+        # rank's cores, beside the latency (gloo on cores the compute shares); see Level
       - {name: cluster, count: 4, bandwidth: 10 Gbit/s}
     storage: {bandwidth: 2 GB/s}   # optional: each rank's checkpoint write rate
     host_link: {bandwidth: 25 GB/s}  # optional: device <-> host memory (offload); planner assumes PCIe Gen4 x16
@@ -46,6 +48,16 @@ class Level:
     count: int  # units of the level below grouped here (devices, for level 0)
     bandwidth_bytes_per_s: float  # between two units of this level
     latency_ms: float = 0.0  # per message between two units of this level
+    # per message, time each end spends on its own rank (posting, waking, copying) that the
+    # rank's compute cannot overlap: gloo's threads on the cores the compute uses. The
+    # latency overlaps the ranks' work, this does not. 0: a separate engine moves the bytes
+    # (NCCL, a NIC), or not measured
+    message_overhead_ms: float = 0.0
+
+    @property
+    def message_ms(self) -> float:
+        """What one message holds a rank that waits on it (a collective's step): latency + overhead."""
+        return self.latency_ms + self.message_overhead_ms
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,11 @@ class Topology:
                     "count": level.count,
                     "bandwidth_bytes_per_s": level.bandwidth_bytes_per_s,
                     "latency_ms": level.latency_ms,
+                    **(
+                        {"message_overhead_ms": level.message_overhead_ms}
+                        if level.message_overhead_ms
+                        else {}
+                    ),
                 }
                 for level in self.levels
             ],
@@ -127,10 +144,16 @@ class Topology:
         ):
             raise InputError(f"topology host_bandwidth_bytes_per_s {host!r} must be a positive number")
         for k, level in enumerate(topology.levels):
-            if level.count < 1 or not level.bandwidth_bytes_per_s > 0 or not level.latency_ms >= 0:
+            if (
+                level.count < 1
+                or not level.bandwidth_bytes_per_s > 0
+                or not level.latency_ms >= 0
+                or not level.message_overhead_ms >= 0
+            ):
                 raise InputError(
                     f"topology levels[{k}]: count {level.count} must be >= 1, bandwidth "
-                    f"{level.bandwidth_bytes_per_s} bytes/s positive, latency {level.latency_ms} ms >= 0"
+                    f"{level.bandwidth_bytes_per_s} bytes/s positive, latency {level.latency_ms} ms and "
+                    f"message overhead {level.message_overhead_ms} ms >= 0"
                 )
         return topology
 
@@ -278,7 +301,12 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
     levels = []
     for k, level_node in enumerate(levels_node.value):
         path = f"levels[{k}]."
-        items = _mapping(source, level_node, f"'levels[{k}]'", ("name", "count", "bandwidth", "latency"))
+        items = _mapping(
+            source,
+            level_node,
+            f"'levels[{k}]'",
+            ("name", "count", "bandwidth", "latency", "message_overhead"),
+        )
         levels.append(
             Level(
                 name=_field(source, level_node, items, "name", path, str),
@@ -287,6 +315,9 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
                     source, level_node, items, "bandwidth", path, _positive(parse_bandwidth)
                 ),
                 latency_ms=_field(source, level_node, items, "latency", path, _non_negative_ms, 0.0),
+                message_overhead_ms=_field(
+                    source, level_node, items, "message_overhead", path, _non_negative_ms, 0.0
+                ),
             )
         )
     return Topology(

@@ -100,7 +100,7 @@ def _pipeplan_stage_figures(
                         arrays.sync_bytes(node.start, node.end),
                         node.units,
                         lv.bandwidth_bytes_per_s,
-                        lv.latency_ms,
+                        lv.message_ms,
                     )
                 )
                 / above
@@ -158,7 +158,7 @@ def _pipeplan_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float
     grads = arrays.sync_bytes(0, arrays.layers)
     for level in topology.levels:
         allreduce = float(
-            ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
+            ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.message_ms)
         )
         time = max(time / level.count, allreduce)
     return time

@@ -33,6 +33,7 @@ from pipeplan.planner.cuts import CutFamily, prefix_family
 from pipeplan.planner.recompute import SelectiveRanges, gain_bytes, selective_freed_bytes
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
+from pipeplan.topology import Level
 
 # a number, or a numpy array of numbers: the cost formulas work elementwise on either
 Elementwise = float | np.ndarray
@@ -45,6 +46,7 @@ __all__ = [
     "range_max",
     "update_ms",
     "ring_allreduce_ms",
+    "group_sum_ms",
     "transfer_ms",
 ]
 
@@ -389,6 +391,20 @@ def ring_allreduce_ms(
     """
     m = np.asarray(replicas, dtype=np.float64)
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
+
+
+def group_sum_ms(grad_bytes: float, ranks: int, level: Level, device_kind: str) -> float:
+    """Summing ``grad_bytes`` over ``ranks`` ranks joined by ``level``, as ``runtime.collectives`` does (ms).
+
+    Two ranks on gloo (device kind "cpu") swap the tensor and add: P / B and one message
+    (its latency and overhead), both directions at once. Otherwise a ring: 2(m-1)/m P / B
+    and 2(m-1) messages. 0 for one rank or nothing to sum.
+    """
+    if ranks < 2 or grad_bytes <= 0:
+        return 0.0
+    if ranks == 2 and device_kind == "cpu":
+        return grad_bytes * 1e3 / level.bandwidth_bytes_per_s + level.message_ms
+    return float(ring_allreduce_ms(grad_bytes, ranks, level.bandwidth_bytes_per_s, level.message_ms))
 
 
 @overload

@@ -52,7 +52,7 @@ def _higher_sync_ms(stage: FlatStage, arrays: LayerArrays, topology: Topology) -
     for node in stage.path[:-1]:
         lv = topology.levels[node.level - 1]
         ar = ring_allreduce_ms(
-            arrays.sync_bytes(node.start, node.end), node.units, lv.bandwidth_bytes_per_s, lv.latency_ms
+            arrays.sync_bytes(node.start, node.end), node.units, lv.bandwidth_bytes_per_s, lv.message_ms
         )
         out = max(out, float(ar) / above)
         above *= node.units
@@ -159,7 +159,7 @@ def stage_shard(
                 params,
                 d,
                 lv.bandwidth_bytes_per_s,
-                lv.latency_ms,
+                lv.message_ms,
                 precision,
                 replica_microbatches(schedule, microbatches, d),
             )

@@ -270,7 +270,7 @@ def stage_sync_ms(plan: Plan, q: int, param_bytes: float) -> float:
     micro = replica_microbatches(plan.schedule, max(plan.microbatches, 1), stage.replicas)
     sync = float(
         shard_sync_ms(
-            stage.shard, param_bytes, d, level.bandwidth_bytes_per_s, level.latency_ms, plan.precision, micro
+            stage.shard, param_bytes, d, level.bandwidth_bytes_per_s, level.message_ms, plan.precision, micro
         )
     )
     if stage.replicas > d:
@@ -281,7 +281,7 @@ def stage_sync_ms(plan: Plan, q: int, param_bytes: float) -> float:
                 param_bytes * plan.precision.gradient_ratio,
                 stage.replicas // d,
                 outer.bandwidth_bytes_per_s,
-                outer.latency_ms,
+                outer.message_ms,
             )
         )
     return sync

@@ -21,7 +21,7 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import layer_compute_ms, ring_allreduce_ms, update_ms
+from pipeplan.planner.costs import group_sum_ms, layer_compute_ms, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, backward_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
@@ -260,26 +260,25 @@ def stage_costs_from_plan(plan: Plan, forward_fraction: float = 1.0 / 3.0) -> li
     return out
 
 
-def link_time_ms(topology: Topology, rank_a: int, rank_b: int, size_bytes: float) -> tuple[float, float]:
-    """(occupancy, latency) in ms of sending ``size_bytes`` from ``rank_a`` to ``rank_b``."""
+def link_time_ms(
+    topology: Topology, rank_a: int, rank_b: int, size_bytes: float
+) -> tuple[float, float, float]:
+    """(occupancy, latency, each end's overhead) in ms of sending ``size_bytes`` from ``rank_a`` to ``rank_b``."""
     level = topology.level_joining(rank_a, rank_b)
     if level < 0:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     spec = topology.levels[level]
-    return size_bytes * 1e3 / spec.bandwidth_bytes_per_s, spec.latency_ms
+    return size_bytes * 1e3 / spec.bandwidth_bytes_per_s, spec.latency_ms, spec.message_overhead_ms
 
 
 def allreduce_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
-    """Ring all-reduce of ``grad_bytes`` among ``ranks``: 2 (m-1)/m P / B + 2 (m-1) latency.
-
-    B and the latency are those of the outermost level joining any two of the ranks.
-    """
+    """The sum of ``grad_bytes`` over ``ranks`` (``costs.group_sum_ms``: a ring, or a pair's swap
+    on gloo) over the outermost level joining any two of them."""
     m = len(ranks)
     if m < 2 or grad_bytes <= 0:
         return 0.0
     level = max(topology.level_joining(ranks[0], other) for other in ranks[1:])
-    spec = topology.levels[level]
-    return float(ring_allreduce_ms(grad_bytes, m, spec.bandwidth_bytes_per_s, spec.latency_ms))
+    return group_sum_ms(grad_bytes, m, topology.levels[level], topology.device.kind)
 
 
 # --------------------------------------------------------------------------- simulation

@@ -4,8 +4,8 @@ A parameter that layers of several stages use (a tied embedding and head; each l
 the parameters it uses in ``LayerProfile.parameters``) is a tensor of its own on each of
 those stages at run time, and every step sums its gradient over them
 (``pipeplan.runtime.sync``: rank k of each such stage with rank k of the others). The
-simulator charges that all-reduce, of the parameter's bytes in the gradient dtype among as
-many ranks as hold it, over the slowest level joining them, to the step of each of those
+simulator charges that sum (``costs.group_sum_ms``), of the parameter's bytes in the gradient
+dtype among as many ranks as hold it, over the slowest level joining them, to the step of each of those
 stages, beside its replicas' own all-reduce. A tie within one device (two chunks of a rank)
 is summed locally and costs nothing here.
 """
@@ -13,7 +13,7 @@ is summed locally and costs nothing here.
 from __future__ import annotations
 
 from pipeplan.plan import Plan
-from pipeplan.planner.costs import ring_allreduce_ms
+from pipeplan.planner.costs import group_sum_ms
 from pipeplan.profile import Profile, shared_parameters
 
 __all__ = ["tied_parameters", "tie_allreduce_ms"]
@@ -45,14 +45,7 @@ def tie_allreduce_ms(plan: Plan, profile: Profile) -> list[float]:
         if len(ranks) < 2:
             continue
         level = topology.levels[max(topology.level_joining(ranks[0], r) for r in ranks[1:])]
-        ms = float(
-            ring_allreduce_ms(
-                _tie_bytes(profile, name, users) * ratio,
-                len(ranks),
-                level.bandwidth_bytes_per_s,
-                level.latency_ms,
-            )
-        )
+        ms = group_sum_ms(_tie_bytes(profile, name, users) * ratio, len(ranks), level, topology.device.kind)
         for q in stages:
             out[q] += ms
     return out

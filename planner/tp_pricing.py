@@ -133,7 +133,7 @@ def split_profile(profile: Profile, topology: Topology, t: int, sequence_paralle
     eff = profile.tp_efficiency
 
     def allreduce(layer_bytes: int) -> float:
-        return float(ring_allreduce_ms(float(layer_bytes), t, inner.bandwidth_bytes_per_s, inner.latency_ms))
+        return float(ring_allreduce_ms(float(layer_bytes), t, inner.bandwidth_bytes_per_s, inner.message_ms))
 
     layers = []
     for layer in profile.layers:

@@ -70,6 +70,7 @@ def reference_run_schedule(
     for q in range(stages):
         s_ms[q % positions] += durations.allreduce_ms[q] + durations.step_ms[q]
     arrive: dict[tuple[str, int, int], float] = {}
+    host: dict[tuple[str, int, int], float] = defaultdict(float)  # the receiver's time for the key's messages
     count: dict[tuple[str, int, int], int] = defaultdict(int)
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     link_busy: dict[tuple[int, int], float] = defaultdict(float)
@@ -85,14 +86,16 @@ def reference_run_schedule(
     tasks: list[tuple[Any, ...]] = []
     ready = list(schedule.actions)
 
-    def send(src: int, dst: int, size: float, at: float, label: str, k: int, m: int, q: int, r: int) -> float:
-        occupy, latency = link(src, dst, size)
+    def send(
+        src: int, dst: int, size: float, at: float, label: str, k: int, m: int, q: int, r: int
+    ) -> tuple[float, float]:
+        occupy, latency, overhead = link(src, dst, size)
         start = max(link_free[(src, dst)], at)
         link_free[(src, dst)] = start + occupy
         link_busy[(src, dst)] += occupy
         if record and occupy + latency > 0:
             tasks.append((src, "send", f"send {label} ->r{dst}", start, occupy + latency, k, m, q, r))
-        return start + occupy + latency
+        return start + occupy + latency, overhead
 
     def deliver(
         kind: str,
@@ -103,11 +106,13 @@ def reference_run_schedule(
         action: Action,
         q: int,
         r: int,
-    ) -> None:
+    ) -> float:
+        """Send to every target; the sender is free again after each message's overhead."""
         unit = action.minibatch * micro + action.microbatch
+        posted = end
         for t, size in targets:
             i = t % positions
-            at = send(
+            at, overhead = send(
                 rank,
                 ranks[i][unit % replicas[i]],
                 size,
@@ -118,11 +123,14 @@ def reference_run_schedule(
                 q,
                 r,
             )
+            posted += overhead
             key = (kind, t, unit)
             arrive[key] = max(arrive.get(key, 0.0), at)
+            host[key] += overhead
             count[key] += 1
             if count[key] == needed[t]:
                 ready.extend(waiting.pop(key, []))
+        return posted
 
     while ready:
         worker = ready.pop()
@@ -190,12 +198,17 @@ def reference_run_schedule(
             key = ("F" if action.kind == "F" else "B", q, action.minibatch * micro + action.microbatch)
             if action.kind == "W":
                 start = free[worker]
-                end = start + durations.backward_weight_ms[q]
+                end = posted = start + durations.backward_weight_ms[q]
             else:
                 if count[key] < (n_in[q] if action.kind == "F" else n_out[q]):
                     waiting.setdefault(key, []).append(worker)
                     break
                 start = max(free[worker], arrive.get(key, 0.0))
+                if host[key]:
+                    if record:
+                        ids = (action.minibatch, action.microbatch, q, r)
+                        tasks.append((ranks[i][r], "recv", f"recv {action}", start, host[key], *ids))
+                    start += host[key]
                 took = {
                     "F": durations.forward_ms,
                     "B": durations.backward_ms,
@@ -203,12 +216,15 @@ def reference_run_schedule(
                 }
                 end = start + took[action.kind][q]
                 if action.kind == "F":
-                    deliver("F", durations.sends[q], n_in, ranks[i][r], end, action, q, r)
+                    posted = deliver("F", durations.sends[q], n_in, ranks[i][r], end, action, q, r)
                 else:
-                    deliver("B", producers[q], n_out, ranks[i][r], end, action, q, r)
+                    posted = deliver("B", producers[q], n_out, ranks[i][r], end, action, q, r)
+                if record and posted > end:
+                    ids = (action.minibatch, action.microbatch, q, r)
+                    tasks.append((ranks[i][r], "send", f"post {action}", end, posted - end, *ids))
             starts[worker].append(start)
             ends[worker].append(end)
-            free[worker] = end
+            free[worker] = posted
             position[worker] += 1
             if end > start:
                 busy[(q, r)].append((start, end))
@@ -253,9 +269,12 @@ def random_case(stages: int, seed: int) -> tuple[Durations, LinkTime]:
     )
     durations = Durations(*(tuple(ms(0.1, 2.0) for _ in range(stages)) for _ in range(6)), sends)
     latency = rng.choice([0.0, 0.05])
+    overhead = 0.03  # each end of a message; links with (a + b) % 5 == 0 have none
 
-    def link(a: int, b: int, size: float) -> tuple[float, float]:
-        return (0.0, 0.0) if (a + b) % 5 == 0 else (size / (1e9 if abs(a - b) < 2 else 1e8), latency)
+    def link(a: int, b: int, size: float) -> tuple[float, float, float]:
+        if (a + b) % 5 == 0:
+            return 0.0, 0.0, 0.0
+        return size / (1e9 if abs(a - b) < 2 else 1e8), latency, overhead
 
     return durations, link
 

@@ -167,7 +167,7 @@ def test_pipedream_graph_sizes_must_be_finite(tmp_path: Path, size: str, message
     [
         (
             "  - {name: s, count: 2, bandwidth: 5 GB/s, latncy: 5 us}",
-            "t.yaml:4: unknown key 'latncy' in 'levels[0]' (allowed: name, count, bandwidth, latency)",
+            "t.yaml:4: unknown key 'latncy' in 'levels[0]' (allowed: name, count, bandwidth, latency, message_overhead)",
         ),
         (
             "  - name: s\n    count: 2\n    bandwidth: 5 GB/s\n    count: 8",

@@ -383,7 +383,7 @@ def test_every_input_runs_to_completion(
     validate(schedule)
     ranks = [[sum(replicas[:i]) + r for r in range(n)] for i, n in enumerate(replicas)]
     timeline = engine.run_schedule(
-        schedule, _skip_connections(schedule), ranks, lambda a, b, size: (0.0, 1.0)
+        schedule, _skip_connections(schedule), ranks, lambda a, b, size: (0.0, 1.0, 0.0)
     )
     assert all(len(timeline.ends[w]) == len(schedule.actions[w]) for w in schedule.workers)
     for (s, _r), actions in schedule.actions.items():

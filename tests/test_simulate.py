@@ -198,12 +198,43 @@ def test_latency_lengthens_the_1f1b_loop() -> None:
     assert simulate_plan(plan, profile).time_per_minibatch_ms == pytest.approx(3.25)
 
 
+def with_message_overhead(topology: Topology, overhead_ms: float) -> Topology:
+    levels = tuple(replace(level, message_overhead_ms=overhead_ms) for level in topology.levels)
+    return replace(topology, levels=levels)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4, 8])
+@pytest.mark.parametrize("forward_ms", [0.0, 1.0])
+def test_a_message_overhead_holds_both_ends_where_latency_overlaps(micro: int, forward_ms: float) -> None:
+    # 2 stages, 1F1B-flush: a minibatch sends 2 M messages (M activations, M gradients).
+    # Each end of each costs its rank 0.25 ms it cannot overlap, so every message adds
+    # 0.25 ms to the period, with or without compute: what bench/bench_exchange.py
+    # measured on gloo (0.21-0.25 ms per message at every M), where no latency fits all M
+    profile = make_profile([forward_ms or 1e-9] * 2)
+    topology = make_topology(per_server=2, servers=1)
+    plan = make_plan(profile, topology, [0, 1, 2], [1, 1], "1f1b-flush", micro)
+    base = simulate_plan(plan, profile).time_per_minibatch_ms
+    held = replace(plan, topology=with_message_overhead(topology, 0.25))
+    assert simulate_plan(held, profile).time_per_minibatch_ms - base == pytest.approx(2 * micro * 0.25)
+    # a latency as large overlaps: the 1 F and 1 B messages of a pipeline in flight at M = 1,
+    # less than one per message beyond
+    late = replace(plan, topology=make_topology(per_server=2, servers=1, latency_ms=0.25))
+    added = simulate_plan(late, profile).time_per_minibatch_ms - base
+    assert added == pytest.approx(0.5) if micro == 1 else added < 2 * micro * 0.25 - 0.25
+
+
 def test_allreduce_ring_formula_and_data_parallel_period() -> None:
     topology = make_topology(per_server=2, servers=2, latency_ms=0.5)
     # ranks 0..3 span both servers: 2 (4-1)/4 * 1e9 B / 1e9 B/s = 1500 ms + 2*3*0.5 ms
     assert allreduce_ms(topology, [0, 1, 2, 3], 1e9) == pytest.approx(1503.0)
     assert allreduce_ms(topology, [0, 1], 1e9) == pytest.approx(1e9 * 1e3 / (100 * GB) + 1.0)
     assert allreduce_ms(topology, [2], 1e9) == 0.0
+    gloo = replace(with_message_overhead(topology, 0.2), device=DeviceSpec("cpu", 2**30, "cpu"))
+    # two ranks on gloo swap the tensor and add (runtime.collectives): 1e9 B at 100 GB/s and
+    # one message (0.5 ms latency, 0.2 ms overhead), both directions at once
+    assert allreduce_ms(gloo, [0, 1], 1e9) == pytest.approx(10.0 + 0.5 + 0.2)
+    # four: gloo's all_reduce, priced as a ring of 2 (4 - 1) messages
+    assert allreduce_ms(gloo, [0, 1, 2, 3], 1e9) == pytest.approx(1500.0 + 2 * 3 * (0.5 + 0.2))
     profile = make_profile([1.0, 1.0], param_bytes=250_000_000)  # 0.5 GB of parameters
     plan = make_plan(profile, topology, [0, 2], [4])
     result = simulate_plan(plan, profile)

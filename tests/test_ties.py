@@ -33,25 +33,38 @@ def _tied(shared: dict[str, int] | None = None) -> Profile:
     )
 
 
-def _topology(devices: int) -> Topology:
-    return Topology("t", DeviceSpec("d", 10**9, "cpu"), (Level("n", devices, 1e9, 0.05),))
+def _topology(devices: int, kind: str = "cpu", overhead_ms: float = 0.0) -> Topology:
+    return Topology("t", DeviceSpec("d", 10**9, kind), (Level("n", devices, 1e9, 0.05, overhead_ms),))
 
 
-def _plan(profile: Profile, devices: int, microbatches: int = 1):
+def _plan(profile: Profile, devices: int, microbatches: int = 1, kind: str = "cpu", overhead_ms: float = 0.0):
     options = PartitionOptions(schedule="1f1b-flush", microbatches=microbatches, straight=True)
-    return partition(profile, _topology(devices), options)
+    return partition(profile, _topology(devices, kind, overhead_ms), options)
 
 
 def test_tied_parameters_are_those_several_layers_use() -> None:
     assert tied_parameters(_tied()) == {"emb.weight": (0, 3)}
 
 
-def test_stages_sharing_a_weight_pay_its_all_reduce_at_each_step() -> None:
+# (device kind, message overhead ms) -> the pair's sum, ms: on gloo ("cpu") the two ranks
+# swap the tensor (4000 B / 1 GB/s and one message: 0.05 ms latency + the overhead); on
+# NCCL a ring of 2 steps, 2 * 1/2 * 4000 B / 1 GB/s and two messages
+PAIR_SUM_MS = {
+    ("cpu", 0.0): 0.004 + 0.05,
+    ("cpu", 0.2): 0.004 + 0.05 + 0.2,
+    ("cuda", 0.0): 0.004 + 2 * 0.05,
+    ("cuda", 0.2): 0.004 + 2 * (0.05 + 0.2),
+}
+
+
+@pytest.mark.parametrize(("kind", "overhead_ms"), list(PAIR_SUM_MS))
+def test_stages_sharing_a_weight_pay_its_sum_at_each_step(kind: str, overhead_ms: float) -> None:
     profile = _tied({"emb.weight": EMBEDDING})
-    plan = _plan(profile, 2)
+    plan = _plan(profile, 2, kind=kind, overhead_ms=overhead_ms)
     assert [stage.layers for stage in plan.stages] == [(0, 1), (2, 3)]
-    expected = ring_allreduce_ms(EMBEDDING, 2, 1e9, 0.05)  # 2 * 1/2 * 4000 B / 1 GB/s + 2 * 0.05 ms
-    assert expected == pytest.approx(0.004 + 0.1)
+    expected = PAIR_SUM_MS[(kind, overhead_ms)]
+    if kind == "cuda":
+        assert expected == pytest.approx(ring_allreduce_ms(EMBEDDING, 2, 1e9, 0.05 + overhead_ms))
     assert tie_allreduce_ms(plan, profile) == [pytest.approx(expected)] * 2
     costs = stage_costs(plan, profile)
     assert durations(plan, costs, 1).allreduce_ms == (pytest.approx(expected), pytest.approx(expected))
@@ -69,7 +82,7 @@ def test_a_tie_inside_one_stage_costs_nothing_and_unrecorded_bytes_take_the_smal
     assert tie_allreduce_ms(_plan(_tied(), 1), _tied()) == [0.0]
     profile = _tied()  # no shared_parameter_bytes (an older profile)
     plan = _plan(profile, 2)
-    assert tie_allreduce_ms(plan, profile) == [pytest.approx(ring_allreduce_ms(EMBEDDING, 2, 1e9, 0.05))] * 2
+    assert tie_allreduce_ms(plan, profile) == [pytest.approx(PAIR_SUM_MS[("cpu", 0.0)])] * 2
 
 
 def test_shared_parameter_bytes_round_trip_and_are_checked(tmp_path) -> None:

@@ -32,6 +32,17 @@ def test_parse_good(tmp_path):
         ("10 Gbit/s", "10 Gbps", "unknown bandwidth unit 'Gbps'"),
         ("memory: 16 GiB", "memory: 16 gigs", "<string>:2: 'device.memory'"),
         ("{name: server,  count: 4, ", "{name: server, ", "<string>:4: missing key 'levels[0].count'"),
+        (
+            "latency: 5 us}",
+            "latency: 5 us, message_overhead: -1 us}",
+            "<string>:5: 'levels[1].message_overhead'",
+        ),
+        (
+            "latency: 5 us}",
+            "latency: 5 us, message_overhead: 2 parsecs}",
+            "<string>:5: 'levels[1].message_overhead'",
+        ),
+        ("latency: 5 us}", "latency: 5 us, overhead: 2 us}", "unknown key 'overhead'"),
     ],
 )
 def test_bad_values_name_key_and_line(old, new, needle):
@@ -41,6 +52,21 @@ def test_bad_values_name_key_and_line(old, new, needle):
     message = str(info.value)
     assert "\n" not in message
     assert needle in message
+
+
+def test_message_overhead_is_read_kept_in_a_plan_and_absent_from_older_files():
+    topo = parse_topology(GOOD.replace("latency: 5 us}", "latency: 5 us, message_overhead: 230 us}"))
+    assert topo.levels[0].message_overhead_ms == 0.0  # not given: none
+    assert topo.levels[1].message_overhead_ms == pytest.approx(0.23)
+    assert topo.levels[1].message_ms == pytest.approx(0.235)  # a collective's step: latency + overhead
+    assert Topology.from_dict(topo.to_dict()) == topo
+    older = parse_topology(GOOD)  # a plan written before the field: the key is absent, and reads 0
+    assert "message_overhead_ms" not in older.to_dict()["levels"][1]
+    assert Topology.from_dict(older.to_dict()).levels[1].message_overhead_ms == 0.0
+    bad = topo.to_dict()
+    bad["levels"][1]["message_overhead_ms"] = -0.1
+    with pytest.raises(InputError, match=r"levels\[1\]: .* message overhead -0.1 ms >= 0"):
+        Topology.from_dict(bad)
 
 
 def test_missing_top_key():
@@ -53,6 +79,9 @@ def test_presets():
     assert preset("cluster-a").world_size == 16
     assert preset("cluster-b").levels[0].count == 8
     assert preset("local-cpu").device.kind == "cpu"
+    # measured on the dev VM (bench/bench_exchange.py); the GPU presets' NCCL needs none
+    assert preset("local-cpu").levels[0].message_overhead_ms == pytest.approx(0.23)
+    assert all(level.message_overhead_ms == 0.0 for level in preset("cluster-a").levels)
     assert resolve("cluster-a") == preset("cluster-a")
     with pytest.raises(InputError, match="no topology preset"):
         resolve("nope")

@@ -19,7 +19,11 @@ model stages). Work unit ``u = minibatch * microbatches + microbatch`` runs on r
   all-reduce + optimizer step; the minibatch completes when position 0 steps it.
 
 A send occupies the directed link between the two ranks (messages in the sender's
-order) and arrives ``latency`` later; sends do not block compute. Each worker's order is
+order) and arrives ``latency`` later. Each end of a message also spends the link's
+overhead of its own worker's time (posting, waking, copying on cores the compute shares;
+0 where a separate engine moves the bytes): the sender after the action that sends, the
+receiver before the action that consumes it, once the message has arrived. A recorded
+timeline shows them as "send" ("post F0.1") and "recv" tasks; they are not busy time. Each worker's order is
 fixed, so the timeline is the longest path through a DAG of tasks: a worklist sweep (a
 blocked worker waits on the one key it needs and is woken when that key completes)
 computes it in O(actions + sends), with no priority queue.
@@ -48,8 +52,8 @@ __all__ = [
 
 Worker = tuple[int, int]  # (pipeline position, replica)
 LinkTime = Callable[
-    [int, int, float], tuple[float, float]
-]  # (src rank, dst rank, bytes) -> (occupy, latency) ms
+    [int, int, float], tuple[float, float, float]
+]  # (src rank, dst rank, bytes) -> (occupy, latency, host at each end) ms
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,11 @@ class Timeline:
     tasks: list[tuple[Any, ...]] = field(
         default_factory=list
     )  # (rank, category, name, start, dur, k, m, q, r)
+
+
+def action_ids(action: Action) -> tuple[int, int]:
+    """(minibatch, micro-batch) of ``action``: a task's ids."""
+    return action.minibatch, action.microbatch
 
 
 def model_stage(schedule: Schedule, position: int, action: Action) -> int:
@@ -160,7 +169,7 @@ class _Link:
         self.busy = 0.0
 
 
-Slot = tuple[float, float, _Link]  # (occupy ms, latency ms, link) of one (message size, link)
+Slot = tuple[float, float, float, _Link]  # (occupy, latency, host ms, link) of one (message size, link)
 # One destination of a worker's sends from one chunk: (replicas of the destination position,
 # slots by destination replica (made at the first send), the destination's first arrival key,
 # messages the destination waits for, the destination position's ranks, bytes per message)
@@ -222,10 +231,11 @@ class _Sweep:
         self.s_ms = [0.0] * positions
         for q in range(stages):
             self.s_ms[q % positions] += durations.allreduce_ms[q] + durations.step_ms[q]
-        self.link_cache: dict[tuple[int, int, float], tuple[float, float]] = {}
+        self.link_cache: dict[tuple[int, int, float], tuple[float, float, float]] = {}
         self.links: dict[tuple[int, int], _Link] = {}  # in the order of their first send
         self.arrive = [0.0] * (2 * stages * self.units)
         self.count = [0] * (2 * stages * self.units)
+        self.host = [0.0] * (2 * stages * self.units)  # the receiver's host ms for the key's messages
         self.position = [0] * len(self.workers)
         self.free = [0.0] * len(self.workers)
         self.starts: list[list[float]] = [[] for _ in self.workers]
@@ -263,11 +273,11 @@ class _Sweep:
         key = (src, dst, size)
         if key not in self.link_cache:
             self.link_cache[key] = self.link(src, dst, size)
-        occupy, latency = self.link_cache[key]
+        occupy, latency, host = self.link_cache[key]
         pair = self.links.get((src, dst))
         if pair is None:
             pair = self.links[(src, dst)] = _Link()
-        made = slots[replica] = (occupy, latency, pair)
+        made = slots[replica] = (occupy, latency, host, pair)
         return made
 
     def shares(self, position: int) -> list[tuple[int, float, float, float]]:
@@ -344,7 +354,7 @@ class _Sweep:
         forward_ms, backward_ms = d.forward_ms, d.backward_ms
         input_ms, weight_ms = d.backward_input_ms, d.backward_weight_ms
         n_in, n_out = self.n_in, self.n_out
-        arrive, count, busy = self.arrive, self.count, self.busy
+        arrive, count, host_of, busy = self.arrive, self.count, self.host, self.busy
         position, free = self.position, self.free
         starts, ends, spans_of, completion = self.starts, self.ends, self.spans, self.completion
         workers, s_ms = self.workers, self.s_ms
@@ -407,39 +417,42 @@ class _Sweep:
                 chunk = action.chunk
                 q = chunk * positions + i
                 unit = action.minibatch * micro + action.microbatch
-                if kind == "F":
-                    key = q * units + unit
-                    if count[key] < n_in[q]:
-                        waiting.setdefault(key, []).append(w)
-                        break
-                    start = arrive[key]
-                    if not start > at_free:  # max(free, arrival)
-                        start = at_free
-                    end = start + forward_ms[q]
-                    edges = w_forward[chunk]
-                elif kind == "B" or kind == "I":
-                    key = (stages + q) * units + unit
-                    if count[key] < n_out[q]:
-                        waiting.setdefault(key, []).append(w)
-                        break
-                    start = arrive[key]
-                    if not start > at_free:
-                        start = at_free
-                    end = start + (backward_ms[q] if kind == "B" else input_ms[q])
-                    edges = w_backward[chunk]
-                elif kind == "W":
+                if kind == "W":
                     start = at_free
                     end = start + weight_ms[q]
                     edges = []
                 else:
-                    raise InputError(f"worker s{i}r{r}: unknown action kind {kind!r} in {action}")
+                    if kind == "F":
+                        key, awaited = q * units + unit, n_in[q]
+                        took, edges = forward_ms[q], w_forward[chunk]
+                    elif kind == "B" or kind == "I":
+                        key, awaited = (stages + q) * units + unit, n_out[q]
+                        took = backward_ms[q] if kind == "B" else input_ms[q]
+                        edges = w_backward[chunk]
+                    else:
+                        raise InputError(f"worker s{i}r{r}: unknown action kind {kind!r} in {action}")
+                    if count[key] < awaited:
+                        waiting.setdefault(key, []).append(w)
+                        break
+                    start = arrive[key]
+                    if not start > at_free:  # max(free, arrival), then the receiver's overhead
+                        start = at_free
+                    taken = host_of[key]
+                    if taken:
+                        if record:
+                            tasks.append(
+                                (rank, "recv", f"recv {action}", start, taken, *action_ids(action), q, r)
+                            )
+                        start += taken
+                    end = start + took
+                posted = end  # the sender's overhead for its messages follows the action
                 for edge in edges:  # at the end, one message to each destination, queued on its link
                     target_replicas, slots, base, needed, target_ranks, _ = edge
                     replica = unit % target_replicas
                     try:
-                        occupy, latency, pair = slots[replica]
+                        occupy, latency, host, pair = slots[replica]
                     except KeyError:  # the first message to that replica
-                        occupy, latency, pair = self.slot(rank, edge, replica)
+                        occupy, latency, host, pair = self.slot(rank, edge, replica)
                     sent = pair.free
                     if end > sent:  # max(link free, end)
                         sent = end
@@ -463,13 +476,20 @@ class _Sweep:
                     target = base + unit
                     if arrival > arrive[target]:
                         arrive[target] = arrival
+                    if host:
+                        posted += host
+                        host_of[target] += host
                     arrived = count[target] + 1
                     count[target] = arrived
                     if arrived == needed and target in waiting:
                         ready.extend(waiting.pop(target))
+                if record and posted > end:
+                    tasks.append(
+                        (rank, "send", f"post {action}", end, posted - end, *action_ids(action), q, r)
+                    )
                 start_of(start)
                 end_of(end)
-                at_free = end
+                at_free = posted
                 pos += 1
                 if end > start:
                     spans = w_spans[chunk]
@@ -537,5 +557,5 @@ def unit_clock(schedule: Schedule) -> dict[Worker, tuple[int, ...]]:
     durations = Durations(one, one, one, one, zero, zero, chain)
     first = [sum(schedule.stage_replicas[:i]) for i in range(schedule.stages)]
     ranks = [[first[i] + r for r in range(n)] for i, n in enumerate(schedule.stage_replicas)]
-    timeline = run_schedule(schedule, durations, ranks, lambda a, b, size: (0.0, 0.0))
+    timeline = run_schedule(schedule, durations, ranks, lambda a, b, size: (0.0, 0.0, 0.0))
     return {w: tuple(int(round(t)) for t in times) for w, times in timeline.starts.items()}
