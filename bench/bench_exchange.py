@@ -1,16 +1,18 @@
-"""Benchmark: what an exchange costs pipeplan's runtime on this machine, beside what the plan charges.
+"""Benchmark: what an exchange costs pipeplan's runtime on this machine: the message overhead to put in a topology.
 
 ``bench/exchange_only.py`` (four ``Linear(4, 4)`` layers: 75 us of compute at batch 8) is
 profiled, planned as 2 stages on ``--topology`` (default ``local-cpu``: one stage per device,
 1F1B-flush) at each micro-batch count, and trained on 2 gloo ranks: with next to no compute,
 a minibatch's time is its messages and the runtime's own cost per action. For each count the
 table gives the predicted and measured ms per minibatch, the excess per message (measured -
-predicted over the 2 M messages of the minibatch), and the per-message latency at which the
-simulator would predict the measured time (the topology's levels all set to it; the simulator
-overlaps latencies, so a cost that does not overlap needs a larger one as M grows).
+predicted over the 2 M messages of the minibatch), and the message overhead
+(``Level.message_overhead_ms``: what each end of a message costs its rank, beside the
+latency) at which the simulator predicts the measured time. The median of those is the
+figure to write as ``message_overhead:`` on the topology level joining the ranks; the
+``local-cpu`` preset's is this bench's on the 2-vCPU dev VM.
 
     python bench/bench_exchange.py
-    python bench/bench_exchange.py --microbatches 1 2 4 8 --steps 300
+    python bench/bench_exchange.py --microbatches 1 2 4 8 --steps 300 --topology my-cluster.yaml
 
 Writes JSON (``--out``, default bench/results/exchange.json). The machine's load moves every
 figure: run it idle, and say the load next to the figures.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -43,18 +46,18 @@ from bench_predict import measure, profile  # noqa: E402
 MODEL = ROOT / "bench" / "exchange_only.py"
 
 
-def with_latency(plan: Plan, latency_ms: float) -> Plan:
-    """``plan`` on its topology with every level's latency set to ``latency_ms``."""
-    levels = tuple(replace(level, latency_ms=latency_ms) for level in plan.topology.levels)
+def with_overhead(plan: Plan, overhead_ms: float) -> Plan:
+    """``plan`` on its topology with every level's message overhead set to ``overhead_ms``."""
+    levels = tuple(replace(level, message_overhead_ms=overhead_ms) for level in plan.topology.levels)
     return replace(plan, topology=replace(plan.topology, levels=levels))
 
 
-def fitted_latency_ms(plan: Plan, prof: Profile, measured_ms: float, tolerance_ms: float = 1e-4) -> float:
-    """The per-message latency (ms) at which the simulated period of ``plan`` is ``measured_ms``
-    (bisection: the period grows with the latency); 0.0 when even no latency predicts more."""
+def fitted_overhead_ms(plan: Plan, prof: Profile, measured_ms: float, tolerance_ms: float = 1e-4) -> float:
+    """The message overhead (ms) at which the simulated period of ``plan`` is ``measured_ms``
+    (bisection: the period grows with it); 0.0 when even none predicts more."""
 
-    def period(latency_ms: float) -> float:
-        return simulate_plan(with_latency(plan, latency_ms), prof).time_per_minibatch_ms
+    def period(overhead_ms: float) -> float:
+        return simulate_plan(with_overhead(plan, overhead_ms), prof).time_per_minibatch_ms
 
     low, high = 0.0, 1.0
     if period(low) >= measured_ms:
@@ -87,13 +90,16 @@ def main() -> None:
             row = measure(str(MODEL), prof, micro, args.steps, folder, args.timeout, topology)
             plan = Plan.load(folder / f"plan-m{micro}.json")
             row["excess_per_message_ms"] = (row["measured_ms"] - row["predicted_ms"]) / (2 * micro)
-            row["fitted_latency_ms"] = fitted_latency_ms(plan, prof, row["measured_ms"])
+            row["fitted_overhead_ms"] = fitted_overhead_ms(plan, prof, row["measured_ms"])
             rows.append(row)
+    overhead_ms = statistics.median(row["fitted_overhead_ms"] for row in rows)
+    level = topology.levels[0]
     table = Table(
-        title=f"2 gloo ranks, {args.topology} (latency {topology.levels[0].latency_ms * 1e3:.0f} us), "
+        title=f"2 gloo ranks, {args.topology} (latency {level.latency_ms * 1e3:.0f} us, message overhead "
+        f"{level.message_overhead_ms * 1e3:.0f} us), "
         f"{args.steps} steps; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}"
     )
-    for column in ("M", "predicted ms", "measured ms", "excess per message ms", "latency that fits, ms"):
+    for column in ("M", "predicted ms", "measured ms", "excess per message ms", "overhead that fits, ms"):
         table.add_column(column, justify="right")
     for row in rows:
         table.add_row(
@@ -101,12 +107,19 @@ def main() -> None:
             f"{row['predicted_ms']:.3f}",
             f"{row['measured_ms']:.3f}",
             f"{row['excess_per_message_ms']:.3f}",
-            f"{row['fitted_latency_ms']:.3f}",
+            f"{row['fitted_overhead_ms']:.3f}",
         )
     Console().print(table)
+    print(f"message overhead that fits, median over the counts: {overhead_ms * 1e3:.0f} us")
     write_json_atomic(
         Path(args.out),
-        {"topology": args.topology, "steps": args.steps, "load_before": load_before, "rows": rows},
+        {
+            "topology": args.topology,
+            "steps": args.steps,
+            "load_before": load_before,
+            "rows": rows,
+            "message_overhead_ms": overhead_ms,
+        },
     )
     print(f"wrote {args.out}")
 
