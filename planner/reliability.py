@@ -2,7 +2,8 @@
 
 The prediction adds the profile's layer times up per stage; it holds when the layers
 measured one by one add up to the whole step, when their readings are steady, and when a
-micro-batch's time is known at its size. Each warning is one line that says which of these
+micro-batch's time is known at its size, and, on CPUs, when the topology says what each
+message costs the ranks' cores (``Level.message_overhead_ms``). Each warning is one line that says which of these
 fails, by how much, and what to do. The predicted memory leaves out what a backward holds
 beyond the saved activations where the profile did not measure it
 (``LayerProfile.backward_working_bytes``), or the loss's memory (``Profile.loss_saved_bytes``):
@@ -51,6 +52,15 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
             "cross-entropy's log-probabilities, and its backward's logit gradients; profiles made "
             "before it was): the last stage's memory figure leaves it out; profile again to have it charged"
         )
+    unmeasured = _levels_without_message_overhead(plan)
+    if unmeasured:
+        out.append(
+            f"topology {plan.topology.name!r} gives no message_overhead for its gloo level(s) "
+            f"{', '.join(unmeasured)}: what each message costs the ranks' cores is left out "
+            f"(0.21-0.25 ms per message on a 2-core machine: 2-33% of the bundled and tiny Hugging Face "
+            f"models' time per minibatch); "
+            f"measure it with bench/bench_exchange.py and set it on the level"
+        )
     micro = plan.microbatches
     if micro > 1 and not profile.timed_batch_sizes:
         out.append(PROPORTIONAL_NOTE)
@@ -67,3 +77,13 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
                 f"includes it, fewer micro-batches (or --schedule auto) spend less of it"
             )
     return out
+
+
+def _levels_without_message_overhead(plan: Plan) -> list[str]:
+    """Names of the levels a CPU plan's messages cross that give no message overhead."""
+    topology = plan.topology
+    if topology.device.kind != "cpu":
+        return []
+    ranks = sorted({rank for stage in plan.stages for rank in stage.ranks})
+    crossed = {topology.level_joining(ranks[0], rank) for rank in ranks[1:]}
+    return [topology.levels[k].name for k in sorted(crossed) if topology.levels[k].message_overhead_ms == 0]

@@ -15,7 +15,8 @@ from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.simulate import simulate_plan
 from pipeplan.profile import Profile
 from pipeplan.profiler.batch_sizes import monotone, smaller_batch_sizes
-from tests.test_simulate import make_plan, make_profile, make_topology
+from pipeplan.topology import DeviceSpec
+from tests.test_simulate import make_plan, make_profile, make_topology, with_message_overhead
 
 SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -164,6 +165,43 @@ def test_partition_warns_when_the_prediction_is_known_unreliable() -> None:
         "a micro-batch of 8 samples takes 2.0x its proportional share of the minibatch (measured: "
         "per-call costs); the prediction includes it, fewer micro-batches (or --schedule auto) spend less of it"
     ]
+
+
+def test_partition_warns_when_a_cpu_topology_gives_no_message_overhead() -> None:
+    from pipeplan.planner.reliability import prediction_warnings
+
+    profile = make_profile([2.0] * 4, [4.0] * 4)
+    gloo = replace(make_topology(per_server=2, servers=1), device=DeviceSpec("cpu", 2**30, "cpu"))
+    plan = make_plan(profile, gloo, [0, 2, 4], [1, 1], "1f1b-flush", 1)
+    warned = [w for w in prediction_warnings(profile, plan) if "message_overhead" in w]
+    assert warned == [
+        "topology 'test' gives no message_overhead for its gloo level(s) server: what each message "
+        "costs the ranks' cores is left out (0.21-0.25 ms per message on a 2-core machine: 2-33% of "
+        "the bundled and tiny Hugging Face models' time per minibatch); measure it with "
+        "bench/bench_exchange.py and set it on the level"
+    ]
+    measured = replace(plan, topology=with_message_overhead(gloo, 0.23))
+    assert not any("message_overhead" in w for w in prediction_warnings(profile, measured))
+    one_device = make_plan(profile, gloo, [0, 4], [1], "1f1b-flush", 1)  # no message crosses a level
+    assert not any("message_overhead" in w for w in prediction_warnings(profile, one_device))
+    nccl = make_plan(profile, make_topology(per_server=2, servers=1), [0, 2, 4], [1, 1], "1f1b-flush", 1)
+    assert not any("message_overhead" in w for w in prediction_warnings(profile, nccl))
+
+
+def test_auto_chooses_fewer_micro_batches_where_each_message_holds_its_ranks() -> None:
+    # each message's overhead is paid 2 M times a minibatch, so it moves auto's choice the
+    # way a fixed cost per call does (above), where a latency would overlap
+    base = make_profile([2.0] * 4, [4.0] * 4)
+    topology = make_topology(per_server=2, servers=1)
+    options = PartitionOptions(schedule="1f1b-flush", straight=True)
+    free = search(base, topology, options, schedules=("1f1b-flush",))
+    held = search(base, with_message_overhead(topology, 1.0), options, schedules=("1f1b-flush",))
+    assert held.best.microbatches < free.best.microbatches
+    assert free.best.microbatches == 32
+    # two stages of 12 ms per minibatch: (M + 1) x 12 / M ms of compute and bubble, and 2 M
+    # messages of 1 ms: M = 2 18 + 4 = 22 ms, M = 4 15 + 8 = 23 ms, M = 32 76.4 ms
+    assert held.best.microbatches == 2
+    assert held.best.time_per_minibatch_ms == pytest.approx(22.0)
 
 
 def test_run_metrics_compare_a_stage_with_its_compute_at_the_micro_batch_size() -> None:
