@@ -117,6 +117,7 @@ def test_a_pipeline_off_while_every_stage_is_within_is_explained() -> None:
     assert "every stage computes within 20% of its prediction (worst 0.97x)" in line
     assert "waiting up to 1.00 ms/minibatch" in line and "The time goes between the stages" in line
     assert "Fewer micro-batches" in line
+    assert "which the plan counts only as its topology's message_overhead: measure it here" in line
 
 
 @pytest.mark.parametrize(
@@ -220,6 +221,7 @@ def test_a_flagged_stage_says_which_part_is_off_and_what_to_do() -> None:
         "stage 1 replica 0 (rank 2): 1.30x its predicted 10.00 ms/minibatch; its compute is off, 1.50x"
     )
     assert "--threads" in slow and "--trace" in slow
+    assert "short layers also run slower right after their rank waited (bench/bench_turns.py)" in slow
     waiting = explain(stage(13.0, 8.4, 4.0))  # compute 1.05x, 4 ms waiting
     assert "its compute is within 20% (1.05x), it waits 4.00 ms/minibatch: for a slower neighbour" in waiting
     other = explain(stage(13.0, 8.4, 0.5))  # 4.1 ms neither compute nor waiting

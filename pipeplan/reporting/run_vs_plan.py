@@ -152,7 +152,9 @@ def explain(stage: StageComparison) -> str:
                 f"{head}; its compute is off, {compute.ratio:.2f}x ({measured}): its layers run slower "
                 f"here than profiled. Profile with the run's conditions (an idle machine, the run's "
                 f"--threads), check the profile's layers-vs-step ratio (pipeplan profile prints it), "
-                f"and compare the stage's trace (--trace) with its layers' profiled times"
+                f"and compare the stage's trace (--trace) with its layers' profiled times; on CPU ranks "
+                f"sharing a few cores, short layers also run slower right after their rank waited "
+                f"(bench/bench_turns.py)"
             )
         return (
             f"{head}; its compute is off, {compute.ratio:.2f}x ({measured}): its layers run faster "
@@ -210,8 +212,8 @@ def explain_pipeline(report: MetricsReport) -> str | None:
     return (
         f"{head}: {within}{wait}. The time goes between the stages: each exchange (a send, a "
         f"receive, a step's all-reduce) costs more here than the topology's links charge; on "
-        f"CPU ranks sharing a few cores a message also costs both ranks' cores time the plan "
-        f"does not count (docs/benchmarks.md, 'What a message costs the runtime here'). Fewer "
-        f"micro-batches exchange fewer messages (partition --schedule auto compares them); "
-        f"--trace shows the gaps"
+        f"CPU ranks sharing a few cores a message also costs both ranks' cores time, which the "
+        f"plan counts only as its topology's message_overhead: measure it here with "
+        f"bench/bench_exchange.py and plan again. Fewer micro-batches exchange fewer messages "
+        f"(partition --schedule auto compares them); --trace shows the gaps"
     )
