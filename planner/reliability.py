@@ -3,8 +3,8 @@
 The prediction adds the profile's layer times up per stage; it holds when the layers
 measured one by one add up to the whole step, when their readings are steady, and when a
 micro-batch's time is known at its size, and, on CPUs, when the topology says what each
-message costs the ranks' cores (``Level.message_overhead_ms``). Each warning is one line that says which of these
-fails, by how much, and what to do. The predicted memory leaves out what a backward holds
+message costs the ranks' cores (``Level.message_overhead_ms``). Each warning is one line
+that says which of these fails, by how much, and what to do. The predicted memory leaves out what a backward holds
 beyond the saved activations where the profile did not measure it
 (``LayerProfile.backward_working_bytes``), or the loss's memory (``Profile.loss_saved_bytes``):
 that is said too.
@@ -57,9 +57,9 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
         out.append(
             f"topology {plan.topology.name!r} gives no message_overhead for its gloo level(s) "
             f"{', '.join(unmeasured)}: what each message costs the ranks' cores is left out "
-            f"(0.21-0.25 ms per message on a 2-core machine: 2-33% of the bundled and tiny Hugging Face "
-            f"models' time per minibatch); "
-            f"measure it with bench/bench_exchange.py and set it on the level"
+            f"(0.21-0.25 ms per message on a 2-core machine: 2-33% of the bundled and tiny Hugging "
+            f"Face models' time per minibatch); measure it with bench/bench_exchange.py and set it "
+            f"on the level"
         )
     micro = plan.microbatches
     if micro > 1 and not profile.timed_batch_sizes:

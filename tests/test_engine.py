@@ -70,7 +70,7 @@ def reference_run_schedule(
     for q in range(stages):
         s_ms[q % positions] += durations.allreduce_ms[q] + durations.step_ms[q]
     arrive: dict[tuple[str, int, int], float] = {}
-    host: dict[tuple[str, int, int], float] = defaultdict(float)  # the receiver's time for the key's messages
+    overhead_at: dict[tuple[str, int, int], float] = defaultdict(float)  # the receiver's ms per key
     count: dict[tuple[str, int, int], int] = defaultdict(int)
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     link_busy: dict[tuple[int, int], float] = defaultdict(float)
@@ -126,7 +126,7 @@ def reference_run_schedule(
             posted += overhead
             key = (kind, t, unit)
             arrive[key] = max(arrive.get(key, 0.0), at)
-            host[key] += overhead
+            overhead_at[key] += overhead
             count[key] += 1
             if count[key] == needed[t]:
                 ready.extend(waiting.pop(key, []))
@@ -204,11 +204,11 @@ def reference_run_schedule(
                     waiting.setdefault(key, []).append(worker)
                     break
                 start = max(free[worker], arrive.get(key, 0.0))
-                if host[key]:
+                if overhead_at[key]:
                     if record:
                         ids = (action.minibatch, action.microbatch, q, r)
-                        tasks.append((ranks[i][r], "recv", f"recv {action}", start, host[key], *ids))
-                    start += host[key]
+                        tasks.append((ranks[i][r], "recv", f"recv {action}", start, overhead_at[key], *ids))
+                    start += overhead_at[key]
                 took = {
                     "F": durations.forward_ms,
                     "B": durations.backward_ms,

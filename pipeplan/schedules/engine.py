@@ -23,10 +23,11 @@ order) and arrives ``latency`` later. Each end of a message also spends the link
 overhead of its own worker's time (posting, waking, copying on cores the compute shares;
 0 where a separate engine moves the bytes): the sender after the action that sends, the
 receiver before the action that consumes it, once the message has arrived. A recorded
-timeline shows them as "send" ("post F0.1") and "recv" tasks; they are not busy time. Each worker's order is
-fixed, so the timeline is the longest path through a DAG of tasks: a worklist sweep (a
-blocked worker waits on the one key it needs and is woken when that key completes)
-computes it in O(actions + sends), with no priority queue.
+timeline shows them as "send" ("post F0.1") and "recv" tasks; they are not busy time.
+
+Each worker's order is fixed, so the timeline is the longest path through a DAG of tasks:
+a worklist sweep (a blocked worker waits on the one key it needs and is woken when that
+key completes) computes it in O(actions + sends), with no priority queue.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ __all__ = [
 Worker = tuple[int, int]  # (pipeline position, replica)
 LinkTime = Callable[
     [int, int, float], tuple[float, float, float]
-]  # (src rank, dst rank, bytes) -> (occupy, latency, host at each end) ms
+]  # (src rank, dst rank, bytes) -> (occupy, latency, overhead at each end) ms
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ class _Link:
         self.busy = 0.0
 
 
-Slot = tuple[float, float, float, _Link]  # (occupy, latency, host ms, link) of one (message size, link)
+Slot = tuple[float, float, float, _Link]  # (occupy, latency, overhead ms, link) of one (message size, link)
 # One destination of a worker's sends from one chunk: (replicas of the destination position,
 # slots by destination replica (made at the first send), the destination's first arrival key,
 # messages the destination waits for, the destination position's ranks, bytes per message)
@@ -235,7 +236,7 @@ class _Sweep:
         self.links: dict[tuple[int, int], _Link] = {}  # in the order of their first send
         self.arrive = [0.0] * (2 * stages * self.units)
         self.count = [0] * (2 * stages * self.units)
-        self.host = [0.0] * (2 * stages * self.units)  # the receiver's host ms for the key's messages
+        self.overhead = [0.0] * (2 * stages * self.units)  # the receiver's ms for the key's messages
         self.position = [0] * len(self.workers)
         self.free = [0.0] * len(self.workers)
         self.starts: list[list[float]] = [[] for _ in self.workers]
@@ -273,11 +274,11 @@ class _Sweep:
         key = (src, dst, size)
         if key not in self.link_cache:
             self.link_cache[key] = self.link(src, dst, size)
-        occupy, latency, host = self.link_cache[key]
+        occupy, latency, overhead = self.link_cache[key]
         pair = self.links.get((src, dst))
         if pair is None:
             pair = self.links[(src, dst)] = _Link()
-        made = slots[replica] = (occupy, latency, host, pair)
+        made = slots[replica] = (occupy, latency, overhead, pair)
         return made
 
     def shares(self, position: int) -> list[tuple[int, float, float, float]]:
@@ -354,7 +355,7 @@ class _Sweep:
         forward_ms, backward_ms = d.forward_ms, d.backward_ms
         input_ms, weight_ms = d.backward_input_ms, d.backward_weight_ms
         n_in, n_out = self.n_in, self.n_out
-        arrive, count, host_of, busy = self.arrive, self.count, self.host, self.busy
+        arrive, count, overhead_of, busy = self.arrive, self.count, self.overhead, self.busy
         position, free = self.position, self.free
         starts, ends, spans_of, completion = self.starts, self.ends, self.spans, self.completion
         workers, s_ms = self.workers, self.s_ms
@@ -437,7 +438,7 @@ class _Sweep:
                     start = arrive[key]
                     if not start > at_free:  # max(free, arrival), then the receiver's overhead
                         start = at_free
-                    taken = host_of[key]
+                    taken = overhead_of[key]
                     if taken:
                         if record:
                             tasks.append(
@@ -450,9 +451,9 @@ class _Sweep:
                     target_replicas, slots, base, needed, target_ranks, _ = edge
                     replica = unit % target_replicas
                     try:
-                        occupy, latency, host, pair = slots[replica]
+                        occupy, latency, overhead, pair = slots[replica]
                     except KeyError:  # the first message to that replica
-                        occupy, latency, host, pair = self.slot(rank, edge, replica)
+                        occupy, latency, overhead, pair = self.slot(rank, edge, replica)
                     sent = pair.free
                     if end > sent:  # max(link free, end)
                         sent = end
@@ -476,9 +477,9 @@ class _Sweep:
                     target = base + unit
                     if arrival > arrive[target]:
                         arrive[target] = arrival
-                    if host:
-                        posted += host
-                        host_of[target] += host
+                    if overhead:
+                        posted += overhead
+                        overhead_of[target] += overhead
                     arrived = count[target] + 1
                     count[target] = arrived
                     if arrived == needed and target in waiting:
