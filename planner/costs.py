@@ -23,7 +23,7 @@ bandwidths bytes/s.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, overload
 
@@ -33,7 +33,7 @@ from pipeplan.planner.cuts import CutFamily, prefix_family
 from pipeplan.planner.recompute import SelectiveRanges, gain_bytes, selective_freed_bytes
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
-from pipeplan.topology import Level
+from pipeplan.topology import Topology
 
 # a number, or a numpy array of numbers: the cost formulas work elementwise on either
 Elementwise = float | np.ndarray
@@ -393,18 +393,21 @@ def ring_allreduce_ms(
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
 
 
-def group_sum_ms(grad_bytes: float, ranks: int, level: Level, device_kind: str) -> float:
-    """Summing ``grad_bytes`` over ``ranks`` ranks joined by ``level``, as ``runtime.collectives`` does (ms).
+def group_sum_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
+    """Summing ``grad_bytes`` over ``ranks``, as ``runtime.collectives`` does (ms), over the
+    outermost level joining any two of them.
 
     Two ranks on gloo (device kind "cpu") swap the tensor and add: P / B and one message
     (its latency and overhead), both directions at once. Otherwise a ring: 2(m-1)/m P / B
     and 2(m-1) messages. 0 for one rank or nothing to sum.
     """
-    if ranks < 2 or grad_bytes <= 0:
+    m = len(ranks)
+    if m < 2 or grad_bytes <= 0:
         return 0.0
-    if ranks == 2 and device_kind == "cpu":
+    level = topology.levels[max(topology.level_joining(ranks[0], other) for other in ranks[1:])]
+    if m == 2 and topology.device.kind == "cpu":
         return grad_bytes * 1e3 / level.bandwidth_bytes_per_s + level.message_ms
-    return float(ring_allreduce_ms(grad_bytes, ranks, level.bandwidth_bytes_per_s, level.message_ms))
+    return float(ring_allreduce_ms(grad_bytes, m, level.bandwidth_bytes_per_s, level.message_ms))
 
 
 @overload

@@ -271,14 +271,7 @@ def link_time_ms(
     return size_bytes * 1e3 / spec.bandwidth_bytes_per_s, spec.latency_ms, spec.message_overhead_ms
 
 
-def allreduce_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
-    """The sum of ``grad_bytes`` over ``ranks`` (``costs.group_sum_ms``: a ring, or a pair's swap
-    on gloo) over the outermost level joining any two of them."""
-    m = len(ranks)
-    if m < 2 or grad_bytes <= 0:
-        return 0.0
-    level = max(topology.level_joining(ranks[0], other) for other in ranks[1:])
-    return group_sum_ms(grad_bytes, m, topology.levels[level], topology.device.kind)
+allreduce_ms = group_sum_ms  # the replicas' gradient sum, as the simulator charges it
 
 
 # --------------------------------------------------------------------------- simulation

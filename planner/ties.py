@@ -42,10 +42,7 @@ def tie_allreduce_ms(plan: Plan, profile: Profile) -> list[float]:
     for name, users in tied_parameters(profile).items():
         stages = sorted({stage_of[i] for i in users})
         ranks = sorted({plan.stages[q].ranks[0] for q in stages})
-        if len(ranks) < 2:
-            continue
-        level = topology.levels[max(topology.level_joining(ranks[0], r) for r in ranks[1:])]
-        ms = group_sum_ms(_tie_bytes(profile, name, users) * ratio, len(ranks), level, topology.device.kind)
+        ms = group_sum_ms(topology, ranks, _tie_bytes(profile, name, users) * ratio)  # 0 on one rank
         for q in stages:
             out[q] += ms
     return out
