@@ -68,8 +68,8 @@ def _worker(cpu: int, args: tuple[Any, ...], out: Any) -> None:
 
 def measure(width: int, layers: int, steps: int, mode: str) -> float:
     """Median step ms of rank 0 in ``mode``; both processes' figures are within noise of each other."""
-    results: Any = mp.get_context("spawn").Queue()
     context = mp.get_context("spawn")
+    results: Any = context.Queue()
     if mode == "alone":
         procs = [context.Process(target=_worker, args=(0, (width, layers, steps, None, False), results))]
     else:
