@@ -62,6 +62,10 @@ class GradSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         settle_gradients(self.module)
+        # every name of a tied parameter: two chunks of this rank may hold one Parameter (a
+        # V schedule's first and last chunks, a tied embedding and head), which
+        # named_parameters() lists once
+        every_name = dict(self.module.named_parameters(remove_duplicate=False))
         if self.replica_group is not None:
             names = list(params)
             self._all_reduce(
@@ -72,13 +76,8 @@ class GradSync:
                 what="replica gradients",
             )
         for group, ranks, copies in self.tie_groups:
-            grads = {name: local(_grad(params[name])) for names in copies for name in names}
-            local_sums = [
-                sum(grads[name] for name in names[1:]) + grads[names[0]]
-                if len(names) > 1
-                else grads[names[0]]
-                for names in copies
-            ]
+            grads = {name: local(_grad(every_name[name])) for names in copies for name in names}
+            local_sums = [_local_sum([grads[name] for name in names]) for names in copies]
             if group is not None:
                 self._all_reduce_grads(local_sums, group, ranks, 1.0, "tied-parameter gradients")
             for names, total in zip(copies, local_sums):
@@ -121,6 +120,13 @@ class GradSync:
             n = g.numel()  # type: ignore[union-attr]
             g.copy_(flat[offset : offset + n].view_as(g))  # type: ignore[union-attr]
             offset += n
+
+
+def _local_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of one rank's copies of a tied gradient, each tensor once: copies that are one
+    Parameter already hold every use's gradient in its ``.grad`` (autograd added them)."""
+    distinct = list({id(g): g for g in grads}.values())
+    return distinct[0] if len(distinct) == 1 else sum(distinct[1:], distinct[0])
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,9 @@ CASES = {
     "interleaved-replicas": ("mlp.py", [[0], [1, 2], [3], [4, 5]], 4, "interleaved-1f1b", 8, 2, {}),
     "zb-h1-dag": ("dag.py", [[0], [1, 2], [3], [4, 5]], 4, "zb-h1", 4, 1, {}),
     "zb-h1-tied": ("tied.py", [[0, 1], [2, 3, 4]], 2, "zb-h1", 4, 1, {"PIPEPLAN_TEST_UNTAGGED": "1"}),
+    # the V on 2 ranks puts the first and the last pieces on rank 0: the tied embedding and
+    # head are one Parameter in two chunks of one rank (its gradient holds both uses)
+    "zb-v-tied": ("tied.py", [[0], [1], [3, 4], [2]], 2, "zb-v", 4, 2, {}),
     # the V on 4 ranks: model stage q = c * 4 + i holds piece i (c = 0) or 7 - i (c = 1), so
     # rank 0 runs the first and the last layers, rank 3 the two middle pieces back to back
     # (a message to itself); 4 micro-batches, fewer than the 2P - 1 = 7 of a full V
