@@ -10,6 +10,8 @@ optional fields of a meta-device profile (``build``, ``step_not_measured``,
 ``LayerProfile.backward_input_ms`` (the input gradient's part of the backward; where
 absent, ``input_grad_ms`` assumes half) or ``LayerProfile.backward_working_bytes`` (where
 absent, -1: the planner charges no backward working memory and says so) or
+``LayerProfile.deferred_weight_bytes`` (where absent, -1: a zero-bubble stage is charged
+nothing between its input and weight passes) or
 ``shared_parameter_bytes`` (where absent, a tied parameter is priced at its users' smallest
 ``param_bytes``) or ``loss_saved_bytes`` / ``loss_working_bytes`` (where absent, -1: the
 planner charges the loss stage none of the loss's memory and says so).
@@ -148,6 +150,12 @@ class LayerProfile:
     # (``planner.memory``). -1: not measured (older, imported and estimated profiles): the
     # planner charges none and says so.
     backward_working_bytes: int = -1
+    # what a zero-bubble schedule's input pass ("I") leaves for its weight pass ("W"), beside
+    # the saved activations the retained graph keeps: the gradients recorded at the layer's
+    # boundary nodes (``pipeplan.split_backward``), one minibatch; 0 where no input of the
+    # layer needs a gradient. -1: not measured (older, imported and estimated profiles): the
+    # planner charges none.
+    deferred_weight_bytes: int = -1
     # of backward_ms, the input gradient's part ("B" of a zero-bubble schedule; the rest,
     # the weight gradient, is "W"): measured as a backward to the layer's inputs alone
     # (``torch.autograd.grad``), or derived from FLOPs in a what-if profile; None: not
@@ -176,6 +184,12 @@ class LayerProfile:
         """The backward working bytes the planner charges: ``backward_working_bytes``, 0 where
         not measured (-1)."""
         return max(0, self.backward_working_bytes)
+
+    @property
+    def charged_deferred_bytes(self) -> int:
+        """The bytes from "I" to "W" the planner charges: ``deferred_weight_bytes``, 0 where not
+        measured (-1)."""
+        return max(0, self.deferred_weight_bytes)
 
     @property
     def splits(self) -> bool:
@@ -427,6 +441,7 @@ def validate(profile: Profile) -> None:
         _check_optional_bytes(layer.recompute_kept_bytes, f"{where}: recompute_kept_bytes")
         _check_selective(layer)
         _check_optional_bytes(layer.backward_working_bytes, f"{where}: backward_working_bytes")
+        _check_optional_bytes(layer.deferred_weight_bytes, f"{where}: deferred_weight_bytes")
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "

@@ -42,6 +42,7 @@ __all__ = [
     "COST_MODELS",
     "LayerArrays",
     "layer_arrays",
+    "stage_deferred_bytes",
     "layer_compute_ms",
     "range_max",
     "update_ms",
@@ -51,6 +52,18 @@ __all__ = [
 ]
 
 COST_MODELS = ("pipeplan", "pipedream")
+
+
+def stage_deferred_bytes(first_stage: bool, layer_deferred: Sequence[float]) -> float:
+    """What a stage's zero-bubble input pass keeps for its weight pass, one minibatch: its
+    layers' ``deferred_weight_bytes``; none for the model's first stage, whose inputs need no
+    gradient, so that its "W" is its whole backward and records nothing
+    (``pipeplan.split_backward``).
+
+    >>> stage_deferred_bytes(True, [16, 32]), stage_deferred_bytes(False, [16, 32])
+    (0.0, 48.0)
+    """
+    return 0.0 if first_stage else float(sum(layer_deferred))
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,9 @@ class LayerArrays:
     # per layer (not summed): what its backward holds beyond the saved bytes, one minibatch
     # (``LayerProfile.backward_working_bytes``; 0 where not measured): planner.memory
     working_bytes: np.ndarray | None = None
+    # sums over the states of what each layer's zero-bubble input pass keeps for its weight
+    # pass, one minibatch (``LayerProfile.deferred_weight_bytes``; 0 where not measured)
+    deferred_bytes: np.ndarray | None = None
 
     @property
     def cut_family(self) -> CutFamily:
@@ -157,6 +173,13 @@ class LayerArrays:
         """``largest`` of every stage [starts, ends) (numpy index arrays of nested states,
         elementwise; ``range_max``)."""
         return range_max(self.largest_param_bytes, self.cut_family, starts, ends)
+
+    def deferred(self, i: int, j: int) -> float:
+        """What the stage from state i to j keeps from its input pass to its weight pass, one
+        minibatch (``stage_deferred_bytes``: none for the stage from state 0)."""
+        if self.deferred_bytes is None:
+            return 0.0
+        return stage_deferred_bytes(i == 0, [self.deferred_bytes[j] - self.deferred_bytes[i]])
 
     def working(self, i: int, j: int) -> float:
         """The largest backward working bytes (one minibatch) of the stage from state i to j."""
@@ -291,6 +314,7 @@ def layer_arrays(
         compute_ms=_prefix(layer_compute_ms(profile, optimizer)),
         param_bytes=_prefix([layer.param_bytes for layer in layers]),
         saved_bytes=_prefix(list(profile.charged_saved_bytes)),
+        deferred_bytes=_prefix([layer.charged_deferred_bytes for layer in layers]),
         output_bytes=_prefix([layer.output_bytes for layer in layers]),
         cut_bytes=cut,
         frontier_bytes=frontier,
@@ -359,6 +383,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         compute_ms=family.sums(np.array(layer_compute_ms(profile, optimizer))),
         param_bytes=family.sums(np.array([layer.param_bytes for layer in layers])),
         saved_bytes=family.sums(np.array(profile.charged_saved_bytes)),
+        deferred_bytes=family.sums(np.array([layer.charged_deferred_bytes for layer in layers])),
         output_bytes=family.sums(output),
         cut_bytes=cut,
         frontier_bytes=frontier,

@@ -172,6 +172,7 @@ def interleaved_plan(
             working_bytes=max(
                 arrays.working(cuts[segment[k]], cuts[segment[k] + 1]) for k in range(i, chunks, positions)
             ),
+            deferred_bytes=arrays.deferred(start, end),
         )
         device_bytes[i] += memory
         compute = arrays.compute(start, end) + choice.extra_ms

@@ -21,7 +21,11 @@ runtime and the simulator): with 1F1B-RR a replica of stage s stashes ``W_s + 1`
 versions and as many minibatches of activations, where ``W_s + 1 = ceil(after_s / n_s)``
 with ``after_s`` the devices of stage s and every later stage and ``n_s`` its replicas;
 2BW keeps two versions; the flush schedules one, with the activations their action
-lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``).
+lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``). Under a split
+backward (zero-bubble schedules) each unit between its input and weight passes also holds
+the gradients its "I" recorded for its "W" (``deferred_by_chunk`` units of the stage's
+``deferred_weight_bytes``), beside its saved activations, which the retained graph keeps
+until "W".
 """
 
 from __future__ import annotations
@@ -229,6 +233,7 @@ def plan_stage_memory(
     largest_param_bytes: float = 0.0,
     transient_bytes: float = 0.0,
     working_bytes: float = 0.0,
+    deferred_bytes: float = 0.0,
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
@@ -238,19 +243,23 @@ def plan_stage_memory(
     ``transient_bytes``: what a recomputed layer re-materialises in backward
     (``planner.recompute``), held beside everything else at the peak. ``working_bytes``: the
     stage's largest backward working memory, one minibatch (``backward_temporary_bytes``).
+    ``deferred_bytes``: what the stage's (or chunk's) input pass keeps for its weight pass, one
+    minibatch (``costs.stage_deferred_bytes``), charged for its units between the two.
     """
     kind = schedule_kind(schedule)
     versions = kind.weight_versions(stage_replicas, stage)
     if chunk is None:
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
+        deferred = sum(kind.deferred_by_chunk(stage_replicas, stage, microbatches, virtual_stages))
     else:
         in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
+        deferred = kind.deferred_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
     temporary = (
         0.0
         if chunk
         else backward_temporary_bytes(largest_param_bytes, working_bytes, microbatches, precision)
     )
-    temporary += transient_bytes
+    temporary += transient_bytes + deferred_bytes * deferred
     memory = stage_memory_bytes(
         param_bytes, saved_bytes, versions, in_flight, optimizer, precision, temporary
     )

@@ -101,6 +101,7 @@ def stage_shard(
         candidates = [StageRecompute((), 0.0, arrays.saved(stage.start, stage.end), 0.0)]
     largest_param = arrays.largest(stage.start, stage.end)
     working = arrays.working(stage.start, stage.end)
+    deferred = arrays.deferred(stage.start, stage.end)
 
     def unsharded_memory(option: StageRecompute) -> int:
         return plan_stage_memory(
@@ -115,6 +116,7 @@ def stage_shard(
             largest_param_bytes=largest_param,
             transient_bytes=option.transient_bytes,
             working_bytes=working,
+            deferred_bytes=deferred,
         )[0]
 
     _, versions, in_flight = plan_stage_memory(
@@ -131,7 +133,9 @@ def stage_shard(
     lv = topology.levels[0]
     above = math.prod(node.units for node in stage.path[:-1])
     largest_layer = float(largest_layer_range(arrays, stage.start, stage.end))
-    temporary = backward_temporary_bytes(largest_param, working, microbatches, precision)
+    temporary = backward_temporary_bytes(largest_param, working, microbatches, precision) + deferred * sum(
+        kind.deferred_by_chunk(replicas, q, microbatches, 1)
+    )
     higher = _higher_sync_ms(stage, arrays, topology)
     compute, _, comm, _ = figures
     best: StageShard | None = None

@@ -21,7 +21,7 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import group_sum_ms, layer_compute_ms, update_ms
+from pipeplan.planner.costs import group_sum_ms, layer_compute_ms, stage_deferred_bytes, update_ms
 from pipeplan.planner.memory import OPTIMIZER_STATES, backward_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
@@ -82,6 +82,8 @@ class StageCosts:
     backward_input_ms: float | None = None
     # forward / backward at measured batch sizes (planner.microbatch_time); None: proportional
     curve: BatchCurve | None = None
+    # what a split backward's "I" keeps for its "W", one minibatch (costs.stage_deferred_bytes)
+    deferred_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,11 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 recompute_peak_bytes=int(peak_bytes),
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers),
                 curve=stage_curve(profile, stage.layers),
+                deferred_bytes=int(
+                    stage_deferred_bytes(
+                        0 in stage.layers, [layer.charged_deferred_bytes for layer in layers]
+                    )
+                ),
             )
         )
     return out
@@ -619,7 +626,9 @@ def _stage_figures(
             max((busiest[rank] for rank in stage.ranks if rank in busiest), default=0.0)
             / schedule.minibatches
         )
-        in_flight = max(held[(i, r)][q // positions] for r in range(stage.replicas)) / schedule.microbatches
+        worst = max(range(stage.replicas), key=lambda r: held[(i, r)][0][q // positions])
+        in_flight = held[(i, worst)][0][q // positions] / schedule.microbatches
+        deferred = held[(i, worst)][1][q // positions] / schedule.microbatches
         versions = kind.weight_versions(schedule.stage_replicas, i)
         memory = stage_shard_memory(
             plan,
@@ -628,7 +637,8 @@ def _stage_figures(
             costs[q].saved_bytes,
             versions,
             in_flight,
-            _temporary_bytes(costs, q, positions, schedule.microbatches, plan),
+            _temporary_bytes(costs, q, positions, schedule.microbatches, plan)
+            + costs[q].deferred_bytes * deferred,
         )
         device_busy = sum(device_busy_ms.get((i, r), 0.0) for r in range(stage.replicas)) / stage.replicas
         idle = max(0.0, period - device_busy)  # the device's idle time: it runs all its chunks
@@ -681,38 +691,48 @@ def _busiest_link_ms(link_busy: dict[tuple[int, int], float]) -> dict[int, float
 
 def _held_at_peak(
     schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]
-) -> list[int]:
-    """Units of each chunk a worker holds when its saved activation bytes peak.
+) -> tuple[list[int], list[int]]:
+    """Units of each chunk a worker holds when its held bytes peak, and of those, the units
+    between their "I" and "W" (a split backward).
 
     A unit is held from its "F" to its "B" (or its "W" when the backward is split); a
-    unit of chunk c weighs max(saved bytes of c, 1). The peak is the first maximum of the
-    running sum of held bytes, taken only when positive. O(actions), vectorised with
-    numpy (the running sum adds in the actions' order, as a loop would).
+    unit of chunk c weighs max(saved bytes of c, 1), and from its "I" to its "W" also the
+    chunk's ``deferred_bytes``. The peak is the first maximum of the running sum of held
+    bytes, taken only when positive. O(actions), vectorised with numpy (the running sum adds
+    in the actions' order, as a loop would).
 
     >>> from pipeplan.schedules import Action
     >>> costs = [StageCosts(1.0, 2.0, 0, 8, ())]
     >>> _held_at_peak(build_schedule("gpipe", (1,), 1, 2), 0, [Action.parse(t) for t in "F0 F0.1 B0.1 B0".split()], costs)
-    [2]
+    ([2], [0])
     """
     chunks = len(costs) // schedule.stages
     if not actions:
-        return [0] * chunks
+        return [0] * chunks, [0] * chunks
     codes = np.frombuffer("".join(map(_kind_of, actions)).encode(), dtype=np.uint8)
     if len(codes) != len(actions):
         raise InputError(f"worker of position {position}: action kinds must be one letter each")
-    step = (codes == ord("F")).astype(np.int64) - (codes == ord("B")) - (codes == ord("W"))
+    weights = (codes == ord("W")).astype(np.int64)
+    step = (codes == ord("F")).astype(np.int64) - (codes == ord("B")) - weights
+    deferred = (codes == ord("I")).astype(np.int64) - weights
     if chunks == 1:
         chunk = np.zeros(len(actions), dtype=np.int64)
     else:
         chunk = np.fromiter(map(_chunk_of, actions), dtype=np.int64, count=len(actions))
-    unit_bytes = np.array(
-        [float(max(costs[c * schedule.stages + position].saved_bytes, 1)) for c in range(chunks)]
-    )
-    held_bytes = np.cumsum(step * unit_bytes[chunk])
+    unit = [costs[c * schedule.stages + position] for c in range(chunks)]
+    unit_bytes = np.array([float(max(cost.saved_bytes, 1)) for cost in unit])
+    deferred_bytes = np.array([float(cost.deferred_bytes) for cost in unit])
+    held_bytes = np.cumsum(step * unit_bytes[chunk] + deferred * deferred_bytes[chunk])
     peak = int(held_bytes.argmax())
     if not held_bytes[peak] > 0.0:
-        return [0] * chunks
-    counts = np.bincount(chunk[: peak + 1], weights=step[: peak + 1], minlength=chunks)
+        return [0] * chunks, [0] * chunks
+    return _counts(chunk[: peak + 1], step[: peak + 1], chunks), _counts(
+        chunk[: peak + 1], deferred[: peak + 1], chunks
+    )
+
+
+def _counts(chunk: np.ndarray, step: np.ndarray, chunks: int) -> list[int]:
+    counts = np.bincount(chunk, weights=step, minlength=chunks)
     return [int(count) for count in counts.astype(np.int64)]  # whole numbers, exact in float64
 
 

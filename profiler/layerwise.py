@@ -46,6 +46,7 @@ from pipeplan.profiler.memory import (
     SavedTensorCounter,
     backward_working_bytes,
     count_saved,
+    deferred_weight_bytes,
     largest_param_bytes,
     output_bytes,
     param_bytes,
@@ -146,7 +147,7 @@ def measure_layerwise(
                 if MODEL_OUTPUT in stage.output_names:
                     output = outputs[stage.output_names.index(MODEL_OUTPUT)]
                     loss_grads, loss_memory = _loss_grads(output, targets, loss_fn, counter)
-                working = _working_bytes(stage, args, outputs, wanted, loss_grads)
+                working, deferred = _backward_bytes(stage, args, outputs, wanted, loss_grads)
                 key = layer_signature(stage, args)
                 reuse = None if every_layer else timed.get(key)
                 if reuse is None:
@@ -170,6 +171,7 @@ def measure_layerwise(
                         output_bytes(args),
                         selective,
                         working,
+                        deferred,
                     )
                 )
                 for name, value in zip(stage.output_names, outputs):
@@ -205,16 +207,18 @@ def _loss_grads(
     return grads, memory
 
 
-def _working_bytes(
+def _backward_bytes(
     stage: StageModule,
     args: tuple[object, ...],
     outputs: tuple[object, ...],
     wanted: set[str],
     loss_grads: list[Any],
-) -> int:
-    """The layer's backward working bytes, from the forward just run (``outputs`` of ``args``):
-    ones are handed to the ``wanted`` outputs (those later layers read), ``loss_grads`` to the
-    model output's leaves. The gradients it leaves on its parameters and inputs are cleared."""
+) -> tuple[int, int]:
+    """The layer's backward working bytes and the bytes its zero-bubble input pass keeps for
+    the weight pass (``memory.deferred_weight_bytes``), from the forward just run (``outputs``
+    of ``args``): ones are handed to the ``wanted`` outputs (those later layers read),
+    ``loss_grads`` to the model output's leaves. The gradients it leaves on its parameters and
+    inputs are cleared."""
     import torch
     from torch.utils import _pytree as pytree
 
@@ -238,13 +242,14 @@ def _working_bytes(
                 heads.append(leaf)
                 grads.append(grad)
     if not heads:
-        return 0
+        return 0, 0
     with torch.enable_grad():
+        deferred = deferred_weight_bytes(heads, grads, stage.module.parameters(), args)
         working = backward_working_bytes(heads, grads, stage.module.parameters(), args)
     for tensor in (*stage.module.parameters(), *tensors_in(list(args))):
         if isinstance(tensor, torch.Tensor):
             tensor.grad = None
-    return working
+    return working, deferred
 
 
 def _model_tensors(stage_module: nn.Module, model: nn.Module) -> list[torch.Tensor]:
@@ -422,6 +427,7 @@ def _layer_profile(
     kept: int = -1,
     selective: Selective | None = None,
     working: int = -1,
+    deferred: int = -1,
 ) -> LayerProfile:
     return LayerProfile(
         index=node.index,
@@ -444,4 +450,5 @@ def _layer_profile(
         selective_saved_bytes=selective_saved(saved, selective),
         selective_recompute_ms=selective.recompute_ms if selective is not None else -1.0,
         backward_working_bytes=working,
+        deferred_weight_bytes=deferred,
     )

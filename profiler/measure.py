@@ -32,6 +32,7 @@ from pipeplan.profiler.memory import (
     SavedTensorCounter,
     backward_working_bytes,
     count_saved,
+    deferred_weight_bytes,
     largest_param_bytes,
     output_bytes,
     param_bytes,
@@ -95,6 +96,8 @@ class LayerMeasurement:
     backward_input: Stats | None = None
     # what its backward holds beyond its saved bytes (LayerProfile.backward_working_bytes)
     working_bytes: int = -1
+    # what a zero-bubble input pass keeps for its weight pass (LayerProfile.deferred_weight_bytes)
+    deferred_bytes: int = -1
 
     @property
     def backward_input_ms(self) -> float | None:
@@ -123,6 +126,7 @@ class PassSample:
     )  # its input tensors (LayerProfile.recompute_kept_bytes)
     # what its backward holds beyond its saved bytes (0: no gradient reached it)
     working_bytes: list[int] = field(default_factory=list)
+    deferred_bytes: list[int] = field(default_factory=list)  # from "I" to "W" (0: no gradient reached it)
     loss_saved_bytes: int = -1  # the loss's (``loss_bytes``), when counted
     loss_working_bytes: int = -1
 
@@ -225,6 +229,7 @@ def run_pass(
     sample = PassSample(forward_ms=[0.0] * len(stages), backward_ms=[0.0] * len(stages))
     if count_bytes:  # filled in reverse; a layer no gradient reaches holds none
         sample.working_bytes = [0] * len(stages)
+        sample.deferred_bytes = [0] * len(stages)
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     produced: list[tuple[object, ...]] = []
     args_of: list[tuple[object, ...]] = []  # each layer's inputs (for ``input_only`` and ``count_bytes``)
@@ -268,6 +273,9 @@ def run_pass(
             if pairs:
                 heads, grads = [o for o, _ in pairs], [g for _, g in pairs]
                 if count_bytes:
+                    sample.deferred_bytes[position] = deferred_weight_bytes(
+                        heads, grads, stage.module.parameters(), args_of[position]
+                    )
                     sample.working_bytes[position] = backward_working_bytes(
                         heads, grads, stage.module.parameters(), args_of[position]
                     )
@@ -466,6 +474,7 @@ def measure_stages(
             largest_param_bytes=largest_param_bytes(stage.module.parameters()),
             kept_bytes=counted.kept_bytes[position],
             working_bytes=counted.working_bytes[position],
+            deferred_bytes=counted.deferred_bytes[position],
             backward_input=(
                 robust_stats([s.backward_ms[position] for s in input_samples]) if input_samples else None
             ),
@@ -545,6 +554,7 @@ def measure_layers(
             selective_saved_bytes=selective_saved(layer.saved_bytes, selective.get(node.index)),
             selective_recompute_ms=(selective[node.index].recompute_ms if node.index in selective else -1.0),
             backward_working_bytes=layer.working_bytes,
+            deferred_weight_bytes=layer.deferred_bytes,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -12,6 +12,10 @@ it alive until the backward pass, once per minibatch in flight.
 gradients handed in plus the most bytes its backward's new storages hold at once
 (``pipeplan.profiler.live_bytes``), less the parameter gradients it leaves, which the
 planner charges as gradients.
+
+``deferred_weight_bytes`` is what a zero-bubble input pass ("I") leaves for its weight pass
+("W"), beside the saved activations the retained graph keeps: the gradients it records at
+the layer's boundary nodes (``pipeplan.split_backward``, the runtime's own split).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "counting_hooks",
     "count_saved",
     "backward_working_bytes",
+    "deferred_weight_bytes",
     "shared_parameter_bytes",
 ]
 
@@ -227,6 +232,35 @@ def backward_working_bytes(
             if grad is not None:
                 tensor.grad = grad if tensor.grad is None else grad + tensor.grad
     return _distinct_storage_bytes(grads) + max(0, peak - sum(made.values()))
+
+
+def deferred_weight_bytes(
+    heads: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    parameters: Iterable[torch.Tensor],
+    inputs: Iterable[object] = (),
+) -> int:
+    """Bytes of the gradients a zero-bubble input pass from ``heads`` (given ``grads``) to the
+    layer's ``inputs`` records for the weight pass of ``parameters`` (each storage once): what
+    the runtime holds from "I" to "W" beyond the saved activations. The graph is kept for the
+    caller's backward and no ``.grad`` changes; 0 where no input needs a gradient (a first
+    stage's "W" is then its whole backward, and records nothing).
+
+    >>> import torch
+    >>> layer = torch.nn.Linear(4, 8)
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> y = layer(x)
+    >>> deferred_weight_bytes([y], [torch.ones_like(y)], layer.parameters(), [x])  # dy: 2 x 8 float32
+    64
+    """
+    from pipeplan.split_backward import backward_input
+
+    leaves = [t for t in tensors_in(list(inputs)) if t.requires_grad]
+    params = [p for p in parameters if p.requires_grad]
+    if not leaves or not params:
+        return 0
+    _, work = backward_input(list(heads), list(grads), leaves, params)
+    return _distinct_storage_bytes(work.recorded())
 
 
 def shared_parameter_bytes(model: torch.nn.Module, users: Iterable[Iterable[str]]) -> dict[str, int]:

@@ -11,7 +11,7 @@
   its inputs and RNG state and is re-run here.
 - ``I`` / ``W`` (zero bubble): ``I`` computes and sends the input gradients only,
   keeping the graph and the gradients at the weight-consuming nodes
-  (``pipeplan.runtime.split_backward``); ``W`` computes the weight gradients from them.
+  (``pipeplan.split_backward``); ``W`` computes the weight gradients from them.
 - ``S``: all-reduce gradients (replicas, tied stages), measure (and clip) the gradient
   norm (``pipeplan.runtime.clip``), optimizer step. With weight versions, the gradients
   of the minibatch's units (coalesced, 2BW) go on the live weights first.
@@ -44,11 +44,11 @@ from pipeplan.runtime.comm import BACKWARD, FORWARD, P2P, PendingRecv, TensorSpe
 from pipeplan.runtime.data import BatchSource
 from pipeplan.runtime.mixed_precision import MixedPrecision
 from pipeplan.runtime.recorder import Recorder, now_ms
-from pipeplan.runtime.split_backward import WeightGradients, add_gradient, backward_input, backward_weight
 from pipeplan.runtime.stage import PipelineSpec
 from pipeplan.runtime.stash import WeightStash, WeightVersion
 from pipeplan.runtime.sync import GradSync
 from pipeplan.schedules import Action, ScheduleKind, schedule_kind
+from pipeplan.split_backward import WeightGradients, add_gradient, backward_input, backward_weight
 
 __all__ = ["Executor", "UnitRecord"]
 

@@ -306,7 +306,10 @@ def test_window_figures_match_plain_loops() -> None:
         t1 = t0 + rng.uniform(0.0, at)
         plain = sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in spans)
         assert sum(_inside_ms(spans, t0, t1)) == plain
-    costs = [StageCosts(1.0, 2.0, 0, saved, ()) for saved in (3, 0, 5, 2)]  # 2 positions x 2 chunks
+    costs = [  # 2 positions x 2 chunks; a split backward's "I" to "W" weighs deferred_bytes more
+        StageCosts(1.0, 2.0, 0, saved, (), deferred_bytes=deferred)
+        for saved, deferred in ((3, 0), (0, 4), (5, 1), (2, 7))
+    ]
     for name, replicas, micro, virtual in (("interleaved-1f1b", (1, 1), 4, 2), ("zb-h1", (1, 2), 4, 1)):
         schedule = build_schedule(name, replicas, 3, micro, virtual_stages=virtual)
         for (i, _), actions in schedule.actions.items():
@@ -317,16 +320,22 @@ def test_window_figures_match_plain_loops() -> None:
 
 def plain_held_at_peak(
     schedule: Schedule, position: int, actions: Sequence[Action], costs: Sequence[StageCosts]
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     count = [0] * (len(costs) // schedule.stages)
-    best, held, most = list(count), 0.0, 0.0
+    waiting = list(count)  # past "I", before "W"
+    best, held, most = (list(count), list(waiting)), 0.0, 0.0
     for action in actions:
+        cost = costs[action.chunk * schedule.stages + position]
         if action.kind in ("F", "B", "W"):
             step = 1 if action.kind == "F" else -1
             count[action.chunk] += step
-            held += step * max(costs[action.chunk * schedule.stages + position].saved_bytes, 1)
-            if held > most:
-                most, best = held, list(count)
+            held += step * max(cost.saved_bytes, 1)
+        if action.kind in ("I", "W"):
+            step = 1 if action.kind == "I" else -1
+            waiting[action.chunk] += step
+            held += step * cost.deferred_bytes
+        if held > most:
+            most, best = held, (list(count), list(waiting))
     return best
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeplan.runtime.split_backward import backward_input, backward_weight
+from pipeplan.split_backward import backward_input, backward_weight
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "runtime"))
 

@@ -215,7 +215,17 @@ class ScheduleKind:
         of the first replica; a unit of chunk c holds 1/M of chunk c's minibatch
         activations. O(M * v) from the action list.
         """
-        return _in_flight_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)
+        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)[0]
+
+    def deferred_by_chunk(
+        self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
+    ) -> tuple[float, ...]:
+        """Minibatches' worth of each chunk's units between their input pass ("I") and weight
+        pass ("W") at the same peak as ``in_flight_by_chunk``: each holds what its "I" recorded
+        for its "W" (``LayerProfile.deferred_weight_bytes``). All 0 without a split backward."""
+        if not self.split_backward:
+            return (0.0,) * virtual_stages
+        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)[1]
 
     def activations_in_flight(
         self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
@@ -277,25 +287,34 @@ class ScheduleKind:
 
 
 @functools.lru_cache(maxsize=1024)
-def _in_flight_by_chunk(
+def _peak_by_chunk(
     kind: ScheduleKind, replicas: tuple[int, ...], stage: int, microbatches: int, virtual_stages: int
-) -> tuple[float, ...]:
-    """``ScheduleKind.in_flight_by_chunk``, cached: the planner asks it for every chunk of
-    every position of every candidate (the same position's answer v times)."""
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``ScheduleKind.in_flight_by_chunk`` and ``deferred_by_chunk``, cached: the planner asks
+    for every chunk of every position of every candidate (the same position's answer v times).
+    The peak is the most units held; among the moments that reach it, the one with the most
+    past their "I" (the larger figure, since a deferred unit holds more)."""
     actions = kind.generate(replicas, stage, 0, 1 if kind.flushes else 4, microbatches, virtual_stages)
     held: dict[tuple[int, int, int], int] = {}
-    best: tuple[int, ...] = (0,) * virtual_stages
-    peak = 0
+    deferred: set[tuple[int, int, int]] = set()
+    best: tuple[tuple[int, ...], tuple[int, ...]] = ((0,) * virtual_stages, (0,) * virtual_stages)
+    peak = (0, 0)
     for action in actions:
         key = (action.minibatch, action.microbatch, action.chunk)
         if action.kind == "F":
             held[key] = action.chunk
+        elif action.kind == "I":
+            deferred.add(key)
         elif action.kind in ("B", "W"):
             held.pop(key, None)
-        if len(held) > peak:
-            peak = len(held)
-            best = tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages))
-    return tuple(count / microbatches for count in best)
+            deferred.discard(key)
+        if (len(held), len(deferred)) > peak:
+            peak = (len(held), len(deferred))
+            best = (
+                tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages)),
+                tuple(sum(1 for k in deferred if held[k] == chunk) for chunk in range(virtual_stages)),
+            )
+    return tuple(n / microbatches for n in best[0]), tuple(n / microbatches for n in best[1])
 
 
 def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:

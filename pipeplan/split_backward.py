@@ -43,6 +43,11 @@ class WeightGradients:
     outputs: list[torch.Tensor]  # keep the graph alive; the roots of groups without nodes
     output_grads: list[torch.Tensor]
 
+    def recorded(self) -> list[torch.Tensor]:
+        """The gradients recorded at the boundary nodes: what the weight pass reads, held from
+        the input pass until then beside the retained graph."""
+        return [g for group in self.groups for grads in group.grads for g in grads or () if g is not None]
+
 
 def _node_of(tensor: torch.Tensor) -> Node | None:
     """The autograd node producing ``tensor``: its grad_fn, or a leaf's AccumulateGrad."""
