@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeplan.errors import InputError
-from pipeplan.planner.costs import COST_MODELS, LayerArrays, ring_allreduce_ms, transfer_ms
+from pipeplan.planner.costs import COST_MODELS, LayerArrays, level_sum_ms, transfer_ms
 from pipeplan.planner.placement import FlatStage
 from pipeplan.topology import Topology
 
@@ -87,6 +87,7 @@ def _pipeplan_stage_figures(
     single_nodes: frozenset,
 ) -> StageFigures:
     out = []
+    gloo = topology.device.kind == "cpu"  # two replicas swap once (costs.level_sum_ms)
     for q, stage in enumerate(flat):
         compute = arrays.compute(stage.start, stage.end)
         comm_level = _outgoing_level(flat, q) if q + 1 < len(flat) else None
@@ -94,17 +95,7 @@ def _pipeplan_stage_figures(
         above = 1
         for node in stage.path:  # top first
             lv = topology.levels[node.level - 1]
-            ar = (
-                float(
-                    ring_allreduce_ms(
-                        arrays.sync_bytes(node.start, node.end),
-                        node.units,
-                        lv.bandwidth_bytes_per_s,
-                        lv.message_ms,
-                    )
-                )
-                / above
-            )
+            ar = float(level_sum_ms(arrays.sync_bytes(node.start, node.end), node.units, lv, gloo)) / above
             allreduce = max(allreduce, ar)
             if comm_level == node.level:
                 comm = (
@@ -157,9 +148,7 @@ def _pipeplan_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float
     time = arrays.compute(0, arrays.layers)
     grads = arrays.sync_bytes(0, arrays.layers)
     for level in topology.levels:
-        allreduce = float(
-            ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.message_ms)
-        )
+        allreduce = float(level_sum_ms(grads, level.count, level, topology.device.kind == "cpu"))
         time = max(time / level.count, allreduce)
     return time
 

@@ -33,7 +33,7 @@ from pipeplan.planner.cuts import CutFamily, prefix_family
 from pipeplan.planner.recompute import SelectiveRanges, gain_bytes, selective_freed_bytes
 from pipeplan.precision import Precision
 from pipeplan.profile import Profile
-from pipeplan.topology import Topology
+from pipeplan.topology import Level, Topology
 
 # a number, or a numpy array of numbers: the cost formulas work elementwise on either
 Elementwise = float | np.ndarray
@@ -48,6 +48,7 @@ __all__ = [
     "update_ms",
     "ring_allreduce_ms",
     "group_sum_ms",
+    "level_sum_ms",
     "transfer_ms",
 ]
 
@@ -418,6 +419,29 @@ def ring_allreduce_ms(
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
 
 
+def level_sum_ms(grad_bytes: Elementwise, units: int, level: Level, on_gloo: bool) -> Elementwise:
+    """Summing ``grad_bytes`` (elementwise on numpy arrays) over ``units`` joined by ``level``,
+    as ``runtime.collectives`` does (ms): two on gloo swap the tensor and add, P / B and one
+    message (its latency and overhead, ``Level.message_ms``), both directions at once;
+    otherwise a ring, 2(m-1)/m P / B and 2(m-1) messages. 0 for one unit or nothing to sum.
+
+    >>> from pipeplan.topology import Level
+    >>> level = Level("ethernet", 2, 1e9, latency_ms=0.5, message_overhead_ms=0.25)
+    >>> level_sum_ms(1e6, 2, level, on_gloo=True), level_sum_ms(1e6, 2, level, on_gloo=False)
+    (1.75, 2.5)
+    """
+    if units < 2:
+        return grad_bytes * 0.0
+    bandwidth = level.bandwidth_bytes_per_s
+    if units == 2 and on_gloo:
+        cost = grad_bytes * 1e3 / bandwidth + level.message_ms
+    else:
+        cost = ring_allreduce_ms(grad_bytes, units, bandwidth, level.message_ms)
+    if isinstance(grad_bytes, np.ndarray):
+        return np.where(grad_bytes > 0, cost, 0.0)
+    return float(cost) if grad_bytes > 0 else 0.0
+
+
 def group_sum_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
     """Summing ``grad_bytes`` over ``ranks``, as ``runtime.collectives`` does (ms), over the
     outermost level joining any two of them.
@@ -430,9 +454,7 @@ def group_sum_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) ->
     if m < 2 or grad_bytes <= 0:
         return 0.0
     level = topology.levels[max(topology.level_joining(ranks[0], other) for other in ranks[1:])]
-    if m == 2 and topology.device.kind == "cpu":
-        return grad_bytes * 1e3 / level.bandwidth_bytes_per_s + level.message_ms
-    return float(ring_allreduce_ms(grad_bytes, m, level.bandwidth_bytes_per_s, level.message_ms))
+    return float(level_sum_ms(grad_bytes, m, level, topology.device.kind == "cpu"))
 
 
 @overload

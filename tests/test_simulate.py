@@ -242,6 +242,22 @@ def test_allreduce_ring_formula_and_data_parallel_period() -> None:
     assert result.time_per_minibatch_ms == pytest.approx((6.0 + reduce) / 4)
 
 
+def test_the_plans_all_reduce_figure_is_the_simulators() -> None:
+    """A data-parallel plan's printed all-reduce (the cost model's) and the sum the simulator
+    charges are one figure: a gloo pair's one swap (it was priced as a ring of 2 before,
+    one message too many), 4 ranks' ring, NCCL's ring."""
+    level = with_message_overhead(make_topology(latency_ms=0.5), 0.2).levels[0]
+    profile = make_profile([10.0] * 2, param_bytes=5_000_000)  # 10 MB of gradients
+    for devices, kind in ((2, "cpu"), (4, "cpu"), (2, "gpu")):
+        topology = Topology("test", DeviceSpec(kind, 2**34, kind), (replace(level, count=devices),))
+        plan = partition_module.partition(profile, topology, partition_module.PartitionOptions())
+        (stage,) = plan.stages
+        assert stage.replicas == devices
+        assert stage.allreduce_ms == pytest.approx(allreduce_ms(topology, list(stage.ranks), 1e7))
+        if devices == 2 and kind == "cpu":  # 10 MB at 100 GB/s and one message
+            assert stage.allreduce_ms == pytest.approx(0.1 + 0.5 + 0.2)
+
+
 # --------------------------------------------------------------------------- costs, memory
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
+from pipeplan.planner.costs import LayerArrays, level_sum_ms
 from pipeplan.planner.memory import backward_temporary_bytes, parameter_copies
 from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
 from pipeplan.planner.sharding import replica_microbatches, sync_floor_factor, sync_floor_ms
@@ -198,8 +198,9 @@ class DPContext:
         return min(1 << (tau - 1).bit_length(), self.world - 1)
 
     def allreduce_ms(self, level: int, units: int) -> np.ndarray:
-        """Ring all-reduce (ms) among ``units`` units of ``level`` of every range [i, i+l),
-        l <= the level's width (``span`` at the top) (memoised)."""
+        """The replicas' gradient sum (ms) among ``units`` units of ``level`` of every range
+        [i, i+l), l <= the level's width (``span`` at the top), as the simulator charges it
+        (``costs.level_sum_ms``) (memoised)."""
         key = (level, units)
         if key not in self.allreduce:
             lv = self.levels[level - 1]
@@ -210,13 +211,13 @@ class DPContext:
                     self.params[:columns],
                     units,
                     lv.bandwidth_bytes_per_s,
-                    lv.latency_ms,
+                    lv.message_ms,
                     self.arrays.precision,
                     replica_microbatches(self.settings.schedule, self.settings.microbatches, units),
                 )
             else:
-                self.allreduce[key] = ring_allreduce_ms(
-                    self.grads[:columns], units, lv.bandwidth_bytes_per_s, lv.latency_ms
+                self.allreduce[key] = level_sum_ms(
+                    self.grads[:columns], units, lv, self.topology.device.kind == "cpu"
                 )
         return self.allreduce[key]
 
@@ -279,7 +280,7 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
             ends = starts + lengths
             compute = arrays.compute_range(starts, ends)
             grads = arrays.sync_range(starts, ends)
-            allreduce = ring_allreduce_ms(grads, f, lv.bandwidth_bytes_per_s, lv.latency_ms) * floor
+            allreduce = level_sum_ms(grads, f, lv, ctx.topology.device.kind == "cpu") * floor
             return (
                 np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
             )
