@@ -289,8 +289,10 @@ class Executor:
         saved = self._saved[(unit, action.chunk)]
         posted = {}
         for name in self._in_message_order(stage.output_names):
+            if name == MODEL_OUTPUT:
+                continue
             value = saved.outputs[name]
-            if name == MODEL_OUTPUT or not value.is_floating_point() or not self._takes_gradient(value):
+            if not value.is_floating_point() or not self._takes_gradient(value):
                 continue
             spec = TensorSpec.of(value)
             peers = dict.fromkeys(self.spec.recv_peer(c, unit) for c in stage.consumers[name])
@@ -391,6 +393,9 @@ class Executor:
         if self.recompute:
             outputs = {n: v.detach() if isinstance(v, torch.Tensor) else v for n, v in outputs.items()}
             loss = None
+        # no backward reads the model's output: the loss keeps what its function saved (a
+        # language model's logits, b x s x vocabulary per unit, were held until "B")
+        outputs.pop(MODEL_OUTPUT, None)
         self._saved[(unit, action.chunk)] = _Saved(inputs, outputs, loss, version, rng)
 
     def _run_stage(
