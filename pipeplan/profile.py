@@ -11,7 +11,9 @@ optional fields of a meta-device profile (``build``, ``step_not_measured``,
 absent, ``input_grad_ms`` assumes half) or ``LayerProfile.backward_working_bytes`` (where
 absent, -1: the planner charges no backward working memory and says so) or
 ``LayerProfile.deferred_weight_bytes`` (where absent, -1: a zero-bubble stage is charged
-nothing between its input and weight passes) or
+nothing between its input and weight passes) or ``LayerProfile.output_saved_by`` (where
+absent, None: a stage is charged no received or sent values beyond its saved bytes) or
+``LayerProfile.output_tensors`` (where absent, -1) or
 ``shared_parameter_bytes`` (where absent, a tied parameter is priced at its users' smallest
 ``param_bytes``) or ``loss_saved_bytes`` / ``loss_working_bytes`` (where absent, -1: the
 planner charges the loss stage none of the loss's memory and says so).
@@ -156,6 +158,16 @@ class LayerProfile:
     # layer needs a gradient. -1: not measured (older, imported and estimated profiles): the
     # planner charges none.
     deferred_weight_bytes: int = -1
+    # the layers whose forward saved this layer's output for backward (its own index where it
+    # saves its output itself), ascending: its bytes count in the first one's ``saved_bytes``.
+    # A pipeline stage also holds, until their backward, the values it received and the
+    # outputs it sent (``planner.costs.stage_boundary_bytes``) where no layer of its own
+    # counted them. None: not measured (older, imported, estimated and layer-by-layer
+    # profiles): the planner charges no such bytes.
+    output_saved_by: tuple[int, ...] | None = None
+    # tensors in the layer's output (several travel to another stage packed in one copy on
+    # gloo, ``runtime/comm.py``); -1: not measured
+    output_tensors: int = -1
     # of backward_ms, the input gradient's part ("B" of a zero-bubble schedule; the rest,
     # the weight gradient, is "W"): measured as a backward to the layer's inputs alone
     # (``torch.autograd.grad``), or derived from FLOPs in a what-if profile; None: not
@@ -343,6 +355,7 @@ class Profile:
                         "parameters": tuple(layer.get("parameters", ())),
                         "forward_ms_at": tuple(layer.get("forward_ms_at", ())),
                         "backward_ms_at": tuple(layer.get("backward_ms_at", ())),
+                        "output_saved_by": _tuple_or_none(layer.get("output_saved_by")),
                     }
                 )
                 for layer in obj["layers"]
@@ -442,6 +455,17 @@ def validate(profile: Profile) -> None:
         _check_selective(layer)
         _check_optional_bytes(layer.backward_working_bytes, f"{where}: backward_working_bytes")
         _check_optional_bytes(layer.deferred_weight_bytes, f"{where}: deferred_weight_bytes")
+        if not (isinstance(layer.output_tensors, int) and layer.output_tensors >= -1):
+            raise InputError(f"{where}: output_tensors = {layer.output_tensors!r} must be -1 or a count")
+        savers = layer.output_saved_by
+        if savers is not None and not (
+            isinstance(savers, tuple)
+            and all(isinstance(q, int) and layer.index <= q < len(profile.layers) for q in savers)
+        ):
+            raise InputError(
+                f"{where}: output_saved_by = {savers!r} must be a list of layers from "
+                f"{layer.index} to {len(profile.layers) - 1}"
+            )
         if not (isinstance(layer.reused_from, int) and -1 <= layer.reused_from < layer.index):
             raise InputError(
                 f"profile layer {layer.index} ({layer.name}): reused_from = {layer.reused_from!r} "
@@ -544,6 +568,11 @@ def _validate_modules(modules: tuple[ModuleRecord, ...]) -> None:
         _check_amount(module.calls, MAX_BYTES, f"profile module {module.name!r}: calls", integer=True)
         if not isinstance(module.container, bool):
             raise InputError(f"profile module {module.name!r}: container must be true or false")
+
+
+def _tuple_or_none(value: object) -> object:
+    """A JSON list as a tuple; anything else (None, a wrong type for validation to name) as is."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _check_optional_bytes(value: object, what: str) -> None:

@@ -23,7 +23,7 @@ bandwidths bytes/s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, overload
 
@@ -43,6 +43,8 @@ __all__ = [
     "LayerArrays",
     "layer_arrays",
     "stage_deferred_bytes",
+    "stage_boundary_bytes",
+    "ValueGraph",
     "layer_compute_ms",
     "range_max",
     "update_ms",
@@ -65,6 +67,69 @@ def stage_deferred_bytes(first_stage: bool, layer_deferred: Sequence[float]) -> 
     (0.0, 48.0)
     """
     return 0.0 if first_stage else float(sum(layer_deferred))
+
+
+@dataclass(frozen=True)
+class ValueGraph:
+    """Who reads and who saves each layer's output, for ``stage_boundary_bytes``: per layer its
+    producers, its readers, its output bytes, the layers that saved its output
+    (``LayerProfile.output_saved_by``; None anywhere: not measured) and its output's tensors
+    (-1: not measured, taken as one)."""
+
+    inputs: tuple[tuple[int, ...], ...]
+    readers: tuple[tuple[int, ...], ...]
+    output_bytes: tuple[float, ...]
+    saved_by: tuple[tuple[int, ...] | None, ...]
+    tensors: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, profile: Profile) -> ValueGraph:
+        readers: list[list[int]] = [[] for _ in profile.layers]
+        for layer in profile.layers:
+            for producer in dict.fromkeys(layer.inputs):
+                readers[producer].append(layer.index)
+        return cls(
+            tuple(tuple(layer.inputs) for layer in profile.layers),
+            tuple(map(tuple, readers)),
+            tuple(float(layer.output_bytes) for layer in profile.layers),
+            tuple(layer.output_saved_by for layer in profile.layers),
+            tuple(layer.output_tensors for layer in profile.layers),
+        )
+
+    @property
+    def measured(self) -> bool:
+        return all(savers is not None for savers in self.saved_by)
+
+
+def stage_boundary_bytes(graph: ValueGraph, layers: Iterable[int], packed_copy: bool) -> float:
+    """What a pipeline stage of ``layers`` holds per minibatch beside its layers' saved bytes,
+    until each unit's backward: the values it received (the runtime keeps a stage's inputs for
+    their gradients) and the outputs it sent (kept as its backward's heads), each where no layer
+    of the stage counts it already (the first layer to save a value counts its bytes). With
+    ``packed_copy`` (gloo: several tensors to one peer travel packed in a copy, which is kept
+    until their gradients come back) the sent values once more. 0 where the profile did not
+    record who saved what.
+
+    >>> graph = ValueGraph(((), (0,), (1,)), ((1,), (2,), ()), (8.0, 16.0, 4.0), ((1,), (), (2,)))
+    >>> stage_boundary_bytes(graph, [0], False), stage_boundary_bytes(graph, [1, 2], False)
+    (8.0, 0.0)
+    >>> stage_boundary_bytes(graph, [1], False), stage_boundary_bytes(graph, [2], False)
+    (16.0, 16.0)
+    """
+    if not graph.measured:
+        return 0.0
+    stage = set(layers)
+    received = {p for q in stage for p in graph.inputs[q] if p not in stage}
+    sent = {p for p in stage if any(r not in stage for r in graph.readers[p])}
+
+    def counted_here(p: int) -> bool:
+        savers = graph.saved_by[p]
+        return bool(savers) and savers[0] in stage  # type: ignore[index]
+
+    held = sum(graph.output_bytes[p] for p in received | sent if not counted_here(p))
+    tensors = sum(max(1, graph.tensors[p]) if graph.tensors else 1 for p in sent)
+    copies = sum(graph.output_bytes[p] for p in sent) if packed_copy and tensors > 1 else 0.0
+    return float(held + copies)
 
 
 @dataclass(frozen=True)
@@ -115,6 +180,7 @@ class LayerArrays:
     # sums over the states of what each layer's zero-bubble input pass keeps for its weight
     # pass, one minibatch (``LayerProfile.deferred_weight_bytes``; 0 where not measured)
     deferred_bytes: np.ndarray | None = None
+    values: ValueGraph | None = None  # who reads and saves each output (stage_boundary_bytes)
 
     @property
     def cut_family(self) -> CutFamily:
@@ -181,6 +247,13 @@ class LayerArrays:
         if self.deferred_bytes is None:
             return 0.0
         return stage_deferred_bytes(i == 0, [self.deferred_bytes[j] - self.deferred_bytes[i]])
+
+    def boundary(self, i: int, j: int, packed_copy: bool) -> float:
+        """What the stage from state i to j holds beyond its saved bytes, one minibatch: the
+        values it received and sent (``stage_boundary_bytes``; 0 where not recorded)."""
+        if self.values is None:
+            return 0.0
+        return stage_boundary_bytes(self.values, self.cut_family.stage_layers(i, j), packed_copy)
 
     def working(self, i: int, j: int) -> float:
         """The largest backward working bytes (one minibatch) of the stage from state i to j."""
@@ -316,6 +389,7 @@ def layer_arrays(
         param_bytes=_prefix([layer.param_bytes for layer in layers]),
         saved_bytes=_prefix(list(profile.charged_saved_bytes)),
         deferred_bytes=_prefix([layer.charged_deferred_bytes for layer in layers]),
+        values=ValueGraph.of(profile),
         output_bytes=_prefix([layer.output_bytes for layer in layers]),
         cut_bytes=cut,
         frontier_bytes=frontier,
@@ -385,6 +459,7 @@ def _family_arrays(profile: Profile, optimizer: str | None, family: CutFamily) -
         param_bytes=family.sums(np.array([layer.param_bytes for layer in layers])),
         saved_bytes=family.sums(np.array(profile.charged_saved_bytes)),
         deferred_bytes=family.sums(np.array([layer.charged_deferred_bytes for layer in layers])),
+        values=ValueGraph.of(profile),
         output_bytes=family.sums(output),
         cut_bytes=cut,
         frontier_bytes=frontier,

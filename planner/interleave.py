@@ -157,7 +157,8 @@ def interleaved_plan(
             stage_replicas,
             i,
             arrays.params(start, end),
-            arrays.saved(start, end) if not recompute_any else choice.activation_bytes,
+            (arrays.saved(start, end) if not recompute_any else choice.activation_bytes)
+            + arrays.boundary(start, end, packed_copy=topology.device.kind == "cpu"),
             optimizer,
             micro,
             virtual,

@@ -25,7 +25,9 @@ lists hold at their peak (interleaved 1F1B per chunk: ``in_flight_by_chunk``). U
 backward (zero-bubble schedules) each unit between its input and weight passes also holds
 the gradients its "I" recorded for its "W" (``deferred_by_chunk`` units of the stage's
 ``deferred_weight_bytes``), beside its saved activations, which the retained graph keeps
-until "W".
+until "W". The saved bytes a caller passes include the stage's boundaries: the values it
+received and the outputs it sent, which the runtime keeps until their backward
+(``costs.stage_boundary_bytes``).
 """
 
 from __future__ import annotations

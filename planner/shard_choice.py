@@ -102,6 +102,7 @@ def stage_shard(
     largest_param = arrays.largest(stage.start, stage.end)
     working = arrays.working(stage.start, stage.end)
     deferred = arrays.deferred(stage.start, stage.end)
+    boundary = arrays.boundary(stage.start, stage.end, packed_copy=topology.device.kind == "cpu")
 
     def unsharded_memory(option: StageRecompute) -> int:
         return plan_stage_memory(
@@ -109,7 +110,7 @@ def stage_shard(
             replicas,
             q,
             params,
-            option.activation_bytes,
+            option.activation_bytes + boundary,
             optimizer,
             microbatches,
             precision=precision,
@@ -146,7 +147,7 @@ def stage_shard(
             need = shard_memory_bytes(
                 mode,
                 params,
-                option.activation_bytes,
+                option.activation_bytes + boundary,
                 versions,
                 in_flight_exact,
                 optimizer,

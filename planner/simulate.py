@@ -21,7 +21,14 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import group_sum_ms, layer_compute_ms, stage_deferred_bytes, update_ms
+from pipeplan.planner.costs import (
+    ValueGraph,
+    group_sum_ms,
+    layer_compute_ms,
+    stage_boundary_bytes,
+    stage_deferred_bytes,
+    update_ms,
+)
 from pipeplan.planner.memory import OPTIMIZER_STATES, backward_temporary_bytes
 from pipeplan.planner.microbatch_time import BatchCurve, microbatch_share, stage_curve
 from pipeplan.planner.recompute import gain_bytes, selective_freed_bytes
@@ -180,6 +187,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     ]
     gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
     ties = tie_allreduce_ms(plan, profile)
+    values, packed_copy = ValueGraph.of(profile), plan.topology.device.kind == "cpu"
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]
@@ -190,7 +198,11 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 # the recomputed layers' forwards run again in backward (planner.recompute)
                 backward_ms=sum(layer.backward_ms for layer in layers) + recompute_ms,
                 param_bytes=sum(layer.param_bytes for layer in layers),
-                saved_bytes=int(sum(profile.charged_saved_bytes[i] for i in stage.layers) - freed_bytes),
+                saved_bytes=int(
+                    sum(profile.charged_saved_bytes[i] for i in stage.layers)
+                    - freed_bytes
+                    + stage_boundary_bytes(values, stage.layers, packed_copy)
+                ),
                 sends=tuple(sorted((t, b) for (s, t), b in cut.items() if s == stage.index)),
                 # offload's host-link copies and host step (planner.offload) beside the step
                 step_ms=sum(update[i] for i in stage.layers) + stage.offload_ms,

@@ -36,6 +36,8 @@ from pipeplan.profiler.memory import (
     largest_param_bytes,
     output_bytes,
     param_bytes,
+    storage_key,
+    tensors_in,
 )
 from pipeplan.profiler.timing import Stats, Timer, read, robust_stats, time_backward
 
@@ -98,6 +100,8 @@ class LayerMeasurement:
     working_bytes: int = -1
     # what a zero-bubble input pass keeps for its weight pass (LayerProfile.deferred_weight_bytes)
     deferred_bytes: int = -1
+    saved_by: tuple[int, ...] | None = None  # LayerProfile.output_saved_by
+    output_tensors: int = -1
 
     @property
     def backward_input_ms(self) -> float | None:
@@ -127,6 +131,9 @@ class PassSample:
     # what its backward holds beyond its saved bytes (0: no gradient reached it)
     working_bytes: list[int] = field(default_factory=list)
     deferred_bytes: list[int] = field(default_factory=list)  # from "I" to "W" (0: no gradient reached it)
+    # the layers whose forward saved each layer's output (LayerProfile.output_saved_by)
+    saved_by: list[tuple[int, ...]] = field(default_factory=list)
+    output_tensors: list[int] = field(default_factory=list)  # tensors in each layer's output
     loss_saved_bytes: int = -1  # the loss's (``loss_bytes``), when counted
     loss_working_bytes: int = -1
 
@@ -235,6 +242,8 @@ def run_pass(
     args_of: list[tuple[object, ...]] = []  # each layer's inputs (for ``input_only`` and ``count_bytes``)
     # one counter for the whole pass: a storage counts in the first layer that saves it
     counter = SavedTensorCounter(exclude=[p for stage in stages for p in stage.module.parameters()])
+    owner: dict[int, int] = {}  # storage key of a layer's output -> that layer
+    saved_by: list[set[int]] = [set() for _ in stages]
     with torch.enable_grad():
         for position, stage in enumerate(stages):
             args = tuple(values[name] for name in stage.input_names)
@@ -242,6 +251,12 @@ def run_pass(
                 before = counter.saved_bytes
                 with count_saved(counter=counter):
                     outputs = _run(stage, args)
+                produced_tensors = tensors_in(list(outputs))
+                sample.output_tensors.append(len(produced_tensors))
+                for key in map(storage_key, produced_tensors):
+                    owner.setdefault(key, position)
+                for key in counter.take_packed() & owner.keys():
+                    saved_by[owner[key]].add(position)
                 sample.saved_bytes.append(counter.saved_bytes - before)
                 sample.output_bytes.append(output_bytes(outputs))
                 sample.kept_bytes.append(output_bytes(args))
@@ -256,6 +271,7 @@ def run_pass(
         timer.start()
         if count_bytes:
             sample.loss_saved_bytes, sample.loss_working_bytes = loss_bytes(loss_fn, result, targets, counter)
+            sample.saved_by = [tuple(sorted(savers)) for savers in saved_by]
         else:
             loss_backward(loss_fn, result, targets)
         sample.loss_ms = timer.stop()
@@ -475,6 +491,8 @@ def measure_stages(
             kept_bytes=counted.kept_bytes[position],
             working_bytes=counted.working_bytes[position],
             deferred_bytes=counted.deferred_bytes[position],
+            saved_by=counted.saved_by[position],
+            output_tensors=counted.output_tensors[position],
             backward_input=(
                 robust_stats([s.backward_ms[position] for s in input_samples]) if input_samples else None
             ),
@@ -555,6 +573,8 @@ def measure_layers(
             selective_recompute_ms=(selective[node.index].recompute_ms if node.index in selective else -1.0),
             backward_working_bytes=layer.working_bytes,
             deferred_weight_bytes=layer.deferred_bytes,
+            output_saved_by=layer.saved_by,
+            output_tensors=layer.output_tensors,
         )
         for node, layer, stage in zip(graph.layers, measured.layers, per_layer)
     ]

@@ -110,6 +110,7 @@ class SavedTensorCounter:
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
         self._excluded = {storage_key(tensor) for tensor in exclude}
         self.storages: dict[int, int] = {}  # storage key -> bytes
+        self.packed: set[int] = set()  # every storage packed since ``take_packed``, counted or not
         self._alive: list[torch.Tensor] = []
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -118,10 +119,17 @@ class SavedTensorCounter:
         a cycle in C++ the collector cannot free."""
         key = storage_key(tensor)
         alias = tensor.detach()
-        if key not in self._excluded and key not in self.storages:
-            self.storages[key] = _storage_nbytes(tensor)
-            self._alive.append(alias)
+        if key not in self._excluded:
+            self.packed.add(key)
+            if key not in self.storages:
+                self.storages[key] = _storage_nbytes(tensor)
+                self._alive.append(alias)
         return alias
+
+    def take_packed(self) -> set[int]:
+        """The storages packed since the last call (parameters excluded), each once."""
+        packed, self.packed = self.packed, set()
+        return packed
 
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(FIXTURES))
 
 from pipeplan.errors import InfeasibleError, InputError  # noqa: E402
 from pipeplan.plan import Plan  # noqa: E402
+from pipeplan.planner.costs import ValueGraph, stage_boundary_bytes  # noqa: E402
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes  # noqa: E402
 from pipeplan.precision import Precision  # noqa: E402
 from pipeplan.profile import DeviceInfo, LayerProfile, Profile  # noqa: E402
@@ -289,6 +290,8 @@ def test_bf16_run_equals_its_rule_resumes_under_a_replicated_plan_and_exports_fl
         planned = plan.stages[stage["stage"]]
         params = sum(profile.layers[i].param_bytes for i in planned.layers)
         saved = sum(profile.charged_saved_bytes[i] for i in planned.layers)  # the loss's on the last
+        # what it received and sent, kept until their backward (gloo: a packed copy of several tensors)
+        saved += stage_boundary_bytes(ValueGraph.of(profile), planned.layers, packed_copy=True)
         largest = max(profile.layers[i].largest_param_bytes for i in planned.layers)
         assert largest == 512 * 512 * 2  # the W x W weight in bf16: its gradient temporary
         working = max(profile.charged_working_bytes[i] for i in planned.layers)

@@ -107,6 +107,29 @@ def test_backward_working_bytes_round_trip_and_default_to_not_measured(tmp_path:
     assert [layer.backward_working_bytes for layer in Profile.from_dict(old).layers] == [-1, -1, -1]
 
 
+def test_what_a_stage_holds_at_its_boundaries_round_trips_and_defaults_to_not_measured(
+    tmp_path: Path,
+) -> None:
+    base = make_profile()
+    recorded = ((1, 2), (), (2,))  # who saved each layer's output
+    layers = tuple(
+        replace(layer, output_saved_by=savers, output_tensors=1 + k, deferred_weight_bytes=64 * k)
+        for k, (layer, savers) in enumerate(zip(base.layers, recorded))
+    )
+    profile = replace(base, layers=layers)
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert [layer["output_saved_by"] for layer in json.loads(path.read_text())["layers"]] == [[1, 2], [], [2]]
+    old = profile.to_dict()  # written before the fields existed
+    for layer in old["layers"]:
+        del layer["output_saved_by"], layer["output_tensors"], layer["deferred_weight_bytes"]
+    loaded = Profile.from_dict(old).layers
+    assert [(x.output_saved_by, x.output_tensors, x.deferred_weight_bytes) for x in loaded] == [
+        (None, -1, -1)
+    ] * 3
+
+
 def test_the_loss_memory_round_trips_and_defaults_to_not_measured(tmp_path: Path) -> None:
     profile = replace(make_profile(), loss_saved_bytes=5000, loss_working_bytes=9000)
     path = tmp_path / "profile.json"
@@ -136,6 +159,19 @@ def test_the_loss_memory_round_trips_and_defaults_to_not_measured(tmp_path: Path
         (
             lambda raw: raw.update(loss_working_bytes=1.5),
             "field 'loss_working_bytes' must be an integer, got 1.5",
+        ),
+        (
+            lambda raw: raw["layers"][1].update(output_saved_by=[0]),
+            "(fc): output_saved_by = (0,) must be a list of layers from 1 to 2",
+        ),
+        (
+            lambda raw: raw["layers"][1].update(output_saved_by=3),
+            "field 'output_saved_by' must be a list of an integer or null, got 3",
+        ),
+        (lambda raw: raw["layers"][0].update(output_tensors=-2), "output_tensors = -2 must be -1 or a count"),
+        (
+            lambda raw: raw["layers"][0].update(deferred_weight_bytes=-5),
+            "deferred_weight_bytes = -5 is not -1 or a byte count",
         ),
         (lambda raw: raw.update(schema="pipeplan.profile/0"), "schema is 'pipeplan.profile/0'"),
         (lambda raw: raw.pop("fingerprint"), "missing field 'fingerprint'"),
