@@ -122,9 +122,9 @@ def stage_boundary_bytes(graph: ValueGraph, layers: Iterable[int], packed_copy: 
     received = {p for q in stage for p in graph.inputs[q] if p not in stage}
     sent = {p for p in stage if any(r not in stage for r in graph.readers[p])}
 
-    def counted_here(p: int) -> bool:
+    def counted_here(p: int) -> bool:  # its first saver is of the stage
         savers = graph.saved_by[p]
-        return bool(savers) and savers[0] in stage  # type: ignore[index]
+        return bool(savers) and savers is not None and savers[0] in stage
 
     held = sum(graph.output_bytes[p] for p in received | sent if not counted_here(p))
     tensors = sum(max(1, graph.tensors[p]) if graph.tensors else 1 for p in sent)
