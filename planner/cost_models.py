@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pipeplan.errors import InputError
-from pipeplan.planner.costs import COST_MODELS, LayerArrays, level_sum_ms, transfer_ms
+from pipeplan.planner.costs import COST_MODELS, LayerArrays, level_sum_ms, on_gloo, transfer_ms
 from pipeplan.planner.placement import FlatStage
 from pipeplan.topology import Topology
 
@@ -87,7 +87,7 @@ def _pipeplan_stage_figures(
     single_nodes: frozenset,
 ) -> StageFigures:
     out = []
-    gloo = topology.device.kind == "cpu"  # two replicas swap once (costs.level_sum_ms)
+    gloo = on_gloo(topology)  # two replicas swap once (costs.level_sum_ms)
     for q, stage in enumerate(flat):
         compute = arrays.compute(stage.start, stage.end)
         comm_level = _outgoing_level(flat, q) if q + 1 < len(flat) else None
@@ -148,7 +148,7 @@ def _pipeplan_data_parallel_ms(arrays: LayerArrays, topology: Topology) -> float
     time = arrays.compute(0, arrays.layers)
     grads = arrays.sync_bytes(0, arrays.layers)
     for level in topology.levels:
-        allreduce = float(level_sum_ms(grads, level.count, level, topology.device.kind == "cpu"))
+        allreduce = float(level_sum_ms(grads, level.count, level, on_gloo(topology)))
         time = max(time / level.count, allreduce)
     return time
 

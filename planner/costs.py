@@ -51,6 +51,7 @@ __all__ = [
     "ring_allreduce_ms",
     "group_sum_ms",
     "level_sum_ms",
+    "on_gloo",
     "transfer_ms",
 ]
 
@@ -494,27 +495,34 @@ def ring_allreduce_ms(
     return 2.0 * (m - 1.0) / m * param_bytes / bandwidth_bytes_per_s * 1e3 + 2.0 * (m - 1.0) * latency_ms
 
 
-def level_sum_ms(grad_bytes: Elementwise, units: int, level: Level, on_gloo: bool) -> Elementwise:
-    """Summing ``grad_bytes`` (elementwise on numpy arrays) over ``units`` joined by ``level``,
-    as ``runtime.collectives`` does (ms): two on gloo swap the tensor and add, P / B and one
-    message (its latency and overhead, ``Level.message_ms``), both directions at once;
-    otherwise a ring, 2(m-1)/m P / B and 2(m-1) messages. 0 for one unit or nothing to sum.
+def on_gloo(topology: Topology) -> bool:
+    """Whether ``topology``'s ranks talk over gloo: CPU devices (the runtime's backend for
+    them). Two gloo replicas sum by one swap, and gloo keeps a packed message's copy until its
+    gradient comes back (``runtime/comm.py``, ``runtime/collectives.py``)."""
+    return topology.device.kind == "cpu"
+
+
+def level_sum_ms(grad_bytes: Elementwise, units: Elementwise, level: Level, on_gloo: bool) -> Elementwise:
+    """Summing ``grad_bytes`` over ``units`` joined by ``level`` (elementwise on numpy arrays,
+    which broadcast), as ``runtime.collectives`` does (ms): two on gloo swap the tensor and add,
+    P / B and one message (its latency and overhead, ``Level.message_ms``), both directions at
+    once; otherwise a ring, 2(m-1)/m P / B and 2(m-1) messages. 0 for one unit or nothing to
+    sum. The planner's DP, its bounds and the simulator all price a replicas' sum with it.
 
     >>> from pipeplan.topology import Level
     >>> level = Level("ethernet", 2, 1e9, latency_ms=0.5, message_overhead_ms=0.25)
     >>> level_sum_ms(1e6, 2, level, on_gloo=True), level_sum_ms(1e6, 2, level, on_gloo=False)
     (1.75, 2.5)
+    >>> level_sum_ms(np.array([0.0, 1e6]), np.array([[1], [2]]), level, on_gloo=True).tolist()
+    [[0.0, 0.0], [0.0, 1.75]]
     """
-    if units < 2:
-        return grad_bytes * 0.0
+    m = np.asarray(units, dtype=np.float64)
     bandwidth = level.bandwidth_bytes_per_s
-    if units == 2 and on_gloo:
-        cost = grad_bytes * 1e3 / bandwidth + level.message_ms
-    else:
-        cost = ring_allreduce_ms(grad_bytes, units, bandwidth, level.message_ms)
-    if isinstance(grad_bytes, np.ndarray):
-        return np.where(grad_bytes > 0, cost, 0.0)
-    return float(cost) if grad_bytes > 0 else 0.0
+    swap = grad_bytes * 1e3 / bandwidth + level.message_ms
+    ring = ring_allreduce_ms(grad_bytes, m, bandwidth, level.message_ms)
+    cost = np.where((m == 2) & on_gloo, swap, ring)
+    cost = np.where((np.asarray(grad_bytes) > 0) & (m >= 2), cost, 0.0)
+    return cost if cost.ndim else float(cost)
 
 
 def group_sum_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) -> float:
@@ -529,7 +537,7 @@ def group_sum_ms(topology: Topology, ranks: Sequence[int], grad_bytes: float) ->
     if m < 2 or grad_bytes <= 0:
         return 0.0
     level = topology.levels[max(topology.level_joining(ranks[0], other) for other in ranks[1:])]
-    return float(level_sum_ms(grad_bytes, m, level, topology.device.kind == "cpu"))
+    return float(level_sum_ms(grad_bytes, m, level, on_gloo(topology)))
 
 
 @overload

@@ -28,7 +28,7 @@ from pipeplan.errors import InfeasibleError, InputError
 from pipeplan.plan import Plan, StagePlan
 from pipeplan.planner.assemble import assemble_plan
 from pipeplan.planner.cost_models import cost_model
-from pipeplan.planner.costs import LayerArrays, layer_arrays, transfer_ms
+from pipeplan.planner.costs import LayerArrays, layer_arrays, on_gloo, transfer_ms
 from pipeplan.planner.memory import plan_stage_memory, stage_memory_bytes
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.predict import predict
@@ -158,7 +158,7 @@ def interleaved_plan(
             i,
             arrays.params(start, end),
             (arrays.saved(start, end) if not recompute_any else choice.activation_bytes)
-            + arrays.boundary(start, end, packed_copy=topology.device.kind == "cpu"),
+            + arrays.boundary(start, end, packed_copy=on_gloo(topology)),
             optimizer,
             micro,
             virtual,

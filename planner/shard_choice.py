@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms
+from pipeplan.planner.costs import LayerArrays, level_sum_ms, on_gloo
 from pipeplan.planner.dp.sharded import largest_layer_range
 from pipeplan.planner.memory import backward_temporary_bytes, plan_stage_memory
 from pipeplan.planner.offload import FSDP_MODES, base_mode, host_bandwidth, offload_ms
@@ -51,9 +51,7 @@ def _higher_sync_ms(stage: FlatStage, arrays: LayerArrays, topology: Topology) -
     out, above = 0.0, 1
     for node in stage.path[:-1]:
         lv = topology.levels[node.level - 1]
-        ar = ring_allreduce_ms(
-            arrays.sync_bytes(node.start, node.end), node.units, lv.bandwidth_bytes_per_s, lv.message_ms
-        )
+        ar = level_sum_ms(arrays.sync_bytes(node.start, node.end), node.units, lv, on_gloo(topology))
         out = max(out, float(ar) / above)
         above *= node.units
     return out
@@ -102,7 +100,7 @@ def stage_shard(
     largest_param = arrays.largest(stage.start, stage.end)
     working = arrays.working(stage.start, stage.end)
     deferred = arrays.deferred(stage.start, stage.end)
-    boundary = arrays.boundary(stage.start, stage.end, packed_copy=topology.device.kind == "cpu")
+    boundary = arrays.boundary(stage.start, stage.end, packed_copy=on_gloo(topology))
 
     def unsharded_memory(option: StageRecompute) -> int:
         return plan_stage_memory(

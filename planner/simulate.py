@@ -25,6 +25,7 @@ from pipeplan.planner.costs import (
     ValueGraph,
     group_sum_ms,
     layer_compute_ms,
+    on_gloo,
     stage_boundary_bytes,
     stage_deferred_bytes,
     update_ms,
@@ -187,7 +188,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
     ]
     gains, freed = gain_bytes(profile), selective_freed_bytes(profile)
     ties = tie_allreduce_ms(plan, profile)
-    values, packed_copy = ValueGraph.of(profile), plan.topology.device.kind == "cpu"
+    values, packed_copy = ValueGraph.of(profile), on_gloo(plan.topology)
     out = []
     for stage in plan.stages:
         layers = [profile.layers[i] for i in stage.layers]

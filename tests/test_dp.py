@@ -126,9 +126,21 @@ def cases(draw):
         draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
     )
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
-    levels = tuple(Level(f"l{k}", c, draw(st.sampled_from([1e6, 3e6, 1e7]))) for k, c in enumerate(counts))
+    levels = tuple(
+        Level(
+            f"l{k}",
+            c,
+            draw(st.sampled_from([1e6, 3e6, 1e7])),
+            draw(st.sampled_from([0.0, 0.0, 0.5])),  # latency, ms
+            draw(st.sampled_from([0.0, 0.05, 0.3])),  # message overhead, ms
+        )
+        for k, c in enumerate(counts)
+    )
     memory = draw(st.sampled_from([10**9, 40_000, 25_000, 15_000]))
-    topology = Topology("t", DeviceSpec("d", memory), levels)
+    # on CPUs (gloo) two replicas sum by one swap, elsewhere by a ring: the DP, its bounds and
+    # the brute force price both alike (costs.level_sum_ms)
+    kind = draw(st.sampled_from(["gpu", "cpu"]))
+    topology = Topology("t", DeviceSpec("d", memory, kind), levels)
     fewer = draw(st.booleans())
     options = PartitionOptions(
         schedule=draw(st.sampled_from(["1f1b-rr", "gpipe"])),

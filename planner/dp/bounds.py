@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeplan.errors import InfeasibleError, InputError
-from pipeplan.planner.costs import LayerArrays, ring_allreduce_ms, transfer_ms
+from pipeplan.planner.costs import LayerArrays, level_sum_ms, on_gloo, transfer_ms
 from pipeplan.planner.dp.context import (
     DEFAULT_PLANNER_MEMORY,
     INF,
@@ -57,18 +57,25 @@ def _top_stage_bound(
     grads = arrays.sync_range(starts, ends)
     low = np.full(len(starts), INF)
     for m in range(1, lv.count + 1):
-        low = np.minimum(low, _relaxed_stage_ms(compute, grads, m, per_unit, lv, floor))
+        low = np.minimum(low, _relaxed_stage_ms(compute, grads, m, per_unit, lv, on_gloo(topology), floor))
     return low
 
 
 def _relaxed_stage_ms(
-    compute: np.ndarray, grads: np.ndarray, units: int, per_unit: int, level: Level, floor: float = 1.0
+    compute: np.ndarray,
+    grads: np.ndarray,
+    units: int,
+    per_unit: int,
+    level: Level,
+    on_gloo: bool,
+    floor: float = 1.0,
 ) -> np.ndarray:
     """Lower bound (ms) of ranges of ``compute`` ms and ``grads`` gradient bytes
     (``LayerArrays.sync_range``) as one stage on ``units`` units of ``level`` (``per_unit``
-    devices each): max(compute over the devices, the ring all-reduce among the units, times
-    ``floor`` where sharded replicas may send less: ``context.level_sync_floor``)."""
-    allreduce = ring_allreduce_ms(grads, units, level.bandwidth_bytes_per_s, level.latency_ms) * floor
+    devices each): max(compute over the devices, the units' gradient sum as the DP prices it
+    (``costs.level_sum_ms``), times ``floor`` where sharded replicas may send less:
+    ``context.level_sync_floor``)."""
+    allreduce = level_sum_ms(grads, units, level, on_gloo) * floor
     return np.maximum(compute / (units * per_unit), allreduce)
 
 
@@ -133,10 +140,10 @@ def _relaxed_top_ms(arrays: LayerArrays, topology: Topology, settings: DPSetting
     for m in range(1, lv.count + 1):
         best = np.full(n + 1, INF)
         if m == 1 or not settings.straight:
-            whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv, floor)
+            whole = _relaxed_stage_ms(compute, grads, m, per_unit, lv, on_gloo(topology), floor)
             best[:n] = np.where(ok, whole, INF)[n - np.arange(n), np.arange(n)]
         for first_units in split_choices(settings, m):
-            stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv, floor)
+            stage = _relaxed_stage_ms(compute, grads, first_units, per_unit, lv, on_gloo(topology), floor)
             rest = sliding_window_view(suffix[m - first_units], n + 1)[: n + 1]  # [t, i]: suffix from i + t
             split = np.maximum(np.where(ok, stage, INF), np.maximum(cut, rest))
             np.minimum(best, split.min(axis=0), out=best)
@@ -171,7 +178,7 @@ def data_parallel_bound_ms(arrays: LayerArrays, topology: Topology, settings: DP
     )
     grads = params * arrays.precision.gradient_ratio
     for level in topology.levels:
-        allreduce = ring_allreduce_ms(grads, level.count, level.bandwidth_bytes_per_s, level.latency_ms)
+        allreduce = level_sum_ms(grads, level.count, level, on_gloo(topology))
         value = max(value / level.count, float(allreduce[0]))
     return value
 

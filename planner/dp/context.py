@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeplan.planner.costs import LayerArrays, level_sum_ms
+from pipeplan.planner.costs import LayerArrays, level_sum_ms, on_gloo
 from pipeplan.planner.memory import backward_temporary_bytes, parameter_copies
 from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
 from pipeplan.planner.sharding import replica_microbatches, sync_floor_factor, sync_floor_ms
@@ -216,9 +216,7 @@ class DPContext:
                     replica_microbatches(self.settings.schedule, self.settings.microbatches, units),
                 )
             else:
-                self.allreduce[key] = level_sum_ms(
-                    self.grads[:columns], units, lv, self.topology.device.kind == "cpu"
-                )
+                self.allreduce[key] = level_sum_ms(self.grads[:columns], units, lv, on_gloo(self.topology))
         return self.allreduce[key]
 
 
@@ -280,7 +278,7 @@ def _top_first_lengths(ctx: DPContext, limit: float) -> list[int]:
             ends = starts + lengths
             compute = arrays.compute_range(starts, ends)
             grads = arrays.sync_range(starts, ends)
-            allreduce = level_sum_ms(grads, f, lv, ctx.topology.device.kind == "cpu") * floor
+            allreduce = level_sum_ms(grads, f, lv, on_gloo(ctx.topology)) * floor
             return (
                 np.maximum(compute / (f * per_unit), allreduce) <= limit * (1.0 + PRUNE_SLACK) + PRUNE_SLACK
             )

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from pipeplan.planner.costs import ring_allreduce_ms, transfer_ms
+from pipeplan.planner.costs import level_sum_ms, on_gloo, transfer_ms
 from pipeplan.planner.dp.context import (
     INF,
     PRUNE_SLACK,
@@ -420,7 +420,7 @@ class _TopHeads:
         np.divide(unit[None], units, out=heads[1:])
         np.maximum(
             heads[1:],
-            ring_allreduce_ms(grads[None], units, lv.bandwidth_bytes_per_s, lv.latency_ms),
+            level_sum_ms(grads[None], units, lv, on_gloo(ctx.topology)),
             out=heads[1:],
         )
         np.maximum(heads[1:], self.cut[:width][None], out=heads[1:])
