@@ -407,52 +407,54 @@ def test_time_backward_reads_from_the_first_node_to_the_engines_end() -> None:
     assert log == ["start", "nothing", "stop"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1")
-def test_time_backward_leaves_out_each_backward_calls_set_up_on_cuda() -> None:
-    """16 small layers, each backward its own autograd call (as the profiler times them):
-    read with ``time_backward`` they sum to about one backward call through the chain
-    (what a stage runs); read around each call they carry its set-up on top."""
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="needs a CUDA device and PIPEPLAN_TEST_CUDA=1"
+                ),
+            ],
+        ),
+    ],
+)
+def test_time_backward_reads_inside_each_backward_call(device: str) -> None:
+    """16 small layers, each backward its own autograd call (as the profiler times them),
+    each call read twice at once: by ``time_backward`` and by a second timer around the call.
+    The inner reading lies inside the outer one, and the call's set-up and return that it
+    leaves out are at least 5 microseconds per call. (Totals of separate passes, one call
+    per layer against one call through the chain, were compared here before; on an H200 they
+    moved by 1.5x between runs of the same code, so a bound on them could not hold.)"""
     import statistics
 
-    from pipeplan.profiler.timing import CudaTimer, read, time_backward
+    from pipeplan.profiler.timing import make_timer, read, time_backward
 
-    layers = [torch.nn.Linear(64, 64, device="cuda") for _ in range(16)]
-    x0 = torch.randn(8, 64, device="cuda")
-    timer = CudaTimer("cuda")
-
-    def per_layer(inside: bool) -> float:
-        ins, outs, x = [], [], x0
+    layers = [torch.nn.Linear(64, 64, device=device) for _ in range(16)]
+    inner, outer = make_timer(device), make_timer(device)
+    left_out: list[float] = []
+    for _ in range(5):
+        ins, outs, x = [], [], torch.randn(8, 64, device=device)
         for layer in layers:
             ins.append(x.detach().requires_grad_())
             outs.append(torch.tanh(layer(ins[-1])))
             x = outs[-1]
-        grad, readings = torch.ones_like(x), []
+        grad = torch.ones_like(x)
         for y, x_in in zip(reversed(outs), reversed(ins)):
-            call = functools.partial(torch.autograd.backward, [y], [grad])
-            if inside:
-                readings.append(time_backward(timer, [y], call))
-            else:
-                timer.start()
-                call()
-                readings.append(timer.stop())
+            if device == "cuda":
+                torch.cuda.synchronize()  # an idle device: its events mark the host's progress
+            outer.start()
+            inside = time_backward(inner, [y], functools.partial(torch.autograd.backward, [y], [grad]))
+            around = outer.stop()
+            inside_ms, around_ms = read(inside), read(around)
+            assert 0 < inside_ms < around_ms, (inside_ms, around_ms)
+            left_out.append(around_ms - inside_ms)
             grad = x_in.grad
-        return sum(read(r) for r in readings)
-
-    def one_call() -> float:
-        x = x0
-        for layer in layers:
-            x = torch.tanh(layer(x))
-        timer.start()
-        x.backward(torch.ones_like(x))
-        return read(timer.stop())
-
-    def median(fn, *args) -> float:
-        return statistics.median([fn(*args) for _ in range(60)][10:])
-
-    chain, inside, around = median(one_call), median(per_layer, True), median(per_layer, False)
-    assert inside <= chain * 1.3 + 0.02, (inside, chain)
-    assert around - inside >= 16 * 0.005, (around, inside)  # at least 5 us of set-up per call
+    # ms: 5 us a call (here: about 20 us read inside, 1.5 us when the whole call is read)
+    assert statistics.median(left_out) >= 0.005, statistics.median(left_out)
 
 
 def test_optimizer_steps_are_timed_for_every_optimizer() -> None:
