@@ -516,10 +516,22 @@ def level_sum_ms(grad_bytes: Elementwise, units: Elementwise, level: Level, on_g
     >>> level_sum_ms(np.array([0.0, 1e6]), np.array([[1], [2]]), level, on_gloo=True).tolist()
     [[0.0, 0.0], [0.0, 1.75]]
     """
+    return replica_sum_ms(grad_bytes, units, level.bandwidth_bytes_per_s, level.message_ms, on_gloo)
+
+
+def replica_sum_ms(
+    grad_bytes: Elementwise,
+    units: Elementwise,
+    bandwidth_bytes_per_s: float,
+    message_ms: float,
+    on_gloo: bool,
+) -> Elementwise:
+    """``level_sum_ms`` on a link of ``bandwidth_bytes_per_s`` whose message costs
+    ``message_ms`` (``Level.message_ms``): the rule every pricing of a replicas' sum shares,
+    the sharded stages' ``none`` mode too (``planner.sharding.shard_sync_ms``)."""
     m = np.asarray(units, dtype=np.float64)
-    bandwidth = level.bandwidth_bytes_per_s
-    swap = grad_bytes * 1e3 / bandwidth + level.message_ms
-    ring = ring_allreduce_ms(grad_bytes, m, bandwidth, level.message_ms)
+    swap = grad_bytes * 1e3 / bandwidth_bytes_per_s + message_ms
+    ring = ring_allreduce_ms(grad_bytes, m, bandwidth_bytes_per_s, message_ms)
     cost = np.where((m == 2) & on_gloo, swap, ring)
     cost = np.where((np.asarray(grad_bytes) > 0) & (m >= 2), cost, 0.0)
     return cost if cost.ndim else float(cost)

@@ -165,6 +165,7 @@ def stage_shard(
                 lv.message_ms,
                 precision,
                 replica_microbatches(schedule, microbatches, d),
+                on_gloo(topology),
             )
         )
         if mode == "none":

@@ -48,7 +48,7 @@ import numpy as np
 
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan
-from pipeplan.planner.costs import Elementwise, ring_allreduce_ms
+from pipeplan.planner.costs import Elementwise, on_gloo, replica_sum_ms, ring_allreduce_ms
 from pipeplan.planner.memory import live_weight_copies, optimizer_states, stage_memory_bytes
 from pipeplan.planner.offload import FSDP_MODES, base_mode, offload_freed_copies, variant
 from pipeplan.precision import Precision
@@ -198,9 +198,12 @@ def shard_sync_ms(
     latency_ms: float,
     precision: Precision,
     microbatches: int,
+    on_gloo: bool = False,
 ) -> Elementwise:
     """Collectives (ms per minibatch) of one replica of d under ``mode`` (module docstring);
-    ``param_bytes`` in the compute dtype, ``microbatches`` each replica runs.
+    ``param_bytes`` in the compute dtype, ``microbatches`` each replica runs. ``none`` sums
+    the gradients as every unsharded stage does (``costs.replica_sum_ms``: two replicas
+    ``on_gloo`` swap theirs in one message, where a ring takes two).
 
     >>> [round(float(shard_sync_ms(m, 1e6, 2, 1e9, 0.0, Precision("bfloat16", "float32"), 1)), 6) for m in SHARD_MODES]
     [2.0, 3.0, 1.5, 2.0]
@@ -212,7 +215,7 @@ def shard_sync_ms(
     share = (d - 1.0) / d / bandwidth_bytes_per_s * 1e3
     hops = (d - 1.0) * latency_ms
     if mode == "none":  # the same operations as the unsharded cost model's
-        return ring_allreduce_ms(grads, d, bandwidth_bytes_per_s, latency_ms)
+        return replica_sum_ms(grads, d, bandwidth_bytes_per_s, latency_ms, on_gloo)
     if mode == "zero1":
         return 3.0 * grads * share + 3.0 * hops
     gathers = 1.0 if mode == "zero2" else 2.0
@@ -229,13 +232,18 @@ def sync_floor_ms(
     latency_ms: float,
     precision: Precision,
     microbatches: int,
+    on_gloo: bool = False,
 ) -> Elementwise:
     """The least ``shard_sync_ms`` over ``modes``: a lower bound of a replicated stage's sync."""
-    out = shard_sync_ms(modes[0], param_bytes, d, bandwidth_bytes_per_s, latency_ms, precision, microbatches)
+    out = shard_sync_ms(
+        modes[0], param_bytes, d, bandwidth_bytes_per_s, latency_ms, precision, microbatches, on_gloo
+    )
     for mode in modes[1:]:
         out = np.minimum(
             out,
-            shard_sync_ms(mode, param_bytes, d, bandwidth_bytes_per_s, latency_ms, precision, microbatches),
+            shard_sync_ms(
+                mode, param_bytes, d, bandwidth_bytes_per_s, latency_ms, precision, microbatches, on_gloo
+            ),
         )
     return out
 
@@ -270,7 +278,14 @@ def stage_sync_ms(plan: Plan, q: int, param_bytes: float) -> float:
     micro = replica_microbatches(plan.schedule, max(plan.microbatches, 1), stage.replicas)
     sync = float(
         shard_sync_ms(
-            stage.shard, param_bytes, d, level.bandwidth_bytes_per_s, level.message_ms, plan.precision, micro
+            stage.shard,
+            param_bytes,
+            d,
+            level.bandwidth_bytes_per_s,
+            level.message_ms,
+            plan.precision,
+            micro,
+            on_gloo(plan.topology),
         )
     )
     if stage.replicas > d:

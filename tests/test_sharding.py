@@ -1,6 +1,7 @@
 """Sharded data parallelism of a stage's replicas in the planner (``planner.sharding``)."""
 
 import math
+import signal
 from dataclasses import replace
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.planner.costs import level_sum_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.partition import PartitionOptions, partition
 from pipeplan.planner.sharding import shard_memory_bytes, shard_modes, shard_sync_ms
@@ -54,6 +56,37 @@ def test_collectives_priced_on_the_replica_links():
     # per micro-batch: reduce-scatter of gradients + one (zero2) or two (fsdp) all-gathers
     assert shard_sync_ms("zero2", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(3 * 0.5 * (2e6 + 1e6) / 1e6)
     assert shard_sync_ms("fsdp", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(3 * 0.5 * (2e6 + 2e6) / 1e6)
+
+
+def test_an_unsharded_pair_on_gloo_sums_by_one_swap_as_every_stage_does():
+    """Two replicas on gloo swap their gradients in one message (``costs.level_sum_ms``); the
+    ``none`` mode of a stage the DP may shard priced a ring of two messages. With the DP's
+    bounds on the swap, a pass at the lower bound found no plan and the limit never grew:
+    ``partition`` looped forever on this one-layer model (found by tests/test_dp.py's brute
+    force, one hypothesis run in about seven)."""
+    level = Level("l0", 2, 1e6, latency_ms=0.5)
+    swap, ring = 1.0 + 0.5, 2 * 0.5 * 1e3 / 1e6 * 1e3 + 2 * 0.5  # 1 kB of gradients: ms
+    assert shard_sync_ms("none", 1e3, 2, 1e6, 0.5, Precision(), 1, on_gloo=True) == pytest.approx(swap)
+    assert level_sum_ms(1e3, 2, level, on_gloo=True) == pytest.approx(swap)
+    assert shard_sync_ms("none", 1e3, 2, 1e6, 0.5, Precision(), 1) == pytest.approx(ring)
+
+    layer = LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 1, 0)
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
+    topology = Topology("t", DeviceSpec("d", 10**9, "cpu"), (level, Level("l1", 1, 1e6)))
+
+    def stop(*_):
+        raise TimeoutError("partition did not return in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    try:
+        plan = partition(profile, topology, PartitionOptions(schedule="1f1b-rr"))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    # one stage on both devices: half the 2 ms of compute each, above the 0.5 ms swap
+    assert [stage.replicas for stage in plan.stages] == [2]
+    assert plan.predicted.stage_bound_ms == pytest.approx(1.0)
 
 
 def test_schedules_refuse_what_they_cannot_combine_with():

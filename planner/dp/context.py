@@ -214,6 +214,7 @@ class DPContext:
                     lv.message_ms,
                     self.arrays.precision,
                     replica_microbatches(self.settings.schedule, self.settings.microbatches, units),
+                    on_gloo(self.topology),
                 )
             else:
                 self.allreduce[key] = level_sum_ms(self.grads[:columns], units, lv, on_gloo(self.topology))

@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from pipeplan.planner.costs import LayerArrays
+from pipeplan.planner.costs import LayerArrays, on_gloo
 from pipeplan.planner.dp.context import (
     INF,
     DPContext,
@@ -101,7 +101,14 @@ def sharded_stage_values(ctx: DPContext, tau: int, units: int, where: tuple) -> 
     best = np.full(np.shape(compute), INF)
     for mode in settings.shard:
         sync = shard_sync_ms(
-            mode, params, units, lv.bandwidth_bytes_per_s, lv.message_ms, settings.precision, micro
+            mode,
+            params,
+            units,
+            lv.bandwidth_bytes_per_s,
+            lv.message_ms,
+            settings.precision,
+            micro,
+            on_gloo(ctx.topology),
         )
         parameters = _shard_parameter_bytes(settings, mode, params, tau, units, temporary, largest)
         if base_mode(mode) in FSDP_MODES and not settings.fsdp_recomputes:
