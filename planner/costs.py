@@ -249,6 +249,12 @@ class LayerArrays:
             return 0.0
         return stage_deferred_bytes(i == 0, [self.deferred_bytes[j] - self.deferred_bytes[i]])
 
+    def deferred_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """``deferred`` of every stage [starts, ends) (numpy indices, elementwise)."""
+        if self.deferred_bytes is None:
+            return np.zeros(np.broadcast_shapes(np.shape(starts), np.shape(ends)))
+        return np.where(starts == 0, 0.0, self.deferred_bytes[ends] - self.deferred_bytes[starts])
+
     def boundary(self, i: int, j: int, packed_copy: bool) -> float:
         """What the stage from state i to j holds beyond its saved bytes, one minibatch: the
         values it received and sent (``stage_boundary_bytes``; 0 where not recorded)."""

@@ -203,6 +203,7 @@ def _solve_pipeplan(
         options.use_fewer_devices,
         options.memory_check,
         flush_in_flight(options, arrays.layers, topology.world_size),
+        deferred_in_flight(options, arrays.layers, topology.world_size),
         arrays.precision,
         microbatches=options.microbatches,
         recompute=options.recompute,
@@ -318,6 +319,15 @@ def flush_in_flight(options: PartitionOptions, states: int, world_size: int) -> 
         return 1.0
     depth = min(states, world_size, options.max_stages or world_size)
     return kind.in_flight((1,) * depth, 0, options.microbatches)
+
+
+def deferred_in_flight(options: PartitionOptions, states: int, world_size: int) -> float:
+    """Minibatches of units between their "I" and "W" the DP charges a stage of a
+    split-backward schedule: ``flush_in_flight``, since a unit past its "I" is still held
+    (so at most as many as the held units, which that bounds); 0 without a split backward."""
+    if not schedule_kind(options.schedule).split_backward:
+        return 0.0
+    return flush_in_flight(options, states, world_size)
 
 
 _SOLVERS = {"pipeplan": _solve_pipeplan, "pipedream": _solve_pipedream}  # by cost model

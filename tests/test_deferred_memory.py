@@ -9,14 +9,16 @@ import torch
 from test_simulate import make_profile, make_topology
 
 from pipeplan.planner.costs import layer_arrays, stage_deferred_bytes
+from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.memory import plan_stage_memory
 from pipeplan.planner.options import PartitionOptions
 from pipeplan.planner.partition import partition
 from pipeplan.planner.simulate import simulate_plan
-from pipeplan.profile import Profile
+from pipeplan.profile import DeviceInfo, LayerProfile, Profile
 from pipeplan.profiler.memory import deferred_weight_bytes
 from pipeplan.schedules import names_where, schedule_kind
 from pipeplan.split_backward import backward_input
+from pipeplan.topology import DeviceSpec, Level, Topology
 
 
 def _two_linears(needs_grad: bool) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -92,3 +94,25 @@ def test_planner_and_simulator_charge_zb_h1_alike() -> None:
     assert extra == [0, 2 * 2000 * 2 / 4]  # the last stage: 2 micro-batches of 4 past "I", 2 layers
     simulated = simulate_plan(plan, profile)
     assert [s.memory_bytes for s in simulated.stages] == [s.memory_bytes for s in plan.stages]
+
+
+def test_the_dp_fits_a_stage_with_what_its_input_pass_keeps() -> None:
+    """Four layers whose "I" each keeps 1,000 bytes for its "W", on two devices of 1,500
+    bytes under ZB-H1 (M = 2: the second stage holds its units' deferred bytes once, the
+    first none). The even split's second stage needs 2,000 bytes: the DP, which did not
+    charge them, chose it, and the plan's assembly refused it ("no plan fits"). Now the DP
+    finds the split that fits, the brute force's optimum."""
+    layers = tuple(
+        replace(
+            LayerProfile(i, f"l{i}", "x", (i - 1,) if i else (), 0.5, 0.5, 0, 0, 0),
+            deferred_weight_bytes=1000,
+        )
+        for i in range(4)
+    )
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", layers)
+    topology = Topology("t", DeviceSpec("d", 1500, "gpu"), (Level("l0", 2, 1e9),))
+    options = PartitionOptions(schedule="zb-h1", microbatches=2, straight=True)
+    plan = partition(profile, topology, options)
+    assert [stage.layers for stage in plan.stages] == [(0, 1, 2), (3,)]
+    assert [stage.memory_bytes for stage in plan.stages] == [0, 1000]
+    assert plan.predicted.stage_bound_ms == exhaustive_best(profile, topology, options)[0] == 3.0

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError
-from pipeplan.planner.costs import layer_arrays, ring_allreduce_ms
+from pipeplan.planner.costs import ValueGraph, layer_arrays, ring_allreduce_ms, stage_boundary_bytes
 from pipeplan.planner.dp import DPSettings, reconstruct, solve, tables
 from pipeplan.planner.dp.bounds import band_bound, data_parallel_bound_ms, lower_bound_ms
 from pipeplan.planner.exhaustive import exhaustive_best
@@ -125,6 +125,8 @@ def cases(draw):
     profile = _precision(
         draw(st.booleans()), Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", tuple(layers))
     )
+    if draw(st.booleans()):  # who saved each output: the stages' boundaries are charged
+        profile = _with_boundaries(draw, profile)
     counts = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
     levels = tuple(
         Level(
@@ -155,6 +157,22 @@ def cases(draw):
     return profile, topology, options
 
 
+def _with_boundaries(draw, profile: Profile) -> Profile:
+    """``profile`` recording who saved each layer's output (some of its readers, the first
+    counting its bytes) and its tensors, so that a stage holds what it receives and sends
+    (``costs.stage_boundary_bytes``) in the DP's fit test and the brute force's alike."""
+    readers = [[q.index for q in profile.layers if p.index in q.inputs] for p in profile.layers]
+    layers = tuple(
+        replace(
+            layer,
+            output_saved_by=tuple(draw(st.lists(st.sampled_from(rs), unique=True))) if rs else (),
+            output_tensors=draw(st.integers(1, 2)),
+        )
+        for layer, rs in zip(profile.layers, readers)
+    )
+    return replace(profile, layers=layers)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_dp_equals_exhaustive(case):
@@ -168,13 +186,15 @@ def test_dp_equals_exhaustive(case):
     assert plan.predicted.simulated
     assert max(s.time_per_minibatch_ms for s in plan.stages) <= period * (1 + 1e-9)
     replicas = [s.replicas for s in plan.stages]
+    graph = ValueGraph.of(profile)
     for q, stage in enumerate(plan.stages):  # never a memory-infeasible plan
+        boundary = stage_boundary_bytes(graph, stage.layers, packed_copy=topology.device.kind == "cpu")
         memory, _, _ = plan_stage_memory(
             options.schedule,
             replicas,
             q,
             sum(l.param_bytes for l in profile.layers[stage.layer_start : stage.layer_end]),
-            sum(l.saved_bytes for l in profile.layers[stage.layer_start : stage.layer_end]),
+            sum(l.saved_bytes for l in profile.layers[stage.layer_start : stage.layer_end]) + boundary,
             options.optimizer,
             precision=plan.precision,
             largest_param_bytes=max(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeplan.planner.boundary import boundary_range
 from pipeplan.planner.costs import LayerArrays, level_sum_ms, on_gloo
 from pipeplan.planner.memory import backward_temporary_bytes, parameter_copies
 from pipeplan.planner.recompute import least_activation_bytes, range_extra_ms
@@ -61,6 +62,9 @@ class DPSettings:
     # on the stages (``planner.partition.flush_in_flight``): thousands of micro-batches are
     # then not all charged
     flush_in_flight: float = 1.0
+    # minibatches of a split-backward schedule's units between their "I" and "W" charged to a
+    # stage (``ScheduleKind.deferred_by_chunk``; a bound, as ``flush_in_flight``); 0 without one
+    deferred_in_flight: float = 0.0
     precision: Precision = Precision()  # the profile's (bf16: float32 masters charged; planner.memory)
     # micro-batches per minibatch: more than one charges each stage's gradient temporary
     # (planner.memory.gradient_temporary_bytes)
@@ -161,7 +165,15 @@ class DPContext:
         self.compute = arrays.compute_range(s_idx, e_idx)
         self.params = arrays.param_bytes[e_idx] - arrays.param_bytes[s_idx]
         self.grads = self.params * arrays.precision.gradient_ratio  # all-reduced (LayerArrays.sync_bytes)
-        self.saved = arrays.saved_bytes[e_idx] - arrays.saved_bytes[s_idx]
+        # what the stage keeps beside its layers' saved bytes: the values it received and sent
+        # (held as long as the saved bytes, so charged with them) and, under a split backward,
+        # what its "I" keeps for its "W" (a stage from state 0 keeps none): as ``shard_choice``
+        self.saved = (
+            arrays.saved_bytes[e_idx]
+            - arrays.saved_bytes[s_idx]
+            + boundary_range(arrays, s_idx, e_idx, packed_copy=on_gloo(topology))
+        )
+        self.deferred = arrays.deferred_range(s_idx, e_idx) * settings.deferred_in_flight
         self.largest = arrays.largest_range(s_idx, e_idx)
         self.working = arrays.working_range(s_idx, e_idx)  # backward working bytes (planner.memory)
         self.starts, self.ends = (np.broadcast_to(x, self.compute.shape) for x in (s_idx, e_idx))
@@ -365,14 +377,22 @@ def versions_in_flight(settings: DPSettings, tau: int) -> tuple[int, float]:
 
 
 def _parameter_bytes(
-    settings: DPSettings, params: np.ndarray, tau: int, largest: np.ndarray, working: np.ndarray | float
+    settings: DPSettings,
+    params: np.ndarray,
+    tau: int,
+    largest: np.ndarray,
+    working: np.ndarray | float,
+    deferred: np.ndarray | float = 0.0,
 ) -> np.ndarray:
     """Bytes of everything but the saved activations: weight versions, gradients, optimizer
-    states (and masters), the gradient temporary and the backward working memory."""
+    states (and masters), the gradient temporary, the backward working memory and what a
+    split backward's "I" keeps for its "W" (``deferred``, already times its units)."""
     versions, _ = versions_in_flight(settings, tau)
-    return params * parameter_copies(
-        versions, settings.optimizer, settings.precision
-    ) + backward_temporary_bytes(largest, working, settings.microbatches, settings.precision)
+    return (
+        params * parameter_copies(versions, settings.optimizer, settings.precision)
+        + backward_temporary_bytes(largest, working, settings.microbatches, settings.precision)
+        + deferred
+    )
 
 
 def device_need_bytes(
@@ -430,7 +450,7 @@ def device_time(ctx: DPContext, tau: int, where: tuple) -> np.ndarray:
     it (``planner.recompute``); inf where the range is no stage or does not fit in memory."""
     time = np.where(ctx.valid[where], ctx.compute[where], INF)
     parameters = _parameter_bytes(
-        ctx.settings, ctx.params[where], tau, ctx.largest[where], ctx.working[where]
+        ctx.settings, ctx.params[where], tau, ctx.largest[where], ctx.working[where], ctx.deferred[where]
     )
     return time + recompute_extra_ms(ctx, tau, where, parameters)
 

@@ -92,8 +92,11 @@ def sharded_stage_values(ctx: DPContext, tau: int, units: int, where: tuple) -> 
     lv = ctx.levels[0]
     valid = ctx.valid[where]
     compute, params = ctx.compute[where], ctx.params[where]
-    temporary = backward_temporary_bytes(
-        ctx.largest[where], ctx.working[where], settings.microbatches, settings.precision
+    temporary = (
+        backward_temporary_bytes(
+            ctx.largest[where], ctx.working[where], settings.microbatches, settings.precision
+        )
+        + ctx.deferred[where]
     )
     micro = replica_microbatches(settings.schedule, settings.microbatches, units)
     fsdp = any(base_mode(mode) == "fsdp" for mode in settings.shard)
