@@ -27,7 +27,7 @@ import contextlib
 import functools
 import gc
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pipeplan.errors import InputError, one_line
@@ -110,6 +110,11 @@ def measure_layerwise(
     values: dict[str, Any] = {f"input:{k}": value for k, value in enumerate(inputs)}
     timed: dict[tuple[Any, ...], _Timed] = {}
     counted: set[str] = set()  # values (by name) some earlier layer saved
+    # LayerProfile.output_saved_by and output_tensors, as the eager pass records them
+    # (``measure.run_pass``): the storage of each live value -> the layer that made it first
+    owner: dict[int, int] = {}
+    saved_by: list[set[int]] = [set() for _ in stages]
+    output_tensors: list[int] = []
     layers: list[LayerProfile] = []
     loss = robust_stats([0.0])
     loss_memory = (-1, -1)  # (saved, working) bytes of the loss
@@ -140,6 +145,12 @@ def measure_layerwise(
                 for name, value in (*zip(stage.input_names, args), *zip(stage.output_names, outputs)):
                     if any(storage_key(t) in counter.storages for t in _tensors([value])):
                         counted.add(name)
+                output_tensors.append(len(_tensors(list(outputs))))
+                for tensor in _tensors(list(outputs)):
+                    owner.setdefault(storage_key(tensor), position)
+                parameters = {storage_key(p) for p in stage.module.parameters()}
+                for key in (counter.seen - parameters) & owner.keys():
+                    saved_by[owner[key]].add(position)
                 saved = counter.saved_bytes
                 produced = output_bytes(outputs)
                 wanted = {name for name in stage.output_names if remaining.get(name, 0) > 0}
@@ -180,7 +191,7 @@ def measure_layerwise(
                 for name in stage.input_names:
                     remaining[name] -= 1
                     if remaining[name] == 0 and not name.startswith("input:"):
-                        values.pop(name, None)
+                        _forget(owner, values.pop(name, None), values)
             release(model, held)
             stages[position] = None  # its module keeps only released tensors, no storage
             del held, stage
@@ -188,7 +199,20 @@ def measure_layerwise(
             return_freed_blocks()  # and glibc keeps freed blocks unless told: the next layer starts clean
             if progress is not None:
                 progress(position + 1, len(graph.layers), f"layer {position + 1}/{len(graph.layers)}")
+    layers = [
+        replace(layer, output_saved_by=tuple(sorted(savers)), output_tensors=tensors)
+        for layer, savers, tensors in zip(layers, saved_by, output_tensors)
+    ]
     return LayerwiseResult(layers, loss, len({t.index for t in timed.values()}), *loss_memory)
+
+
+def _forget(owner: dict[int, int], freed: object, live: dict[str, Any]) -> None:
+    """Drop the storages of a value no layer reads any more from ``owner``, unless a live
+    value shares them: a freed storage's address can come back as a later layer's output."""
+    keys = {storage_key(t) for t in _tensors([freed])}
+    keys -= {storage_key(t) for t in _tensors(list(live.values()))}
+    for key in keys:
+        owner.pop(key, None)
 
 
 def _loss_grads(

@@ -111,6 +111,7 @@ class SavedTensorCounter:
         self._excluded = {storage_key(tensor) for tensor in exclude}
         self.storages: dict[int, int] = {}  # storage key -> bytes
         self.packed: set[int] = set()  # every storage packed since ``take_packed``, counted or not
+        self.seen: set[int] = set()  # every storage packed, the excluded ones too
         self._alive: list[torch.Tensor] = []
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -119,6 +120,7 @@ class SavedTensorCounter:
         a cycle in C++ the collector cannot free."""
         key = storage_key(tensor)
         alias = tensor.detach()
+        self.seen.add(key)
         if key not in self._excluded:
             self.packed.add(key)
             if key not in self.storages:

@@ -110,12 +110,16 @@ def test_layer_by_layer_profile_counts_the_bytes_of_the_whole_model() -> None:
             mine.output_bytes,
             mine.parameters,
             mine.backward_working_bytes,
+            mine.output_saved_by,
+            mine.output_tensors,
         ) == (
             theirs.param_bytes,
             theirs.largest_param_bytes,
             theirs.output_bytes,
             theirs.parameters,
             theirs.backward_working_bytes,
+            theirs.output_saved_by,
+            theirs.output_tensors,
         ), mine.name
     assert meta.modules == eager.modules and meta.modules
     assert sum(l.saved_bytes for l in meta.layers) == sum(l.saved_bytes for l in eager.layers)
@@ -404,6 +408,10 @@ def test_a_profile_on_meta_captures_the_eager_profiles_layers(
     # state a seq2seq model's head passes through, which the loss leaves alone), the same inputs'
     assert [layer.backward_working_bytes for layer in profiles["meta"].layers] == [
         layer.backward_working_bytes for layer in profiles["eager"].layers
+    ]
+    # who saved each output and its tensors: a stage's boundaries are charged alike
+    assert [(layer.output_saved_by, layer.output_tensors) for layer in profiles["meta"].layers] == [
+        (layer.output_saved_by, layer.output_tensors) for layer in profiles["eager"].layers
     ]
     assert profiles["meta"].step_ms > 0  # small: the whole step too, every parameter materialised at once
 
