@@ -297,3 +297,34 @@ def test_old_plans_load_unsharded_and_bad_shards_are_one_line(tmp_path):
         InputError, match="plan stage 0: shard_degree 3 must be an integer >= 1 dividing its 2 replicas"
     ):
         Plan.load(tmp_path / "bad.json")
+
+
+def test_a_pass_whose_limit_cannot_grow_ends_without_pruning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DP's passes end even where a bound disagrees with the tables it prunes: with the
+    sharded none mode priced as a ring again (the fault above), the limit stays at the lower
+    bound, and the next pass runs without pruning and finds the plan the tables hold. On
+    the solver before, this looped forever."""
+    from pipeplan.planner.dp import sharded
+
+    def ring(mode, params, units, bandwidth, latency, precision, micro, on_gloo=False):
+        return shard_sync_ms(mode, params, units, bandwidth, latency, precision, micro)
+
+    monkeypatch.setattr(sharded, "shard_sync_ms", ring)
+    level = Level("l0", 2, 1e6, latency_ms=0.5)
+    layer = LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 1, 0)
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
+    topology = Topology("t", DeviceSpec("d", 10**9, "cpu"), (level, Level("l1", 1, 1e6)))
+
+    def stop(*_):
+        raise TimeoutError("partition did not return in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    try:
+        plan = partition(profile, topology, PartitionOptions(schedule="1f1b-rr"))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    # the tables' own figure: both devices, at the ring's 1.001 ms (the bound said 1.0)
+    assert [stage.replicas for stage in plan.stages] == [2]
+    assert plan.predicted.stage_bound_ms == pytest.approx(1.001)

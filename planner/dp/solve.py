@@ -59,7 +59,11 @@ def _exact_pass(
             return _none(arrays, topology, settings)  # every plan within the cap is in the tables
         attempt += 1
         upper_ms = min(upper_ms, solution.time_ms)
-        limit = min(upper_ms if math.isfinite(upper_ms) else next_limit(limit, attempt), cap_ms)
+        grown = min(upper_ms if math.isfinite(upper_ms) else next_limit(limit, attempt), cap_ms)
+        # a limit that does not grow would prove nothing again: a bound that disagrees with the
+        # tables it prunes (found once: dp.sharded priced a gloo pair's sum as a ring, its bounds
+        # as a swap, and this loop never ended); the cap, or no pruning, ends it exactly
+        limit = grown if grown > limit else cap_ms
 
 
 def _none(arrays: LayerArrays, topology: Topology, settings: DPSettings) -> DPSolution:
