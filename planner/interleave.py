@@ -142,6 +142,25 @@ def interleaved_plan(
         chunk_recompute(profile, range(cuts[segment[q]], cuts[segment[q] + 1]), micro, recompute, gains)
         for q in range(chunks)
     ]
+    activation = [
+        (
+            arrays.saved(cuts[segment[q]], cuts[segment[q] + 1])
+            if not recompute_any
+            else choices[q].activation_bytes
+        )
+        + arrays.boundary(cuts[segment[q]], cuts[segment[q] + 1], packed_copy=on_gloo(topology))
+        for q in range(chunks)
+    ]
+    deferred = [arrays.deferred(cuts[segment[q]], cuts[segment[q] + 1]) for q in range(chunks)]
+    # what a unit of each chunk of a device holds (the simulator's weights): the device's
+    # chunks are charged at its peak of bytes
+    weights = [
+        (
+            tuple(float(max(activation[k], 1)) for k in range(i, chunks, positions)),
+            tuple(float(deferred[k]) for k in range(i, chunks, positions)),
+        )
+        for i in range(positions)
+    ]
     stages = []
     for q in range(chunks):
         i, c = q % positions, q // positions
@@ -157,8 +176,7 @@ def interleaved_plan(
             stage_replicas,
             i,
             arrays.params(start, end),
-            (arrays.saved(start, end) if not recompute_any else choice.activation_bytes)
-            + arrays.boundary(start, end, packed_copy=on_gloo(topology)),
+            activation[q],
             optimizer,
             micro,
             virtual,
@@ -173,7 +191,8 @@ def interleaved_plan(
             working_bytes=max(
                 arrays.working(cuts[segment[k]], cuts[segment[k] + 1]) for k in range(i, chunks, positions)
             ),
-            deferred_bytes=arrays.deferred(start, end),
+            deferred_bytes=deferred[q],
+            chunk_weights=weights[i],
         )
         device_bytes[i] += memory
         compute = arrays.compute(start, end) + choice.extra_ms

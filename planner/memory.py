@@ -42,6 +42,7 @@ from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
+from pipeplan.schedules.kinds import ChunkWeights
 
 if TYPE_CHECKING:  # typing only
     from pipeplan.planner.costs import Elementwise
@@ -236,6 +237,7 @@ def plan_stage_memory(
     transient_bytes: float = 0.0,
     working_bytes: float = 0.0,
     deferred_bytes: float = 0.0,
+    chunk_weights: ChunkWeights | None = None,
 ) -> tuple[int, int, float]:
     """(memory bytes, weight versions, activations in flight) of one replica of ``stage``.
 
@@ -247,6 +249,9 @@ def plan_stage_memory(
     stage's largest backward working memory, one minibatch (``backward_temporary_bytes``).
     ``deferred_bytes``: what the stage's (or chunk's) input pass keeps for its weight pass, one
     minibatch (``costs.stage_deferred_bytes``), charged for its units between the two.
+    ``chunk_weights``: with ``chunk``, what every chunk of the device holds per unit (and per
+    unit past its "I"), so that each chunk is charged its units at the device's peak of bytes
+    (``ScheduleKind.in_flight_by_chunk``), not of units.
     """
     kind = schedule_kind(schedule)
     versions = kind.weight_versions(stage_replicas, stage)
@@ -254,8 +259,12 @@ def plan_stage_memory(
         in_flight = kind.activations_in_flight(stage_replicas, stage, microbatches, virtual_stages)
         deferred = sum(kind.deferred_by_chunk(stage_replicas, stage, microbatches, virtual_stages))
     else:
-        in_flight = kind.in_flight_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
-        deferred = kind.deferred_by_chunk(stage_replicas, stage, microbatches, virtual_stages)[chunk]
+        in_flight = kind.in_flight_by_chunk(
+            stage_replicas, stage, microbatches, virtual_stages, chunk_weights
+        )[chunk]
+        deferred = kind.deferred_by_chunk(stage_replicas, stage, microbatches, virtual_stages, chunk_weights)[
+            chunk
+        ]
     temporary = (
         0.0
         if chunk

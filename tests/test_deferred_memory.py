@@ -116,3 +116,20 @@ def test_the_dp_fits_a_stage_with_what_its_input_pass_keeps() -> None:
     assert [stage.layers for stage in plan.stages] == [(0, 1, 2), (3,)]
     assert [stage.memory_bytes for stage in plan.stages] == [0, 1000]
     assert plan.predicted.stage_bound_ms == exhaustive_best(profile, topology, options)[0] == 3.0
+
+
+def test_an_interleaved_device_is_charged_at_its_peak_of_bytes_as_the_simulator_does() -> None:
+    """Interleaved 1F1B, 2 devices, 2 chunks each, 4 micro-batches: the second device holds
+    at most three units, once as two of its first chunk and one of its second, later as three
+    of its first. Its first chunk saves 8x what its second does, so the later moment holds
+    more bytes; the plan took the first moment with the most units and charged the device
+    less than the simulator did (42,500 against 60,000 bytes here)."""
+    saved = [10_000, 80_000, 10_000, 10_000]  # per layer, one minibatch: chunk 1 is layer 1
+    profile = make_profile([1.0] * 4)
+    profile = replace(profile, layers=tuple(replace(l, saved_bytes=s) for l, s in zip(profile.layers, saved)))
+    options = PartitionOptions(schedule="interleaved-1f1b", microbatches=4, virtual_stages=2, straight=True)
+    plan = partition(profile, make_topology(per_server=2, servers=1), options)
+    assert [stage.layers for stage in plan.stages] == [(0,), (1,), (2,), (3,)]
+    planned = [stage.memory_bytes for stage in plan.stages]
+    assert planned == [stage.memory_bytes for stage in simulate_plan(plan, profile).stages]
+    assert planned[1] + planned[3] == 3 * 80_000 // 4  # three units of the first chunk, none of the second

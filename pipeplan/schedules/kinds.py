@@ -31,6 +31,9 @@ from pipeplan.schedules.orders import (
 )
 from pipeplan.schedules.v_orders import worker_dualpipev, worker_v_half, worker_v_min
 
+# what a unit of each chunk holds from its "F", and besides from its "I" to its "W" (bytes)
+ChunkWeights = tuple[tuple[float, ...], tuple[float, ...]]
+
 __all__ = [
     "DEFAULT_SCHEDULE",
     "DEFAULT_TARGET_SCHEDULE",
@@ -207,25 +210,42 @@ class ScheduleKind:
         return 1
 
     def in_flight_by_chunk(
-        self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
+        self,
+        stage_replicas: Sequence[int],
+        stage: int,
+        microbatches: int = 1,
+        virtual_stages: int = 1,
+        weights: ChunkWeights | None = None,
     ) -> tuple[float, ...]:
         """Minibatches' worth of saved activations of each chunk on a device of ``stage``.
 
-        Taken at the device's peak of units held (``peak_in_flight``) over one minibatch
-        of the first replica; a unit of chunk c holds 1/M of chunk c's minibatch
-        activations. O(M * v) from the action list.
+        Taken at the device's peak over one minibatch of the first replica: of units held
+        (``peak_in_flight``), or, given ``weights`` (what a unit of each chunk holds, and
+        what it holds besides from its "I" to its "W"), of the bytes they hold, as the
+        simulator takes it; a unit of chunk c holds 1/M of chunk c's minibatch activations.
+        The chunks of a V or an interleaved device differ in size, and the moment with the
+        most units need not hold the most bytes. O(M * v) from the action list.
         """
-        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)[0]
+        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages, weights)[
+            0
+        ]
 
     def deferred_by_chunk(
-        self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
+        self,
+        stage_replicas: Sequence[int],
+        stage: int,
+        microbatches: int = 1,
+        virtual_stages: int = 1,
+        weights: ChunkWeights | None = None,
     ) -> tuple[float, ...]:
         """Minibatches' worth of each chunk's units between their input pass ("I") and weight
         pass ("W") at the same peak as ``in_flight_by_chunk``: each holds what its "I" recorded
         for its "W" (``LayerProfile.deferred_weight_bytes``). All 0 without a split backward."""
         if not self.split_backward:
             return (0.0,) * virtual_stages
-        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages)[1]
+        return _peak_by_chunk(self, _replicas(stage_replicas), stage, microbatches, virtual_stages, weights)[
+            1
+        ]
 
     def activations_in_flight(
         self, stage_replicas: Sequence[int], stage: int, microbatches: int = 1, virtual_stages: int = 1
@@ -288,17 +308,23 @@ class ScheduleKind:
 
 @functools.lru_cache(maxsize=1024)
 def _peak_by_chunk(
-    kind: ScheduleKind, replicas: tuple[int, ...], stage: int, microbatches: int, virtual_stages: int
+    kind: ScheduleKind,
+    replicas: tuple[int, ...],
+    stage: int,
+    microbatches: int,
+    virtual_stages: int,
+    weights: ChunkWeights | None = None,
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``ScheduleKind.in_flight_by_chunk`` and ``deferred_by_chunk``, cached: the planner asks
     for every chunk of every position of every candidate (the same position's answer v times).
-    The peak is the most units held; among the moments that reach it, the one with the most
-    past their "I" (the larger figure, since a deferred unit holds more)."""
+    Without ``weights`` the peak is the most units held; among the moments that reach it, the
+    one with the most past their "I" (the larger figure, since a deferred unit holds more).
+    With them, the first moment of the most bytes held (``simulate._held_at_peak``'s rule)."""
     actions = kind.generate(replicas, stage, 0, 1 if kind.flushes else 4, microbatches, virtual_stages)
     held: dict[tuple[int, int, int], int] = {}
     deferred: set[tuple[int, int, int]] = set()
     best: tuple[tuple[int, ...], tuple[int, ...]] = ((0,) * virtual_stages, (0,) * virtual_stages)
-    peak = (0, 0)
+    peak: tuple[float, ...] = (0, 0) if weights is None else (0.0,)
     for action in actions:
         key = (action.minibatch, action.microbatch, action.chunk)
         if action.kind == "F":
@@ -308,8 +334,12 @@ def _peak_by_chunk(
         elif action.kind in ("B", "W"):
             held.pop(key, None)
             deferred.discard(key)
-        if (len(held), len(deferred)) > peak:
-            peak = (len(held), len(deferred))
+        if weights is None:
+            now: tuple[float, ...] = (len(held), len(deferred))
+        else:
+            now = (sum(weights[0][c] for c in held.values()) + sum(weights[1][held[k]] for k in deferred),)
+        if now > peak:
+            peak = now
             best = (
                 tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages)),
                 tuple(sum(1 for k in deferred if held[k] == chunk) for chunk in range(virtual_stages)),
