@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeplan.errors import InfeasibleError, InputError
+from pipeplan.plan import Plan
 from pipeplan.planner.costs import level_sum_ms
 from pipeplan.planner.exhaustive import exhaustive_best
 from pipeplan.planner.partition import PartitionOptions, partition
@@ -58,6 +59,26 @@ def test_collectives_priced_on_the_replica_links():
     assert shard_sync_ms("fsdp", 1e6, 2, 1e9, 0.0, mixed, 3) == pytest.approx(3 * 0.5 * (2e6 + 2e6) / 1e6)
 
 
+def _one_layer_on_a_gloo_pair() -> Plan:
+    """The 1F1B-RR plan of one layer (1 ms forward, 1 ms backward, 1 byte of parameters) on
+    two CPU devices joined by 0.5 ms of latency, within 60 s (a ``TimeoutError`` past them)."""
+    layer = LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 1, 0)
+    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
+    levels = (Level("l0", 2, 1e6, latency_ms=0.5), Level("l1", 1, 1e6))
+    topology = Topology("t", DeviceSpec("d", 10**9, "cpu"), levels)
+
+    def stop(*_):
+        raise TimeoutError("partition did not return in 60 s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(60)
+    try:
+        return partition(profile, topology, PartitionOptions(schedule="1f1b-rr"))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_an_unsharded_pair_on_gloo_sums_by_one_swap_as_every_stage_does():
     """Two replicas on gloo swap their gradients in one message (``costs.level_sum_ms``); the
     ``none`` mode of a stage the DP may shard priced a ring of two messages. With the DP's
@@ -70,20 +91,7 @@ def test_an_unsharded_pair_on_gloo_sums_by_one_swap_as_every_stage_does():
     assert level_sum_ms(1e3, 2, level, on_gloo=True) == pytest.approx(swap)
     assert shard_sync_ms("none", 1e3, 2, 1e6, 0.5, Precision(), 1) == pytest.approx(ring)
 
-    layer = LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 1, 0)
-    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
-    topology = Topology("t", DeviceSpec("d", 10**9, "cpu"), (level, Level("l1", 1, 1e6)))
-
-    def stop(*_):
-        raise TimeoutError("partition did not return in 60 s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(60)
-    try:
-        plan = partition(profile, topology, PartitionOptions(schedule="1f1b-rr"))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    plan = _one_layer_on_a_gloo_pair()
     # one stage on both devices: half the 2 ms of compute each, above the 0.5 ms swap
     assert [stage.replicas for stage in plan.stages] == [2]
     assert plan.predicted.stage_bound_ms == pytest.approx(1.0)
@@ -310,21 +318,7 @@ def test_a_pass_whose_limit_cannot_grow_ends_without_pruning(monkeypatch: pytest
         return shard_sync_ms(mode, params, units, bandwidth, latency, precision, micro)
 
     monkeypatch.setattr(sharded, "shard_sync_ms", ring)
-    level = Level("l0", 2, 1e6, latency_ms=0.5)
-    layer = LayerProfile(0, "l0", "x", (), 1.0, 1.0, 0, 1, 0)
-    profile = Profile("m", "fp", DeviceInfo("cpu", "x"), 8, "float32", (layer,))
-    topology = Topology("t", DeviceSpec("d", 10**9, "cpu"), (level, Level("l1", 1, 1e6)))
-
-    def stop(*_):
-        raise TimeoutError("partition did not return in 60 s")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(60)
-    try:
-        plan = partition(profile, topology, PartitionOptions(schedule="1f1b-rr"))
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    plan = _one_layer_on_a_gloo_pair()
     # the tables' own figure: both devices, at the ring's 1.001 ms (the bound said 1.0)
     assert [stage.replicas for stage in plan.stages] == [2]
     assert plan.predicted.stage_bound_ms == pytest.approx(1.001)
