@@ -145,8 +145,9 @@ def measure_layerwise(
                 for name, value in (*zip(stage.input_names, args), *zip(stage.output_names, outputs)):
                     if any(storage_key(t) in counter.storages for t in _tensors([value])):
                         counted.add(name)
-                output_tensors.append(len(_tensors(list(outputs))))
-                for tensor in _tensors(list(outputs)):
+                made = _tensors(list(outputs))
+                output_tensors.append(len(made))
+                for tensor in made:
                     owner.setdefault(storage_key(tensor), position)
                 parameters = {storage_key(p) for p in stage.module.parameters()}
                 for key in (counter.seen - parameters) & owner.keys():
