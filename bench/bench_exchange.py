@@ -1,6 +1,7 @@
 """Benchmark: what an exchange costs pipeplan's runtime on this machine: the message overhead to put in a topology.
 
-``bench/exchange_only.py`` (four ``Linear(4, 4)`` layers: 75 us of compute at batch 8) is
+The model of messages ``pipeplan calibrate`` trains (``configs/models/exchange.py``: four
+``Linear(4, 4)`` layers, 75 us of compute at batch 8) is
 profiled, planned as 2 stages on ``--topology`` (default ``local-cpu``: one stage per device,
 1F1B-flush) at each micro-batch count, and trained on 2 gloo ranks: with next to no compute,
 a minibatch's time is its messages and the runtime's own cost per action. For each count the
@@ -8,8 +9,9 @@ table gives the predicted and measured ms per minibatch, the excess per message 
 predicted over the 2 M messages of the minibatch), and the message overhead
 (``Level.message_overhead_ms``: what each end of a message costs its rank, beside the
 latency) at which the simulator predicts the measured time. The median of those is the
-figure to write as ``message_overhead:`` on the topology level joining the ranks; the
-``local-cpu`` preset's is this bench's on the 2-vCPU dev VM.
+figure ``pipeplan calibrate`` writes as ``message_overhead:`` on the topology level joining
+the ranks (it fits the same way: ``planner.message_overhead``); this bench also gives the
+excess per message. The ``local-cpu`` preset's is this bench's on the 2-vCPU dev VM, one day.
 
     python bench/bench_exchange.py
     python bench/bench_exchange.py --microbatches 1 2 4 8 --steps 300 --topology my-cluster.yaml
@@ -25,7 +27,6 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,9 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeplan.jsonio import write_json_atomic
+from pipeplan.modelfile import bundled_model_path
 from pipeplan.plan import Plan
-from pipeplan.planner.simulate import simulate_plan
-from pipeplan.profile import Profile
+from pipeplan.planner.message_overhead import fitted_message_overhead_ms
 from pipeplan.topology import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,31 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_predict import measure, profile  # noqa: E402
 
-MODEL = ROOT / "bench" / "exchange_only.py"
-
-
-def with_overhead(plan: Plan, overhead_ms: float) -> Plan:
-    """``plan`` on its topology with every level's message overhead set to ``overhead_ms``."""
-    levels = tuple(replace(level, message_overhead_ms=overhead_ms) for level in plan.topology.levels)
-    return replace(plan, topology=replace(plan.topology, levels=levels))
-
-
-def fitted_overhead_ms(plan: Plan, prof: Profile, measured_ms: float, tolerance_ms: float = 1e-4) -> float:
-    """The message overhead (ms) at which the simulated period of ``plan`` is ``measured_ms``
-    (bisection: the period grows with it); 0.0 when even none predicts more."""
-
-    def period(overhead_ms: float) -> float:
-        return simulate_plan(with_overhead(plan, overhead_ms), prof).time_per_minibatch_ms
-
-    low, high = 0.0, 1.0
-    if period(low) >= measured_ms:
-        return 0.0
-    while period(high) < measured_ms:
-        low, high = high, 2 * high
-    while high - low > tolerance_ms:
-        middle = (low + high) / 2
-        low, high = (middle, high) if period(middle) < measured_ms else (low, middle)
-    return (low + high) / 2
+MODEL = Path(bundled_model_path("exchange"))
 
 
 def main() -> None:
@@ -90,7 +67,7 @@ def main() -> None:
             row = measure(str(MODEL), prof, micro, args.steps, folder, args.timeout, topology)
             plan = Plan.load(folder / f"plan-m{micro}.json")
             row["excess_per_message_ms"] = (row["measured_ms"] - row["predicted_ms"]) / (2 * micro)
-            row["fitted_overhead_ms"] = fitted_overhead_ms(plan, prof, row["measured_ms"])
+            row["fitted_overhead_ms"] = fitted_message_overhead_ms(plan, prof, row["measured_ms"])
             rows.append(row)
     overhead_ms = statistics.median(row["fitted_overhead_ms"] for row in rows)
     level = topology.levels[0]

@@ -2,7 +2,8 @@
 
 For each model: ``pipeplan profile`` (CPU, one thread, ``--batch-size``), then for each
 micro-batch count (``--microbatches``, default 1 and 4) a plan of 2 stages on 2 devices
-(``local-cpu``, 1F1B-flush, one device per stage), trained on 2 gloo ranks under torchrun
+(``local-cpu`` with the message overhead ``pipeplan calibrate`` measures here first, unless
+``--no-calibrate``; 1F1B-flush, one device per stage), trained on 2 gloo ranks under torchrun
 (``bench/launch.py``) for ``--steps`` steps. The prediction is the plan's (its schedule
 simulated with the profile's layer times, read at the micro-batch size where the profile
 measured them: ``planner/microbatch_time.py``); the table also gives what the proportional
@@ -182,9 +183,18 @@ def main() -> None:
     parser.add_argument(
         "--topology", default=None, help="file or preset (default: local-cpu, or bench/one-h100.yaml on cuda)"
     )
+    parser.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the topology's message overhead here first (pipeplan calibrate; default: on CPU)",
+    )
     parser.add_argument("--out", default=None, help="JSON (default: bench/results/predict[_cuda].json)")
     args = parser.parse_args()
     topology = resolve(args.topology or ("local-cpu" if args.device == "cpu" else str(ONE_GPU)))
+    calibrated = args.device == "cpu" if args.calibrate is None else args.calibrate
+    if calibrated:
+        topology = calibrate(args.topology or "local-cpu", args.timeout)
     out = args.out or str(
         ROOT / "bench" / "results" / f"predict{'_cuda' if args.device == 'cuda' else ''}.json"
     )
@@ -260,12 +270,28 @@ def main() -> None:
             "device": args.device,
             "ranks": topology.world_size,
             "machine": where,
+            "message_overhead_ms": topology.levels[0].message_overhead_ms,
+            "calibrated": calibrated,
             "rows": rows,
             "summary": {k: v for k, v in summary.items() if k != "lines"},
             "failures": failures,
         },
     )
     console.print(f"wrote {out}")
+
+
+def calibrate(topology: str, timeout_s: float) -> Topology:
+    """``topology`` with the message overhead ``pipeplan calibrate`` measures here now: a
+    preset's figure is one machine's on one day (231 and 443 us on the dev VM)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "measured.yaml"
+        command = [sys.executable, "-m", "pipeplan", "calibrate", "--topology", topology, "-o", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=4 * timeout_s)
+        if done.returncode != 0:
+            raise SystemExit(f"pipeplan calibrate failed: {done.stderr.strip()[-500:]}")
+        measured = resolve(str(out))
+    print(f"calibrated: message overhead {measured.levels[0].message_overhead_ms * 1e3:.0f} us", flush=True)
+    return measured
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

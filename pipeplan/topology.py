@@ -113,6 +113,28 @@ class Topology:
             ),
         }
 
+    def to_yaml(self) -> str:
+        """The topology file ``parse_topology`` reads back as this topology, every figure with
+        its unit (bytes, B/s, ms) at full precision."""
+        levels = "".join(
+            f"  - {{name: {_yaml_text(level.name)}, count: {level.count}, "
+            f"bandwidth: {level.bandwidth_bytes_per_s!r} B/s, latency: {level.latency_ms!r} ms"
+            + (f", message_overhead: {level.message_overhead_ms!r} ms" if level.message_overhead_ms else "")
+            + "}\n"
+            for level in self.levels
+        )
+        device = self.device
+        text = (
+            f"name: {_yaml_text(self.name)}\n"
+            f"device: {{name: {_yaml_text(device.name)}, memory: {device.memory_bytes} B, kind: {device.kind}}}\n"
+            f"levels:\n{levels}"
+        )
+        if self.storage_bandwidth_bytes_per_s:
+            text += f"storage: {{bandwidth: {float(self.storage_bandwidth_bytes_per_s)!r} B/s}}\n"
+        if self.host_bandwidth_bytes_per_s is not None:
+            text += f"host_link: {{bandwidth: {float(self.host_bandwidth_bytes_per_s)!r} B/s}}\n"
+        return text
+
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Topology:
         """Read a topology YAML file (see the module docstring)."""
@@ -167,6 +189,11 @@ class Topology:
             if rank_a // span == rank_b // span:
                 return k
         raise ValueError(f"ranks {rank_a} and {rank_b} outside world of {self.world_size}")
+
+
+def _yaml_text(text: str) -> str:
+    """``text`` as a YAML flow scalar that reads back as the same string."""
+    return yaml.safe_dump(text, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
 def _where(source: str, node: yaml.Node) -> str:

@@ -57,9 +57,9 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
         out.append(
             f"topology {plan.topology.name!r} gives no message_overhead for its gloo level(s) "
             f"{', '.join(unmeasured)}: what each message costs the ranks' cores is left out "
-            f"(0.21-0.25 ms per message on a 2-core machine: 2-33% of the bundled and tiny Hugging "
-            f"Face models' time per minibatch); measure it with bench/bench_exchange.py and set it "
-            f"on the level"
+            f"(0.21-0.44 ms per message on a 2-core machine: 2-33% of the bundled and tiny Hugging "
+            f"Face models' time per minibatch); measure it with `pipeplan calibrate --topology "
+            f"{plan.topology.name} -o measured.yaml` and plan on that file"
         )
     micro = plan.microbatches
     if micro > 1 and not profile.timed_batch_sizes:

@@ -90,3 +90,28 @@ def test_presets():
 def test_load_missing_file(tmp_path):
     with pytest.raises(InputError, match="cannot read topology"):
         load_topology(tmp_path / "none.yaml")
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_to_yaml_reads_back_as_the_same_topology(name):
+    topology = preset(name)
+    assert parse_topology(topology.to_yaml()) == topology
+
+
+def test_to_yaml_keeps_odd_names_every_figure_and_the_optional_links():
+    from dataclasses import replace
+
+    from pipeplan.topology import Level
+
+    topology = replace(
+        preset("local-cpu"),
+        name="a: b # c",
+        levels=(Level("host: 1", 2, 4.75e9, 0.0451234567, 0.436279296875), Level("'rack'", 3, 1.25e8, 1e-05)),
+        storage_bandwidth_bytes_per_s=1.5e9,
+        host_bandwidth_bytes_per_s=2.5e10,
+    )
+    text = topology.to_yaml()
+    assert parse_topology(text) == topology
+    # every figure says its unit
+    assert "message_overhead: 0.436279296875 ms" in text and "memory: 4294967296 B" in text
+    assert "bandwidth: 4750000000.0 B/s" in text and "latency: 1e-05 ms" in text

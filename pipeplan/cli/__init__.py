@@ -27,6 +27,7 @@ COMMANDS = {
     "simulate": "pipeplan.cli.simulate:simulate",
     "report": "pipeplan.cli.report:report",
     "demo": "pipeplan.cli.demo:demo",
+    "calibrate": "pipeplan.cli.calibrate:calibrate",
     "export": "pipeplan.cli.export:export",
     "estimate": "pipeplan.cli.estimate:estimate",
     "export-weights": "pipeplan.cli.export_weights:export_weights",

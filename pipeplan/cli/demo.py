@@ -29,8 +29,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_step(title: str, argv: list[str], env: dict[str, str], timeout_s: float) -> None:
-    """Echo ``argv`` as a shell line, run it, stream its output; fail with one line."""
+def run_step(title: str, argv: list[str], env: dict[str, str], timeout_s: float, quiet: bool = False) -> None:
+    """Echo ``argv`` as a shell line, run it, stream its output (``quiet``: keep it, and give
+    its last line only in the error if it fails); fail with one line."""
     from rich.console import Console
 
     console = Console()
@@ -41,11 +42,13 @@ def run_step(title: str, argv: list[str], env: dict[str, str], timeout_s: float)
     console.print(f"[dim]$ {shown}[/dim]", highlight=False)
     started = time.perf_counter()
     try:
-        completed = subprocess.run(argv, env=env, timeout=timeout_s)
+        completed = subprocess.run(argv, env=env, timeout=timeout_s, capture_output=quiet, text=quiet)
     except subprocess.TimeoutExpired as exc:
         raise RuntimeFailure(f"{title}: did not finish within {timeout_s:.0f} s") from exc
     if completed.returncode != 0:
-        raise RuntimeFailure(f"{title} failed with exit code {completed.returncode}: {shown}")
+        said = (completed.stderr or "").strip().splitlines() if quiet else []
+        reason = f" ({said[-1]})" if said else ""
+        raise RuntimeFailure(f"{title} failed with exit code {completed.returncode}{reason}: {shown}")
     console.print(f"[dim]({title}: {time.perf_counter() - started:.1f} s)[/dim]")
 
 

@@ -214,6 +214,6 @@ def explain_pipeline(report: MetricsReport) -> str | None:
         f"receive, a step's all-reduce) costs more here than the topology's links charge; on "
         f"CPU ranks sharing a few cores a message also costs both ranks' cores time, which the "
         f"plan counts only as its topology's message_overhead: measure it here with "
-        f"bench/bench_exchange.py and plan again. Fewer micro-batches exchange fewer messages "
+        f"`pipeplan calibrate` and plan again on the topology it writes. Fewer micro-batches exchange fewer messages "
         f"(partition --schedule auto compares them); --trace shows the gaps"
     )
