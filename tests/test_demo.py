@@ -13,6 +13,7 @@ import pytest
 from pipeplan.plan import Plan
 from pipeplan.profile import Profile
 from pipeplan.schedules import SCHEDULE_NAMES
+from pipeplan.topology import resolve
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,7 +50,12 @@ def test_demo_runs_the_whole_flow_end_to_end(tmp_path: Path) -> None:
         assert f" {name} " in done.stdout
     assert "schedule auto: candidates" in done.stdout and f"* chosen: {plan.schedule}" in done.stdout
     # every step's command is echoed, and the run ends with predicted vs measured
+    # the machine's message overhead was measured first, and the plan is for that topology
+    measured = resolve(str(out / "topology.yaml"))
+    assert plan.topology.levels[0].message_overhead_ms == measured.levels[0].message_overhead_ms > 0
+    assert "1/6 calibrate" in done.stdout and "6/6 report" in done.stdout
     for step in (
+        "pipeplan calibrate",
         "pipeplan profile",
         "pipeplan partition",
         "pipeplan simulate",

@@ -84,6 +84,13 @@ Examples:
     "--repeats", default=10, show_default=True, type=click.IntRange(min=1), help="Profiler repeats per layer."
 )
 @click.option(
+    "--calibrate/--no-calibrate",
+    default=True,
+    show_default=True,
+    help="First measure what a message costs here (pipeplan calibrate, 100 steps at 1 and 4 "
+    "micro-batches) and plan on that topology; only on a CPU topology whose level 0 joins several devices.",
+)
+@click.option(
     "--data-parallel",
     is_flag=True,
     help="Let the planner replicate stages (on 2 CPUs it picks data parallelism) instead of a pipeline.",
@@ -96,6 +103,7 @@ def demo(
     topology: str,
     out_dir: str,
     repeats: int,
+    calibrate: bool,
     data_parallel: bool,
 ) -> None:
     """Profile a model on the CPU, partition it, show the timeline, train it with torchrun.
@@ -103,13 +111,18 @@ def demo(
     The partition step searches every schedule x micro-batch count x virtual stages
     (``--schedule auto``), prints the candidates it compared and marks its choice. Writes profile.json, plan.json, timeline.svg and metrics.json into OUT_DIR and
     ends with predicted against measured time per minibatch. The profile runs one CPU
-    thread, as each torchrun worker does (OMP_NUM_THREADS=1), so the two agree.
+    thread, as each torchrun worker does (OMP_NUM_THREADS=1), so the two agree. On a CPU
+    topology it first measures the message overhead (``pipeplan calibrate``) into
+    OUT_DIR/topology.yaml: what a message costs the ranks' cores is the machine's, and moves
+    with its load.
     """
     from pipeplan.modelfile import resolve_model_path
     from pipeplan.topology import resolve
 
     model_path = resolve_model_path(model)
-    world_size = resolve(topology).world_size
+    given = resolve(topology)
+    world_size = given.world_size
+    calibrating = calibrate and given.device.kind == "cpu" and given.levels[0].count > 1
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     profile, plan = out / "profile.json", out / "plan.json"
@@ -119,9 +132,26 @@ def demo(
     # Two CPU processes on one host share a fast link: the DP would (rightly) pick plain
     # data parallelism, so the demo asks for a pipeline and the table compares the two.
     partition_flags = [] if data_parallel else ["--straight"]
+    steps_total = 5 + calibrating
+    titles = iter(
+        f"{n}/{steps_total} {name}"
+        for n, name in enumerate(
+            ["calibrate"] * calibrating + ["profile", "partition", "simulate", "run", "report"], start=1
+        )
+    )
+    if calibrating:
+        measured = out / "topology.yaml"
+        run_step(
+            next(titles),
+            [*pipeplan, "calibrate", "--topology", topology, "-o", str(measured), "--steps", "100",
+             "--microbatches", "1", "--microbatches", "4"],
+            env,
+            timeout_s=300,
+        )  # fmt: skip
+        topology = str(measured)
 
     run_step(
-        "1/5 profile",
+        next(titles),
         [
             *pipeplan,
             "profile",
@@ -141,7 +171,7 @@ def demo(
         timeout_s=300,
     )
     run_step(
-        "2/5 partition",
+        next(titles),
         [
             *pipeplan,
             "partition",
@@ -158,13 +188,13 @@ def demo(
         timeout_s=120,
     )
     run_step(
-        "3/5 simulate",
+        next(titles),
         [*pipeplan, "simulate", str(plan), "--profile", str(profile), "--timeline", str(timeline)],
         env,
         timeout_s=120,
     )
     run_step(
-        "4/5 run",
+        next(titles),
         [
             sys.executable,
             "-m",
@@ -191,4 +221,4 @@ def demo(
         env,
         timeout_s=600,
     )
-    run_step("5/5 report", [*pipeplan, "report", str(metrics)], env, timeout_s=60)
+    run_step(next(titles), [*pipeplan, "report", str(metrics)], env, timeout_s=60)
