@@ -15,8 +15,9 @@ from __future__ import annotations
 from pipeplan.plan import Plan
 from pipeplan.planner.microbatch_time import PROPORTIONAL_NOTE, microbatch_share, stage_curve
 from pipeplan.profile import Profile
+from pipeplan.topology import Level
 
-__all__ = ["RATIO_BAND", "SPREAD_LIMIT", "PER_CALL_LIMIT", "prediction_warnings"]
+__all__ = ["RATIO_BAND", "SPREAD_LIMIT", "PER_CALL_LIMIT", "prediction_warnings", "preset_overhead_note"]
 
 RATIO_BAND = (0.8, 1.25)  # sum of layers over the whole step outside this: stages mispredicted
 SPREAD_LIMIT = 0.2  # summed interquartile range over summed medians above this: a noisy profile
@@ -81,9 +82,29 @@ def prediction_warnings(profile: Profile, plan: Plan) -> list[str]:
 
 def _levels_without_message_overhead(plan: Plan) -> list[str]:
     """Names of the levels a CPU plan's messages cross that give no message overhead."""
+    return [level.name for level in _cpu_levels_crossed(plan) if level.message_overhead_ms == 0]
+
+
+def _cpu_levels_crossed(plan: Plan) -> list[Level]:
+    """The levels a CPU plan's messages cross (none on GPUs: NCCL moves the bytes)."""
     topology = plan.topology
     if topology.device.kind != "cpu":
         return []
     ranks = sorted({rank for stage in plan.stages for rank in stage.ranks})
     crossed = {topology.level_joining(ranks[0], rank) for rank in ranks[1:]}
-    return [topology.levels[k].name for k in sorted(crossed) if topology.levels[k].message_overhead_ms == 0]
+    return [topology.levels[k] for k in sorted(crossed)]
+
+
+def preset_overhead_note(preset: str, plan: Plan) -> str | None:
+    """A line for a plan made on the topology preset ``preset`` whose messages cross a CPU level
+    with a message overhead: that figure is the machine's and its load's, measured where the
+    preset was written, not here (None otherwise)."""
+    given = [level for level in _cpu_levels_crossed(plan) if level.message_overhead_ms > 0]
+    if not given:
+        return None
+    figures = ", ".join(f"{level.name} {level.message_overhead_ms * 1e3:.0f} us" for level in given)
+    return (
+        f"preset {preset!r} gives a message overhead measured on another machine or day ({figures}); "
+        f"`pipeplan calibrate --topology {preset} -o measured.yaml` measures this one's, and "
+        f"`partition --topology measured.yaml` plans on it"
+    )

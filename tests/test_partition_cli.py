@@ -53,3 +53,29 @@ def test_infeasible_memory_exits_2(tmp_path):
     assert result.exit_code == 2
     assert "error: no plan fits in 95.4 MiB per device" in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_cpu_preset_says_its_message_overhead_was_measured_elsewhere(tmp_path):
+    from pipeplan.topology import preset
+    from tests.test_simulate import make_profile
+
+    profile = tmp_path / "profile.json"
+    make_profile([0.5] * 4, output_bytes=4096).save(profile)
+    note = (
+        "note: preset 'local-cpu' gives a message overhead measured on another machine or day (host "
+        "230 us); `pipeplan calibrate --topology local-cpu -o measured.yaml` measures this one's"
+    )
+
+    def partition(topology: str) -> str:
+        result = CliRunner().invoke(
+            cli,
+            ["partition", str(profile), "--topology", topology, "--straight", "-o", str(tmp_path / "p.json")],
+        )
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    assert note in partition("local-cpu")
+    # the same figures from a file (what calibrate writes): no note
+    measured = tmp_path / "measured.yaml"
+    measured.write_text(preset("local-cpu").to_yaml())
+    assert "note: preset" not in partition(str(measured))

@@ -88,6 +88,7 @@ def calibrate(
     """
     from pipeplan.errors import InputError
     from pipeplan.jsonio import write_atomic
+    from pipeplan.planner.message_overhead import with_message_overhead
     from pipeplan.topology import resolve
 
     target = resolve(topology)
@@ -104,8 +105,7 @@ def calibrate(
             _fit(target, micro, steps, Path(folder), timeout_s) for micro in sorted(set(microbatch_counts))
         ]
     overhead_ms = statistics.median(fit.overhead_ms for fit in fits)
-    level = replace(target.levels[0], message_overhead_ms=overhead_ms)
-    measured = replace(target, levels=(level, *target.levels[1:]))
+    measured = with_message_overhead(target, overhead_ms)
     header = (
         f"# Measured by `pipeplan calibrate` on {os.uname().nodename}: level 0's message overhead is the\n"
         f"# median of {', '.join(f'{f.overhead_ms * 1e3:.0f} us (M = {f.microbatches})' for f in fits)};\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import click
@@ -465,10 +466,13 @@ def partition(
         from pipeplan.planner.simulate import backward_split_note
 
         click.echo(backward_split_note(profile))
-    from pipeplan.planner.reliability import prediction_warnings
+    from pipeplan.planner.reliability import prediction_warnings, preset_overhead_note
 
     for line in prediction_warnings(profile, plan):
         click.secho(f"warning: {line}", fg="yellow")
+    note = None if os.path.exists(topology_arg) else preset_overhead_note(topology_arg, plan)
+    if note is not None:
+        click.echo(f"note: {note}")
     if export_target:
         _print_price(plan, unrestricted)
     click.echo(f"wrote {output}")
