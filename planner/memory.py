@@ -42,7 +42,7 @@ from pipeplan.errors import InputError
 from pipeplan.optimizers import STATE_COPIES
 from pipeplan.precision import Precision
 from pipeplan.schedules import schedule_kind
-from pipeplan.schedules.kinds import ChunkWeights
+from pipeplan.schedules.peak import ChunkWeights
 
 if TYPE_CHECKING:  # typing only
     from pipeplan.planner.costs import Elementwise

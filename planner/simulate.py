@@ -13,10 +13,7 @@ import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 from typing import Any
-
-import numpy as np
 
 from pipeplan.errors import InputError
 from pipeplan.plan import Plan, StagePlan
@@ -38,6 +35,7 @@ from pipeplan.planner.ties import tie_allreduce_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, replica_lanes, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
+from pipeplan.schedules.peak import units_at_peak
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
 
@@ -706,13 +704,9 @@ def _held_at_peak(
     schedule: Schedule, position: int, actions: Sequence[Any], costs: Sequence[StageCosts]
 ) -> tuple[list[int], list[int]]:
     """Units of each chunk a worker holds when its held bytes peak, and of those, the units
-    between their "I" and "W" (a split backward).
-
-    A unit is held from its "F" to its "B" (or its "W" when the backward is split); a
-    unit of chunk c weighs max(saved bytes of c, 1), and from its "I" to its "W" also the
-    chunk's ``deferred_bytes``. The peak is the first maximum of the running sum of held
-    bytes, taken only when positive. O(actions), vectorised with numpy (the running sum adds
-    in the actions' order, as a loop would).
+    between their "I" and "W" (a split backward): ``schedules.peak.units_at_peak``, the
+    planner's rule, with a unit of chunk c weighing max(saved bytes of c, 1), and from its "I"
+    to its "W" also the chunk's ``deferred_bytes``.
 
     >>> from pipeplan.schedules import Action
     >>> costs = [StageCosts(1.0, 2.0, 0, 8, ())]
@@ -720,37 +714,15 @@ def _held_at_peak(
     ([2], [0])
     """
     chunks = len(costs) // schedule.stages
-    if not actions:
-        return [0] * chunks, [0] * chunks
-    codes = np.frombuffer("".join(map(_kind_of, actions)).encode(), dtype=np.uint8)
-    if len(codes) != len(actions):
-        raise InputError(f"worker of position {position}: action kinds must be one letter each")
-    weights = (codes == ord("W")).astype(np.int64)
-    step = (codes == ord("F")).astype(np.int64) - (codes == ord("B")) - weights
-    deferred = (codes == ord("I")).astype(np.int64) - weights
-    if chunks == 1:
-        chunk = np.zeros(len(actions), dtype=np.int64)
-    else:
-        chunk = np.fromiter(map(_chunk_of, actions), dtype=np.int64, count=len(actions))
     unit = [costs[c * schedule.stages + position] for c in range(chunks)]
-    unit_bytes = np.array([float(max(cost.saved_bytes, 1)) for cost in unit])
-    deferred_bytes = np.array([float(cost.deferred_bytes) for cost in unit])
-    held_bytes = np.cumsum(step * unit_bytes[chunk] + deferred * deferred_bytes[chunk])
-    peak = int(held_bytes.argmax())
-    if not held_bytes[peak] > 0.0:
-        return [0] * chunks, [0] * chunks
-    return _counts(chunk[: peak + 1], step[: peak + 1], chunks), _counts(
-        chunk[: peak + 1], deferred[: peak + 1], chunks
+    weights = (
+        tuple(float(max(cost.saved_bytes, 1)) for cost in unit),
+        tuple(float(cost.deferred_bytes) for cost in unit),
     )
-
-
-def _counts(chunk: np.ndarray, step: np.ndarray, chunks: int) -> list[int]:
-    counts = np.bincount(chunk, weights=step, minlength=chunks)
-    return [int(count) for count in counts.astype(np.int64)]  # whole numbers, exact in float64
-
-
-_kind_of = attrgetter("kind")
-_chunk_of = attrgetter("chunk")
+    try:
+        return units_at_peak(actions, chunks, weights)
+    except InputError as exc:
+        raise InputError(f"worker of position {position}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------- choice

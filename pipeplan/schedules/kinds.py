@@ -29,10 +29,8 @@ from pipeplan.schedules.orders import (
     worker_zb_h1,
     worker_zbv,
 )
+from pipeplan.schedules.peak import ChunkWeights, units_at_peak
 from pipeplan.schedules.v_orders import worker_dualpipev, worker_v_half, worker_v_min
-
-# what a unit of each chunk holds from its "F", and besides from its "I" to its "W" (bytes)
-ChunkWeights = tuple[tuple[float, ...], tuple[float, ...]]
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -317,34 +315,11 @@ def _peak_by_chunk(
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``ScheduleKind.in_flight_by_chunk`` and ``deferred_by_chunk``, cached: the planner asks
     for every chunk of every position of every candidate (the same position's answer v times).
-    Without ``weights`` the peak is the most units held; among the moments that reach it, the
-    one with the most past their "I" (the larger figure, since a deferred unit holds more).
-    With them, the first moment of the most bytes held (``simulate._held_at_peak``'s rule)."""
+    The peak is ``units_at_peak``'s, the simulator's rule: of the most bytes held given
+    ``weights``, else of the most units (the most past their "I" among those)."""
     actions = kind.generate(replicas, stage, 0, 1 if kind.flushes else 4, microbatches, virtual_stages)
-    held: dict[tuple[int, int, int], int] = {}
-    deferred: set[tuple[int, int, int]] = set()
-    best: tuple[tuple[int, ...], tuple[int, ...]] = ((0,) * virtual_stages, (0,) * virtual_stages)
-    peak: tuple[float, ...] = (0, 0) if weights is None else (0.0,)
-    for action in actions:
-        key = (action.minibatch, action.microbatch, action.chunk)
-        if action.kind == "F":
-            held[key] = action.chunk
-        elif action.kind == "I":
-            deferred.add(key)
-        elif action.kind in ("B", "W"):
-            held.pop(key, None)
-            deferred.discard(key)
-        if weights is None:
-            now: tuple[float, ...] = (len(held), len(deferred))
-        else:
-            now = (sum(weights[0][c] for c in held.values()) + sum(weights[1][held[k]] for k in deferred),)
-        if now > peak:
-            peak = now
-            best = (
-                tuple(sum(1 for c in held.values() if c == chunk) for chunk in range(virtual_stages)),
-                tuple(sum(1 for k in deferred if held[k] == chunk) for chunk in range(virtual_stages)),
-            )
-    return tuple(n / microbatches for n in best[0]), tuple(n / microbatches for n in best[1])
+    held, deferred = units_at_peak(actions, virtual_stages, weights)
+    return tuple(n / microbatches for n in held), tuple(n / microbatches for n in deferred)
 
 
 def _replicas(stage_replicas: Sequence[int]) -> tuple[int, ...]:
