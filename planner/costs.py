@@ -58,16 +58,24 @@ __all__ = [
 COST_MODELS = ("pipeplan", "pipedream")
 
 
-def stage_deferred_bytes(first_stage: bool, layer_deferred: Sequence[float]) -> float:
-    """What a stage's zero-bubble input pass keeps for its weight pass, one minibatch: its
-    layers' ``deferred_weight_bytes``; none for the model's first stage, whose inputs need no
-    gradient, so that its "W" is its whole backward and records nothing
-    (``pipeplan.split_backward``).
+@overload
+def stage_deferred_bytes(first_stage: bool, layers_deferred: float) -> float: ...
+@overload
+def stage_deferred_bytes(first_stage: np.ndarray, layers_deferred: np.ndarray) -> np.ndarray: ...
+def stage_deferred_bytes(first_stage: bool | np.ndarray, layers_deferred: Elementwise) -> Elementwise:
+    """What a stage's zero-bubble input pass keeps for its weight pass, one minibatch: the sum of
+    its layers' ``deferred_weight_bytes`` (``layers_deferred``); none for the model's first
+    stage, whose inputs need no gradient, so that its "W" is its whole backward and records
+    nothing (``pipeplan.split_backward``). Elementwise over numpy arrays (the DP's ranges).
 
-    >>> stage_deferred_bytes(True, [16, 32]), stage_deferred_bytes(False, [16, 32])
+    >>> stage_deferred_bytes(True, 48.0), stage_deferred_bytes(False, 48.0)
     (0.0, 48.0)
+    >>> stage_deferred_bytes(np.array([True, False]), np.array([48.0, 48.0]))
+    array([ 0., 48.])
     """
-    return 0.0 if first_stage else float(sum(layer_deferred))
+    if isinstance(first_stage, np.ndarray):
+        return np.where(first_stage, 0.0, layers_deferred)
+    return 0.0 if first_stage else float(layers_deferred)
 
 
 @dataclass(frozen=True)
@@ -247,13 +255,15 @@ class LayerArrays:
         minibatch (``stage_deferred_bytes``: none for the stage from state 0)."""
         if self.deferred_bytes is None:
             return 0.0
-        return stage_deferred_bytes(i == 0, [self.deferred_bytes[j] - self.deferred_bytes[i]])
+        return stage_deferred_bytes(i == 0, float(self.deferred_bytes[j] - self.deferred_bytes[i]))
 
     def deferred_range(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """``deferred`` of every stage [starts, ends) (numpy indices, elementwise)."""
         if self.deferred_bytes is None:
             return np.zeros(np.broadcast_shapes(np.shape(starts), np.shape(ends)))
-        return np.where(starts == 0, 0.0, self.deferred_bytes[ends] - self.deferred_bytes[starts])
+        return stage_deferred_bytes(
+            np.asarray(starts) == 0, self.deferred_bytes[ends] - self.deferred_bytes[starts]
+        )
 
     def boundary(self, i: int, j: int, packed_copy: bool) -> float:
         """What the stage from state i to j holds beyond its saved bytes, one minibatch: the

@@ -213,7 +213,7 @@ def stage_costs(plan: Plan, profile: Profile) -> list[StageCosts]:
                 curve=stage_curve(profile, stage.layers),
                 deferred_bytes=int(
                     stage_deferred_bytes(
-                        0 in stage.layers, [layer.charged_deferred_bytes for layer in layers]
+                        0 in stage.layers, float(sum(layer.charged_deferred_bytes for layer in layers))
                     )
                 ),
             )

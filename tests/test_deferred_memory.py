@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 from test_simulate import make_profile, make_topology
 
@@ -73,12 +74,15 @@ def _with_deferred(profile: Profile, deferred: list[int]) -> Profile:
 
 
 def test_the_first_stage_records_nothing_and_the_others_their_layers() -> None:
-    assert stage_deferred_bytes(True, [16, 32]) == 0.0 and stage_deferred_bytes(False, [16, 32]) == 48.0
+    assert stage_deferred_bytes(True, 48.0) == 0.0 and stage_deferred_bytes(False, 48.0) == 48.0
     profile = _with_deferred(make_profile([1.0] * 4, saved_bytes=100), [10, 20, 40, -1])
     arrays = layer_arrays(profile)
     assert arrays.deferred(0, 2) == 0.0  # starts the model
     assert arrays.deferred(1, 3) == 60.0
     assert arrays.deferred(2, 4) == 40.0  # -1: not measured, charged none
+    # the DP's ranges, elementwise, by the same rule
+    starts, ends = np.array([0, 1, 2, 0]), np.array([2, 3, 4, 4])
+    assert arrays.deferred_range(starts, ends).tolist() == [0.0, 60.0, 40.0, 0.0]
 
 
 def test_planner_and_simulator_charge_zb_h1_alike() -> None:
