@@ -38,6 +38,7 @@ from pipeplan.planner.simulate import SimulationTooLarge, allreduce_ms, duration
 from pipeplan.planner.tp_pricing import group_view
 from pipeplan.profile import Profile
 from pipeplan.schedules import schedule_kind, v_segment
+from pipeplan.schedules.peak import chunk_weights
 from pipeplan.topology import Topology
 from pipeplan.units import format_bytes
 
@@ -154,13 +155,7 @@ def interleaved_plan(
     deferred = [arrays.deferred(cuts[segment[q]], cuts[segment[q] + 1]) for q in range(chunks)]
     # what a unit of each chunk of a device holds (the simulator's weights): the device's
     # chunks are charged at its peak of bytes
-    weights = [
-        (
-            tuple(float(max(activation[k], 1)) for k in range(i, chunks, positions)),
-            tuple(float(deferred[k]) for k in range(i, chunks, positions)),
-        )
-        for i in range(positions)
-    ]
+    weights = [chunk_weights(activation[i::positions], deferred[i::positions]) for i in range(positions)]
     stages = []
     for q in range(chunks):
         i, c = q % positions, q // positions

@@ -35,7 +35,7 @@ from pipeplan.planner.ties import tie_allreduce_ms
 from pipeplan.profile import ASSUMED_INPUT_GRAD_SHARE, Profile
 from pipeplan.schedules import Schedule, build_schedule, replica_lanes, schedule_kind, warmup_forwards
 from pipeplan.schedules.engine import Durations, Timeline, collector_paused, run_schedule
-from pipeplan.schedules.peak import units_at_peak
+from pipeplan.schedules.peak import chunk_weights, units_at_peak
 from pipeplan.topology import Topology
 from pipeplan.trace import TraceEvent
 
@@ -715,10 +715,7 @@ def _held_at_peak(
     """
     chunks = len(costs) // schedule.stages
     unit = [costs[c * schedule.stages + position] for c in range(chunks)]
-    weights = (
-        tuple(float(max(cost.saved_bytes, 1)) for cost in unit),
-        tuple(float(cost.deferred_bytes) for cost in unit),
-    )
+    weights = chunk_weights([cost.saved_bytes for cost in unit], [cost.deferred_bytes for cost in unit])
     try:
         return units_at_peak(actions, chunks, weights)
     except InputError as exc:

@@ -1,7 +1,7 @@
 """A model of messages, not compute: four ``Linear(4, 4)`` layers (about 75 us at batch 8 on
 one core), so that a 2-stage pipeline's time is its messages and the runtime's cost per
 action. ``pipeplan calibrate`` trains it to measure a topology's message overhead
-(``pipeplan.calibration``); it is not one of the bundled models a user trains."""
+(``planner/message_overhead.py`` fits it); it is not one of the bundled models a user trains."""
 
 import torch
 import torch.nn.functional as F

@@ -18,10 +18,20 @@ import numpy as np
 from pipeplan.errors import InputError
 from pipeplan.schedules.actions import Action
 
-__all__ = ["ChunkWeights", "units_at_peak"]
+__all__ = ["ChunkWeights", "chunk_weights", "units_at_peak"]
 
 # what a unit of each chunk holds from its "F", and besides from its "I" to its "W" (bytes)
 ChunkWeights = tuple[tuple[float, ...], tuple[float, ...]]
+
+
+def chunk_weights(saved_bytes: Sequence[float], deferred_bytes: Sequence[float]) -> ChunkWeights:
+    """The weights of a device's chunks from what a unit of each saves and defers: a unit
+    weighs at least 1, so that a chunk that saves nothing still counts as held.
+
+    >>> chunk_weights([0, 8], [0, 2])
+    ((1.0, 8.0), (0.0, 2.0))
+    """
+    return tuple(float(max(b, 1)) for b in saved_bytes), tuple(float(b) for b in deferred_bytes)
 
 
 def units_at_peak(
