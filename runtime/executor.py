@@ -68,8 +68,8 @@ class _Saved:
 
 
 class _Message:
-    """A packed forward message shared by the values it holds: waited for once, by the first
-    value taken."""
+    """A packed message (activations, or gradients) shared by the values it holds: waited for
+    once, by the first value taken."""
 
     def __init__(self, names: list[str], pending: PendingRecv) -> None:
         self.names = names
@@ -124,7 +124,7 @@ class Executor:
     _kind: ScheduleKind | None = None
     _steps: int = 0  # "S" done
     _saved: dict[_Key, _Saved] = field(default_factory=dict)
-    _posted: dict[tuple[str, int, int], dict[str, list[PendingRecv]]] = field(default_factory=dict)
+    _posted: dict[tuple[str, int, int], dict[str, list[PendingRecv | _Message]]] = field(default_factory=dict)
     _minibatch_grads: dict[int, dict[str, torch.Tensor | None]] = field(
         default_factory=dict
     )  # summed per minibatch
@@ -215,7 +215,7 @@ class Executor:
                 continue
             values = [self.spec.value_ids[n] for n in names]
             message = _Message(
-                names, self.comm.post_activations(peer, values, unit, f"{action} from rank {peer}")
+                names, self.comm.post_packed(peer, values, unit, FORWARD, f"{action} from rank {peer}")
             )
             for other in names:
                 self._inbound[(other, unit)] = [message, self._readers[other]]
@@ -284,30 +284,39 @@ class Executor:
             )
         return self._gradient_values[producer]
 
-    def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv]]:
+    def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv | _Message]]:
+        """Post the receives of the gradients of the chunk's outputs: one per consuming rank
+        (summed there over its chunks), the values whose readers there are the same chunks
+        in one message (``P2P.send_gradients``; see ``_gradient_messages``)."""
         stage = self._chunk(action)
         saved = self._saved[(unit, action.chunk)]
-        posted = {}
+        messages: dict[tuple[int, frozenset[int]], list[str]] = {}  # (peer, its readers) -> values
         for name in self._in_message_order(stage.output_names):
             if name == MODEL_OUTPUT:
                 continue
             value = saved.outputs[name]
             if not value.is_floating_point() or not self._takes_gradient(value):
                 continue
-            spec = TensorSpec.of(value)
-            peers = dict.fromkeys(self.spec.recv_peer(c, unit) for c in stage.consumers[name])
-            posted[name] = [
-                self.comm.post(
-                    peer,
-                    self.spec.value_ids[name],
-                    unit,
-                    BACKWARD,
-                    f"gradient of {name!r} for {action} from rank {peer}",
-                    spec,
-                )
-                for peer in peers  # one gradient per consuming rank, summed over its chunks
-            ]
-        return posted
+            readers: dict[int, list[int]] = {}
+            for consumer in stage.consumers[name]:
+                readers.setdefault(self.spec.recv_peer(consumer, unit), []).append(consumer)
+            for peer, chunks in readers.items():
+                messages.setdefault((peer, frozenset(chunks)), []).append(name)
+        posted: dict[str, list[PendingRecv | _Message]] = {
+            name: [] for names in messages.values() for name in names
+        }
+        for (peer, _), names in messages.items():
+            label = f"gradient of {', '.join(map(repr, names))} for {action} from rank {peer}"
+            ids = [self.spec.value_ids[name] for name in names]
+            specs = [TensorSpec.of(saved.outputs[name]) for name in names]
+            if len(names) == 1 or peer == self.comm.rank:
+                for name, value_id, spec in zip(names, ids, specs):
+                    posted[name].append(self.comm.post(peer, value_id, unit, BACKWARD, label, spec))
+                continue
+            message = _Message(names, self.comm.post_packed(peer, ids, unit, BACKWARD, label, specs))
+            for name in names:
+                posted[name].append(message)
+        return {name: posted[name] for name in self._in_message_order(posted)}
 
     def _takes_gradient(self, output: torch.Tensor) -> bool:
         """Whether this rank takes the gradient of its ``output`` back from the consumers: it
@@ -320,7 +329,7 @@ class Executor:
         return self._recorded_wait(self.comm.wait, pending, action)
 
     def _wait_message(self, pending: PendingRecv, action: Action) -> list[torch.Tensor]:
-        return self._recorded_wait(self.comm.wait_activations, pending, action)
+        return self._recorded_wait(self.comm.wait_packed, pending, action)
 
     def _recorded_wait(self, wait: Callable[[PendingRecv], _T], pending: PendingRecv, action: Action) -> _T:
         """``wait(pending)``, traced as the action's receive."""
@@ -438,8 +447,12 @@ class Executor:
         for name, pendings in posted.items():
             total = None
             for pending in pendings:
-                g = self._wait(pending, action)
-                self.comm.release_taken(pending.peer, pending.value, unit)  # the peer took the forward's
+                if isinstance(pending, _Message):
+                    g = pending.take(name, lambda message: self._wait_message(message, action))
+                    peer = pending.pending.peer
+                else:
+                    g, peer = self._wait(pending, action), pending.peer
+                self.comm.release_taken(peer, self.spec.value_ids[name], unit)  # the peer took the forward's
                 total = g if total is None else total + g
             if total is not None:
                 grads_in[name] = total
@@ -471,14 +484,21 @@ class Executor:
                     torch.autograd.backward(tensors, grads)
                 input_grads = [x.grad for x in saved.inputs]
                 self._weights_done(action, saved)
-        inputs_by_name = dict(zip(stage.input_names, saved.inputs))
-        grad_by_name = dict(zip(stage.input_names, input_grads))
-        for name in self._in_message_order(stage.input_names):
-            value = inputs_by_name[name]
-            producer = stage.producers[name]
+        self._send_gradients(action, unit, dict(zip(stage.input_names, zip(saved.inputs, input_grads))))
+
+    def _send_gradients(
+        self, action: Action, unit: int, inputs: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> None:
+        """Send the gradients of the chunk's received ``inputs`` (name -> (value, gradient))
+        back to their producers: one message per peer, producing stage and readers here, so
+        the values a backward completes together travel together (``_post_grads`` groups the
+        same way). A value several chunks here read goes once, their sum, after the last."""
+        messages: dict[tuple[int, int, frozenset[int]], list[tuple[str, torch.Tensor]]] = {}
+        for name in self._in_message_order(inputs):
+            value, grad = inputs[name]
+            producer = self._chunk(action).producers[name]
             if producer < 0 or not value.is_floating_point() or not value.requires_grad:
                 continue  # a model input, or its producer takes no gradient back (its header said)
-            grad = grad_by_name[name]
             grad = grad if grad is not None else torch.zeros_like(value)
             if self._readers[name] > 1:  # several chunks here read it: send their sum once
                 entry = self._outbound.setdefault((name, unit), [None, self._readers[name]])
@@ -487,10 +507,21 @@ class Executor:
                 if entry[1]:
                     continue
                 grad = self._outbound.pop((name, unit))[0]
+            readers = self._reader_chunks(name)
             for peer in self.spec.send_peers(producer, unit):
-                self.comm.send(
-                    grad, peer, self.spec.value_ids[name], unit, BACKWARD, f"send {action} ->r{peer}"
-                )
+                messages.setdefault((peer, producer, readers), []).append((name, grad))
+        for (peer, _, _), sent in messages.items():
+            self.comm.send_gradients(
+                [grad for _, grad in sent],
+                peer,
+                [self.spec.value_ids[name] for name, _ in sent],
+                unit,
+                f"send {action} ->r{peer}",
+            )
+
+    def _reader_chunks(self, name: str) -> frozenset[int]:
+        """The model stages of this rank's chunks that read value ``name``."""
+        return frozenset(chunk.index for chunk in self.spec.chunks if name in chunk.input_names)
 
     def _weights(self, action: Action) -> None:
         """ "W": the weight gradients an earlier "I" of the same unit deferred."""

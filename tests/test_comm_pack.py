@@ -1,7 +1,8 @@
-"""One forward message per unit and peer, posted off the executor's thread (issue 31).
+"""One message per unit and peer each way, posted off the executor's thread (issue 31).
 
 A stage sends one rank all its activations of a unit packed in one buffer
-(``P2P.send_activations``), and on gloo a posting thread starts every send and receive,
+(``P2P.send_activations``), and their gradients come back the same way
+(``P2P.send_gradients``); on gloo a posting thread starts every send and receive,
 because gloo's ``isend``/``irecv`` block their caller on the connection's lock. The fake
 ``dist`` below matches messages by (peer, tag) as gloo does, so the tags, the headers and
 the packing are checked end to end in one process; the gloo runs of every schedule and
@@ -18,6 +19,7 @@ import torch
 
 from pipeplan.runtime import comm as comm_module
 from pipeplan.runtime.comm import (
+    BACKWARD,
     FORWARD,
     P2P,
     PeerFailure,
@@ -127,12 +129,41 @@ def test_activations_travel_as_one_message_per_unit_after_their_headers(gloo: _F
     gloo.sent = {(1, 0, tag): tensor for (_, _, tag), tensor in gloo.sent.items()}
     receiver = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
     for unit in (0, 1):
-        pending = receiver.post_activations(1, [0, 1, 2], unit, f"F{unit} from rank 1")
-        got = receiver.wait_activations(pending)
+        pending = receiver.post_packed(1, [0, 1, 2], unit, FORWARD, f"F{unit} from rank 1")
+        got = receiver.wait_packed(pending)
         assert torch.equal(got[0], hidden + unit) and torch.equal(got[1], cos) and torch.equal(got[2], mask)
     assert [receiver.expects_gradient(1, value) for value in (0, 1, 2)] == [True, False, False]
     assert gloo.sent == {}
     receiver.finish()
+
+
+def test_gradients_travel_as_one_message_without_headers(gloo: _FakeGloo) -> None:
+    """The consumer sends back the gradients of two values of a unit as one message; the
+    producer, which knows their shapes, receives them without a header."""
+    sender = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
+    hidden, bias = torch.randn(2, 4, 8), torch.randn(4, 4, dtype=torch.float64)
+    sender.send_gradients([hidden, bias], 1, [0, 2], 5, "send B5")
+    sender.finish()
+    assert list(gloo.sent) == [(0, 1, comm_module.message_tag(0, 3, 5, BACKWARD))]  # one, no header
+    assert gloo.sent[(0, 1, comm_module.message_tag(0, 3, 5, BACKWARD))].numel() == 256 + 128
+
+    gloo.sent = {(1, 0, tag): tensor for (_, _, tag), tensor in gloo.sent.items()}
+    receiver = P2P(rank=0, values=3, device="cpu", timeout_s=5.0, tagged=True, post_thread=True)
+    specs = [TensorSpec.of(hidden), TensorSpec.of(bias)]
+    got = receiver.wait_packed(receiver.post_packed(1, [0, 2], 5, BACKWARD, "B5 from rank 1", specs))
+    assert torch.equal(got[0], hidden) and torch.equal(got[1], bias) and got[1].dtype == torch.float64
+    assert gloo.sent == {}
+    receiver.finish()
+
+
+def test_one_gradient_or_gradients_to_itself_are_sent_one_by_one(gloo: _FakeGloo) -> None:
+    p2p = P2P(rank=0, values=2, device="cpu", timeout_s=5.0, tagged=True)
+    p2p.send_gradients([torch.ones(3)], 1, [1], 0, "send B0")
+    p2p.finish()
+    assert [tensor.numel() for tensor in gloo.sent.values()] == [3]
+    p2p.send_gradients([torch.ones(3), torch.zeros(2)], 0, [0, 1], 0, "send B0")
+    pending = [p2p.post(0, value, 0, BACKWARD, "B0 from itself") for value in (0, 1)]
+    assert [p2p.wait(p).tolist() for p in pending] == [[1.0, 1.0, 1.0], [0.0, 0.0]]
 
 
 def test_one_value_or_a_message_to_itself_is_sent_as_before(gloo: _FakeGloo) -> None:

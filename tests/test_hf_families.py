@@ -62,6 +62,23 @@ BATCH, MICROBATCHES, STEPS = 4, 2, 2
 ONE_MICROBATCH = {"resnet"}
 
 
+def messages_per_unit(trace: Path) -> dict[str, int]:
+    """The most messages one unit sent each way (headers aside), from a run's ``--trace``;
+    the units that sent any."""
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    counts: dict[tuple[str, str], int] = {}
+    for event in events:
+        if event.get("cat") == "send" and "header" not in event["name"]:
+            kind, unit = event["name"].split()[:2]  # "send F3.1 ->r1"
+            key = (f"{kind} {unit[0]}", unit[1:])
+            counts[key] = counts.get(key, 0) + 1
+    most: dict[str, int] = {}
+    for (direction, _), count in counts.items():
+        most[direction] = max(most.get(direction, 0), count)
+    return most
+
+
 def plan_family(family: str, folder: Path, monkeypatch: pytest.MonkeyPatch) -> Plan:
     """Profile (one measured pass) and partition into 2 stages with 1F1B-Flush."""
     monkeypatch.setenv("PIPEPLAN_HF_FAMILY", family)
@@ -120,6 +137,7 @@ def test_families_train_on_two_ranks_as_in_one_process(
                 "port": free_port(),
                 "steps": STEPS,
                 "lr": LR,
+                **({"trace": str(tmp_path / "t5.trace.json")} if family == "t5" else {}),
             }
         )
     script = str(FIXTURES / "runtime" / "run_families.py")
@@ -143,6 +161,8 @@ def test_families_train_on_two_ranks_as_in_one_process(
         recs = records(tmp_path / family)
         assert len(recs) == 2, family
         assert_params_match(recs, reference)
+        if family == "t5":  # several values cross the cut each way: one message per unit
+            assert messages_per_unit(tmp_path / "t5.trace.json") == {"send F": 1, "send B": 1}
         if family == "qwen2":  # one tensor, held by both stages, updated alike
             tied = [rec["params"]["model.embed_tokens.weight"] for rec in recs.values()]
             assert len(tied) == 2
