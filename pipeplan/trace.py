@@ -50,6 +50,9 @@ class TraceEvent:
     microbatch: int = 0
     stage: int = -1
     replica: int = -1
+    # a message's (send, recv): its size in bytes and the values it carries; -1: not a message
+    message_bytes: int = -1
+    message_values: int = -1
 
     @property
     def end_ms(self) -> float:
@@ -60,6 +63,15 @@ class TraceEvent:
         return COMM_TID if self.category in ("send", "recv", "allreduce") else COMPUTE_TID
 
     def to_chrome(self) -> dict[str, Any]:
+        args: dict[str, int] = {
+            "minibatch": self.minibatch,
+            "microbatch": self.microbatch,
+            "stage": self.stage,
+            "replica": self.replica,
+        }
+        if self.message_bytes >= 0:
+            args["bytes"] = self.message_bytes
+            args["values"] = self.message_values
         return {
             "name": self.name,
             "cat": self.category,
@@ -68,12 +80,7 @@ class TraceEvent:
             "dur": round(self.duration_ms * 1000.0, 3),
             "pid": self.rank,
             "tid": self.tid,
-            "args": {
-                "minibatch": self.minibatch,
-                "microbatch": self.microbatch,
-                "stage": self.stage,
-                "replica": self.replica,
-            },
+            "args": args,
         }
 
     @classmethod
@@ -89,6 +96,8 @@ class TraceEvent:
             microbatch=int(args.get("microbatch", 0)),
             stage=int(args.get("stage", -1)),
             replica=int(args.get("replica", -1)),
+            message_bytes=int(args.get("bytes", -1)),
+            message_values=int(args.get("values", -1)),
         )
 
 

@@ -292,13 +292,19 @@ class _PendingSend:
     unit: int = 0  # the work unit of the message (a header: of the message it precedes)
     activations: tuple[int, ...] = ()  # the values a forward message (or its header) carries
     gradients: tuple[int, ...] = ()  # the values a backward message carries the gradient of
+    header: bool = False  # a channel's header: it carries none of its value's data
+
+    @property
+    def message(self) -> tuple[int, int]:
+        """(bytes, values) of the message, as it went: a packed one with its alignment."""
+        return self.tensor.nbytes, 0 if self.header else len(self.activations) + len(self.gradients)
 
 
 class P2P:
     """Tagged non-blocking sends/receives of one rank; see the module docstring.
 
-    ``on_send_done(label, peer, start_ms, end_ms)`` is called when a send is seen complete
-    (for traces). Times are ``time.perf_counter()`` in milliseconds. ``post_thread`` (gloo
+    ``on_send_done(label, peer, start_ms, end_ms, message)`` is called when a send is seen
+    complete (for traces; ``message`` is (bytes, values it carries)). Times are ``time.perf_counter()`` in milliseconds. ``post_thread`` (gloo
     only) posts from the posting thread.
     """
 
@@ -309,7 +315,7 @@ class P2P:
         device: str,
         timeout_s: float,
         tagged: bool,
-        on_send_done: Callable[[str, int, float, float], None] | None = None,
+        on_send_done: Callable[[str, int, float, float, tuple[int, int]], None] | None = None,
         post_thread: bool = False,
     ) -> None:
         self.rank = rank
@@ -351,13 +357,7 @@ class P2P:
         start = time.perf_counter() * 1000.0
         if direction == FORWARD:
             self._send_header(tensor, peer, value, unit, label, requires_grad, start)
-        tag = message_tag(value, self.values, unit, direction)
-        work = self._isend(tensor, peer, tag, label)
-        if direction == FORWARD:
-            self._sends.append(_PendingSend(work, tensor, peer, label, start, unit, activations=(value,)))
-        else:
-            self._sends.append(_PendingSend(work, tensor, peer, label, start, unit, gradients=(value,)))
-        self.reap()
+        self._send_message(tensor, peer, [value], unit, direction, label, start)
 
     def send_activations(
         self,
@@ -378,7 +378,7 @@ class P2P:
         tensors = [tensor.detach().contiguous() for tensor in tensors]
         for tensor, value, grad in zip(tensors, values, requires_grad):
             self._send_header(tensor, peer, value, unit, label, grad, start)
-        self._send_packed(tensors, peer, values, unit, FORWARD, label, start)
+        self._send_message(pack_tensors(tensors), peer, values, unit, FORWARD, label, start)
 
     def send_gradients(
         self, tensors: Sequence[torch.Tensor], peer: int, values: Sequence[int], unit: int, label: str
@@ -392,11 +392,11 @@ class P2P:
             return
         start = time.perf_counter() * 1000.0
         tensors = [tensor.detach().contiguous() for tensor in tensors]
-        self._send_packed(tensors, peer, values, unit, BACKWARD, label, start)
+        self._send_message(pack_tensors(tensors), peer, values, unit, BACKWARD, label, start)
 
-    def _send_packed(
+    def _send_message(
         self,
-        tensors: Sequence[torch.Tensor],
+        tensor: torch.Tensor,
         peer: int,
         values: Sequence[int],
         unit: int,
@@ -404,12 +404,15 @@ class P2P:
         label: str,
         start: float,
     ) -> None:
-        """``tensors`` as one message, tagged as its first value's."""
-        packed = pack_tensors(tensors)
-        tag = message_tag(values[0], self.values, unit, direction)
-        carried = {"activations" if direction == FORWARD else "gradients": tuple(values)}
-        work = self._isend(packed, peer, tag, label)
-        self._sends.append(_PendingSend(work, packed, peer, label, start, unit, **carried))
+        """Start sending ``tensor``, the message of ``values`` (activations or their gradients),
+        tagged as the first one's; it stays pending until waited on."""
+        work = self._isend(tensor, peer, message_tag(values[0], self.values, unit, direction), label)
+        carried = tuple(values)
+        if direction == FORWARD:
+            send = _PendingSend(work, tensor, peer, label, start, unit, activations=carried)
+        else:
+            send = _PendingSend(work, tensor, peer, label, start, unit, gradients=carried)
+        self._sends.append(send)
         self.reap()
 
     def _send_header(
@@ -421,7 +424,7 @@ class P2P:
         header = TensorSpec.of(tensor, grad).encode(self.device)
         work = self._isend(header, peer, message_tag(value, self.values, 0, FORWARD, True), label)
         self._sends.append(
-            _PendingSend(work, header, peer, f"{label} (header)", start, unit, activations=(value,))
+            _PendingSend(work, header, peer, f"{label} (header)", start, unit, (value,), header=True)
         )
         self._sent_header.add((peer, value))
 
@@ -461,7 +464,7 @@ class P2P:
             if send.work.is_completed():
                 self._wait(send.work, f"sending {send.label}", send.peer)  # raises its error
                 if self._on_send_done is not None:
-                    self._on_send_done(send.label, send.peer, send.start_ms, now)
+                    self._on_send_done(send.label, send.peer, send.start_ms, now, send.message)
             else:
                 still.append(send)
         self._sends[:REAP_SCAN] = still
@@ -503,7 +506,8 @@ class P2P:
         for send in done:
             self._wait(send.work, f"sending {send.label}", send.peer)
             if self._on_send_done is not None:
-                self._on_send_done(send.label, send.peer, send.start_ms, time.perf_counter() * 1000.0)
+                end = time.perf_counter() * 1000.0
+                self._on_send_done(send.label, send.peer, send.start_ms, end, send.message)
         return len(done)
 
     def expects_gradient(self, peer: int, value: int) -> bool:

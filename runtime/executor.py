@@ -335,6 +335,10 @@ class Executor:
         """``wait(pending)``, traced as the action's receive."""
         start = now_ms()
         received = wait(pending)
+        if pending.buffer is not None:  # as it came: a packed one with its alignment
+            size = pending.buffer.nbytes
+        else:  # from this rank itself
+            size = received.nbytes if isinstance(received, torch.Tensor) else -1
         self.recorder.add(
             "recv",
             f"recv {action} <-r{pending.peer}",
@@ -342,6 +346,7 @@ class Executor:
             now_ms(),
             action.minibatch + self.minibatch_offset,
             action.microbatch,
+            message=(size, len(pending.packed) or 1),
         )
         return received
 

@@ -75,8 +75,10 @@ class Recorder:
         end_ms: float,
         minibatch: int = -1,
         microbatch: int = 0,
+        message: tuple[int, int] = (-1, -1),
     ) -> None:
-        """Record a span given in absolute ``now_ms`` times."""
+        """Record a span given in absolute ``now_ms`` times; a send's or a receive's
+        ``message`` is (bytes, values it carries)."""
         duration = max(0.0, end_ms - start_ms)
         if category in _COMPUTE:
             self.live_compute_ms += duration
@@ -94,6 +96,7 @@ class Recorder:
                     microbatch,
                     self.stage,
                     self.replica,
+                    *message,
                 )
             )
 

@@ -552,7 +552,7 @@ def _train_steps(config: RunConfig, prepared: Prepared, built: BuiltStage, watch
         env.device,
         config.timeout_s,
         tagged=_tagged(env.backend),
-        on_send_done=lambda label, peer, s, e: recorder.add("send", label, s, e),
+        on_send_done=lambda label, peer, s, e, message: recorder.add("send", label, s, e, message=message),
         post_thread=config.microbatches > 1 or not schedule_kind(config.schedule).flushes,
     )
     data = BatchSource(

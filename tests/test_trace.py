@@ -20,7 +20,7 @@ from pipeplan.trace import (
 
 EVENTS = [
     TraceEvent("F0", "forward", 0.0, 1.5, rank=0, minibatch=0, stage=0, replica=0),
-    TraceEvent("send F0 ->r1", "send", 1.5, 0.25, rank=0, minibatch=0, stage=0, replica=0),
+    TraceEvent("send F0 ->r1", "send", 1.5, 0.25, 0, 0, 0, 0, 0, message_bytes=4096, message_values=3),
     TraceEvent("F0", "forward", 1.75, 2.0, rank=1, minibatch=0, stage=1, replica=0),
     TraceEvent("B0.1", "backward", 4.0, 3.0, rank=1, minibatch=0, microbatch=1, stage=1, replica=0),
     TraceEvent("allreduce S0", "allreduce", 7.0, 0.5, rank=1, minibatch=0, stage=1, replica=0),
@@ -44,7 +44,9 @@ def test_chrome_trace_fields_and_units(tmp_path) -> None:
         COMPUTE_TID,
     )
     assert backward["args"] == {"minibatch": 0, "microbatch": 1, "stage": 1, "replica": 0}
-    assert next(e for e in complete if e["cat"] == "send")["tid"] == COMM_TID
+    send = next(e for e in complete if e["cat"] == "send")
+    assert send["tid"] == COMM_TID
+    assert (send["args"]["bytes"], send["args"]["values"]) == (4096, 3)  # a message's size
     names = {e["pid"]: e["args"]["name"] for e in obj["traceEvents"] if e["name"] == "process_name"}
     assert names == {0: "first", 1: "rank 1 (stage 1, replica 0)"}
     assert obj["otherData"] == {"source": "test"} and obj["displayTimeUnit"] == "ms"
