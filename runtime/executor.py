@@ -287,7 +287,7 @@ class Executor:
     def _post_grads(self, action: Action, unit: int) -> dict[str, list[PendingRecv | _Message]]:
         """Post the receives of the gradients of the chunk's outputs: one per consuming rank
         (summed there over its chunks), the values whose readers there are the same chunks
-        in one message (``P2P.send_gradients``; see ``_gradient_messages``)."""
+        in one message (``P2P.send_gradients``; ``_send_gradients`` groups them the same way)."""
         stage = self._chunk(action)
         saved = self._saved[(unit, action.chunk)]
         messages: dict[tuple[int, frozenset[int]], list[str]] = {}  # (peer, its readers) -> values
