@@ -304,8 +304,9 @@ class P2P:
     """Tagged non-blocking sends/receives of one rank; see the module docstring.
 
     ``on_send_done(label, peer, start_ms, end_ms, message)`` is called when a send is seen
-    complete (for traces; ``message`` is (bytes, values it carries)). Times are ``time.perf_counter()`` in milliseconds. ``post_thread`` (gloo
-    only) posts from the posting thread.
+    complete (for traces; ``message`` is (bytes, values it carries)). Times are
+    ``time.perf_counter()`` in milliseconds. ``post_thread`` (gloo only) posts from the
+    posting thread.
     """
 
     def __init__(
@@ -370,15 +371,7 @@ class P2P:
     ) -> None:
         """Start sending one unit's activations ``tensors`` (of ``values``, in message order)
         to ``peer``: one message, packed when there are several (see the module docstring)."""
-        if len(tensors) == 1 or peer == self.rank:
-            for tensor, value, grad in zip(tensors, values, requires_grad):
-                self.send(tensor, peer, value, unit, FORWARD, label, grad)
-            return
-        start = time.perf_counter() * 1000.0
-        tensors = [tensor.detach().contiguous() for tensor in tensors]
-        for tensor, value, grad in zip(tensors, values, requires_grad):
-            self._send_header(tensor, peer, value, unit, label, grad, start)
-        self._send_message(pack_tensors(tensors), peer, values, unit, FORWARD, label, start)
+        self._send_values(tensors, peer, values, unit, FORWARD, label, requires_grad)
 
     def send_gradients(
         self, tensors: Sequence[torch.Tensor], peer: int, values: Sequence[int], unit: int, label: str
@@ -386,13 +379,30 @@ class P2P:
         """Start sending the gradients ``tensors`` of ``values`` (in message order) for ``unit``
         to ``peer``: one message, packed when there are several. No header: the receiver
         produced the values, so it knows their shapes (``post_packed`` with ``specs``)."""
+        self._send_values(tensors, peer, values, unit, BACKWARD, label, [True] * len(tensors))
+
+    def _send_values(
+        self,
+        tensors: Sequence[torch.Tensor],
+        peer: int,
+        values: Sequence[int],
+        unit: int,
+        direction: int,
+        label: str,
+        requires_grad: Sequence[bool],
+    ) -> None:
+        """One unit's ``tensors`` to ``peer`` as one message (``send``'s way for one value or
+        this rank itself); activations after their channels' headers."""
         if len(tensors) == 1 or peer == self.rank:
-            for tensor, value in zip(tensors, values):
-                self.send(tensor, peer, value, unit, BACKWARD, label)
+            for tensor, value, grad in zip(tensors, values, requires_grad):
+                self.send(tensor, peer, value, unit, direction, label, grad)
             return
         start = time.perf_counter() * 1000.0
         tensors = [tensor.detach().contiguous() for tensor in tensors]
-        self._send_message(pack_tensors(tensors), peer, values, unit, BACKWARD, label, start)
+        if direction == FORWARD:
+            for tensor, value, grad in zip(tensors, values, requires_grad):
+                self._send_header(tensor, peer, value, unit, label, grad, start)
+        self._send_message(pack_tensors(tensors), peer, values, unit, direction, label, start)
 
     def _send_message(
         self,

@@ -291,20 +291,19 @@ class Executor:
         stage = self._chunk(action)
         saved = self._saved[(unit, action.chunk)]
         messages: dict[tuple[int, frozenset[int]], list[str]] = {}  # (peer, its readers) -> values
+        posted: dict[str, list[PendingRecv | _Message]] = {}  # in message order
         for name in self._in_message_order(stage.output_names):
             if name == MODEL_OUTPUT:
                 continue
             value = saved.outputs[name]
             if not value.is_floating_point() or not self._takes_gradient(value):
                 continue
+            posted[name] = []
             readers: dict[int, list[int]] = {}
             for consumer in stage.consumers[name]:
                 readers.setdefault(self.spec.recv_peer(consumer, unit), []).append(consumer)
             for peer, chunks in readers.items():
                 messages.setdefault((peer, frozenset(chunks)), []).append(name)
-        posted: dict[str, list[PendingRecv | _Message]] = {
-            name: [] for names in messages.values() for name in names
-        }
         for (peer, _), names in messages.items():
             label = f"gradient of {', '.join(map(repr, names))} for {action} from rank {peer}"
             ids = [self.spec.value_ids[name] for name in names]
@@ -316,7 +315,7 @@ class Executor:
             message = _Message(names, self.comm.post_packed(peer, ids, unit, BACKWARD, label, specs))
             for name in names:
                 posted[name].append(message)
-        return {name: posted[name] for name in self._in_message_order(posted)}
+        return posted
 
     def _takes_gradient(self, output: torch.Tensor) -> bool:
         """Whether this rank takes the gradient of its ``output`` back from the consumers: it
